@@ -1,0 +1,81 @@
+"""Process-group helpers: one code path for a single process and torchrun DDP.
+
+Every function falls back to single-process behaviour when torch.distributed is not initialised,
+so objectives and the loop run unchanged in tests on one CPU process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def init_from_env() -> torch.device:
+    """Join the process group that torchrun describes in the environment, if any.
+
+    Returns:
+        The device this process trains on: `cuda:<LOCAL_RANK>` with NCCL when CUDA is present,
+        else CPU with gloo.
+    """
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not is_distributed():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def cleanup() -> None:
+    if is_distributed():
+        dist.destroy_process_group()
+
+
+def gather(x: Tensor) -> Tensor:
+    """Concatenate `x` from all ranks along dim 0, in rank order, keeping the autograd graph.
+
+    The backward pass sums, over ranks, the gradients that reach each rank's slice
+    (torch.distributed.nn.all_gather), so a loss averaged per rank and then averaged by DDP
+    gets the gradient of the loss over the global batch.
+
+    Args:
+        x: (B, ...) tensor, the same shape on every rank.
+
+    Returns:
+        (world_size * B, ...) tensor; `x` itself in a single process.
+    """
+    if not is_distributed():
+        return x
+    from torch.distributed.nn.functional import all_gather
+
+    return torch.cat(all_gather(x), dim=0)                   # (M, ...) with M = world * B
+
+
+@torch.no_grad()
+def gather_nograd(x: Tensor) -> Tensor:
+    """`gather` for tensors that need no gradient (targets, labels, indices)."""
+    if not is_distributed():
+        return x
+    parts = [torch.empty_like(x) for _ in range(world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=0)                            # (M, ...)
