@@ -1,0 +1,67 @@
+# viewmill — every target is one call to a Python module; `make help` lists them.
+# Variables pass straight through; the Python modules hold the logic.
+
+PYTHON   ?= python3
+VENV     ?= .venv
+PY       := $(VENV)/bin/python
+DATASET  ?= synthetic
+SRC      ?=
+OUT      ?= data
+METHOD   ?= rsa
+GPUS     ?= 1
+ARGS     ?=
+CKPT     ?=
+RUNS     ?= runs
+SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# The install stamp changes whenever the dependency pins change, so `make install` reinstalls then
+# and is a no-op (seconds) otherwise.
+STAMP    := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/null | cksum | cut -d' ' -f1)
+
+.DEFAULT_GOAL := help
+.PHONY: help install demo test test-fast preprocess train eval profile bench-data bench-train bench-preprocess
+
+help:  ## list targets and variables
+	@echo "viewmill make targets:"
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-17s %s\n", $$1, $$2}'
+	@echo "variables: DATASET=$(DATASET) (synthetic|cifar10|cifar100|imagefolder)  SRC=$(SRC)  OUT=$(OUT)"
+	@echo "           METHOD=$(METHOD) (sdmp|relicv2|rsa|uota|dacl|byol|mocov3|simclr)  GPUS=$(GPUS)  ARGS=\"key=value ...\"  CKPT=<checkpoint>"
+
+install: $(STAMP)  ## system packages FFCV needs, .venv, the project (editable); idempotent
+
+$(STAMP): pyproject.toml requirements.lock
+	@command -v pkg-config >/dev/null && pkg-config --exists libturbojpeg && pkg-config --exists opencv4 \
+	  || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq pkg-config libopencv-dev libturbojpeg0-dev; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c requirements.lock "setuptools>=64" wheel numpy torch torchvision
+	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test]'
+	@rm -f $(VENV)/.installed-* && touch $@
+
+demo: install  ## preprocess synthetic, pretrain rsa for a few CPU minutes, evaluate vs random init
+	$(PY) -m preprocess --dataset synthetic --out $(OUT)
+	$(PY) -m train method=rsa data=synthetic data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
+
+test: install  ## the whole test suite (what CI runs)
+	$(PY) -m pytest
+
+test-fast: install  ## the test suite without tests marked slow or ddp
+	$(PY) -m pytest -m "not slow and not ddp"
+
+preprocess: install  ## DATASET, SRC, OUT → FFCV + DALI files and manifest (ARGS: more options)
+	$(PY) -m preprocess --dataset $(DATASET) $(if $(SRC),--src $(SRC)) --out $(OUT) $(ARGS)
+
+train: install  ## pretrain METHOD on DATASET (GPUS>1: torchrun DDP), then kNN + linear probe
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(GPUS) -m train method=$(METHOD) data=$(DATASET) data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
+
+eval: install  ## kNN + linear probe of CKPT's backbone against random init
+	$(PY) -m train eval ckpt=$(CKPT) $(ARGS)
+
+profile: bench-data  ## throughput report (loaders, ceilings, baseline)
+
+bench-data: install  ## data pipelines alone: backends vs torchvision baseline and decode ceilings
+	$(PY) -m pipelines.bench $(ARGS)
+
+bench-train: install  ## training steps/s, images/s, memory, accuracy per objective
+	$(PY) -m train.bench $(ARGS)
+
+bench-preprocess: install  ## preprocessing throughput (images/s), 1 worker and all cores
+	$(PY) -m preprocess.bench $(ARGS)
