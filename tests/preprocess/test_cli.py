@@ -1,0 +1,51 @@
+"""`python -m preprocess`: one-line errors with exit code 2, and a summary on success."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelines.schema import read_manifest
+from preprocess.__main__ import main
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "preprocess", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--dataset", "imagenet"], "unknown dataset 'imagenet'; choose one of synthetic, cifar10, cifar100, imagefolder"),
+    (["--dataset", "cifar10", "--src", "no/such/folder"], "source path no/such/folder does not exist"),
+    (["--dataset", "imagefolder"], "--src is required for imagefolder"),
+    (["--workers", "0"], "--workers must be >= 1"),
+    (["--side", "diagonal"], "invalid choice"),
+])
+def test_errors_are_one_line_exit_2_no_traceback(tmp_path: Path, args: list[str], expect: str) -> None:
+    r = _run(*args, "--out", str(tmp_path / "out"))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and expect in lines[0] and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_cifar_with_missing_batch_exits_2(tmp_path: Path) -> None:
+    (tmp_path / "cifar").mkdir()
+    r = _run("--dataset", "cifar10", "--src", str(tmp_path / "cifar"), "--out", str(tmp_path / "out"))
+    assert r.returncode == 2 and "batches.meta is missing" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_synthetic_run_prints_summary_then_rerun_does_nothing(tmp_path: Path, capsys) -> None:
+    args = ["--dataset", "synthetic", "--out", str(tmp_path), "--train-size", "20", "--val-size", "10",
+            "--image-px", "24", "--seed", "3", "--workers", "1", "--shard-size", "8", "--gt-masks-as-mask"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "train 20, val 10 images" in out and "images/s" in out and "MiB" in out
+    m = read_manifest(tmp_path / "synthetic")
+    assert m["params"]["seed"] == 3 and m["has_masks"] and m["image_px"] == 24
+    assert len([f for f in m["files"] if f.startswith("train/") and f.endswith(".tar")]) == 3
+    assert main(args) == 0
+    assert "nothing to do" in capsys.readouterr().out

@@ -1,0 +1,167 @@
+"""prepare_dataset: a complete synthetic dataset, manifest facts, rerun, --force, kills and disk failures."""
+
+from __future__ import annotations
+
+import errno
+import json
+import pickle
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipelines import schema
+from pipelines.schema import DatasetError, read_manifest
+from preprocess import prepare
+from preprocess.prepare import PreprocessError, prepare_dataset
+from preprocess.synthetic import SyntheticSplit
+
+TINY = dict(train_size=48, val_size=16, image_px=32)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    """One real tiny synthetic dataset (both writers, gt masks in the mask field)."""
+    return prepare_dataset("synthetic", tmp_path_factory.mktemp("data"), workers=2, shard_size=20,
+                           gt_masks_as_mask=True, **TINY)
+
+
+def test_complete_dataset_layout_and_manifest(dataset: Path) -> None:
+    m = read_manifest(dataset, verify="full")
+    assert m["schema_version"] == schema.SCHEMA_VERSION and m["dataset"] == "synthetic"
+    assert m["counts"] == {"train": 48, "val": 16} and m["num_classes"] == 10 == len(m["class_names"])
+    assert m["image_mode"] == "raw" and m["image_px"] == 32 and m["has_masks"] is True
+    assert m["params"]["gt_masks_as_mask"] is True and m["skipped"] == []
+    on_disk = sorted(p.relative_to(dataset).as_posix() for p in dataset.rglob("*") if p.is_file())
+    assert sorted(m["files"]) == [f for f in on_disk if f not in (schema.MANIFEST_NAME, schema.VERIFIED_NAME)]
+    assert {"train.beton", "val.beton", "gt_masks/train.npy", "train/shard-000002.tar",
+            "train/shard-000002.idx", "val/shard-000000.tar"} <= set(m["files"])
+    for rel, info in m["files"].items():
+        assert schema.sha256_file(dataset / rel) == info["sha256"]
+        assert (dataset / rel).stat().st_size == info["bytes"]
+    assert not list(dataset.parent.glob(".*"))                  # no staging or old folder left
+
+
+def test_gt_masks_and_mean_std_match_the_source(dataset: Path) -> None:
+    m = read_manifest(dataset)
+    src = SyntheticSplit(48, image_px=32)
+    masks = np.load(dataset / "gt_masks" / "train.npy")
+    assert masks.shape == (48, 32, 32) and masks.dtype == np.uint8
+    images = np.stack([src[i].image for i in range(48)]).reshape(-1, 3) / 255.0   # (N*H*W, 3)
+    assert np.allclose(m["mean"], images.mean(0)) and np.allclose(m["std"], images.std(0))
+    for i in (0, 31, 47):
+        assert np.array_equal(masks[i], src.gt_mask(i))
+    with tarfile.open(dataset / "train" / "shard-000000.tar") as tar:
+        names = tar.getnames()
+    assert f"{schema.record_key(0)}.{schema.DALI_MASK_EXT}" in names                 # masks were written
+    assert len([n for n in names if n.endswith(".cls")]) == 20
+
+
+def test_rerun_on_complete_dataset_does_nothing(dataset: Path, capsys) -> None:
+    before = {p: p.stat().st_mtime_ns for p in dataset.rglob("*")}
+    assert prepare_dataset("synthetic", dataset.parent, gt_masks_as_mask=True, **TINY) == dataset
+    assert "nothing to do" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in dataset.rglob("*")} == before
+
+
+def _partial_writer(exc: BaseException):
+    """A DALI writer that writes part of a shard, then fails like a dying disk or a kill."""
+    def write(split, out_dir, *, shard_size, num_workers, progress):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "shard-000000.tar").write_bytes(b"\0" * 1000)
+        raise exc
+    return write
+
+
+def test_disk_failure_keeps_previous_dataset(tmp_path: Path, monkeypatch) -> None:
+    root = tmp_path / "data"
+    first = prepare_dataset("synthetic", root, workers=1, **TINY)
+    manifest_before = (first / schema.MANIFEST_NAME).read_bytes()
+    monkeypatch.setattr(prepare, "write_dali", _partial_writer(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(PreprocessError) as e:
+        prepare_dataset("synthetic", root, force=True, workers=1, seed=7, **TINY)
+    msg = str(e.value)
+    assert "\n" not in msg and "disk is full" in msg and "nothing was replaced" in msg
+    assert (first / schema.MANIFEST_NAME).read_bytes() == manifest_before
+    assert read_manifest(first, verify="full")["params"]["seed"] == 0    # old dataset intact
+    assert sorted(p.name for p in root.iterdir()) == ["synthetic"]      # staging cleaned up
+
+
+def test_killed_run_leaves_nothing_accepted_and_next_run_cleans_up(tmp_path: Path, monkeypatch) -> None:
+    root = tmp_path / "data"
+    monkeypatch.setattr(prepare, "write_dali", _partial_writer(KeyboardInterrupt()))
+    monkeypatch.setattr(prepare, "_remove_quietly", lambda path: None)  # a kill runs no cleanup
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset("synthetic", root, workers=1, **TINY)
+    staging = root / ".synthetic.staging"
+    assert (staging / "train.beton").exists()                           # half-written leftovers
+    for folder in (root / "synthetic", staging):
+        with pytest.raises(DatasetError):
+            read_manifest(folder)
+    monkeypatch.undo()
+    done = prepare_dataset("synthetic", root, workers=1, **TINY)
+    assert read_manifest(done)["counts"] == {"train": 48, "val": 16}
+    assert not staging.exists()
+
+
+def test_force_rewrites_and_swap_never_exposes_a_mixed_folder(tmp_path: Path, monkeypatch) -> None:
+    root = tmp_path / "data"
+    first = prepare_dataset("synthetic", root, workers=1, **TINY)
+    old_beton = (first / "train.beton").read_bytes()
+    # Die inside the swap, after the old manifest is removed: no reader may accept what is there.
+    real_replace = prepare.os.replace
+    calls: list[tuple[str, str]] = []
+
+    def dying_replace(a, b):
+        calls.append((Path(a).name, Path(b).name))
+        if Path(b).name == "synthetic":
+            raise KeyboardInterrupt
+        return real_replace(a, b)
+
+    monkeypatch.setattr(prepare.os, "replace", dying_replace)
+    monkeypatch.setattr(prepare, "_remove_quietly", lambda path: None)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset("synthetic", root, force=True, workers=1, seed=5, **TINY)
+    monkeypatch.undo()
+    assert (".synthetic.staging", "synthetic") in calls
+    for folder in (root / "synthetic", root / ".synthetic.old"):       # readers open only the first
+        with pytest.raises(DatasetError):
+            read_manifest(folder)
+    again = prepare_dataset("synthetic", root, workers=1, seed=5, **TINY)  # incomplete → rewritten
+    m = read_manifest(again, verify="full")
+    assert m["params"]["seed"] == 5 and (again / "train.beton").read_bytes() != old_beton
+    assert sorted(p.name for p in root.iterdir()) == ["synthetic"]
+    forced = prepare_dataset("synthetic", root, force=True, workers=1, seed=6, **TINY)
+    assert read_manifest(forced)["params"]["seed"] == 6
+
+
+def test_manifest_is_written_last(dataset: Path) -> None:
+    m_time = (dataset / schema.MANIFEST_NAME).stat().st_mtime_ns
+    assert all((dataset / rel).stat().st_mtime_ns <= m_time for rel in read_manifest(dataset)["files"])
+    json.loads((dataset / schema.MANIFEST_NAME).read_text())
+
+
+def test_cifar10_end_to_end(tmp_path: Path) -> None:
+    src = tmp_path / "cifar-10-batches-py"
+    src.mkdir()
+    rng = np.random.default_rng(1)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        with open(src / name, "wb") as f:
+            pickle.dump({b"data": rng.integers(0, 256, (4, 3072), dtype=np.uint8),
+                         b"labels": [int(v) for v in rng.integers(0, 10, 4)]}, f)
+    with open(src / "batches.meta", "wb") as f:
+        pickle.dump({b"label_names": [f"k{i}".encode() for i in range(10)]}, f)
+    d = prepare_dataset("cifar10", tmp_path / "out", src=tmp_path, workers=1)
+    m = read_manifest(d)
+    assert m["counts"] == {"train": 20, "val": 4} and m["class_names"][3] == "k3"
+    assert m["image_mode"] == "raw" and m["image_px"] == 32 and m["has_masks"] is False
+    assert "gt_masks/train.npy" not in m["files"] and m["source"] == "cifar10"
+
+
+def test_fresh_dataset_is_not_rehashed_on_open(dataset: Path, monkeypatch) -> None:
+    hashed: list[str] = []
+    real = schema.sha256_file
+    monkeypatch.setattr(schema, "sha256_file", lambda p, *a: hashed.append(str(p)) or real(p, *a))
+    read_manifest(dataset)
+    assert hashed == []          # preprocess stamped the checksums it computed while writing
