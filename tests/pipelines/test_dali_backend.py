@@ -1,0 +1,338 @@
+"""DALI view graph: Batch contract, sharding, seeds, staged views, saliency, crop laws, resume."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+pytest.importorskip("nvidia.dali")
+
+from pipelines import dali_backend  # noqa: E402
+from pipelines.loader import LoaderSpec, MixSpec  # noqa: E402
+from pipelines.views import Recipe, ViewGroup  # noqa: E402
+from preprocess.records import Record  # noqa: E402
+from preprocess.write_dali import write_dali  # noqa: E402
+
+MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+N = 48
+
+
+@dataclass
+class _Split:
+    """Constant-colour 32-px images whose left part (width 8..23 px) is foreground."""
+
+    mode: str = "raw"
+    jpeg_quality: int = 90
+    has_masks: bool = True
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> Record:
+        colour = np.array([200, 40 + i, 90], dtype=np.uint8)     # never gray, unique per record
+        img = np.broadcast_to(colour, (32, 32, 3)).copy()
+        mask = np.zeros((32, 32), np.uint8)
+        mask[:, : 8 + i % 16] = 255
+        return Record(img, i % 4, i, mask)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dali")
+    write_dali(_Split(), root / "train", shard_size=10)
+    return dali_backend._shards(root, "train")
+
+
+def _loader(shards, recipe, **kw):
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=recipe, batch_size=8, **kw)
+    tars, idxs, has_masks = shards
+    return dali_backend.DaliLoader(spec, tars, idxs, has_masks, MEAN, STD, debug=True)
+
+
+RELIC = Recipe("relic", (
+    ViewGroup("large", 2, 16, area=(0.14, 1.0), jitter_p=0.8, brightness=0.4, contrast=0.4, saturation=0.2,
+              hue=0.1, gray_p=0.2, blur_p=0.5, solarize_p=0.2, saliency_p=0.1),
+    ViewGroup("small", 2, 8, area=(0.05, 0.14), jitter_p=0.8, brightness=0.4)))
+RSA = Recipe("rsa", (
+    ViewGroup("weak", 2, 16, area=(0.2, 1.0)),
+    ViewGroup("aggressive", 2, 16, parent="weak", jitter_p=0.8, brightness=0.4, contrast=0.4, saturation=0.4,
+              hue=0.1, gray_p=0.2, blur_p=0.5)))
+
+
+@pytest.mark.parametrize("recipe,shapes", [
+    (RELIC, {"global_views": (2, 8, 3, 16, 16), "local_views": (2, 8, 3, 8, 8), "weak_views": None}),
+    (RSA, {"global_views": (2, 8, 3, 16, 16), "local_views": None, "weak_views": (2, 8, 3, 16, 16)}),
+])
+def test_batch_contract(shards, recipe, shapes) -> None:
+    batches = list(_loader(shards, recipe, seed=1))
+    assert len(batches) == N // 8
+    lo, hi = (0 - 0.5) / 0.25, (1 - 0.5) / 0.25
+    for b in batches:
+        for name, shape in shapes.items():
+            x = getattr(b, name)
+            if shape is None:
+                assert x is None
+            else:
+                assert x.shape == shape and x.dtype == torch.float32
+                assert lo - 1e-5 <= float(x.min()) and float(x.max()) <= hi + 1e-5
+        assert b.mixed is None and b.index.dtype == torch.int64
+        assert torch.equal(b.label, b.index % 4)
+
+
+def test_ranks_disjoint_and_covering(shards) -> None:
+    seen = []
+    for rank in range(2):
+        loader = _loader(shards, RSA, rank=rank, world_size=2, seed=3)
+        idx = torch.cat([b.index for b in loader]).tolist()
+        assert len(loader) == 3 and len(idx) == 24
+        seen.append(set(idx))
+    assert not seen[0] & seen[1] and seen[0] | seen[1] == set(range(N))
+
+
+def test_seed_reproducible(shards) -> None:
+    a = [b.global_views for b in _loader(shards, RELIC, seed=5)]
+    b = [b.global_views for b in _loader(shards, RELIC, seed=5)]
+    c = [b.global_views for b in _loader(shards, RELIC, seed=6)]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+def test_staged_view_is_weak_view_when_ops_off(shards) -> None:
+    recipe = Recipe("staged", (ViewGroup("weak", 2, 16, area=(0.2, 1.0)),
+                               ViewGroup("aggressive", 2, 16, parent="weak")))
+    for b in _loader(shards, recipe, seed=2):
+        assert torch.equal(b.global_views, b.weak_views)
+
+
+def test_saliency_never_grays_foreground(shards) -> None:
+    recipe = Recipe("sal", (ViewGroup("large", 1, 16, area=(0.14, 1.0), flip_p=0.0, saliency_p=1.0),))
+    loader = _loader(shards, recipe, seed=4, shuffle=False)
+    grayed = 0
+    for b in loader:
+        win = loader.last_debug["large/0/window"]                        # (B, 6) y0, x0, h, w, H, W
+        x = (b.global_views[0] * 0.25 + 0.5) * 255                       # (B, 3, 16, 16) back to pixels
+        for k, i in enumerate(b.index.tolist()):
+            fg_width = 8 + i % 16
+            y0, x0, h, w = win[k, :4]
+            src_x = x0 + (np.arange(16) + 0.5) * w / 16 - 0.5             # source column of each output column
+            colour = torch.tensor([200, 40 + i, 90], dtype=torch.float32).view(3, 1)
+            px = x[k].round()
+            fg = src_x < fg_width - 1.5                                  # clear of the interpolated edge
+            assert torch.equal(px[:, :, fg].reshape(3, -1), colour.expand(3, int(fg.sum()) * 16))
+            bg = src_x > fg_width + 0.5
+            if bg.any() and (fg_width * 32) / 1024 >= 0.05:
+                gray = px[:, :, bg]
+                assert torch.all(gray[0] == gray[1]) and torch.all(gray[1] == gray[2])
+                grayed += 1
+    assert grayed > 10
+
+
+def test_crop_area_and_ratio_laws(shards) -> None:
+    # area <= 0.5 and ratio within [3/4, 4/3] on a square image: every first try fits, so the
+    # window follows the law exactly: area ~ U(0.08, 0.5), log(ratio) ~ U(log 3/4, log 4/3).
+    recipe = Recipe("laws", (ViewGroup("v", 8, 8, area=(0.08, 0.5), flip_p=0.5, gray_p=0.3, solarize_p=0.2),))
+    loader = _loader(shards, recipe, seed=9)
+    areas, ratios, flips, grays, sols = [], [], [], [], []
+    for _ in range(6):
+        for _ in loader:
+            for v in range(8):
+                y0, x0, h, w, H, W = loader.last_debug[f"v/{v}/window"].T
+                areas += list(h * w / (H * W))
+                ratios += list(np.log(w / h))
+                flips += list(loader.last_debug[f"v/{v}/flip"])
+                grays += list(loader.last_debug[f"v/{v}/gray"])
+                sols += list(loader.last_debug[f"v/{v}/solarize"])
+    n = len(areas)                                                       # 6 epochs x 48 x 8 = 2304
+    # window sides are rounded to whole pixels of a 32-px image: allow that granularity in D
+    d_area = stats.kstest(areas, stats.uniform(0.08, 0.42).cdf).statistic
+    lr = math.log(4 / 3)
+    d_ratio = stats.kstest(ratios, stats.uniform(-lr, 2 * lr).cdf).statistic
+    assert d_area < 1.36 / math.sqrt(n) + 0.02 and d_ratio < 1.36 / math.sqrt(n) + 0.05
+    for got, p in ((flips, 0.5), (grays, 0.3), (sols, 0.2)):
+        assert abs(np.mean(got) - p) < 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_mid_epoch_resume(shards) -> None:
+    full = [b.global_views for b in _loader(shards, RELIC, seed=7)]
+    a = _loader(shards, RELIC, seed=7)
+    it = iter(a)
+    for _ in range(2):
+        next(it)
+    state = a.state_dict()
+    b = _loader(shards, RELIC, seed=7)
+    b.load_state_dict(state)
+    rest = [x.global_views for x in b]
+    assert len(rest) == len(full) - 2
+    assert all(torch.equal(x, y) for x, y in zip(rest, full[2:]))
+
+
+def test_bad_spec(shards) -> None:
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=RSA, batch_size=3)
+    with pytest.raises(ValueError, match="even"):
+        dali_backend.DaliLoader(spec, *shards, MEAN, STD)
+    with pytest.raises(ValueError, match="alpha"):
+        _loader(shards, MIX_RECIPE, mix=MixSpec("dacl", alpha=1.0)).__iter__().__next__()
+
+
+# ---- intra-batch mixes ------------------------------------------------------------------------
+
+MIX_RECIPE = Recipe("mix", (ViewGroup("g", 2, 16, area=(0.3, 1.0)),))
+
+
+def _pixels(x: torch.Tensor) -> torch.Tensor:
+    """Normalised views back to float pixels in [0, 255] (exact: std 0.25, mean 0.5)."""
+    return (x * 0.25 + 0.5) * 255
+
+
+def _first_batch(shards, mix):
+    loader = _loader(shards, MIX_RECIPE, seed=11, mix=mix)
+    b = next(iter(loader))
+    return b, loader.last_debug
+
+
+@pytest.fixture(scope="module")
+def mixed_batches(shards):
+    out = {}
+    for m in ("mixup", "cutmix", "resizemix"):
+        out[m] = _first_batch(shards, MixSpec("sdmp", alpha=1.0, sdmp_mixers=(m,)))
+    for m in ("linear", "geometric", "binary"):
+        out[m] = _first_batch(shards, MixSpec("dacl", alpha=0.5, dacl_noises=(m,)))
+    return out
+
+
+def _expected(kind, x, xp, lam, box, mask):
+    """Numpy statement of the mixes (DESIGN.md §4) on float pixels (B, 3, S, S)."""
+    lam4 = lam.view(-1, 1, 1, 1)
+    if kind in ("mixup", "linear"):
+        return lam4 * x + (1 - lam4) * xp
+    if kind == "geometric":
+        return (x / 255) ** lam4 * (xp / 255) ** (1 - lam4) * 255
+    if kind == "binary":
+        return mask * x + (1 - mask) * xp
+    y = x.clone()
+    for i, (y0, x0, y1, x1) in enumerate(box.astype(int)):
+        y[i, :, y0:y1, x0:x1] = xp[i, :, y0:y1, x0:x1]
+    return y
+
+
+@pytest.mark.parametrize("kind", ["mixup", "cutmix", "linear", "geometric", "binary"])
+def test_mix_formula(mixed_batches, kind: str) -> None:
+    b, dbg = mixed_batches[kind]
+    for v in range(2):
+        x = _pixels(b.global_views[v])
+        xp = x[b.mix_partner[v]]
+        box = dbg.get(f"mix/{v}/cutmix_box")
+        mask = dbg.get(f"mix/{v}/binary_mask")
+        mask = torch.from_numpy(mask).permute(0, 3, 1, 2) if mask is not None else None
+        want = _expected(kind, x, xp, b.mix_lam[v], box, mask)
+        got = _pixels(b.mixed[v])
+        assert (got - want).abs().max() <= 0.5 + 1e-3                    # uint8 rounding only
+        if kind == "cutmix":                                             # lam = pixel fraction kept
+            area = (box[:, 2] - box[:, 0]) * (box[:, 3] - box[:, 1])
+            assert np.allclose(b.mix_lam[v].numpy(), 1 - area / 256, atol=1e-6)
+    if kind in ("linear", "geometric", "binary"):                        # DACL partner != itself
+        assert not torch.any(b.mix_partner == torch.arange(8))
+        assert float(b.mix_lam.min()) >= 0.5
+    else:                                                                # SDMP flip partner, same lam
+        assert torch.equal(b.mix_partner[0], torch.arange(7, -1, -1))
+        if kind == "mixup":
+            assert torch.equal(b.mix_lam[0], b.mix_lam[1])
+
+
+def test_resizemix_pastes_partner_in_box(mixed_batches) -> None:
+    b, dbg = mixed_batches["resizemix"]
+    for v in range(2):
+        x, got = _pixels(b.global_views[v]), _pixels(b.mixed[v])
+        box = dbg[f"mix/{v}/resizemix_box"].astype(int)
+        side = box[:, 2] - box[:, 0]
+        assert np.allclose(b.mix_lam[v].numpy(), 1 - side ** 2 / 256, atol=1e-6)
+        for i, (y0, x0, y1, x1) in enumerate(box):
+            out = torch.ones(16, 16, dtype=torch.bool)
+            out[y0:y1, x0:x1] = False
+            assert (got[i][:, out] - x[i][:, out]).abs().max() <= 0.5 + 1e-3
+            if side[i] > 0:                                              # constant-colour images
+                partner = x[7 - i].mean((1, 2))
+                assert (got[i][:, y0:y1, x0:x1].mean((1, 2)) - partner).abs().max() < 1.0
+
+
+@pytest.mark.parametrize("kind", ["mixup", "cutmix", "resizemix", "linear", "geometric", "binary"])
+def test_dali_mix_equals_torch_reference(mixed_batches, kind: str) -> None:
+    from pipelines import mixing
+
+    b, dbg = mixed_batches[kind]
+    for v in range(2):
+        x = _pixels(b.global_views[v]) / 255                             # (B, 3, S, S) in [0, 1]
+        p, lam = b.mix_partner[v], b.mix_lam[v]
+        if kind == "mixup":
+            want = mixing.mixup(x, lam, p)
+        elif kind in ("cutmix", "resizemix"):
+            boxes = torch.from_numpy(dbg[f"mix/{v}/{kind}_box"].astype(np.int64))
+            want, want_lam = getattr(mixing, kind)(x, boxes, p)
+            assert torch.allclose(want_lam.float(), lam, atol=1e-6)
+        elif kind == "binary":
+            mask = torch.from_numpy(dbg[f"mix/{v}/binary_mask"]).permute(0, 3, 1, 2)
+            want = mixing.dacl_binary(x, p, mask)
+        else:
+            want = getattr(mixing, f"dacl_{kind}")(x, p, lam)
+        got = _pixels(b.mixed[v]) / 255
+        tol = 0.5 / 255 + 1e-4 if kind != "resizemix" else 3 / 255      # resize kernels may differ
+        assert (got - want).abs().max() <= tol
+
+
+# ---- through the real preprocessing and manifest ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def synthetic_root(tmp_path_factory):
+    from preprocess.prepare import prepare_dataset
+
+    root = tmp_path_factory.mktemp("data")
+    prepare_dataset("synthetic", root, train_size=32, val_size=16, image_px=32, gt_masks_as_mask=True,
+                    workers=1, shard_size=10)
+    return root
+
+
+def test_read_records_round_trip_through_manifest(synthetic_root) -> None:
+    dataset = synthetic_root / "synthetic"
+    got = {}
+    for rank in range(2):
+        for imgs, labels, idx in dali_backend.read_records(dataset, "train", rank=rank, world_size=2, batch_size=8):
+            got.update({int(i): (im, int(lab)) for im, lab, i in zip(imgs, labels, idx)})
+    assert sorted(got) == list(range(32))
+    assert all(im.shape == (32, 32, 3) and im.dtype == np.uint8 for im, _ in got.values())
+
+
+def test_saliency_composite_respects_gt_mask(synthetic_root) -> None:
+    from pipelines.loader import build_loader
+
+    gt = np.load(synthetic_root / "synthetic" / "gt_masks" / "train.npy")     # (N, 32, 32) {0, 255}
+    group = ViewGroup("large", 1, 32, area=(0.3, 1.0), flip_p=0.0, interpolation="bilinear", saliency_p=1.0)
+
+    def spec(p):
+        return LoaderSpec(root=str(synthetic_root), dataset="synthetic", split="train", shuffle=False,
+                          recipe=Recipe("s", (replace(group, saliency_p=p),)), batch_size=8, seed=3)
+
+    plain = list(build_loader("dali", spec(0.0)))
+    loader = dali_backend.build(spec(1.0), debug=True)
+    changed = 0
+    for b0, b1 in zip(plain, loader):
+        win = loader.last_debug["large/0/window"]
+        assert torch.equal(b0.index, b1.index)
+        for k, i in enumerate(b1.index.tolist()):
+            y0, x0, h, w = win[k, :4]
+            c = (np.arange(32) + 0.5) * w / 32 - 0.5 + x0                  # source coordinates
+            r = (np.arange(32) + 0.5) * h / 32 - 0.5 + y0
+            rr = np.clip(np.rint(r).astype(int), 0, 31)
+            cc = np.clip(np.rint(c).astype(int), 0, 31)
+            m = gt[i] >= 128
+            # foreground well inside the object (3x3 neighbourhood): never grayed
+            inner = m & np.roll(m, 1, 0) & np.roll(m, -1, 0) & np.roll(m, 1, 1) & np.roll(m, -1, 1)
+            fg = inner[np.ix_(rr, cc)]
+            assert torch.equal(b1.global_views[0, k][:, torch.from_numpy(fg)], b0.global_views[0, k][:, torch.from_numpy(fg)])
+            changed += int(not torch.equal(b1.global_views[0, k], b0.global_views[0, k]))
+    assert changed > 0
