@@ -35,7 +35,8 @@ COVERAGE = "coverage"       # float32, fraction of mask pixels >= 128; NO_MASK_C
 NO_MASK_COVERAGE = -1.0
 
 # FFCV .beton fields, in storage order. The image is an RGBImageField (JPEG or raw), label and
-# index IntFields, the mask a BytesField holding a grayscale PNG (empty when no mask exists) and
+# index IntFields, the mask a BytesField holding a grayscale PNG (a single zero byte when no mask
+# exists: FFCV 1.0.2 aliases empty allocations with the next field; tell "no mask" by coverage) and
 # the coverage a FloatField.
 FFCV_FIELDS = (IMAGE, LABEL, INDEX, MASK, COVERAGE)
 

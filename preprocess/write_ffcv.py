@@ -1,0 +1,145 @@
+"""FFCV writer: one split → one `.beton` file with the fields of `pipelines.schema.FFCV_FIELDS`.
+
+Fields, in storage order: image (`RGBImageField`, raw bytes for mode "raw" so that pixels are
+bit-exact, JPEG at `split.jpeg_quality` for mode "jpg"; never resized here, the size policy was
+applied when the records were made), label and index (`IntField`), mask (`BytesField` holding a
+grayscale PNG; one zero byte when the split has no masks, see `_NO_MASK`) and coverage (`FloatField`, fraction of mask
+pixels >= 128, `schema.NO_MASK_COVERAGE` without a mask).
+
+The file is written under a temporary name and renamed into place; the caller
+(`preprocess/prepare.py`) also stages the dataset folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from pipelines import schema
+from preprocess.records import PreparedSplit
+
+# "No mask" is one zero byte, not zero bytes: FFCV 1.0.2 files a zero-size allocation under the same
+# pointer as the next sample's image, whose reads then return nothing. Readers tell a missing mask by
+# coverage == NO_MASK_COVERAGE, never by the byte count.
+_NO_MASK = np.zeros(1, dtype=np.uint8)
+
+
+def encode_mask_png(mask: np.ndarray) -> np.ndarray:
+    """Encode a (H, W) uint8 mask as grayscale PNG bytes (lossless, compression level 1)."""
+    ok, buf = cv2.imencode(".png", np.ascontiguousarray(mask, dtype=np.uint8),
+                           [int(cv2.IMWRITE_PNG_COMPRESSION), 1])
+    if not ok:
+        raise ValueError("could not PNG-encode a mask; masks must be (H, W) uint8")
+    return buf.reshape(-1)
+
+
+def mask_coverage(mask: np.ndarray | None) -> float:
+    """Fraction of mask pixels >= 128, or `schema.NO_MASK_COVERAGE` without a mask."""
+    if mask is None:
+        return schema.NO_MASK_COVERAGE
+    return float(np.mean(mask >= 128))
+
+
+class _FFCVRecords:
+    """`split[i]` as the tuple of FFCV field values, in `schema.FFCV_FIELDS` order.
+
+    FFCV's writer workers hang forever when `__getitem__` raises (the parent waits for a sample count
+    that never comes), so an error is written to `error_path` and a 1-px placeholder is returned; the
+    parent reads the file after the pass and refuses the output.
+    """
+
+    def __init__(self, split: PreparedSplit, error_path: str) -> None:
+        self.split = split
+        self.error_path = error_path
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, i: int) -> tuple:
+        try:
+            return self._fields(int(i))
+        except Exception as e:  # noqa: BLE001 — reported to the parent through the error file
+            with open(self.error_path, "a", encoding="utf-8") as f:
+                f.write(f"{type(e).__name__}: {e}\n")
+            return (np.zeros((1, 1, 3), np.uint8), 0, int(i), _NO_MASK, schema.NO_MASK_COVERAGE)
+
+    def _fields(self, i: int) -> tuple:
+        rec = self.split[i]
+        if rec.index != i:
+            raise ValueError(f"record {i} carries index {rec.index}; PreparedSplit[i] must have index i")
+        img = rec.image
+        if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
+            raise ValueError(f"record {i}: image must be uint8 (H, W, 3), got {img.dtype} {img.shape}")
+        if max(img.shape[:2]) > 65535:
+            raise ValueError(f"record {i}: image side {max(img.shape[:2])} px exceeds FFCV's 65535 px; "
+                             "apply a max-side size policy")
+        mask = rec.mask if self.split.has_masks else None
+        if self.split.has_masks and mask is None:
+            raise ValueError(f"record {i} has no mask but the split declares has_masks=True; "
+                             "give every record a mask")
+        if mask is not None and mask.shape != img.shape[:2]:
+            raise ValueError(f"record {i}: mask shape {mask.shape} differs from image {img.shape[:2]}")
+        mask_bytes = _NO_MASK if mask is None else encode_mask_png(mask)
+        return (np.ascontiguousarray(img), int(rec.label), i, mask_bytes, mask_coverage(mask))
+
+
+def write_ffcv(split: PreparedSplit, path: Path, *, num_workers: int = 1, progress: bool = False) -> None:
+    """Write `split` to the FFCV file `path` (temporary name, then an atomic rename).
+
+    Args:
+        split: the records; `split.mode` "raw" stores pixels bit-exact, "jpg" stores JPEG at
+            `split.jpeg_quality`.
+        path: destination `.beton` file; its folder must exist.
+        num_workers: writer processes (>= 1).
+        progress: show a progress bar (only when stderr is a terminal).
+
+    Raises:
+        ValueError: bad mode, empty split, a bad record (the message names it), or bad num_workers.
+        FileNotFoundError: the destination folder does not exist.
+    """
+    import ffcv.writer
+    from ffcv.fields import BytesField, FloatField, IntField, RGBImageField
+    from tqdm import tqdm
+
+    path = Path(path)
+    if split.mode not in schema.IMAGE_MODES:
+        raise ValueError(f"unknown image mode {split.mode!r}; use one of {', '.join(schema.IMAGE_MODES)}")
+    if len(split) == 0:
+        raise ValueError(f"split for {path.name} is empty; an FFCV file needs at least one record")
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"output folder {path.parent} does not exist; create it first")
+
+    image = (RGBImageField(write_mode="raw") if split.mode == "raw"
+             else RGBImageField(write_mode="jpg", jpeg_quality=int(split.jpeg_quality)))
+    by_name = {schema.IMAGE: image, schema.LABEL: IntField(), schema.INDEX: IntField(),
+               schema.MASK: BytesField(), schema.COVERAGE: FloatField()}
+    fields = {name: by_name[name] for name in schema.FFCV_FIELDS}
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    err = tmp + ".err"
+    show = progress and sys.stderr.isatty()
+    try:
+        # FFCV's writer always opens a tqdm bar through its module-level name; silence it unless asked.
+        ffcv.writer.tqdm = functools.partial(tqdm, disable=not show, desc=path.name)
+        writer = ffcv.writer.DatasetWriter(tmp, fields, num_workers=min(num_workers, len(split)))
+        # chunksize: workers take 64 records at a time, so small splits still spread over workers.
+        writer.from_indexed_dataset(_FFCVRecords(split, err), chunksize=64)
+        if os.path.exists(err):
+            with open(err, encoding="utf-8") as f:
+                first = f.readline().strip()
+            raise ValueError(f"could not write {path.name}: {first}")
+        os.replace(tmp, path)
+    finally:
+        ffcv.writer.tqdm = tqdm
+        for leftover in (tmp, err):
+            if os.path.exists(leftover):
+                os.remove(leftover)
