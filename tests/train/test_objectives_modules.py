@@ -1,0 +1,271 @@
+"""Every registered objective on a tiny SSLModel and a hand-built Batch: finite loss, gradients
+reach the online network only, the target is untouched, state changes only in `after_step`."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from models.ema import make_target
+from models.multicrop import build_model
+from pipelines.batch import Batch
+from train.objectives import OBJECTIVES
+from train.objectives.base import LossOut, StepValues, ViewNeeds
+from train.objectives.relicv2 import ReLICv2
+from train.objectives.rsa import RSA, rsa_loss
+from train.objectives.terms import byol_loss, regression_loss
+from train.objectives.uota import UOTA, uota_weights
+
+GLOBAL_PX, LOCAL_PX, DIM = 16, 8, 16
+
+# Small configs so that the tests stay fast (few negatives, a short queue).
+SMALL = {"relicv2": {"num_negatives": 3}, "uota": {"queue_size": 24, "dim": DIM, "warmup_epochs": 0.0}}
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    online = build_model("resnet18", GLOBAL_PX, proj_hidden=32, proj_out=DIM, pred_hidden=32)
+    return online, make_target(online)
+
+
+def make_batch(needs: ViewNeeds, b: int = 6, seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+
+    def views(v, px):
+        return torch.randn(v, b, 3, px, px, generator=g)
+
+    mixed = lam = partner = None
+    if needs.mix != "none":
+        mixed = views(2, GLOBAL_PX)
+        lam = torch.rand(2, b, generator=g)
+        partner = torch.arange(b - 1, -1, -1).expand(2, b).clone()
+    return Batch(global_views=views(max(needs.global_views, 2), GLOBAL_PX),
+                 local_views=views(needs.local, LOCAL_PX) if needs.local else None,
+                 weak_views=views(2, GLOBAL_PX) if needs.weak else None,
+                 mixed=mixed, mix_lam=lam, mix_partner=partner, index=torch.arange(b))
+
+
+def step_values(step: int = 0, total: int = 10, epoch: float = 0.0) -> StepValues:
+    return StepValues(step=step, total_steps=total, epoch=epoch, lr=0.1, weight_decay=0.0, ema=0.99)
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_objective_forward_backward_on_tiny_model(name: str) -> None:
+    cls = OBJECTIVES[name]
+    objective = cls(cls.Config(**SMALL.get(name, {})))
+    online, target = tiny_model()
+    target_before = {k: v.clone() for k, v in target.named_parameters()}
+    batch = make_batch(objective.needs)
+    out = objective(online, target if objective.needs.target else None, batch, step_values())
+    assert isinstance(out, LossOut)
+    assert out.loss.ndim == 0 and math.isfinite(out.loss.item())
+    assert all(not v.requires_grad and v.ndim == 0 for v in out.logs.values())
+    out.loss.backward()
+    grads = {k: p.grad for k, p in online.named_parameters()}
+    backbone = [g for k, g in grads.items() if k.startswith("backbone.") and g is not None]
+    assert backbone and all(torch.isfinite(g).all() for g in backbone)
+    assert sum(g.abs().sum() for g in backbone) > 0
+    assert any(g is not None and g.abs().sum() > 0 for k, g in grads.items()
+               if k.startswith("projector."))
+    for k, p in target.named_parameters():
+        assert p.grad is None
+        assert torch.equal(p, target_before[k])
+
+
+def test_byol_family_objectives_use_the_predictor():
+    for name in ("byol", "rsa", "mocov3", "sdmp", "relicv2", "uota"):
+        cls = OBJECTIVES[name]
+        objective = cls(cls.Config(**SMALL.get(name, {})))
+        online, target = tiny_model()
+        out = objective(online, target, make_batch(objective.needs), step_values())
+        out.loss.backward()
+        assert any(p.grad is not None and p.grad.abs().sum() > 0
+                   for p in online.predictor.parameters()), name
+
+
+def test_rsa_module_is_eq5_with_the_scheduled_beta_and_byol_at_the_last_step():
+    online, target = tiny_model()
+    batch = make_batch(RSA.needs)
+    rsa = RSA(RSA.Config(beta_base=0.4))
+    (agg,) = online([batch.global_views])
+    with torch.no_grad():
+        (weak,) = target([batch.weak_views])
+    at_start = rsa(online, target, batch, step_values(step=0, total=10)).loss
+    torch.testing.assert_close(at_start, rsa_loss(agg.p[0], agg.p[1], weak.z[0], weak.z[1], 0.4))
+    at_end = rsa(online, target, batch, step_values(step=10, total=10)).loss
+    torch.testing.assert_close(at_end, byol_loss(agg.p[0], agg.p[1], weak.z[0], weak.z[1]))
+
+
+def test_relicv2_negatives_are_reproducible_per_step():
+    online, target = tiny_model()
+    objective = ReLICv2(ReLICv2.Config(num_negatives=3))
+    batch = make_batch(objective.needs)
+    a = objective(online, target, batch, step_values(step=5)).loss
+    b = objective(online, target, batch, step_values(step=5)).loss
+    c = objective(online, target, batch, step_values(step=6)).loss
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(a, c)
+
+
+def test_uota_byol_base_before_and_after_warmup():
+    online, target = tiny_model()
+    objective = UOTA(UOTA.Config(base="byol", tau=5.0, warmup_epochs=2.0, dim=DIM))
+    batch = make_batch(ViewNeeds(global_views=2, local=2))
+    before = objective(online, target, batch, step_values(epoch=1.5))
+    torch.testing.assert_close(before.loss, before.logs["loss/base"])
+    after = objective(online, target, batch, step_values(epoch=2.0))
+    # Recompute Eq. (M.12) by hand: per-view BYOL losses against the other global views.
+    embs = online([batch.global_views, batch.local_views])
+    p = torch.cat([e.p for e in embs])                                   # (4, B, D)
+    with torch.no_grad():
+        (tgt,) = target([batch.global_views])
+    per_view = torch.stack([
+        regression_loss(p[0], tgt.z[1]),
+        regression_loss(p[1], tgt.z[0]),
+        (regression_loss(p[2], tgt.z[0]) + regression_loss(p[2], tgt.z[1])) / 2,
+        (regression_loss(p[3], tgt.z[0]) + regression_loss(p[3], tgt.z[1])) / 2,
+    ])
+    expected = (uota_weights(p, 5.0) * per_view).mean()
+    torch.testing.assert_close(after.loss, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(before.logs["loss/base"], per_view.mean(), rtol=1e-5, atol=1e-6)
+
+
+def test_uota_moco_queue_changes_only_in_after_step():
+    online, target = tiny_model()
+    objective = UOTA(UOTA.Config(base="mocov2star", queue_size=10, dim=DIM, warmup_epochs=0.0))
+    assert set(objective.state_dict()) == {"queue", "queue_ptr"}
+    batch = make_batch(ViewNeeds(global_views=2, local=2), b=6)
+    queue0 = objective.queue.clone()
+    out = objective(online, target, batch, step_values(epoch=1.0))
+    assert torch.equal(objective.queue, queue0)                          # forward: no side effect
+    keys = out.state["keys"]
+    assert keys.shape == (6, DIM) and not keys.requires_grad
+    objective.after_step(out)
+    torch.testing.assert_close(objective.queue[:6], keys)
+    assert torch.equal(objective.queue[6:], queue0[6:])
+    assert int(objective.queue_ptr) == 6
+    objective.after_step(out)                                            # wraps around
+    torch.testing.assert_close(objective.queue[6:10], keys[:4])
+    torch.testing.assert_close(objective.queue[:2], keys[4:])
+    assert int(objective.queue_ptr) == 2
+
+
+def test_uota_queue_width_mismatch_is_a_clear_error():
+    online, target = tiny_model()
+    objective = UOTA(UOTA.Config(base="mocov2star", queue_size=8, dim=DIM + 1))
+    with pytest.raises(ValueError, match="objective.dim"):
+        objective(online, target, make_batch(ViewNeeds(global_views=2)), step_values())
+
+
+def test_missing_views_are_clear_errors():
+    online, target = tiny_model()
+    plain = make_batch(ViewNeeds(global_views=2))
+    with pytest.raises(ValueError, match="weak_views"):
+        RSA(RSA.Config())(online, target, plain, step_values())
+    for name in ("sdmp", "dacl"):
+        cls = OBJECTIVES[name]
+        with pytest.raises(ValueError, match="mix"):
+            cls(cls.Config())(online, target, plain, step_values())
+
+
+def test_bad_config_values_are_rejected():
+    with pytest.raises(ValueError, match="tau"):
+        OBJECTIVES["sdmp"].Config(tau=0.0)
+    with pytest.raises(ValueError, match="base"):
+        OBJECTIVES["uota"].Config(base="swav")
+    with pytest.raises(ValueError, match="beta_base"):
+        OBJECTIVES["rsa"].Config(beta_base=1.5)
+
+
+class _LinearSSL(torch.nn.Module):
+    """A batch-norm-free embedding network with SSLModel's interface, so that a rank's outputs do
+    not depend on the other samples of its batch and DDP can be compared with one process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(2), torch.nn.Flatten(),
+                                            torch.nn.Linear(12, 10))
+        self.projector = torch.nn.Linear(10, DIM)
+        self.predictor = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, groups):
+        out = []
+        for g in groups:
+            v, b = g.shape[:2]
+            h = self.backbone(g.reshape(v * b, *g.shape[2:]))                   # (V*B, F)
+            z = self.projector(h)
+            p = self.predictor(z)
+            out.append(SimpleNamespace(h=h.reshape(v, b, -1), z=z.reshape(v, b, -1),
+                                       p=p.reshape(v, b, -1)))              # (V, B, ...)
+        return out
+
+
+DDP_CASES = [(n, {}) for n in sorted(OBJECTIVES) if n != "sdmp"] + [
+    ("dacl", {"with_simclr": True}), ("uota", {"base": "mocov2star", "tau": 3.0})]
+
+
+def _ddp_batch(b: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    return dict(global_views=r(4, b, 3, 4, 4), local_views=r(2, b, 3, 2, 2),
+                weak_views=r(2, b, 3, 4, 4), mixed=r(2, b, 3, 4, 4),
+                mix_lam=torch.rand(2, b, generator=g, dtype=torch.float64),
+                mix_partner=torch.zeros(2, b, dtype=torch.int64), index=torch.arange(b))
+
+
+def _run_case(name: str, variant: dict, parts: dict):
+    cls = OBJECTIVES[name]
+    objective = cls(cls.Config(**{**SMALL.get(name, {}), **variant})).double()
+    online = _LinearSSL().double()
+    target = copy.deepcopy(online).requires_grad_(False)
+    out = objective(online, target, Batch(**parts), step_values(step=3, epoch=1.0))
+    out.loss.backward()
+    objective.after_step(out)
+    grads = [p.grad for p in online.parameters() if p.grad is not None]
+    return out.loss.detach(), grads, objective.state_dict()
+
+
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        full = _ddp_batch(8)
+        b = 8 // world
+        for name, variant in DDP_CASES:
+            parts = {k: (v[rank * b:(rank + 1) * b] if k == "index" else v[:, rank * b:(rank + 1) * b])
+                     for k, v in full.items()}
+            loss, grads, state = _run_case(name, variant, parts)
+            torch.distributed.all_reduce(loss)                   # what DDP does to gradients
+            for g in grads:
+                torch.distributed.all_reduce(g)
+            if rank == 0:
+                torch.save((loss / world, [g / world for g in grads], state),
+                           f"{out_dir}/{name}-{len(variant)}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.ddp
+def test_two_rank_gloo_equals_one_process_on_the_concatenated_batch(tmp_path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torch.multiprocessing.spawn(_ddp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    for name, variant in DDP_CASES:
+        loss, grads, state = _run_case(name, variant, _ddp_batch(8))
+        loss2, grads2, state2 = torch.load(tmp_path / f"{name}-{len(variant)}.pt")
+        torch.testing.assert_close(loss2, loss, rtol=1e-10, atol=1e-12, msg=name)
+        for g1, g2 in zip(grads, grads2, strict=True):
+            torch.testing.assert_close(g2, g1, rtol=1e-9, atol=1e-12, msg=name)
+        for k in state:
+            torch.testing.assert_close(state2[k], state[k], msg=name)

@@ -1,0 +1,122 @@
+"""SDMP loss (Eqs. 3-4, Algorithm 1) against a literal float64 transcription."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from train.objectives.sdmp import sdmp_clam, sdmp_loss
+from train.objectives.terms import moco_ctr
+
+
+def rn(*shape):
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def _grads(fn, tensors):
+    xs = [t.clone().requires_grad_(True) for t in tensors]
+    out = fn(*xs)
+    grads = torch.autograd.grad(out, xs, allow_unused=True)
+    return out.detach(), [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads)]
+
+
+def _cos(a, b):
+    return sum(a[d] * b[d] for d in range(a.shape[0])) / (a.norm() * b.norm())
+
+
+def literal_sdmp(q_mix, k_src, k_mix, lam, tau):
+    """Eq. (3) + Eq. (4), one sample at a time; partner of i is n-1-i; keys are the target's."""
+    n, m = q_mix.shape[0], k_src.shape[0]
+    k_src, k_mix = k_src.detach(), k_mix.detach()
+    total = 0.0
+    for i in range(n):
+        j = n - 1 - i
+        den_s = sum(torch.exp(_cos(q_mix[i], k_src[c]) / tau) for c in range(m))
+        l_s = (-lam[i] * torch.log(torch.exp(_cos(q_mix[i], k_src[i]) / tau) / den_s)
+               - (1 - lam[i]) * torch.log(torch.exp(_cos(q_mix[i], k_src[j]) / tau) / den_s))
+        clam = min(lam[i], 1 - lam[j]) + min(1 - lam[i], lam[j])
+        den_m = sum(torch.exp(_cos(q_mix[i], k_mix[c]) / tau) for c in range(m))
+        l_m = (-1 / (1 + clam) * torch.log(torch.exp(_cos(q_mix[i], k_mix[i]) / tau) / den_m)
+               - clam / (1 + clam) * torch.log(torch.exp(_cos(q_mix[i], k_mix[j]) / tau) / den_m))
+        total = total + l_s + l_m
+    return total / n
+
+
+def test_sdmp_loss_matches_literal_eqs_3_4_values_and_grads():
+    torch.manual_seed(0)
+    b, extra, d = 6, 4, 5                       # extra keys: other ranks' samples (denominators only)
+    q, ks, km = rn(b, d), rn(b + extra, d), rn(b + extra, d)
+    lam = torch.rand(b, dtype=torch.float64)
+    lam_list = lam.tolist()
+    v1, g1 = _grads(lambda q, ks, km: sdmp_loss(q, ks, km, lam, 0.3), [q, ks, km])
+    v2, g2 = _grads(lambda q, ks, km: literal_sdmp(q, ks, km, lam_list, 0.3), [q, ks, km])
+    torch.testing.assert_close(v1, v2, rtol=1e-9, atol=1e-10)
+    for a, c in zip(g1, g2):
+        torch.testing.assert_close(a, c, rtol=1e-8, atol=1e-10)
+    assert g1[1].abs().sum() == 0 and g1[2].abs().sum() == 0      # keys: target, no gradient
+
+
+def test_sdmp_with_lam_one_is_two_infonce_terms():
+    q, k = rn(8, 4), rn(8, 4)
+    lam = torch.ones(8, dtype=torch.float64)
+    expected = 2 * moco_ctr(q, k, 0.2) / (2 * 0.2)
+    torch.testing.assert_close(sdmp_loss(q, k, k, lam, 0.2), expected)
+
+
+def _pair_preserving_permutation(b: int, gen: torch.Generator) -> torch.Tensor:
+    """pi with pi(b-1-i) = b-1-pi(i): moves (sample, partner) pairs together."""
+    half = b // 2
+    sigma = torch.randperm(half, generator=gen)
+    flip = torch.randint(0, 2, (half,), generator=gen)
+    pi = torch.empty(b, dtype=torch.int64)
+    for i in range(half):
+        pi[i] = sigma[i] if flip[i] == 0 else b - 1 - sigma[i]
+        pi[b - 1 - i] = b - 1 - pi[i]
+    return pi
+
+
+def test_sdmp_invariant_to_permuting_samples_with_their_partners():
+    gen = torch.Generator().manual_seed(3)
+    b = 10
+    q, ks, km = rn(b, 6), rn(b, 6), rn(b, 6)
+    lam = torch.rand(b, dtype=torch.float64)
+    pi = _pair_preserving_permutation(b, gen)
+    assert torch.equal(torch.sort(pi).values, torch.arange(b))
+
+    def moved(x):
+        out = torch.empty_like(x)
+        out[pi] = x                                           # sample i lands at position pi(i)
+        return out
+
+    torch.testing.assert_close(sdmp_loss(moved(q), moved(ks), moved(km), moved(lam), 0.2),
+                               sdmp_loss(q, ks, km, lam, 0.2))
+
+
+@settings(max_examples=50, deadline=None)
+@given(lams=st.integers(1, 8).flatmap(
+    lambda h: st.lists(st.floats(0.0, 1.0), min_size=2 * h, max_size=2 * h)))
+def test_clam_in_unit_interval_and_shared_by_partners(lams):
+    lam = torch.tensor(lams, dtype=torch.float64)
+    c = sdmp_clam(lam)
+    assert torch.all((c >= 0) & (c <= 1 + 1e-12))
+    torch.testing.assert_close(c, c.flip(0))                 # lam^c_i = lam^c_{n-1-i}
+    for i in range(len(lams)):
+        j = len(lams) - 1 - i
+        assert abs(c[i].item() - (min(lams[i], 1 - lams[j]) + min(1 - lams[i], lams[j]))) < 1e-12
+
+
+def test_sdmp_loss_decreases_over_20_sgd_steps():
+    torch.manual_seed(1)
+    q = rn(8, 6).requires_grad_(True)
+    ks, km = rn(8, 6), rn(8, 6)
+    lam = torch.rand(8, dtype=torch.float64)
+    opt = torch.optim.SGD([q], lr=1.0)
+    losses = []
+    for _ in range(20):
+        loss = sdmp_loss(q, ks, km, lam, 0.2)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1

@@ -1,0 +1,47 @@
+"""BYOL baseline: online predictor regresses the target projection of the other view.
+
+Paper: "Bootstrap Your Own Latent: A New Approach to Self-Supervised Learning", Grill et al.,
+arXiv:2006.07733v3. Implemented: Eq. (2) normalised regression loss 2 - 2 cos and its
+symmetrisation (Sec. 3.1). Reference code: https://github.com/deepmind/deepmind-research/tree/master/byol
+(commit unknown). The EMA target update (Eq. 1) is the loop's `target.update_from`.
+
+Deviations: none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pipelines.batch import Batch
+from train.objectives.base import LossOut, StepValues, ViewNeeds
+from train.objectives.terms import byol_loss
+
+
+@dataclass(frozen=True)
+class BYOLConfig:
+    """BYOL has no loss hyper-parameters; the EMA momentum comes from the schedules."""
+
+
+class BYOL(nn.Module):
+    """Symmetrised BYOL loss over the first two global views."""
+
+    Config = BYOLConfig
+    needs = ViewNeeds(global_views=2, target=True)
+
+    def __init__(self, cfg: BYOLConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, online: nn.Module, target: nn.Module, batch: Batch, s: StepValues) -> LossOut:
+        """Loss of one step from the views in `batch`; reads no state, changes none."""
+        (emb,) = online([batch.global_views[:2]])
+        with torch.no_grad():
+            (tgt,) = target([batch.global_views[:2]])
+        loss = byol_loss(emb.p[0], emb.p[1], tgt.z[0], tgt.z[1])
+        return LossOut(loss=loss, logs={"loss/byol": loss.detach()})
+
+    def after_step(self, out: LossOut) -> None:
+        """No state besides the EMA target, which the loop updates."""

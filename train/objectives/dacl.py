@@ -1,0 +1,78 @@
+"""DACL: NT-Xent over Mixup-noise positives, alone or added to SimCLR.
+
+Paper: "Towards Domain-Agnostic Contrastive Learning", Verma et al., ICML 2021,
+arXiv:2011.04419 (the version is not printed in the paper text the project follows; equation
+numbers below are those of that text).
+Implemented: Algorithm 1 (two Mixup-noise positives per sample, Eq. 3, lam ~ U(alpha, 1);
+NT-Xent with the anchor excluded from its own denominator, lines 17-21); DACL+ noises (Eqs. 5-6)
+arrive already mixed in `batch.mixed` from the pipeline; SimCLR+DACL as the sum of the SimCLR
+and DACL losses (Sec. 5.1).
+Reference code: none published with the paper (unknown).
+
+Deviations: none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from pipelines.batch import Batch
+from train.objectives.base import LossOut, StepValues, ViewNeeds
+from train.objectives.terms import gather_local_first, nt_xent, nt_xent_local
+
+__all__ = ["DACL", "DACLConfig", "nt_xent"]
+
+
+@dataclass(frozen=True)
+class DACLConfig:
+    tau: float = 0.5            # NT-Xent temperature
+    with_simclr: bool = False   # True: SimCLR loss on the two global views + DACL loss
+
+    def __post_init__(self) -> None:
+        if not self.tau > 0:
+            raise ValueError(f"objective.tau must be > 0, got {self.tau}; set objective.tau=0.5")
+
+
+class DACL(nn.Module):
+    """NT-Xent of the projector outputs of the two Mixup-noise positives `batch.mixed[0:2]`.
+
+    `needs` of an instance follows the config: one global view (unused) for DACL alone, two for
+    SimCLR+DACL. No target network.
+    """
+
+    Config = DACLConfig
+    needs = ViewNeeds(global_views=1, mix="dacl", target=False)
+
+    def __init__(self, cfg: DACLConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        if cfg.with_simclr:
+            self.needs = replace(DACL.needs, global_views=2)
+
+    def forward(self, online: nn.Module, target: nn.Module | None, batch: Batch,
+                s: StepValues) -> LossOut:
+        """Loss of one step from the views in `batch`; reads no state, changes none."""
+        if batch.mixed is None or batch.mixed.shape[0] < 2:
+            raise ValueError("dacl needs two mixup-noise positives in batch.mixed; "
+                             "set data.mix.kind=dacl")
+        tau = self.cfg.tau
+        if self.cfg.with_simclr:
+            # Same resolution: one backbone call for the views and the mixes.
+            emb_views, emb_mix = online([batch.global_views[:2], batch.mixed[:2]])
+        else:
+            (emb_mix,) = online([batch.mixed[:2]])
+        m1, m2 = emb_mix.z[0], emb_mix.z[1]                               # (B, D) each
+        dacl = nt_xent_local(m1, m2, gather_local_first(m1), gather_local_first(m2), tau)
+        logs = {"loss/dacl": dacl.detach()}
+        loss = dacl
+        if self.cfg.with_simclr:
+            v1, v2 = emb_views.z[0], emb_views.z[1]
+            simclr = nt_xent_local(v1, v2, gather_local_first(v1), gather_local_first(v2), tau)
+            loss = simclr + dacl
+            logs["loss/simclr"] = simclr.detach()
+        return LossOut(loss=loss, logs=logs)
+
+    def after_step(self, out: LossOut) -> None:
+        """No state."""

@@ -1,0 +1,53 @@
+"""MoCo v3 baseline: symmetric InfoNCE of online predictions against gathered target keys.
+
+Paper: "An Empirical Study of Training Self-Supervised Vision Transformers", Chen, Xie, He,
+arXiv:2104.02057v4. Implemented: Algorithm 1, ctr(q1, k2) + ctr(q2, k1) with
+ctr(q, k) = 2 tau * CE(q k^T / tau), keys from all devices. Reference code:
+https://github.com/facebookresearch/moco-v3 (commit unknown).
+
+Deviations: none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pipelines.batch import Batch
+from train.objectives.base import LossOut, StepValues, ViewNeeds
+from train.objectives.terms import gather_nograd_local_first, moco_ctr
+
+
+@dataclass(frozen=True)
+class MoCoV3Config:
+    tau: float = 0.2            # softmax temperature (0.2 for ViT, 1.0 for ResNet-50 in the paper)
+
+    def __post_init__(self) -> None:
+        if not self.tau > 0:
+            raise ValueError(f"objective.tau must be > 0, got {self.tau}; set objective.tau=0.2")
+
+
+class MoCoV3(nn.Module):
+    """MoCo v3 over the first two global views; queries are online `p`, keys target `z`."""
+
+    Config = MoCoV3Config
+    needs = ViewNeeds(global_views=2, target=True)
+
+    def __init__(self, cfg: MoCoV3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, online: nn.Module, target: nn.Module, batch: Batch, s: StepValues) -> LossOut:
+        """Loss of one step from the views in `batch`; reads no state, changes none."""
+        (emb,) = online([batch.global_views[:2]])
+        with torch.no_grad():
+            (tgt,) = target([batch.global_views[:2]])
+        k1 = gather_nograd_local_first(tgt.z[0])                          # (M, D)
+        k2 = gather_nograd_local_first(tgt.z[1])                          # (M, D)
+        loss = moco_ctr(emb.p[0], k2, self.cfg.tau) + moco_ctr(emb.p[1], k1, self.cfg.tau)
+        return LossOut(loss=loss, logs={"loss/mocov3": loss.detach()})
+
+    def after_step(self, out: LossOut) -> None:
+        """No state besides the EMA target, which the loop updates."""
