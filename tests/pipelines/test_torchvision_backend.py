@@ -1,0 +1,131 @@
+"""The torchvision baseline backend: Batch contract, rank sharding, seeding, staged views."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelines.schema import read_manifest
+from pipelines.loader import LoaderSpec, build_loader
+from pipelines.views import Recipe, load_recipe
+
+GLOBAL_PX, LOCAL_PX = 32, 16
+N_TRAIN = 24
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    from preprocess.prepare import prepare_dataset
+
+    out = tmp_path_factory.mktemp("tv_data")
+    prepare_dataset("synthetic", out, workers=1, train_size=N_TRAIN, val_size=8, image_px=32,
+                    gt_masks_as_mask=True)
+    return str(out)
+
+
+def _spec(root: str, recipe: Recipe, **kw) -> LoaderSpec:
+    base = dict(root=root, dataset="synthetic", split="train", recipe=recipe, batch_size=4,
+                num_workers=0, seed=7)
+    return LoaderSpec(**{**base, **kw})
+
+
+def _bounds(root: str) -> tuple[float, float]:
+    """Range of normalised pixels with the dataset's own mean/std (uint8 0 and 255)."""
+    m = read_manifest(Path(root) / "synthetic")
+    lo = min((0 - mu) / sd for mu, sd in zip(m["mean"], m["std"]))
+    hi = max((1 - mu) / sd for mu, sd in zip(m["mean"], m["std"]))
+    return lo, hi
+
+
+@pytest.mark.parametrize("name", ["relicv2", "rsa"])
+def test_batch_contract(root: str, name: str) -> None:
+    recipe = load_recipe(name, GLOBAL_PX, LOCAL_PX)
+    loader = build_loader("torchvision", _spec(root, recipe))
+    batches = list(loader)
+    assert len(batches) == len(loader) == N_TRAIN // 4
+    b = batches[0]
+    lo, hi = _bounds(root)
+    n_global = sum(g.count for g in recipe.groups if g.parent is not None) or sum(
+        g.count for g in recipe.groups if g.size_px == GLOBAL_PX)
+    assert b.global_views.shape == (n_global, 4, 3, GLOBAL_PX, GLOBAL_PX)
+    if name == "relicv2":
+        assert b.local_views.shape == (2, 4, 3, LOCAL_PX, LOCAL_PX) and b.weak_views is None
+    else:
+        assert b.weak_views.shape == (2, 4, 3, GLOBAL_PX, GLOBAL_PX) and b.local_views is None
+    for x in (b.global_views, b.local_views, b.weak_views):
+        if x is not None:
+            assert x.dtype == torch.float32
+            assert lo - 1e-5 <= float(x.min()) and float(x.max()) <= hi + 1e-5
+            assert float(x.std()) > 0.05          # real pixels, not a constant
+    assert b.index.dtype == torch.long and b.label.dtype == torch.long and b.index.shape == (4,)
+    assert b.mixed is None and b.mix_lam is None
+
+
+def test_rank_shards_disjoint_and_covering(root: str) -> None:
+    recipe = load_recipe("rsa", GLOBAL_PX, LOCAL_PX)
+    seen = []
+    for rank in range(2):
+        loader = build_loader("torchvision", _spec(root, recipe, rank=rank, world_size=2))
+        loader.set_epoch(3)
+        seen.append([i for b in loader for i in b.index.tolist()])
+    assert len(seen[0]) == len(seen[1]) == N_TRAIN // 2
+    assert not set(seen[0]) & set(seen[1])
+    assert sorted(seen[0] + seen[1]) == list(range(N_TRAIN))
+
+
+def test_same_seed_same_batches_across_workers(root: str) -> None:
+    recipe = load_recipe("relicv2", GLOBAL_PX, LOCAL_PX)
+    a = list(build_loader("torchvision", _spec(root, recipe, num_workers=0)))
+    b = list(build_loader("torchvision", _spec(root, recipe, num_workers=2)))
+    c = list(build_loader("torchvision", _spec(root, recipe, seed=8)))
+    for x, y in zip(a, b):
+        assert torch.equal(x.index, y.index)
+        assert torch.equal(x.global_views, y.global_views) and torch.equal(x.local_views, y.local_views)
+    assert not torch.equal(a[0].global_views, c[0].global_views)
+
+
+def test_resume_mid_epoch(root: str) -> None:
+    recipe = load_recipe("rsa", GLOBAL_PX, LOCAL_PX)
+    full = list(build_loader("torchvision", _spec(root, recipe)))
+    loader = build_loader("torchvision", _spec(root, recipe))
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    resumed = build_loader("torchvision", _spec(root, recipe))
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(rest) == len(full) - 2
+    assert torch.equal(rest[0].index, full[2].index) and torch.equal(rest[0].global_views, full[2].global_views)
+
+
+def test_staged_view_equals_weak_view_when_staged_ops_off(root: str) -> None:
+    recipe = load_recipe("rsa", GLOBAL_PX, LOCAL_PX)
+    off = dict(jitter_p=0.0, gray_p=0.0, blur_p=0.0, solarize_p=0.0)
+    groups = tuple(dataclasses.replace(g, **off) if g.parent is not None else g for g in recipe.groups)
+    b = next(iter(build_loader("torchvision", _spec(root, Recipe("rsa-off", groups)))))
+    assert torch.equal(b.global_views, b.weak_views)
+    # With the staged ops on, the aggressive views differ from their weak parents.
+    b_on = next(iter(build_loader("torchvision", _spec(root, recipe))))
+    assert torch.equal(b_on.weak_views, b.weak_views)
+    assert not torch.equal(b_on.global_views, b_on.weak_views)
+
+
+def test_bad_batch_size_is_a_clear_error(root: str) -> None:
+    with pytest.raises(ValueError, match="even"):
+        build_loader("torchvision", _spec(root, load_recipe("rsa", GLOBAL_PX, LOCAL_PX), batch_size=3))
+
+
+def test_sdmp_mix_pairs_flip_partners(root: str) -> None:
+    from pipelines.loader import MixSpec
+
+    recipe = load_recipe("rsa", GLOBAL_PX, LOCAL_PX)
+    b = next(iter(build_loader("torchvision", _spec(root, recipe, mix=MixSpec(kind="sdmp", sdmp_mixers=("mixup",))))))
+    lam = b.mix_lam[:, :, None, None, None]                                  # (V, B, 1, 1, 1)
+    # Mixup of normalised views equals the normalised mixup (normalisation is affine per channel).
+    expect = lam * b.global_views + (1 - lam) * b.global_views.flip(1)
+    assert b.mixed.shape == b.global_views.shape
+    assert torch.equal(b.mix_partner[0], torch.arange(3, -1, -1))
+    assert torch.allclose(b.mixed, expect, atol=1e-4)
