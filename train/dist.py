@@ -79,3 +79,27 @@ def gather_nograd(x: Tensor) -> Tensor:
     parts = [torch.empty_like(x) for _ in range(world_size())]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=0)                            # (M, ...)
+
+
+def broadcast_object(obj):
+    """`obj` of rank 0 on every rank (e.g. a run folder name); `obj` itself in a single process."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in a single process)."""
+    if is_distributed():
+        dist.barrier()
+
+
+def gather_objects(obj) -> list:
+    """`obj` of every rank in rank order (picklable objects, e.g. loader positions); `[obj]` alone."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,31 @@
+"""Shared fixtures: a tiny synthetic dataset written once per session by the real preprocessor."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_data_root(tmp_path_factory):
+    """A data root holding `synthetic/` with 64 train and 32 val images of 32 px (FFCV + DALI files)."""
+    from preprocess.prepare import prepare_dataset
+
+    root = tmp_path_factory.mktemp("data")
+    prepare_dataset("synthetic", root, workers=1, train_size=64, val_size=32, image_px=32, seed=0)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_args(tiny_data_root):
+    """CLI words of a 32-px, batch-16, resnet18 run of `method` on the tiny dataset, into `out/run`."""
+    from train.objectives import OBJECTIVES
+
+    def words(method: str, out, *extra: str) -> list[str]:
+        return [f"method={method}", "data=synthetic", f"data.root={tiny_data_root}", "data.backend=torch",
+                "data.batch_size=16", "data.num_workers=1", "views.global_px=32", "views.local_px=16",
+                "model.proj_hidden=32", "model.proj_out=16",
+                f"model.pred_hidden={32 if OBJECTIVES[method].needs.target else 0}",
+                "optim.steps=3", "optim.warmup_steps=1", "run.log_every=1", "run.ckpt_every=3",
+                "run.max_eval_samples=16", f"run.out_dir={out}", "run.name=run", *extra]
+
+    return words

@@ -1,0 +1,106 @@
+"""Import rules between packages (STYLE §1), checked by parsing every module's imports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("pipelines", "models", "train", "preprocess")
+ACCEL = ("ffcv", "nvidia.dali")
+
+
+def imports_of(path: Path) -> list[tuple[str, int, bool]]:
+    """(module, line, top_level) of every import in `path`; relative imports resolved to the package."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    top_level = {id(n) for n in tree.body}
+    for node in tree.body:        # imports inside `if TYPE_CHECKING:` / try at module level count as top level
+        if isinstance(node, (ast.If, ast.Try)):
+            top_level |= {id(n) for n in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno, id(node) in top_level) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            name = node.module or ""
+            if node.level:                  # relative: level 1 is this module's package, 2 its parent
+                parts = list(path.relative_to(ROOT).parts[:-1])
+                base = parts[:len(parts) - (node.level - 1)]
+                name = ".".join(base + ([name] if name else []))
+            if name in PACKAGES:            # `from pipelines import schema` imports pipelines.schema
+                found += [(f"{name}.{a.name}", node.lineno, id(node) in top_level) for a in node.names]
+            else:
+                found += [(name, node.lineno, id(node) in top_level)]
+    return found
+
+
+def under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def violations(path: Path) -> list[str]:
+    """Forbidden edges of one module, as `file:line imports X (rule)`."""
+    rel = path.relative_to(ROOT)
+    package = rel.parts[0]
+    out = []
+    for name, line, top in imports_of(path):
+        why = None
+        if package == "pipelines":
+            if under(name, ("models", "train", "preprocess")):
+                why = "pipelines must not import models/train/preprocess"
+            elif under(name, ACCEL) and not path.name.endswith("_backend.py"):
+                why = "ffcv / nvidia.dali only in pipelines/*_backend.py"
+            elif under(name, ACCEL) and top:
+                why = "ffcv / nvidia.dali must be imported lazily (inside functions)"
+        elif package == "models" and under(name, ("pipelines", "train", "preprocess")):
+            why = "models may import only torch and timm"
+        elif package == "train" and under(name, ("preprocess",) + ACCEL):
+            why = "train must not import preprocess, ffcv or nvidia.dali"
+        elif package == "preprocess":
+            if under(name, ("train",)):
+                why = "preprocess must not import train"
+            elif under(name, ("pipelines",)) and not under(name, ("pipelines.schema",)):
+                why = "preprocess may import only pipelines.schema from pipelines"
+        if why:
+            out.append(f"{rel}:{line} imports {name} ({why})")
+    return out
+
+
+def modules() -> list[Path]:
+    return sorted(p for pkg in PACKAGES if (ROOT / pkg).is_dir() for p in (ROOT / pkg).rglob("*.py"))
+
+
+def test_no_forbidden_import_edges() -> None:
+    found = [v for p in modules() for v in violations(p)]
+    assert not found, "forbidden imports:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("package, source, fragment", [
+    ("pipelines", "import train.loop\n", "must not import models/train"),
+    ("pipelines", "def f():\n    import ffcv\n", "only in pipelines/*_backend.py"),
+    ("models", "from pipelines.batch import Batch\n", "only torch and timm"),
+    ("train", "from preprocess.prepare import prepare_dataset\n", "must not import preprocess"),
+    ("train", "def f():\n    from nvidia.dali import fn\n", "nvidia.dali"),
+    ("preprocess", "from pipelines.views import Recipe\n", "only pipelines.schema"),
+    ("preprocess", "from ..train import loop\n", "must not import train"),
+    ("preprocess", "from pipelines import views\n", "only pipelines.schema"),
+])
+def test_each_rule_catches_its_edge(tmp_path, monkeypatch, package, source, fragment) -> None:
+    fake_root = tmp_path
+    path = fake_root / package / "probe.py"
+    path.parent.mkdir()
+    path.write_text(source)
+    monkeypatch.setattr(__import__(__name__), "ROOT", fake_root)
+    assert any(fragment in v for v in violations(path))
+
+
+def test_backend_may_import_accelerators_lazily(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "pipelines" / "dali_backend.py"
+    path.parent.mkdir()
+    path.write_text("def build():\n    from nvidia.dali import fn\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert violations(path) == []
+    path.write_text("import nvidia.dali\n")
+    assert any("lazily" in v for v in violations(path))

@@ -1,0 +1,81 @@
+"""Config: merge order, unknown keys with suggestions, bad types, objective section, needs check."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipelines.views import Recipe, ViewGroup
+from train.config import Config, ConfigError, check_needs, config_from_dict, load_config, to_dict
+from train.objectives import OBJECTIVES
+from train.objectives.base import ViewNeeds
+
+
+def write_presets(tmp_path, base: str, data: str, method: str):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "method").mkdir()
+    (tmp_path / "base.yaml").write_text(base)
+    (tmp_path / "data" / "tiny.yaml").write_text(data)
+    (tmp_path / "method" / "byol.yaml").write_text(method)
+    return tmp_path
+
+
+def test_merge_order_defaults_base_data_method_cli(tmp_path) -> None:
+    d = write_presets(tmp_path, "optim:\n  lr: 1.0\n  steps: 7\n  warmup_steps: 3\n  clip: 2.0\n",
+                      "optim:\n  lr: 2.0\n  steps: 8\n  warmup_steps: 4\n",
+                      "optim:\n  lr: 3.0\n  steps: 9\n")
+    cfg = load_config(["method=byol", "data=tiny", "optim.lr=4.0"], config_dir=d)
+    assert cfg.optim.lr == 4.0             # CLI beats method
+    assert cfg.optim.steps == 9            # method beats data
+    assert cfg.optim.warmup_steps == 4     # data beats base
+    assert cfg.optim.clip == 2.0           # base beats defaults
+    assert cfg.optim.momentum == Config().optim.momentum   # dataclass default
+    assert cfg.data.name == "tiny" and cfg.method == "byol"
+    assert isinstance(cfg.objective, OBJECTIVES["byol"].Config)
+
+
+def test_unknown_key_lists_closest_keys() -> None:
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim\.lrr'.*optim\.lr"):
+        load_config(["method=rsa", "data=synthetic", "optim.lrr=0.1"])
+    with pytest.raises(ConfigError, match=r"did you mean.*data\.batch_size"):
+        load_config(["method=rsa", "data=synthetic", "data.batchsize=8"])
+
+
+def test_bad_type_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"optim\.steps.*int"):
+        load_config(["method=rsa", "data=synthetic", "optim.steps=1.5"])
+    with pytest.raises(ConfigError, match=r"optim\.lr.*float"):
+        load_config(["method=rsa", "data=synthetic", "optim.lr=fast"])
+    with pytest.raises(ConfigError, match="not key=value"):
+        load_config(["method=rsa", "optim.lr"])
+
+
+def test_objective_section_is_validated_by_the_objective_config() -> None:
+    field = dataclasses.fields(OBJECTIVES["simclr"].Config)[0]
+    with pytest.raises(ConfigError, match="objective"):
+        load_config(["method=simclr", "data=synthetic", f"objective.{field.name}x=1"])
+    with pytest.raises(ConfigError, match="did you mean rsa"):
+        load_config(["method=rsaa", "data=synthetic"])
+
+
+@pytest.mark.parametrize("method", sorted(OBJECTIVES))
+def test_every_method_preset_resolves_and_round_trips(method: str) -> None:
+    cfg = load_config([f"method={method}", "data=synthetic"])
+    assert config_from_dict(to_dict(cfg)) == cfg
+    if not OBJECTIVES[method].needs.target:
+        assert cfg.model.pred_hidden == 0
+
+
+def test_needs_check_names_the_missing_views() -> None:
+    recipe = Recipe("two", (ViewGroup("g", count=2, size_px=64),))
+    check_needs("byol", ViewNeeds(global_views=2), recipe, "none", 64)
+    with pytest.raises(ConfigError, match="staged weak views"):
+        check_needs("rsa", ViewNeeds(weak=True), recipe, "none", 64)
+    with pytest.raises(ConfigError, match="2 local views"):
+        check_needs("relicv2", ViewNeeds(local=2), recipe, "none", 64)
+    with pytest.raises(ConfigError, match="data.mix.kind=sdmp"):
+        check_needs("sdmp", ViewNeeds(mix="sdmp"), recipe, "none", 64)
+    staged = Recipe("rsa", (ViewGroup("weak", count=2, size_px=64),
+                            ViewGroup("strong", count=2, size_px=64, parent="weak")))
+    check_needs("rsa", ViewNeeds(weak=True), staged, "none", 64)

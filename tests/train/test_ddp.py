@@ -1,0 +1,92 @@
+"""2-process gloo DDP equals one process on the concatenated batch: loss, gradients, EMA targets.
+
+Equivalence is exact only when no layer mixes samples within a rank's batch. SyncBatchNorm needs CUDA
+(torch raises on CPU tensors), so BatchNorm layers run in eval mode here (running statistics): then
+every per-sample computation is independent of how the batch is split, and what remains to test is
+the objectives' cross-rank gather and DDP's gradient averaging.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from models.ema import make_target
+from models.multicrop import build_model
+from pipelines.batch import Batch
+from train.objectives import OBJECTIVES
+from train.objectives.base import StepValues
+
+B, PX = 8, 32
+METHODS = ["byol", "mocov3", "simclr"]          # global views only; simclr/mocov3 gather negatives
+
+
+def full_batch() -> Batch:
+    g = torch.Generator().manual_seed(1)
+    return Batch(global_views=torch.randn(2, B, 3, PX, PX, generator=g), local_views=None, weak_views=None,
+                 mixed=None, mix_lam=None, mix_partner=None, index=torch.arange(B))
+
+
+def one_step(method: str, rank: int, world: int) -> dict:
+    """Loss, gradients and EMA target after one SGD step on this rank's slice of `full_batch()`."""
+    cls = OBJECTIVES[method]
+    objective = cls(cls.Config())
+    torch.manual_seed(0)
+    online = build_model("resnet18", PX, 32, 16, 32 if cls.needs.target else 0).eval()
+    target = make_target(online).eval() if cls.needs.target else None
+    model = DistributedDataParallel(online) if world > 1 else online
+    b, part = full_batch(), slice(rank * B // world, (rank + 1) * B // world)
+    batch = Batch(global_views=b.global_views[:, part], local_views=None, weak_views=None, mixed=None,
+                  mix_lam=None, mix_partner=None, index=b.index[part])
+    s = StepValues(step=0, total_steps=10, epoch=0.0, lr=0.1, weight_decay=0.0, ema=0.9)
+    out = objective(model, target, batch, s)
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    if world > 1:
+        tdist.all_reduce(loss)
+        loss /= world
+    grads = {n: p.grad.clone() for n, p in online.named_parameters() if p.grad is not None}
+    torch.optim.SGD(online.parameters(), lr=s.lr).step()
+    if target is not None:
+        target.update_from(online, momentum=s.ema)
+    return {"loss": loss, "grads": grads,
+            "target": {k: v.clone() for k, v in target.state_dict().items()} if target is not None else {}}
+
+
+def worker(rank: int, world: int, port: int, method: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.save(one_step(method, rank, world), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        tdist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("method", METHODS)
+def test_two_ranks_equal_one_process_on_the_whole_batch(method: str, tmp_path) -> None:
+    torch.set_num_threads(1)
+    single = one_step(method, 0, 1)
+    mp.spawn(worker, args=(2, free_port(), method, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for r in ranks:
+        assert torch.allclose(r["loss"], single["loss"], rtol=1e-5, atol=1e-6)
+        assert set(r["grads"]) == set(single["grads"])
+        for name, grad in single["grads"].items():
+            assert torch.allclose(r["grads"][name], grad, rtol=1e-4, atol=1e-6), name
+        for name, value in single["target"].items():
+            assert torch.allclose(r["target"][name].float(), value.float(), rtol=1e-5, atol=1e-6), name
+    for name, value in ranks[0]["target"].items():
+        assert torch.equal(value, ranks[1]["target"][name]), name    # targets identical across ranks

@@ -1,0 +1,137 @@
+"""`python -m train.bench [methods=rsa,byol] [steps=20] [repeats=3] [key=value ...]`: full training
+steps per objective on the synthetic dataset.
+
+Per objective: steps/s and images/s with the real loader and with one batch already on the device
+(their ratio gives the data-stall fraction), peak memory, and kNN / linear-probe top-1 after a short
+training run (`optim.steps`) next to a random-init backbone. Writes `bench_train.json` (resolved
+configs, git commit, versions, numbers) into `run.out_dir` and prints a table.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from models.ema import make_target
+from models.multicrop import build_model
+from pipelines.loader import LoaderSpec, MixSpec, build_loader
+from pipelines.views import load_recipe
+from train import checkpoint, schedules
+from train.config import load_config, to_dict
+from train.loop import apply_lr_wd, build_optimizer, clip_and_step, select_device, train
+from train.objectives import OBJECTIVES
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # sync: timing boundary of a benchmark
+
+
+def time_steps(cfg, device, steps: int, repeats: int, warmup_steps: int = 2) -> dict[str, float]:
+    """Mean ± std steps/s with the real loader and with a batch kept on the device."""
+    backend = cfg.data.backend if cfg.data.backend != "auto" else ("dali" if device.type == "cuda" else "torch")
+    objective = OBJECTIVES[cfg.method](cfg.objective).to(device)
+    recipe = load_recipe(cfg.views.recipe, cfg.views.global_px, cfg.views.local_px)
+    loader = build_loader(backend, LoaderSpec(
+        root=cfg.data.root, dataset=cfg.data.name, split="train", recipe=recipe, batch_size=cfg.data.batch_size,
+        mix=MixSpec(kind=cfg.data.mix.kind, alpha=cfg.data.mix.alpha, source=cfg.data.mix.source),
+        seed=cfg.run.seed, device=str(device), num_workers=cfg.data.num_workers))
+    torch.manual_seed(cfg.run.seed)
+    online = build_model(cfg.model.backbone, cfg.views.global_px, cfg.model.proj_hidden, cfg.model.proj_out,
+                         cfg.model.pred_hidden, cfg.model.proj_layers).to(device)
+    target = make_target(online) if objective.needs.target else None
+    optimizer = build_optimizer(cfg, [online, objective])
+    scaler = torch.amp.GradScaler(device.type, enabled=False)
+
+    def forever():
+        epoch = 0
+        while True:
+            loader.set_epoch(epoch)
+            yield from loader
+            epoch += 1
+
+    batches = forever()
+    cached = next(batches)
+
+    def run(n: int, feed) -> float:
+        sync(device)
+        start = time.perf_counter()
+        for step in range(n):
+            s = schedules.at(cfg.optim, step, len(loader), cfg.data.batch_size)
+            apply_lr_wd(optimizer, s)
+            out = objective(online, target, feed(), s)
+            out.loss.backward()
+            clip_and_step(optimizer, scaler, cfg.optim.clip)
+            optimizer.zero_grad(set_to_none=True)
+            if target is not None:
+                target.update_from(online, momentum=s.ema)
+            objective.after_step(out)
+        sync(device)
+        return n / (time.perf_counter() - start)
+
+    run(warmup_steps, lambda: next(batches))
+    real = [run(steps, lambda: next(batches)) for _ in range(repeats)]
+    fed = [run(steps, lambda: cached) for _ in range(repeats)]
+    mean = statistics.mean
+    return {"steps_per_s": mean(real), "steps_per_s_std": statistics.pstdev(real),
+            "img_per_s": mean(real) * cfg.data.batch_size, "cached_steps_per_s": mean(fed),
+            "cached_steps_per_s_std": statistics.pstdev(fed),
+            "data_stall_fraction": max(0.0, 1.0 - mean(real) / mean(fed))}
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # Linux: kB → MiB (process peak)
+
+
+def accuracy_after(cfg) -> dict[str, float]:
+    """Train `cfg` and return its last evaluation (and the random-init one) from metrics.jsonl."""
+    run_dir = train(cfg)
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if r["kind"] == "eval"][-1]
+    return {k: last[k] for k in ("knn_top1", "linear_top1", "random_init/knn_top1", "random_init/linear_top1")}
+
+
+def main(argv: list[str]) -> int:
+    opts = dict(a.split("=", 1) for a in argv if a.split("=", 1)[0] in ("methods", "steps", "repeats"))
+    rest = [a for a in argv if a.split("=", 1)[0] not in ("methods", "steps", "repeats")]
+    methods = opts.get("methods", ",".join(sorted(OBJECTIVES))).split(",")
+    steps, repeats = int(opts.get("steps", 10)), int(opts.get("repeats", 3))
+    device = select_device("auto")
+    print(f"bench-train | {torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}"
+          f" | torch {torch.__version__} | python {platform.python_version()} | {steps} steps x {repeats}")
+    rows, configs = {}, {}
+    for method in methods:
+        cfg = load_config([f"method={method}", "data=synthetic", *rest, f"run.name=bench-{method}"])
+        configs[method] = to_dict(cfg)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        rows[method] = {**time_steps(cfg, device, steps, repeats), "peak_mem_mb": peak_memory_mb(device),
+                        **accuracy_after(cfg)}
+    header = (f"{'method':<8} {'steps/s':>14} {'img/s':>8} {'cached steps/s':>15} {'stall':>6} {'peak MiB':>9}"
+              f" {'kNN':>6} {'kNN rnd':>7} {'linear':>6} {'lin rnd':>7}")
+    print(header)
+    for m, r in rows.items():
+        print(f"{m:<8} {r['steps_per_s']:>7.2f} ± {r['steps_per_s_std']:<4.2f} {r['img_per_s']:>8.1f} "
+              f"{r['cached_steps_per_s']:>8.2f} ± {r['cached_steps_per_s_std']:<4.2f} {r['data_stall_fraction']:>6.2f} "
+              f"{r['peak_mem_mb']:>9.0f} {100 * r['knn_top1']:>5.1f}% {100 * r['random_init/knn_top1']:>6.1f}% "
+              f"{100 * r['linear_top1']:>5.1f}% {100 * r['random_init/linear_top1']:>6.1f}%")
+    out = Path(next(iter(configs.values()))["run"]["out_dir"]) / "bench_train.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"git_commit": checkpoint.git_commit(), "torch": torch.__version__,
+                               "device": str(device), "steps": steps, "repeats": repeats,
+                               "results": rows, "configs": configs}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,319 @@
+"""The trainer's configuration: one tree of frozen dataclasses, the only place defaults live.
+
+Merge order (STYLE §4): dataclass defaults → `configs/base.yaml` → `configs/data/<DATASET>.yaml`
+→ `configs/method/<METHOD>.yaml` → dotted `key=value` CLI overrides. Unknown keys and values that do
+not parse to the field's type are `ConfigError`s with a one-line message. The `objective:` section is
+validated by the chosen objective's own `Config` dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A bad key or value in a config file or a CLI override."""
+
+
+@dataclass(frozen=True)
+class MixConfig:
+    kind: str = "none"              # intra-batch mix: "none" | "sdmp" | "dacl"
+    alpha: float = 1.0              # SDMP: lam ~ Beta(alpha, alpha); DACL: lam ~ U(alpha, 1)
+    source: str = "global"          # what is mixed: "global" views or the whole "image" (DACL)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: str = "synthetic"         # dataset folder under `root` (written by `python -m preprocess`)
+    root: str = "data"              # data root folder
+    backend: str = "auto"           # "torch" | "torchvision" | "ffcv" | "dali"; "auto": torch on CPU, dali on GPU
+    batch_size: int = 256           # global batch (all ranks together), even per rank
+    num_workers: int = 2            # decoding/augmentation workers per rank
+    num_classes: int = 10           # classes, for kNN / linear-probe evaluation
+    mix: MixConfig = field(default_factory=MixConfig)
+
+
+@dataclass(frozen=True)
+class ViewsConfig:
+    recipe: str = "byol"            # preset name in pipelines/recipes/ or a YAML path
+    global_px: int = 64             # side of global (large) views, px
+    local_px: int = 32              # side of local (small) views, px
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    backbone: str = "resnet18"      # timm model name (small-image stem when global_px <= 64)
+    proj_hidden: int = 2048         # projector hidden width
+    proj_out: int = 256             # projector output dim D
+    proj_layers: int = 2            # projector Linear layers
+    pred_hidden: int = 2048         # predictor hidden width; 0: no predictor
+    channels_last: bool = True      # channels-last memory format (GPU only)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = "lars"              # "lars" | "sgd" | "adamw"
+    lr: float = 0.3                 # at global batch 256; scaled linearly with the batch
+    weight_decay: float = 1e-6      # at step 0; cosine to `final_weight_decay`
+    final_weight_decay: float = 1e-6  # weight decay at the last step
+    momentum: float = 0.9           # SGD/LARS momentum (AdamW: beta1)
+    warmup_steps: int = 100         # linear LR warmup from 0, optimiser steps
+    min_lr_ratio: float = 0.0       # final LR as a fraction of the peak LR
+    steps: int = 1000               # optimiser steps of the whole run (the one length unit)
+    clip: float = 0.0               # max global grad norm; 0 disables clipping
+    ema_start: float = 0.99         # EMA momentum of the target at step 0 (BYOL: cosine to 1)
+    ema_end: float = 1.0            # EMA momentum at the last step
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    out_dir: str = "runs"           # parent folder of run folders
+    name: str = ""                  # run folder name; "": <method>-<data>-<time>
+    seed: int = 0                   # global seed (each rank adds its rank)
+    log_every: int = 10             # steps between log lines (the only host syncs)
+    ckpt_every: int = 500           # steps between checkpoints (and one at the end)
+    eval_every_epochs: int = 0      # kNN + linear probe every K epochs; 0: only at start and end
+    resume: str = ""                # checkpoint file to resume from; "": fresh run
+    amp: bool = True                # bf16 autocast (GPU only)
+    device: str = "auto"            # "auto" | "cpu" | "cuda"
+    max_eval_samples: int = 0       # cap on train/val samples for evaluation; 0: all
+    stop_after_steps: int = 0       # stop with a checkpoint after this step (resumable); 0: run to optim.steps
+
+
+@dataclass(frozen=True)
+class Config:
+    method: str = "rsa"             # key of train.objectives.OBJECTIVES
+    data: DataConfig = field(default_factory=DataConfig)
+    views: ViewsConfig = field(default_factory=ViewsConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    objective: Any = None           # the objective's own frozen Config (validated by its class)
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _valid_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        t = _field_types(cls)[f.name]
+        if dataclasses.is_dataclass(t):
+            keys += _valid_keys(t, f"{prefix}{f.name}.")
+        elif f.name != "objective":
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _unknown(key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; valid keys: {', '.join(valid)}"
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _parse(key: str, value: Any, t: Any) -> Any:
+    """Convert `value` (from YAML or a CLI string) to type `t`, or raise ConfigError."""
+    try:
+        if isinstance(value, str) and t is not str:
+            value = yaml.safe_load(value)
+        origin = typing.get_origin(t)
+        if origin is tuple:
+            return tuple(_parse(key, v, typing.get_args(t)[0]) for v in value)
+        if t is bool:
+            if not isinstance(value, bool):
+                raise TypeError
+            return value
+        if t is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError
+            return value
+        if t is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError
+            return float(value)
+        if t is str:
+            return str(value)
+    except (TypeError, ValueError, yaml.YAMLError):
+        pass
+    else:
+        if origin in (types.UnionType, typing.Union):
+            return value
+    name = getattr(t, "__name__", str(t))
+    raise ConfigError(f"config key {key!r}: cannot read {value!r} as {name}; give a value of type {name}")
+
+
+def _merge(tree: dict, update: dict, cls: type, prefix: str = "") -> None:
+    """Merge the nested dict `update` into `tree` (in place), checking keys and types against `cls`."""
+    hints = _field_types(cls)
+    for key, value in update.items():
+        dotted = f"{prefix}{key}"
+        if key == "objective" and not prefix:
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key 'objective' must be a mapping, got {value!r}")
+            tree.setdefault("objective", {}).update(value)
+            continue
+        if key not in hints:
+            raise _unknown(dotted, _valid_keys(Config))
+        t = hints[key]
+        if dataclasses.is_dataclass(t):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key {dotted!r} is a section; set its fields, e.g. {dotted}.<key>=...")
+            _merge(tree.setdefault(key, {}), value, t, f"{dotted}.")
+        else:
+            tree[key] = _parse(dotted, value, t)
+
+
+def _dotted_to_nested(key: str, value: Any) -> dict:
+    nested: Any = value
+    for part in reversed(key.split(".")):
+        nested = {part: nested}
+    return nested
+
+
+def _build(cls: type, tree: dict) -> Any:
+    hints = _field_types(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in tree and dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = _build(hints[f.name], tree[f.name])
+        elif f.name in tree:
+            kwargs[f.name] = tree[f.name]
+    return cls(**kwargs)
+
+
+def _load_yaml(path: Path) -> dict:
+    if not path.is_file():
+        options = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ConfigError(f"no config file {path.name} in {path.parent.name}/; choose one of {', '.join(options)}")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def build_objective_config(method: str, section: dict) -> Any:
+    """Validate the `objective:` section with the objective's own Config dataclass."""
+    from train.objectives import OBJECTIVES
+
+    if method not in OBJECTIVES:
+        raise _unknown_method(method, sorted(OBJECTIVES))
+    cls = OBJECTIVES[method].Config
+    hints = _field_types(cls)
+    kwargs = {}
+    for key, value in section.items():
+        if key not in hints:
+            raise _unknown(f"objective.{key}", [f"objective.{k}" for k in hints])
+        kwargs[key] = _parse(f"objective.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def _unknown_method(method: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(method, valid, n=3, cutoff=0.4)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    return ConfigError(f"unknown method {method!r}{hint}; choose one of {', '.join(valid)}")
+
+
+def load_config(args: list[str], config_dir: Path = CONFIG_DIR) -> Config:
+    """Resolve the config from CLI words `method=... data=... key=value ...`.
+
+    Args:
+        args: `key=value` strings; `method` and `data` pick the presets, the rest are dotted overrides.
+        config_dir: folder with base.yaml, data/ and method/.
+
+    Returns:
+        The frozen, validated Config.
+
+    Raises:
+        ConfigError: a malformed word, an unknown key (with the closest valid keys) or a bad value.
+    """
+    pairs = []
+    for word in args:
+        if "=" not in word:
+            raise ConfigError(f"argument {word!r} is not key=value; write e.g. optim.lr=0.5")
+        key, value = word.split("=", 1)
+        pairs.append((key.strip(), value))
+    picks = dict(p for p in pairs if p[0] in ("method", "data"))
+    tree: dict = {}
+    _merge(tree, _load_yaml(config_dir / "base.yaml"), Config)
+    data_name = picks.get("data", tree.get("data", {}).get("name", DataConfig.name))
+    _merge(tree, _load_yaml(config_dir / "data" / f"{data_name}.yaml"), Config)
+    tree.setdefault("data", {}).setdefault("name", data_name)
+    method = picks.get("method", tree.get("method", Config.method))
+    method_file = config_dir / "method" / f"{method}.yaml"
+    if not method_file.is_file():
+        raise _unknown_method(method, sorted(p.stem for p in (config_dir / "method").glob("*.yaml")))
+    _merge(tree, _load_yaml(method_file), Config)
+    tree["method"] = method
+    for key, value in pairs:
+        if key in ("method", "data"):
+            continue
+        _merge(tree, _dotted_to_nested(key, value), Config)
+    objective = build_objective_config(method, tree.pop("objective", {}))
+    return dataclasses.replace(_build(Config, tree), objective=objective)
+
+
+def config_from_dict(tree: dict) -> Config:
+    """Rebuild a Config from `to_dict` output (a checkpoint's or config.yaml's), checking it again."""
+    tree = dict(tree)
+    method = tree.pop("method", Config.method)
+    objective = tree.pop("objective", None) or {}
+    checked: dict = {}
+    _merge(checked, tree, Config)
+    cfg = _build(Config, checked)
+    return dataclasses.replace(cfg, method=method, objective=build_objective_config(method, objective))
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as plain nested dicts/lists (for YAML, JSON and checkpoints)."""
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        return v
+
+    return plain(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def check_needs(method: str, needs: Any, recipe: Any, mix_kind: str, global_px: int) -> None:
+    """Fail at start-up, in one line, when the views of the data config cannot feed the objective.
+
+    Args:
+        method: objective name (for the message).
+        needs: the objective instance's `ViewNeeds`.
+        recipe: the resolved `pipelines.views.Recipe`.
+        mix_kind: `data.mix.kind`.
+        global_px: side of the global views, px.
+
+    Raises:
+        ConfigError: naming the missing views and the setting that provides them.
+    """
+    parents = {g.parent for g in recipe.groups if g.parent}
+    weak = sum(g.count for g in recipe.groups if g.name in parents)
+    views = [g for g in recipe.groups if g.name not in parents]
+    n_global = sum(g.count for g in views if g.size_px >= global_px)
+    n_local = sum(g.count for g in views if g.size_px < global_px)
+    problems = []
+    if n_global < needs.global_views:
+        problems.append(f"{needs.global_views} global views (recipe has {n_global})")
+    if n_local < needs.local:
+        problems.append(f"{needs.local} local views (recipe has {n_local})")
+    if needs.weak and not weak:
+        problems.append("staged weak views (recipe has none)")
+    if needs.mix != "none" and mix_kind != needs.mix:
+        problems.append(f"data.mix.kind={needs.mix} (config has {mix_kind})")
+    if problems:
+        raise ConfigError(f"method {method} needs {', '.join(problems)} but views.recipe={recipe.name} "
+                          f"gives fewer; use configs/method/{method}.yaml's recipe or fix views.recipe / data.mix.kind")
