@@ -13,18 +13,22 @@ Randomness is counter-based: a crop parameter is a hash of (seed, rank, epoch, d
 draw), so it depends neither on FFCV's thread scheduling nor on the batch a sample lands in. The
 epoch key reaches the compiled code through a fixed address (numba freezes arrays captured by a
 closure, so the key array is read with `memcpy` from its address on each call). Everything after the
-crops (saliency composite, flip, colour jitter in random order, grayscale, blur, solarize, staged
-views, mixes) runs batched on `spec.device` with torch ops, from generators seeded per (seed, rank,
-epoch, batch); a mid-epoch resume therefore only skips batches.
+crops (flip, colour jitter in random order, grayscale, blur, solarize, saliency composite, staged
+views, mixes) runs batched on `spec.device` with `pipelines.torch_backend`'s public ops (the same
+implementation as the reference backend), from one host generator seeded per (seed, rank, epoch,
+batch); a mid-epoch resume therefore only skips batches.
 
 Measured on the 2-core CPU machine (shared, loaded), 512 JPEGs of 500x375 at quality 90, batch 64,
 2 threads: FFCV's own RandomResizedCrop decoder, one 224-px view: 820-930 img/s; `DecodeViews`, one
 224-px view: 1,130-1,150 img/s; `DecodeViews`, relicv2 crops (4 x 224 + 2 x 96), i.e. the
 decode + crops ceiling: 370-530 img/s (one decode instead of six). The colour ops of the full recipe
-on CPU torch are the bottleneck there (about 100 views/s per core pair); they are meant for a GPU.
+on CPU torch are the bottleneck there; they are meant for a GPU. They are `torch_backend`'s
+torchvision-exact ops (per-op clamping, HSV hue): colour jitter with p = 1 on 64 views of 224 px took
+0.69-0.78 s on one loaded CPU, against 0.06-0.08 s for this backend's former fused colour matrix
+(which clamped only at the end and rotated hue in YIQ, so it could not replace the exact op).
 
 Deviations: crops are resized bilinearly (libffcv's `resize`) whatever the recipe's `interpolation`
-says; colour jitter composes its ops into one affine colour map (see `_jitter_and_gray`).
+says.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipelines import schema
+from pipelines import schema, torch_backend
 from pipelines.batch import Batch, normalize
 from pipelines.loader import LoaderSpec
 from pipelines.views import Recipe, ViewGroup
@@ -380,123 +384,8 @@ def read_masks(path: str | Path) -> tuple[list[np.ndarray | None], np.ndarray]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Device-side ops on (N, 3, S, S) float views in [0, 1]; every draw comes from `gen` (per batch).
-
-_SALIENCY_MIN_COVERAGE = 0.05    # RELICv2 App. A.2: mask only when it covers at least 5 % of the image
-_BLUR_REFERENCE_PX = 224         # ViewGroup.blur_sigma is in px at a 224-px output
-_GRAY = (0.2989, 0.5870, 0.1140)
-
-
-def _coin(n: int, p: float, gen: torch.Generator, device) -> Tensor:
-    return torch.rand(n, generator=gen, device=device) < p                          # (N,) bool
-
-
-# RGB → YIQ; a hue shift of h turns is a rotation by 2*pi*h of the (I, Q) plane.
-_YIQ = ((0.299, 0.587, 0.114), (0.596, -0.274, -0.322), (0.211, -0.523, 0.312))
-
-
-def _jitter_and_gray(x: Tensor, g: ViewGroup, gen: torch.Generator) -> Tensor:
-    """Colour jitter with p (brightness, contrast, saturation, hue in a random order per sample), then
-    grayscale with p.
-
-    Each op is a per-sample affine map of the RGB vector (contrast's gray mean follows the composed
-    map exactly), so all of them compose into one (3, 3) matrix and offset per sample, applied in one
-    pass. Measured on 256 views of 224 px, 2 shared cores: 4.8 s for masked per-op updates with an HSV
-    hue, 0.44 s fused. Deviations from torchvision: no clamping between the ops (only at the end) and
-    hue rotated in YIQ (as GPU pipelines do) rather than shifted in HSV.
-    """
-    n, dev = x.shape[0], x.device
-    on = _coin(n, g.jitter_p, gen, dev) if g.jitter_p > 0 else torch.zeros(n, dtype=torch.bool, device=dev)
-
-    def factor(a: float) -> Tensor:
-        return 1 - a + 2 * a * torch.rand(n, generator=gen, device=dev)                 # (N,)
-
-    bri, con, sat = factor(g.brightness), factor(g.contrast), factor(g.saturation)
-    theta = (torch.rand(n, generator=gen, device=dev) * 2 - 1) * g.hue * 2 * torch.pi
-    order = torch.rand(n, 4, generator=gen, device=dev).argsort(1)                     # (N, 4) op order
-    eye = torch.eye(3, device=dev).expand(n, 3, 3)
-    w = torch.tensor(_GRAY, device=dev)
-    yiq = torch.tensor(_YIQ, device=dev)
-    rot = torch.zeros(n, 3, 3, device=dev)
-    rot[:, 0, 0] = 1
-    rot[:, 1, 1], rot[:, 1, 2] = torch.cos(theta), -torch.sin(theta)
-    rot[:, 2, 1], rot[:, 2, 2] = torch.sin(theta), torch.cos(theta)
-    hue_m = torch.linalg.inv(yiq) @ rot @ yiq                                           # (N, 3, 3)
-    sat_m = sat.view(n, 1, 1) * eye + (1 - sat).view(n, 1, 1) * w.view(1, 1, 3).expand(n, 3, 3)
-    mu = x.mean((2, 3))                                                                 # (N, 3) mean colour
-    a_m, c_v = eye.clone(), torch.zeros(n, 3, device=dev)
-    strengths = (g.brightness, g.contrast, g.saturation, g.hue)
-    for step in range(4):
-        for op in range(4):
-            if strengths[op] == 0:
-                continue
-            sel = (on & (order[:, step] == op)).view(n, 1, 1)
-            t = torch.zeros(n, 3, device=dev)
-            if op == 0:
-                m = bri.view(n, 1, 1) * eye
-            elif op == 1:
-                gray_mean = ((a_m @ mu.unsqueeze(2)).squeeze(2) + c_v) @ w                # (N,)
-                m = con.view(n, 1, 1) * eye
-                t = ((1 - con) * gray_mean).view(n, 1).expand(n, 3)
-            elif op == 2:
-                m = sat_m
-            else:
-                m = hue_m
-            m = torch.where(sel, m, eye)
-            t = torch.where(sel.view(n, 1), t, torch.zeros_like(t))
-            a_m = m @ a_m
-            c_v = (m @ c_v.unsqueeze(2)).squeeze(2) + t
-    if g.gray_p > 0:
-        gray = _coin(n, g.gray_p, gen, dev).view(n, 1, 1)
-        to_gray = w.view(1, 1, 3).expand(n, 3, 3)                                       # every row = w
-        a_m = torch.where(gray, to_gray @ a_m, a_m)
-        c_v = torch.where(gray.view(n, 1), (to_gray @ c_v.unsqueeze(2)).squeeze(2), c_v)
-    y = torch.einsum("nij,njhw->nihw", a_m, x) + c_v.view(n, 3, 1, 1)                 # (N, 3, S, S)
-    return y.clamp_(0, 1)
-
-
-def _blur(x: Tensor, g: ViewGroup, gen: torch.Generator) -> Tensor:
-    """Gaussian blur with p, sigma ~ U(blur_sigma) scaled to the output size, kernel `blur_kernel_px`."""
-    n, dev = x.shape[0], x.device
-    on = _coin(n, g.blur_p, gen, dev)
-    lo, hi = (s * g.size_px / _BLUR_REFERENCE_PX for s in g.blur_sigma)
-    sigma = lo + (hi - lo) * torch.rand(n, generator=gen, device=dev)
-    if not bool(on.any()):
-        return x
-    y, sig = x[on], sigma[on]
-    k = g.blur_kernel_px
-    t = torch.arange(k, device=dev, dtype=x.dtype) - (k - 1) / 2
-    w = torch.exp(-(t[None] ** 2) / (2 * sig[:, None] ** 2))
-    w = w / w.sum(1, keepdim=True)                                                  # (n, k)
-    m, _, hh, ww = y.shape
-    w = w.repeat_interleave(3, 0)                                                   # (3n, k)
-    pad = k // 2
-    z = y.reshape(1, m * 3, hh, ww)                                                 # (1, 3n, S, S)
-    mode = "reflect" if pad < min(hh, ww) else "replicate"
-    z = torch.nn.functional.pad(z, (pad, pad, 0, 0), mode=mode)
-    z = torch.nn.functional.conv2d(z, w.view(m * 3, 1, 1, k), groups=m * 3)
-    z = torch.nn.functional.pad(z, (0, 0, pad, pad), mode=mode)
-    z = torch.nn.functional.conv2d(z, w.view(m * 3, 1, k, 1), groups=m * 3)
-    x = x.clone()
-    x[on] = z.reshape(m, 3, hh, ww)                                                 # (n, 3, S, S)
-    return x
-
-
-def _colour_ops(x: Tensor, g: ViewGroup, gen: torch.Generator) -> Tensor:
-    """Jitter (random order), grayscale, blur, solarize of group `g`, each with its own p."""
-    n, dev = x.shape[0], x.device
-    if g.jitter_p > 0 or g.gray_p > 0:
-        x = _jitter_and_gray(x, g, gen)
-    if g.blur_p > 0:
-        x = _blur(x, g, gen)
-    if g.solarize_p > 0:
-        on = _coin(n, g.solarize_p, gen, dev)
-        if bool(on.any()):
-            # Only the drawn views are touched (p = 0.2: 5x less memory traffic than a full where).
-            y = x[on]
-            x = x.clone()
-            x[on] = torch.where(y >= 0.5, 1.0 - y, y)
-    return x
+# Everything after the crops (flip, colour ops, saliency composite, mixes) is torch_backend's public
+# ops, so that every backend augments with one implementation.
 
 
 def _key(*parts: int) -> int:
@@ -641,24 +530,26 @@ class FFCVLoader:
         views, windows = self.layout.split(rows_t)
         self.last_windows = {g.name: windows[v0:v0 + g.count].clone()
                              for g, v0 in zip(self.layout.groups, self.layout.first_view)}
-        gen = torch.Generator(device=dev).manual_seed(_key(s.seed, s.rank, self.epoch, step, 3))
+        # All parameters come from one host generator per (seed, rank, epoch, batch), as in torch_backend.
         host_gen = torch.Generator().manual_seed(_key(s.seed, s.rank, self.epoch, step, 4))
-        level = torch.rand(len(index), generator=host_gen)           # one gray level per image
         finished: dict[str, Tensor] = {}
         for g in self.layout.groups:
             x = views[g.name].to(dev, non_blocking=True)                          # (V, B, 3, S, S) uint8
             v, b = x.shape[:2]
             x = x.reshape(v * b, *x.shape[2:]).float().div_(255.0)               # (V*B, 3, S, S)
+            p = torch_backend.sample_color_params(v * b, g, host_gen)
+            sel = torch.nonzero(p.flip).squeeze(1).to(dev)
+            x[sel] = x[sel].flip(-1)
+            x = torch_backend.apply_color_ops(x, p, g)
             if g.name in self.saliency_groups and masks is not None:
-                x = self._saliency(x, g, masks, coverage, self.last_windows[g.name], level, host_gen)
-            if g.flip_p > 0:
-                on = _coin(v * b, g.flip_p, gen, dev).view(-1, 1, 1, 1)
-                x = torch.where(on, x.flip(-1), x)
-            finished[g.name] = _colour_ops(x, g, gen).reshape(v, b, *x.shape[1:])  # (V, B, 3, S, S)
+                x = self._saliency(x, g, p, masks, coverage, self.last_windows[g.name])
+            finished[g.name] = x.reshape(v, b, *x.shape[1:])                      # (V, B, 3, S, S)
         for g in s.recipe.groups:
             if g.parent is not None:           # staged: the parent's finished view + its own ops
-                p = finished[g.parent]
-                finished[g.name] = _colour_ops(p.reshape(-1, *p.shape[2:]), g, gen).reshape(p.shape)
+                x = finished[g.parent]
+                p = torch_backend.sample_color_params(x.shape[0] * x.shape[1], g, host_gen)
+                y = torch_backend.apply_color_ops(x.reshape(-1, *x.shape[2:]), p, g)   # (V*B, 3, S, S)
+                finished[g.name] = y.reshape(x.shape)                                  # (V, B, 3, S, S)
 
         def field(groups: list[ViewGroup]) -> Tensor | None:
             if not groups:
@@ -669,109 +560,69 @@ class FFCVLoader:
         global_views = field(self.global_groups)
         mixed = mix_lam = mix_partner = None
         if s.mix.kind != "none":
-            np_rng = np.random.default_rng(_key(s.seed, s.rank, self.epoch, step, 5))
-            mixed, mix_lam, mix_partner = self._mix(finished, gen, np_rng)
+            mix_gen = torch.Generator().manual_seed(_key(s.seed, s.rank, self.epoch, step, 5))
+            mixed, mix_lam, mix_partner = self._mix(finished, mix_gen)
         return Batch(global_views=global_views, local_views=field(self.local_groups),
                      weak_views=field(self.weak_groups), mixed=mixed, mix_lam=mix_lam,
                      mix_partner=mix_partner, index=index.to(dev, non_blocking=True),
                      label=torch.from_numpy(labels.reshape(-1).astype(np.int64)).to(dev, non_blocking=True))
 
-    def _saliency(self, x: Tensor, g: ViewGroup, masks: np.ndarray, coverage: np.ndarray,
-                  windows: Tensor, level: Tensor, host_gen: torch.Generator) -> Tensor:
-        """RELICv2 App. A.2 background removal on the large crops of group `g`.
+    def _saliency(self, x: Tensor, g: ViewGroup, p, masks: np.ndarray, coverage: np.ndarray,
+                  windows: Tensor) -> Tensor:
+        """RELICv2 App. A.2 background removal on the (flipped, colour-transformed) large crops of `g`.
 
-        With p = `g.saliency_p` per view, where the sample's mask covers >= 5 %, pixels whose mask
-        (cropped with the view's own window, resized like the image) is < 128 become the sample's
-        gray level. Only the masks of views that are hit are decoded.
+        A view is masked when its draw `p.saliency` hits and the sample's mask covers >= 5 %; its mask
+        is cropped with the view's own window, resized like the image and flipped with the view, then
+        `torch_backend.apply_saliency` sets pixels with mask < 0.5 to the view's `p.gray_level`.
+        Only the masks of views that are hit are decoded.
+
+        Args:
+            x: (V*B, 3, S, S) views. p: `torch_backend.ViewParams` of the group. masks: B encoded masks.
+            coverage: (B,) mask coverages. windows: (V, B, 4) crop windows (y0, x0, h, w).
         """
         import cv2
 
         count, b = windows.shape[:2]
-        hit = torch.rand(count, b, generator=host_gen) < g.saliency_p                 # (V, B)
-        hit &= torch.from_numpy(coverage >= _SALIENCY_MIN_COVERAGE).view(1, b)
-        if not bool(hit.any()):
+        cov = torch.from_numpy(np.asarray(coverage, np.float64)).repeat(count)          # (V*B,)
+        use = p.saliency & (cov >= torch_backend.SALIENCY_MIN_COVERAGE)
+        if not bool(use.any()):
             return x
         size = g.size_px
-        keep = torch.ones(count * b, 1, size, size, dtype=torch.bool)                  # (V*B, 1, S, S)
+        mask = torch.ones(count * b, 1, size, size)                                    # (V*B, 1, S, S)
         decoded: dict[int, np.ndarray] = {}
-        for v, i in hit.nonzero().tolist():
+        for n in use.nonzero().squeeze(1).tolist():
+            v, i = divmod(n, b)
             if i not in decoded:
                 decoded[i] = cv2.imdecode(masks[i], cv2.IMREAD_GRAYSCALE)
             y0, x0, h, w = windows[v, i].tolist()
             crop = cv2.resize(decoded[i][y0:y0 + h, x0:x0 + w], (size, size), interpolation=cv2.INTER_LINEAR)
-            keep[v * b + i, 0] = torch.from_numpy(crop >= 128)
-        keep = keep.to(x.device, non_blocking=True)
-        gray = level.repeat(count).to(x.device).view(-1, 1, 1, 1)                      # (V*B, 1, 1, 1)
-        return torch.where(keep, x, gray)
+            m = torch.from_numpy(crop).float().div_(255.0)
+            mask[n, 0] = m.flip(-1) if bool(p.flip[n]) else m
+        return torch_backend.apply_saliency(x, mask.to(x.device, non_blocking=True), use, p.gray_level)
 
-    def _mix(self, finished: dict[str, Tensor], gen: torch.Generator, np_rng: np.random.Generator):
-        """Intra-batch mixes of `spec.mix` (DESIGN §4) on [0, 1] views, normalised afterwards.
+    def _mix(self, finished: dict[str, Tensor], gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+        """Intra-batch mixes of `spec.mix` (DESIGN §4) by `torch_backend.mix_views`, normalised afterwards.
+
+        Args:
+            finished: {group name: (V, B, 3, S, S) views in [0, 1]}. gen: host generator of the batch.
 
         Returns:
             (mixed (Vm, B, 3, H, W) normalised, lam (Vm, B), partner (Vm, B) long).
         """
-        try:
-            from pipelines import mixing
-        except ImportError as e:
-            raise FFCVBackendError("intra-batch mixes need pipelines/mixing.py; it is missing") from e
         mix = self.spec.mix
-        if mix.source == "global":
-            x = torch.cat([finished[g.name] for g in self.global_groups])              # (Vm, B, 3, H, W)
-        else:
+        views = torch.cat([finished[g.name] for g in self.global_groups])                # (V, B, 3, H, W)
+        image = None
+        if mix.kind == "dacl" and mix.source == "image":
             whole = [g for g in self.layout.groups if g.crop_p == 0]
             if not whole:
                 raise FFCVBackendError("mix source 'image' needs a recipe group with crop_p: 0 "
                                        "(the whole resized image); add one or use source 'global'")
-            x = finished[whole[0].name]
-        v, b = x.shape[:2]
-        dev = x.device
-        if mix.kind == "sdmp":
-            partner = mixing.partner_index(b).to(dev)
-            # torch's Beta sampler takes no generator: draw lam on the host from the batch's own stream.
-            lam = torch.from_numpy(np_rng.beta(mix.alpha, mix.alpha, b)).float().to(dev)    # (B,)
-            mixer = mix.sdmp_mixers[int(torch.randint(len(mix.sdmp_mixers), (1,), generator=gen, device=dev))]
-            h, w = x.shape[-2:]
-            # One box per sample with area 1 - lam, shared by the sample's views (same lam, same box).
-            cut = torch.sqrt(1 - lam)
-            ch, cw = (cut * h).long(), (cut * w).long()
-            cy = torch.randint(h, (b,), generator=gen, device=dev)
-            cx = torch.randint(w, (b,), generator=gen, device=dev)
-            boxes = torch.stack([(cy - ch // 2).clamp(0, h), (cx - cw // 2).clamp(0, w),
-                                 (cy + ch - ch // 2).clamp(0, h), (cx + cw - cw // 2).clamp(0, w)], 1)
-            outs, lams = [], []
-            for k in range(v):
-                if mixer == "mixup":
-                    outs.append(mixing.mixup(x[k], lam, partner))
-                    lams.append(lam)
-                else:
-                    y, l = getattr(mixing, mixer)(x[k], boxes, partner)
-                    outs.append(y)
-                    lams.append(l)
-            mixed, lam_out = torch.stack(outs), torch.stack(lams)                        # (Vm, B, ...)
-            partners = partner.expand(v, b)
-        elif mix.kind == "dacl":
-            shift = torch.randint(1, b, (v, b), generator=gen, device=dev)
-            partners = (torch.arange(b, device=dev) + shift) % b                         # (Vm, B), ≠ i
-            lam_out = mix.alpha + (1 - mix.alpha) * torch.rand(v, b, generator=gen, device=dev)
-            noise = torch.randint(len(mix.dacl_noises), (v, b), generator=gen, device=dev)
-            outs = []
-            for k in range(v):
-                cands = []
-                for name in mix.dacl_noises:
-                    if name == "binary":
-                        keep = torch.rand(x[k].shape, generator=gen, device=dev) < lam_out[k].view(b, 1, 1, 1)
-                        cands.append(mixing.dacl_binary(x[k], partners[k], keep))
-                    else:
-                        cands.append(getattr(mixing, f"dacl_{name}")(x[k], partners[k], lam_out[k]))
-                pick = noise[k].view(b, 1, 1, 1)
-                y = cands[0]
-                for j in range(1, len(cands)):
-                    y = torch.where(pick == j, cands[j], y)
-                outs.append(y)
-            mixed = torch.stack(outs)                                                    # (Vm, B, 3, H, W)
-        else:
-            raise FFCVBackendError(f"unknown mix kind {mix.kind!r}; use one of none, sdmp, dacl")
-        return normalize(mixed, self.mean, self.std), lam_out, partners.long()
+            image = finished[whole[0].name][0]                                            # (B, 3, H, W)
+        try:
+            mixed, lam, partner = torch_backend.mix_views(views, mix, gen, image=image)
+        except torch_backend.TorchBackendError as e:
+            raise FFCVBackendError(str(e)) from None
+        return normalize(mixed, self.mean, self.std), lam, partner
 
 
 def build(spec: LoaderSpec) -> FFCVLoader:

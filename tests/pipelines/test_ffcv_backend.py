@@ -1,4 +1,4 @@
-"""FFCV backend: Batch contract, rank shards, seeding, staged views, saliency, crop laws, resume.
+"""FFCV backend: Batch contract, rank shards, seeding, staged views, saliency, crop laws, resume, mixes.
 
 Datasets are written with the real FFCV writer into tmp_path. Images are raw (bit-exact) and encode
 their coordinates (R = 2x, G = 2y), so crop windows can be recovered from pixels.
@@ -17,7 +17,8 @@ import torch
 from scipy import stats
 
 from pipelines.ffcv_backend import FFCVLoader
-from pipelines.loader import LoaderSpec
+from pipelines import mixing
+from pipelines.loader import LoaderSpec, MixSpec, build_loader
 from pipelines.views import Recipe, ViewGroup
 from preprocess.records import Record
 from preprocess.write_ffcv import write_ffcv
@@ -121,8 +122,8 @@ def test_rank_shards_disjoint_cover_and_reproducible(small) -> None:
     for x, y in zip(a, b):
         assert torch.equal(x.index, y.index) and torch.equal(x.global_views, y.global_views)
         assert torch.equal(x.local_views, y.local_views)
-    c = list(loader(path, RELIC, seed=12))
-    assert not torch.equal(a[0].global_views, c[0].global_views)
+    c = next(iter(loader(path, RELIC, seed=12)))                 # first batch is enough
+    assert not torch.equal(a[0].global_views, c.global_views)
 
 
 def test_mid_epoch_resume_gives_the_remaining_batches(small) -> None:
@@ -208,3 +209,86 @@ def test_crop_laws_and_flip_rate(tmp_path: Path) -> None:
     lo, hi = math.log(3 / 4), math.log(4 / 3)
     assert stats.kstest(log_ratios, stats.uniform(lo, hi - lo).cdf).pvalue > 1e-3
     assert abs(flips - n / 2) <= 4 * math.sqrt(n / 4)                         # binomial, 4 sigma
+
+
+MIX_RECIPE = Recipe("mix", (ViewGroup("g", count=2, size_px=16, area=(0.2, 1.0), jitter_p=0.5, brightness=0.4),))
+
+
+def unnormalize(x: torch.Tensor) -> torch.Tensor:
+    return x * 0.25 + 0.5
+
+
+@pytest.mark.parametrize("mixer", ["mixup", "cutmix"])
+def test_sdmp_mix_batch_contract_and_torch_reference(small, mixer: str) -> None:
+    path, _ = small
+    for b in loader(path, MIX_RECIPE, mix=MixSpec("sdmp", alpha=1.0, sdmp_mixers=(mixer,)), seed=2):
+        x = b.global_views                                                    # (2, 8, 3, 16, 16)
+        assert b.mixed.shape == x.shape and b.mix_lam.shape == b.mix_partner.shape == (2, 8)
+        check_range(b.mixed)
+        assert b.mix_lam.dtype == torch.float32 and b.mix_partner.dtype == torch.int64
+        assert bool(((b.mix_lam >= 0) & (b.mix_lam <= 1)).all())
+        assert torch.equal(b.mix_partner, torch.arange(7, -1, -1).expand(2, 8))   # flip partner n-1-i
+        assert torch.equal(b.mix_lam[0], b.mix_lam[1])                     # same lam for both views
+        part = b.mix_partner[0]
+        for v in range(2):
+            if mixer == "mixup":
+                ref = mixing.mixup(unnormalize(x[v]), b.mix_lam[v], part)
+                assert torch.allclose(unnormalize(b.mixed[v]), ref, atol=1e-5)
+                continue
+            # CutMix pastes partner pixels bit-exactly: the changed pixels lie in the box, whose
+            # bounding box reproduces the output; lam is the kept fraction of the (larger) true box.
+            changed = (b.mixed[v] != x[v]).any(1)                             # (B, 16, 16)
+            for i in range(8):
+                ys, xs = torch.nonzero(changed[i], as_tuple=True)
+                box = (torch.tensor([[ys.min(), xs.min(), ys.max() + 1, xs.max() + 1]]) if len(ys)
+                       else torch.zeros(1, 4, dtype=torch.long))
+                out, kept = mixing.cutmix(x[v], box.expand(8, 4), part)
+                assert torch.equal(out[i], b.mixed[v, i])
+                assert float(b.mix_lam[v, i]) <= float(kept[i]) + 1e-6
+
+
+def test_dacl_mix_batch_contract_and_torch_reference(small) -> None:
+    path, _ = small
+    noises = ("linear", "geometric")
+    lams = []
+    for b in loader(path, MIX_RECIPE, mix=MixSpec("dacl", alpha=0.6, dacl_noises=noises), seed=4):
+        x = unnormalize(b.global_views)                                       # (2, 8, 3, 16, 16)
+        assert b.mixed.shape == x.shape and b.mix_lam.shape == b.mix_partner.shape == (2, 8)
+        check_range(b.mixed)
+        assert b.mix_partner.dtype == torch.int64
+        assert bool((b.mix_partner != torch.arange(8)).all()) and bool((b.mix_partner < 8).all())
+        assert bool(((b.mix_lam >= 0.6) & (b.mix_lam <= 1)).all())           # lam ~ U(alpha, 1)
+        got = unnormalize(b.mixed)
+        for v in range(2):
+            lin = mixing.dacl_linear(x[v], b.mix_partner[v], b.mix_lam[v])
+            geo = mixing.dacl_geometric(x[v], b.mix_partner[v], b.mix_lam[v])
+            is_lin = (got[v] - lin).flatten(1).abs().amax(1) < 1e-5
+            is_geo = (got[v] - geo).flatten(1).abs().amax(1) < 1e-5
+            assert bool((is_lin | is_geo).all())                              # each sample: one noise
+        lams.append(b.mix_lam.flatten())
+    lams = torch.cat(lams).numpy()
+    assert stats.kstest(lams, stats.uniform(0.6, 0.4).cdf).pvalue > 1e-3
+
+
+def test_build_loader_on_prepared_dataset_with_resizemix_and_dacl_image_source(tiny_data_root) -> None:
+    """The registry path (`build_loader`, manifest, real preprocessor output) with both mix kinds."""
+    groups = (ViewGroup("g", count=2, size_px=16, area=(0.2, 1.0)),
+              ViewGroup("image", count=1, size_px=16, crop_p=0.0, flip_p=0.0))
+    recipe = Recipe("mix-image", groups)
+    base = LoaderSpec(root=str(tiny_data_root), dataset="synthetic", split="train", recipe=recipe,
+                      batch_size=16, num_workers=1, seed=1)
+    b = next(iter(build_loader("ffcv", replace(base, mix=MixSpec("sdmp", sdmp_mixers=("resizemix",))))))
+    x = b.global_views                                                        # (3, 16, 3, 16, 16)
+    assert b.mixed.shape == x.shape and b.mix_lam.shape == (3, 16)
+    assert torch.equal(b.mix_partner, torch.arange(15, -1, -1).expand(3, 16))
+    assert torch.equal(b.mix_lam[0], b.mix_lam[1]) and bool(((b.mix_lam >= 0) & (b.mix_lam <= 1)).all())
+    # ResizeMix keeps image i's own pixels outside the box: a fraction lam of them is unchanged.
+    same = (unnormalize(b.mixed) - unnormalize(x)).abs().amax(2).flatten(2).lt(1e-6).float().mean(2)
+    assert bool((same >= b.mix_lam - 1e-5).all())
+    ld = build_loader("ffcv", replace(base, mix=MixSpec("dacl", alpha=0.5, dacl_noises=("linear",), source="image")))
+    b = next(iter(ld))
+    image = unnormalize(b.global_views[2])                                    # the crop_p 0 group
+    assert b.mixed.shape == (2, 16, 3, 16, 16) and bool((b.mix_partner != torch.arange(16)).all())
+    for v in range(2):
+        ref = mixing.dacl_linear(image, b.mix_partner[v], b.mix_lam[v])
+        assert torch.allclose(unnormalize(b.mixed[v]), ref, atol=1e-5)
