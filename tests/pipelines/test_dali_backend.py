@@ -336,3 +336,39 @@ def test_saliency_composite_respects_gt_mask(synthetic_root) -> None:
             assert torch.equal(b1.global_views[0, k][:, torch.from_numpy(fg)], b0.global_views[0, k][:, torch.from_numpy(fg)])
             changed += int(not torch.equal(b1.global_views[0, k], b0.global_views[0, k]))
     assert changed > 0
+
+
+def test_fused_jitter_matches_torchvision_sequence(shards) -> None:
+    # Constant-colour images, so every crop is the colour itself: the fused pass must give
+    # torchvision's brightness -> contrast -> saturation sequence (float, clamped per op) wherever no
+    # intermediate value clips, and grayscale must give R = G = B.
+    from torchvision.transforms import functional as tvf
+
+    recipe = Recipe("jit", (ViewGroup("v", 2, 8, area=(0.3, 1.0), jitter_p=1.0, brightness=0.4, contrast=0.4,
+                                      saturation=0.4, gray_p=0.3),))
+    loader = _loader(shards, recipe, seed=5, shuffle=False)
+    checked = grays = 0
+    for b in loader:
+        px = _pixels(b.global_views).round()                            # (2, B, 3, 8, 8)
+        for v in range(2):
+            fac = loader.last_debug[f"v/{v}/jitter_factors"]          # (B, 4) b, c, s, theta
+            gray = loader.last_debug[f"v/{v}/gray"]
+            for k, i in enumerate(b.index.tolist()):
+                got = px[v, k].reshape(3, -1)
+                assert torch.equal(got, got[:, :1].expand_as(got))      # still one colour
+                if gray[k]:
+                    assert got[0, 0] == got[1, 0] == got[2, 0]
+                    grays += 1
+                    continue
+                x = torch.tensor([200.0, 40 + i, 90.0]).view(3, 1, 1) / 255
+                seqs = []
+                for order in ((0, 1, 2), (2, 1, 0)):
+                    y = x
+                    for op in order:
+                        f = float(fac[k, op])
+                        y = (tvf.adjust_brightness, tvf.adjust_contrast, tvf.adjust_saturation)[op](y, f)
+                    seqs.append(y.view(3) * 255)
+                if (seqs[0] - seqs[1]).abs().max() < 0.01:               # order (clipping) does not matter
+                    assert (got[:, 0] - seqs[0]).abs().max() <= 1.0
+                    checked += 1
+    assert checked > 20 and grays > 5
