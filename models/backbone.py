@@ -1,62 +1,134 @@
-"""timm backbones by name, with a small-image stem for inputs of 64 px and below."""
+"""timm backbones by name, with a small-image stem for inputs of 64 px and below.
+
+The small-image stem (inputs <= `SMALL_IMAGE_PX`):
+- ResNets (any timm `ResNet`, e.g. resnet18, resnet50): conv1 becomes one 3x3 stride-1 padding-1
+  convolution without bias and the max-pool becomes `nn.Identity`, the CIFAR stem of SimCLR
+  (arXiv:2002.05709v3, CIFAR-10 appendix) and solo-learn. A 32 px image then reaches layer1 at 32x32
+  instead of 8x8.
+- ViTs (`vit_*`): built with `img_size=image_px` and `patch_size=image_px // 8`, so that the
+  global view is always an 8x8 grid of 64 tokens: 4 px patches at 32 px (the usual CIFAR ViT),
+  8 px patches at 64 px. Patch embedding and position embedding therefore change shape.
+ViTs are always built with `dynamic_img_size=True`, so local crops of another size interpolate
+the position embedding (DINO-style multi-crop); this changes no weight.
+
+`backbone_kwargs` + `apply_small_stem` are the whole recipe: a fresh
+`apply_small_stem(timm.create_model(name, num_classes=0, **backbone_kwargs(name, px)), name, px)`
+has exactly the layout whose weights `export_backbone_state` writes. Above 64 px both are no-ops
+for ResNets (and for ViTs at their native size, e.g. 224 px), so plain
+`timm.create_model(name, num_classes=0)` loads the export with no missing or unexpected keys.
+"""
 
 from __future__ import annotations
 
 import timm
-import torch
+from timm.models.resnet import ResNet
 from torch import Tensor, nn
 
-SMALL_IMAGE_PX = 64   # at or below this input size the stem keeps full resolution
+SMALL_IMAGE_PX = 64      # at or below this input side the small-image stem is used
+VIT_TOKENS_PER_SIDE = 8  # small ViTs see an 8x8 token grid at the global-view size
+
+
+def _is_vit(name: str) -> bool:
+    return name.startswith("vit_")
+
+
+def backbone_kwargs(name: str, image_px: int) -> dict:
+    """Extra `timm.create_model` arguments of a backbone for `image_px` inputs.
+
+    Args:
+        name: timm model name.
+        image_px: side of the square global views, in px, > 0.
+
+    Returns:
+        {} for non-ViTs; for ViTs img_size, dynamic_img_size and (at <= 64 px) patch_size.
+
+    Raises:
+        ValueError: a small ViT whose image side is not a multiple of 8.
+    """
+    if not _is_vit(name):
+        return {}
+    if image_px > SMALL_IMAGE_PX:
+        return {"img_size": image_px, "dynamic_img_size": True}
+    if image_px % VIT_TOKENS_PER_SIDE:
+        raise ValueError(f"a small-image ViT needs image_px divisible by {VIT_TOKENS_PER_SIDE} "
+                         f"(8x8 patches grid), got {image_px}; use 16, 32, 48 or 64")
+    return {"img_size": image_px, "patch_size": image_px // VIT_TOKENS_PER_SIDE,
+            "dynamic_img_size": True}
 
 
 def apply_small_stem(model: nn.Module, name: str, image_px: int) -> nn.Module:
-    """Swap a timm model's ImageNet stem for one that keeps small images at full resolution.
+    """Swap a timm ResNet's ImageNet stem for one that keeps small images at full resolution.
 
-    ResNets: conv1 becomes a 3x3 stride-1 convolution and the max-pool is removed (the CIFAR stem of
-    SimCLR and solo-learn). ViTs are instead built for the small size (see `build_backbone`).
-    Applied to a fresh `timm.create_model(name, num_classes=0)` this yields exactly the module layout
-    whose state dict `export_backbone_state` writes.
+    conv1 (a single conv or the deep stem of the "d" variants) becomes a 3x3 stride-1 conv with
+    the same output width and the max-pool is removed. Does nothing above `SMALL_IMAGE_PX` or for
+    ViTs (whose small stem is chosen at construction, see `backbone_kwargs`).
+
+    Args:
+        model: a fresh timm model built with num_classes=0.
+        name: its timm name (for the error message).
+        image_px: side of the square global views, in px.
+
+    Returns:
+        The same module, modified in place.
+
+    Raises:
+        ValueError: the model has no small-image stem defined (neither ResNet nor ViT).
     """
-    if image_px > SMALL_IMAGE_PX or not hasattr(model, "conv1"):
+    if image_px > SMALL_IMAGE_PX:
         return model
-    width = model.conv1.out_channels
-    model.conv1 = nn.Conv2d(3, width, kernel_size=3, stride=1, padding=1, bias=False)
-    model.maxpool = nn.Identity()
-    return model
+    if isinstance(model, ResNet):
+        width = model.bn1.num_features                 # conv1's output width, also for deep stems
+        model.conv1 = nn.Conv2d(3, width, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+        return model
+    if type(model).__name__ == "VisionTransformer":
+        return model
+    raise ValueError(f"no small-image stem for {name!r} ({type(model).__name__}) at {image_px} px; use a "
+                     f"resnet* or vit_* backbone, or images larger than {SMALL_IMAGE_PX} px")
 
 
 def build_backbone(name: str, image_px: int) -> tuple[nn.Module, int]:
     """Build a randomly initialised timm backbone that maps images to pooled features.
 
+    Never downloads: `pretrained=False`.
+
     Args:
         name: a timm model name, e.g. "resnet18", "resnet50", "vit_small_patch16_224".
-        image_px: side of the square inputs it will see.
+        image_px: side of the square global views, in px (<= 64 selects the small-image stem).
 
     Returns:
-        (module mapping (B, 3, H, W) float to (B, F), F).
+        (module mapping (B, 3, H, W) float to (B, F) pooled features, F).
 
     Raises:
-        ValueError: unknown model name.
+        ValueError: unknown model name, bad image size, or no small stem for this family.
     """
-    if name not in timm.list_models():
+    if not timm.is_model(name):
         raise ValueError(f"unknown backbone {name!r}; use a timm model name such as resnet18, "
                          f"resnet50 or vit_small_patch16_224")
-    kwargs: dict = {}
-    if name.startswith("vit") and image_px <= SMALL_IMAGE_PX:
-        # 4-px patches give 16x16 tokens at 64 px (8x8 at 32 px), as ViTs on CIFAR use.
-        kwargs = {"img_size": image_px, "patch_size": 4}
-    elif name.startswith("vit"):
-        kwargs = {"img_size": image_px}
-    model = timm.create_model(name, pretrained=False, num_classes=0, **kwargs)
+    if image_px < 1:
+        raise ValueError(f"image_px must be a positive number of pixels, got {image_px}")
+    model = timm.create_model(name, pretrained=False, num_classes=0, **backbone_kwargs(name, image_px))
     model = apply_small_stem(model, name, image_px)
     return model, int(model.num_features)
 
 
 def export_backbone_state(backbone: nn.Module) -> dict[str, Tensor]:
-    """The backbone's weights as a plain state dict (CPU tensors, no wrapper prefixes).
+    """The backbone's weights as a plain state dict: contiguous CPU tensors, no wrapper prefixes.
 
-    `timm.create_model(name, num_classes=0)` loads it with no missing or unexpected keys (for a
-    small-stem ResNet after `apply_small_stem`, since conv1 has a 3x3 kernel).
+    Loads with no missing or unexpected keys into `timm.create_model(name, num_classes=0)` above
+    64 px (ResNets), and into `apply_small_stem(timm.create_model(name, num_classes=0,
+    **backbone_kwargs(name, px)), name, px)` for the small-image stem (whose conv1 is 3x3).
+
+    Args:
+        backbone: the backbone, possibly wrapped by DDP ("module.") or torch.compile ("_orig_mod.").
+
+    Returns:
+        {parameter or buffer name: tensor}.
     """
     state = backbone.state_dict()
-    return {k.removeprefix("module."): v.detach().cpu().clone() for k, v in state.items()}
+    out: dict[str, Tensor] = {}
+    for key, value in state.items():
+        for prefix in ("module.", "_orig_mod."):
+            key = key.removeprefix(prefix)
+        out[key] = value.detach().cpu().contiguous().clone()
+    return out

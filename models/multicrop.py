@@ -1,4 +1,11 @@
-"""The SSL network: backbone + projector (+ predictor), with a multi-crop forward."""
+"""The SSL network: backbone + projector (+ predictor), with a multi-crop forward.
+
+Multi-crop forward (as in DINO / SwAV): all views of one resolution, across groups, go through
+the backbone and the heads as ONE batch; outputs are split back per group, in order. In train
+mode BatchNorm therefore normalises with statistics over every view of that resolution (not per
+view), and its running statistics are updated once per resolution. In eval mode the result is
+exactly a separate forward per view.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +30,14 @@ class ViewEmbeddings:
 
 
 class SSLModel(nn.Module):
-    """Backbone, projector and optional predictor."""
+    """Backbone, projector and optional predictor.
+
+    Attributes:
+        backbone: (N, 3, H, W) -> (N, feat_dim) pooled features.
+        projector: (N, feat_dim) -> (N, D).
+        predictor: (N, D) -> (N, D), or None.
+        feat_dim: F, the backbone feature size.
+    """
 
     def __init__(self, backbone: nn.Module, feat_dim: int, projector: nn.Module,
                  predictor: nn.Module | None) -> None:
@@ -37,45 +51,67 @@ class SSLModel(nn.Module):
         """Embed groups of views, running the backbone once per distinct resolution.
 
         Args:
-            groups: (V, B, 3, H, W) tensors, e.g. [batch.global_views, batch.local_views].
+            groups: (V, B, 3, H, W) float tensors, e.g. [batch.global_views, batch.local_views];
+                V and B may differ between groups.
 
         Returns:
-            One ViewEmbeddings per group, in order.
+            One ViewEmbeddings per group, in the order of `groups`.
+
+        Raises:
+            ValueError: a group that is not a (V, B, 3, H, W) tensor.
         """
         by_size: dict[tuple[int, int], list[int]] = {}
         for i, g in enumerate(groups):
-            by_size.setdefault(tuple(g.shape[-2:]), []).append(i)
+            if not isinstance(g, Tensor) or g.dim() != 5 or g.shape[2] != 3:
+                shape = tuple(g.shape) if isinstance(g, Tensor) else type(g).__name__
+                raise ValueError(f"view group {i} must be a (V, B, 3, H, W) tensor, got {shape}; "
+                                 f"pass only the groups the batch has (skip None)")
+            by_size.setdefault((g.shape[-2], g.shape[-1]), []).append(i)
         out: list[ViewEmbeddings | None] = [None] * len(groups)
         for members in by_size.values():
-            xs = [groups[i].flatten(0, 1) for i in members]        # (V*B, 3, H, W) each
-            h = self.backbone(torch.cat(xs))                         # (sum V*B, F)
-            z = self.projector(h)                                    # (sum V*B, D)
-            p = self.predictor(z) if self.predictor is not None else z
+            x = torch.cat([groups[i].flatten(0, 1) for i in members])     # (sum V*B, 3, H, W)
+            h = self.backbone(x)                                          # (sum V*B, F)
+            z = self.projector(h)                                         # (sum V*B, D)
+            p = self.predictor(z) if self.predictor is not None else z    # (sum V*B, D)
             start = 0
             for i in members:
                 v, b = groups[i].shape[:2]
-                sl = slice(start, start + v * b)
-                out[i] = ViewEmbeddings(h=h[sl].unflatten(0, (v, b)),   # (V, B, F)
-                                        z=z[sl].unflatten(0, (v, b)),   # (V, B, D)
-                                        p=p[sl].unflatten(0, (v, b)))   # (V, B, D)
+                rows = slice(start, start + v * b)
+                z_i = z[rows].unflatten(0, (v, b))                        # (V, B, D)
+                out[i] = ViewEmbeddings(h=h[rows].unflatten(0, (v, b)),   # (V, B, F)
+                                        z=z_i,
+                                        p=z_i if self.predictor is None
+                                        else p[rows].unflatten(0, (v, b)))  # (V, B, D)
                 start += v * b
         return out  # type: ignore[return-value]
 
     def update_from(self, online: "SSLModel", momentum: float) -> None:
-        """EMA update of this (target) network from `online`; see models/ema.py."""
+        """EMA update of this (target) network from `online`, called after optimizer.step().
+
+        param <- momentum * param + (1 - momentum) * online_param without grad; buffers copied
+        from online (models/ema.py).
+
+        Args:
+            online: the online network, unwrapped from DDP.
+            momentum: in [0, 1].
+        """
         ema_update_(self, online, momentum)
 
 
 def build_model(backbone: str, image_px: int, proj_hidden: int, proj_out: int, pred_hidden: int,
                 proj_layers: int = 2) -> SSLModel:
-    """Build an online network.
+    """Build an online network with randomly initialised weights.
 
     Args:
-        backbone: timm model name.
-        image_px: input side in px (<= 64 selects the small-image stem).
-        proj_hidden, proj_out: projector sizes.
-        pred_hidden: predictor hidden size; 0 means no predictor.
-        proj_layers: number of Linear layers of the projector.
+        backbone: timm model name (resnet18, resnet50, vit_small_patch16_224, ...).
+        image_px: global-view side in px (<= 64 selects the small-image stem).
+        proj_hidden: projector hidden width.
+        proj_out: projector output size D (also the predictor's input and output).
+        pred_hidden: predictor hidden width; 0 means no predictor.
+        proj_layers: number of Linear layers of the projector, >= 1.
+
+    Returns:
+        The SSLModel, in train mode.
     """
     net, feat_dim = build_backbone(backbone, image_px)
     projector = mlp(feat_dim, proj_hidden, proj_out, num_layers=proj_layers)

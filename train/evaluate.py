@@ -1,10 +1,17 @@
-"""Frozen-feature evaluation: weighted kNN and a linear probe on the val split.
+"""Frozen-feature evaluation: weighted kNN and a linear probe, fitted on train, scored on val.
 
 kNN follows Wu et al. 2018 ("Unsupervised Feature Learning via Non-Parametric Instance
-Discrimination", arXiv:1805.01978v1, Sec. 3.4) as used by DINO: cosine similarity, the k = 20
-nearest train features vote for their class with weight exp(sim / T), T = 0.07.
-The linear probe is multinomial logistic regression on standardised features, trained to
-convergence with full-batch L-BFGS (deterministic, no augmentation).
+Discrimination", arXiv:1805.01978v1, its weighted k-nearest-neighbour classifier) as DINO uses it
+(arXiv:2104.14294v2 and its eval_knn.py): cosine similarity s_i between the val feature and train feature i,
+the k = 20 nearest train features vote for their class with weight exp(s_i / T), T = 0.07, and the
+class with the largest summed weight wins.
+The linear probe is multinomial logistic regression on features standardised with the train
+mean/std: cross-entropy + l2 * ||W||^2, full batch, from zero weights, minimised with L-BFGS until
+the gradient vanishes (deterministic: no sampling, no augmentation).
+
+Deviations: none for kNN. The linear probe is the l2-regularised L-BFGS logistic regression of
+SimCLR's transfer evaluation (arXiv:2002.05709v3, transfer-learning appendix; no augmentation)
+rather than DINO's SGD-trained linear layer on augmented crops: deterministic and seconds on CPU.
 """
 
 from __future__ import annotations
@@ -18,89 +25,162 @@ from torch import Tensor, nn
 from pipelines.batch import Batch
 
 
+def _check_split(feats: Tensor, labels: Tensor, num_classes: int, split: str) -> None:
+    if feats.dim() != 2 or labels.dim() != 1 or feats.shape[0] != labels.shape[0]:
+        raise ValueError(f"{split} features must be (N, F) with labels (N,), got "
+                         f"{tuple(feats.shape)} and {tuple(labels.shape)}")
+    if feats.shape[0] == 0:
+        raise ValueError(f"the {split} split has no samples; evaluation needs a non-empty split")
+    if labels.min() < 0 or labels.max() >= num_classes:
+        raise ValueError(f"{split} labels must lie in [0, {num_classes}), got "
+                         f"[{int(labels.min())}, {int(labels.max())}]; check data.num_classes")
+
+
 @torch.no_grad()
 def extract_features(backbone: nn.Module, batches: Iterable[Batch],
                      device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
-    """Backbone features of the first global view of every batch, in eval mode.
+    """Backbone features of the first global view of every batch, in eval mode, without grad.
+
+    The backbone's train/eval mode is restored afterwards.
+
+    Args:
+        backbone: (B, 3, H, W) -> (B, F) module, already on `device`.
+        batches: Batch objects with labels (recipe `plain`, no shuffling).
+        device: where the backbone runs.
 
     Returns:
-        (feats (N, F) float32 on CPU, labels (N,) long, index (N,) long).
+        (feats (N, F) float32 on CPU, labels (N,) int64 on CPU, index (N,) int64 on CPU).
+
+    Raises:
+        ValueError: a batch without labels, or no batches at all.
     """
     was_training = backbone.training
     backbone.eval()
     feats, labels, index = [], [], []
-    for batch in batches:
-        if batch.label is None:
-            raise ValueError("evaluation needs labels: build its loader from a dataset with labels")
-        x = batch.global_views[0].to(device, non_blocking=True)          # (B, 3, H, W)
-        feats.append(backbone(x).float().cpu())                          # (B, F)
-        labels.append(batch.label.cpu().long())
-        index.append(batch.index.cpu().long())
-    backbone.train(was_training)
+    try:
+        for batch in batches:
+            if batch.label is None:
+                raise ValueError("evaluation needs labels: build its loader from a labelled split")
+            x = batch.global_views[0].to(device, non_blocking=True)    # (B, 3, H, W)
+            feats.append(backbone(x).float().cpu())                    # (B, F) sync: once per batch
+            labels.append(batch.label.cpu().long())
+            index.append(batch.index.cpu().long())
+    finally:
+        backbone.train(was_training)
+    if not feats:
+        raise ValueError("evaluation got no batches; check that the split is not empty")
     return torch.cat(feats), torch.cat(labels), torch.cat(index)
 
 
 @torch.no_grad()
 def knn_top1(train_feats: Tensor, train_labels: Tensor, val_feats: Tensor, val_labels: Tensor,
              num_classes: int, k: int = 20, temperature: float = 0.07, chunk: int = 1024) -> float:
-    """Top-1 accuracy of the temperature-weighted kNN vote (cosine similarity).
+    """Top-1 accuracy of the temperature-weighted kNN vote on cosine similarity.
+
+    score_c(x) = sum_{i in top-k(x)} [y_i = c] exp(s_i / T), prediction argmax_c score_c
+    (Wu et al. 2018, weighted kNN).
 
     Args:
-        train_feats: (N, F); train_labels: (N,) in [0, num_classes).
-        val_feats: (M, F); val_labels: (M,).
-        k: neighbours (capped at N); temperature: T in exp(sim / T).
+        train_feats: (N, F) float features of the train split.
+        train_labels: (N,) int labels in [0, num_classes).
+        val_feats: (M, F) float features of the val split.
+        val_labels: (M,) int labels in [0, num_classes).
+        num_classes: C.
+        k: neighbours, >= 1 (capped at N).
+        temperature: T > 0.
+        chunk: val rows per similarity block, bounds memory to chunk x N floats.
 
     Returns:
         Accuracy in [0, 1].
+
+    Raises:
+        ValueError: inconsistent shapes, labels out of range, k < 1 or T <= 0.
     """
-    train = F.normalize(train_feats.float(), dim=1)
+    _check_split(train_feats, train_labels, num_classes, "train")
+    _check_split(val_feats, val_labels, num_classes, "val")
+    if k < 1 or temperature <= 0:
+        raise ValueError(f"kNN needs k >= 1 and temperature > 0, got k={k}, T={temperature}")
+    train = F.normalize(train_feats.float(), dim=1)                      # (N, F)
+    train_labels = train_labels.long()
     k = min(k, train.shape[0])
     correct = 0
     for start in range(0, val_feats.shape[0], chunk):
         q = F.normalize(val_feats[start:start + chunk].float(), dim=1)   # (m, F)
         sim, idx = (q @ train.T).topk(k, dim=1)                          # (m, k)
-        votes = torch.zeros(q.shape[0], num_classes)
-        votes.scatter_add_(1, train_labels[idx], (sim / temperature).exp())  # (m, C)
-        correct += int((votes.argmax(1) == val_labels[start:start + chunk]).sum())
-    return correct / max(1, val_feats.shape[0])
+        votes = torch.zeros(q.shape[0], num_classes)                     # (m, C)
+        votes.scatter_add_(1, train_labels[idx], (sim / temperature).exp())
+        correct += int((votes.argmax(1) == val_labels[start:start + chunk].long()).sum())
+    return correct / val_feats.shape[0]
 
 
 def linear_probe_top1(train_feats: Tensor, train_labels: Tensor, val_feats: Tensor,
-                      val_labels: Tensor, num_classes: int, weight_decay: float = 1e-4,
-                      max_iter: int = 300) -> float:
-    """Top-1 accuracy of a linear classifier on standardised frozen features.
+                      val_labels: Tensor, num_classes: int, l2: float = 1e-4,
+                      max_iter: int = 1000) -> float:
+    """Top-1 accuracy of a multinomial logistic regression on standardised frozen features.
 
-    Full-batch L-BFGS on the cross-entropy plus an L2 penalty, from zero weights: deterministic and
-    run until the gradient is below tolerance or `max_iter` iterations.
+    Minimises mean cross-entropy + l2 * ||W||^2 (bias not penalised) over the full train split
+    with L-BFGS (strong Wolfe line search) from zero weights, in float32, until the largest
+    gradient entry is below 1e-5, the loss stops changing, or `max_iter` iterations. No
+    randomness: the same features give the same accuracy.
+
+    Args:
+        train_feats: (N, F) float features of the train split.
+        train_labels: (N,) int labels in [0, num_classes).
+        val_feats: (M, F) float features of the val split.
+        val_labels: (M,) int labels in [0, num_classes).
+        num_classes: C.
+        l2: weight of the squared-norm penalty on W, >= 0.
+        max_iter: L-BFGS iteration cap.
 
     Returns:
         Accuracy in [0, 1] on the val features.
+
+    Raises:
+        ValueError: inconsistent shapes or labels out of range.
     """
-    x = train_feats.double()
-    mean, std = x.mean(0), x.std(0).clamp_min(1e-6)
-    x = (x - mean) / std                                                 # (N, F)
-    xv = (val_feats.double() - mean) / std                               # (M, F)
-    w = torch.zeros(x.shape[1], num_classes, dtype=torch.float64, requires_grad=True)
-    b = torch.zeros(num_classes, dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, tolerance_grad=1e-7,
-                            tolerance_change=1e-10, history_size=20, line_search_fn="strong_wolfe")
+    _check_split(train_feats, train_labels, num_classes, "train")
+    _check_split(val_feats, val_labels, num_classes, "val")
+    # float32, not float64: 1.9-5.6 s instead of 12-22 s on 10,000 x 512 features (2 busy CPU
+    # cores), final loss within 0.2% of float64 and the same val accuracy in 3 measured cases.
+    x = train_feats.float()
+    mean, std = x.mean(0), x.std(0)
+    std = torch.where(std > 1e-6, std, torch.ones_like(std))           # constant features stay 0
+    x = (x - mean) / std                                               # (N, F)
+    xv = (val_feats.float() - mean) / std                              # (M, F)
+    y = train_labels.long()
+    w = torch.zeros(x.shape[1], num_classes, requires_grad=True)
+    b = torch.zeros(num_classes, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, max_eval=2 * max_iter,
+                            tolerance_grad=1e-5, tolerance_change=1e-9, history_size=20,
+                            line_search_fn="strong_wolfe")
 
     def closure() -> Tensor:
         opt.zero_grad()
-        loss = F.cross_entropy(x @ w + b, train_labels) + weight_decay * (w * w).sum()
+        loss = F.cross_entropy(x @ w + b, y) + l2 * (w * w).sum()
         loss.backward()
         return loss
 
     with torch.enable_grad():
         opt.step(closure)
     with torch.no_grad():
-        pred = (xv @ w + b).argmax(1)
-    return float((pred == val_labels).double().mean())
+        pred = (xv @ w + b).argmax(1)                                  # (M,)
+    return float((pred == val_labels.long()).double().mean())
 
 
 def evaluate(backbone: nn.Module, train_batches: Iterable[Batch], val_batches: Iterable[Batch],
              num_classes: int, device: torch.device | str) -> dict[str, float]:
-    """kNN and linear-probe top-1 of `backbone` on the val split, fitted on the train split."""
+    """kNN and linear-probe top-1 of a frozen backbone: fitted on train, scored on val.
+
+    Args:
+        backbone: (B, 3, H, W) -> (B, F) module on `device`.
+        train_batches: batches of the train split (recipe `plain`, no shuffle, no drop_last).
+        val_batches: batches of the val split, same settings.
+        num_classes: C.
+        device: where the backbone runs.
+
+    Returns:
+        {"knn_top1": accuracy in [0, 1], "linear_top1": accuracy in [0, 1]}.
+    """
     tr_f, tr_y, _ = extract_features(backbone, train_batches, device)
     va_f, va_y, _ = extract_features(backbone, val_batches, device)
     return {"knn_top1": knn_top1(tr_f, tr_y, va_f, va_y, num_classes),

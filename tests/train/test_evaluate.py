@@ -1,52 +1,134 @@
-"""kNN and linear-probe evaluation against literal implementations and known answers."""
+"""kNN and linear-probe evaluation against a literal vote, known answers, and real batches."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+from torch import nn
 
-from train.evaluate import knn_top1, linear_probe_top1
+from models.backbone import build_backbone
+from pipelines.batch import Batch
+from train.evaluate import evaluate, extract_features, knn_top1, linear_probe_top1
 
 
-def _clusters(n: int, d: int, classes: int, spread: float, seed: int):
+def _clusters(n: int, d: int, classes: int, spread: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    centres = torch.randn(classes, d, generator=g) * 4
+    centres = torch.randn(classes, d, generator=torch.Generator().manual_seed(0)) * 4
     y = torch.randint(0, classes, (n,), generator=g)
     return centres[y] + spread * torch.randn(n, d, generator=g), y
 
 
-def test_knn_matches_a_literal_weighted_vote() -> None:
-    xt, yt = _clusters(60, 8, 3, spread=4.0, seed=1)
-    xv, yv = _clusters(25, 8, 3, spread=4.0, seed=2)
-    k, T = 5, 0.07
+def _literal_knn(xt, yt, xv, yv, classes: int, k: int, t: float) -> float:
+    """Wu et al. 2018 weighted vote, written out with Python loops in float64."""
     correct = 0
     for i in range(xv.shape[0]):
-        sims = [float(torch.dot(xv[i], xt[j]) / (xv[i].norm() * xt[j].norm())) for j in range(xt.shape[0])]
+        q = xv[i].double()
+        sims = [float(q @ xt[j].double() / (q.norm() * xt[j].double().norm())) for j in range(xt.shape[0])]
         nearest = sorted(range(len(sims)), key=lambda j: -sims[j])[:k]
-        votes = [0.0] * 3
+        votes = [0.0] * classes
         for j in nearest:
-            votes[int(yt[j])] += math.exp(sims[j] / T)
-        correct += int(max(range(3), key=lambda c: votes[c]) == int(yv[i]))
-    assert knn_top1(xt, yt, xv, yv, num_classes=3, k=k, temperature=T) == correct / xv.shape[0]
+            votes[int(yt[j])] += math.exp(sims[j] / t)
+        correct += int(max(range(classes), key=lambda c: votes[c]) == int(yv[i]))
+    return correct / xv.shape[0]
+
+
+@pytest.mark.parametrize("k, t, chunk", [(20, 0.07, 1024), (5, 0.5, 7), (200, 0.07, 16)])
+def test_knn_matches_a_literal_weighted_vote(k: int, t: float, chunk: int) -> None:
+    xt, yt = _clusters(80, 8, 4, spread=5.0, seed=1)      # overlapping clusters: votes matter
+    xv, yv = _clusters(30, 8, 4, spread=5.0, seed=2)
+    got = knn_top1(xt, yt, xv, yv, num_classes=4, k=k, temperature=t, chunk=chunk)
+    assert got == _literal_knn(xt, yt, xv, yv, 4, min(k, 80), t)
+    assert 0.3 < got < 1.0                                 # neither trivial nor chance
+
+
+def test_knn_weights_by_similarity_not_by_count() -> None:
+    # Two near neighbours of class 1 outvote three far ones of class 0 only through exp(sim / T).
+    xt = torch.tensor([[1.0, 0.02], [1.0, -0.02], [0.6, 0.8], [0.6, -0.8], [0.5, 0.85]])
+    yt = torch.tensor([1, 1, 0, 0, 0])
+    xv, yv = torch.tensor([[1.0, 0.0]]), torch.tensor([1])
+    assert knn_top1(xt, yt, xv, yv, num_classes=2, k=5, temperature=0.07) == 1.0
+    assert knn_top1(xt, yt, xv, yv, num_classes=2, k=5, temperature=100.0) == 0.0   # ~ majority
 
 
 def test_knn_separates_clusters_and_is_at_chance_on_random_labels() -> None:
     xt, yt = _clusters(500, 16, 5, spread=0.5, seed=3)
-    assert knn_top1(xt, yt, xt[:200], yt[:200], 5) == 1.0
-    g = torch.Generator().manual_seed(4)
-    noise_t, noise_v = torch.randn(2000, 16, generator=g), torch.randn(1000, 16, generator=g)
-    acc = knn_top1(noise_t, torch.randint(0, 5, (2000,), generator=g), noise_v,
-                   torch.randint(0, 5, (1000,), generator=g), 5)
-    assert abs(acc - 0.2) < 0.06
+    xv, yv = _clusters(200, 16, 5, spread=0.5, seed=4)
+    assert knn_top1(xt, yt, xv, yv, 5) == 1.0
+    g = torch.Generator().manual_seed(5)
+    acc = knn_top1(torch.randn(2000, 16, generator=g), torch.randint(0, 5, (2000,), generator=g),
+                   torch.randn(1000, 16, generator=g), torch.randint(0, 5, (1000,), generator=g), 5)
+    assert abs(acc - 0.2) < 0.06                           # 4.7 standard errors
 
 
 def test_linear_probe_solves_separable_data_deterministically_and_not_noise() -> None:
-    xt, yt = _clusters(400, 10, 4, spread=1.0, seed=5)
-    xv, yv = _clusters(200, 10, 4, spread=1.0, seed=5)
+    xt, yt = _clusters(400, 10, 4, spread=1.0, seed=6)
+    xv, yv = _clusters(200, 10, 4, spread=1.0, seed=7)
     a = linear_probe_top1(xt, yt, xv, yv, 4)
-    assert a > 0.97 and a == linear_probe_top1(xt, yt, xv, yv, 4)
-    g = torch.Generator().manual_seed(6)
+    assert a >= 0.99 and a == linear_probe_top1(xt, yt, xv, yv, 4)
+    g = torch.Generator().manual_seed(8)
     acc = linear_probe_top1(torch.randn(400, 10, generator=g), torch.randint(0, 4, (400,), generator=g),
                             torch.randn(400, 10, generator=g), torch.randint(0, 4, (400,), generator=g), 4)
-    assert acc < 0.4
+    assert acc < 0.4                                       # chance is 0.25
+
+
+def test_linear_probe_standardises_features_and_ignores_constant_columns() -> None:
+    # Label in one tiny-scale feature, noise in huge-scale ones, plus a constant column: without
+    # standardisation the L2 penalty and conditioning would hide the signal; with it the probe is exact.
+    g = torch.Generator().manual_seed(9)
+    y = torch.randint(0, 2, (300,), generator=g)
+    signal = (y.float() * 2 - 1 + 0.1 * torch.randn(300, generator=g)) * 1e-4
+    noise = 1e4 * torch.randn(300, 5, generator=g)
+    x = torch.cat([signal[:, None], noise, torch.full((300, 1), 7.0)], dim=1)   # (300, 7)
+    acc = linear_probe_top1(x[:200], y[:200], x[200:], y[200:], num_classes=2)
+    assert acc == 1.0
+
+
+def test_bad_evaluation_inputs_are_value_errors() -> None:
+    x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 2\)"):
+        knn_top1(x, y, x, y, num_classes=2)
+    with pytest.raises(ValueError, match="features must be"):
+        linear_probe_top1(x, y[:5], x, y, num_classes=3)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        knn_top1(x, y, x, y, num_classes=3, temperature=0.0)
+
+
+def _batches(n_batches: int, b: int, seed: int, px: int = 16) -> list[Batch]:
+    """Images whose mean colour encodes the label: class c is bright in channel c."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n_batches):
+        label = torch.randint(0, 3, (b,), generator=g)
+        x = 0.3 * torch.randn(1, b, 3, px, px, generator=g)                     # (1, B, 3, H, W)
+        x[0, torch.arange(b), label] += 2.0
+        out.append(Batch(global_views=x, local_views=None, weak_views=None, mixed=None, mix_lam=None,
+                         mix_partner=None, index=torch.arange(i * b, (i + 1) * b), label=label))
+    return out
+
+
+def test_extract_features_runs_the_backbone_in_eval_mode_on_the_first_global_view() -> None:
+    torch.manual_seed(0)
+    backbone, f = build_backbone("resnet18", 16)
+    batches = _batches(2, 3, seed=10)
+    feats, labels, index = extract_features(backbone, batches, "cpu")
+    assert backbone.training                                # mode restored
+    assert feats.shape == (6, f) and feats.dtype == torch.float32 and not feats.requires_grad
+    assert torch.equal(labels, torch.cat([bt.label for bt in batches]))
+    assert torch.equal(index, torch.arange(6))
+    with torch.no_grad():
+        expected = backbone.eval()(torch.cat([bt.global_views[0] for bt in batches]))   # (6, F)
+    torch.testing.assert_close(feats, expected, rtol=1e-4, atol=1e-5)
+    unlabelled = Batch(global_views=batches[0].global_views, local_views=None, weak_views=None,
+                       mixed=None, mix_lam=None, mix_partner=None, index=batches[0].index)
+    with pytest.raises(ValueError, match="needs labels"):
+        extract_features(backbone, [unlabelled], "cpu")
+
+
+def test_evaluate_reports_both_accuracies_on_colour_coded_images() -> None:
+    mean_colour = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())   # (B, 3, H, W) -> (B, 3)
+    result = evaluate(mean_colour, _batches(4, 8, seed=11), _batches(2, 8, seed=12), 3, "cpu")
+    assert result == {"knn_top1": 1.0, "linear_top1": 1.0}
+    shuffled = [Batch(**{**vars(bt), "label": bt.label.roll(1)}) for bt in _batches(2, 8, seed=12)]
+    assert evaluate(mean_colour, _batches(4, 8, seed=11), shuffled, 3, "cpu")["knn_top1"] < 0.8
