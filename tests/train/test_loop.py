@@ -1,6 +1,5 @@
 """The loop end to end on the torch backend: every objective trains 3 finite steps, checkpoints
-round-trip, the exported backbone loads in timm, a non-finite loss stops the run, and a short run
-beats a random-init backbone."""
+round-trip, the exported backbone loads in timm, and a non-finite loss stops the run."""
 
 from __future__ import annotations
 
@@ -57,16 +56,3 @@ def test_non_finite_loss_stops_with_step_and_terms(tiny_args, tmp_path) -> None:
     cfg = load_config(tiny_args("byol", tmp_path, "optim.lr=.inf", "optim.warmup_steps=0"))
     with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step 2 .*loss=(nan|inf)"):
         train(cfg)
-
-
-@pytest.mark.slow
-def test_short_rsa_run_beats_random_init(tiny_args, tmp_path_factory, tmp_path) -> None:
-    from preprocess.prepare import prepare_dataset
-
-    root = tmp_path_factory.mktemp("data256")
-    prepare_dataset("synthetic", root, workers=1, train_size=256, val_size=128, image_px=32, seed=0)
-    words = [*tiny_args("rsa", tmp_path), f"data.root={root}", "data.batch_size=32", "optim.steps=40",
-             "optim.warmup_steps=4", "optim.lr=0.4", "optim.ema_start=0.96", "run.log_every=10",
-             "run.ckpt_every=40", "run.max_eval_samples=0"]
-    last = train_records(train(load_config(words)), "eval")[-1]
-    assert last["knn_top1"] > last["random_init/knn_top1"] + 0.03
