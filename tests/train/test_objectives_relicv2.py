@@ -10,25 +10,7 @@ import torch
 
 from train.objectives.relicv2 import relic_loss, relicv2_multicrop_loss, sample_negatives
 
-
-def rn(*shape):
-    return torch.randn(*shape, dtype=torch.float64)
-
-
-def _grads(fn, tensors):
-    xs = [t.clone().requires_grad_(True) for t in tensors]
-    out = fn(*xs)
-    grads = torch.autograd.grad(out, xs, allow_unused=True)
-    return out.detach(), [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads)]
-
-
-def assert_same(fast, literal, tensors):
-    v1, g1 = _grads(fast, tensors)
-    v2, g2 = _grads(literal, tensors)
-    torch.testing.assert_close(v1, v2, rtol=1e-9, atol=1e-10)
-    for a, b in zip(g1, g2):
-        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
-    return g1
+from literal_check import assert_same_values_and_grads, rn
 
 
 def _phi(a, b, tau):
@@ -59,7 +41,7 @@ def test_relic_loss_matches_literal_eqs_1_to_3():
     online, target = rn(m, d), rn(m, d)
     neg = sample_negatives(m, n_e, torch.Generator().manual_seed(1))[:b]
     neg_list = neg.tolist()
-    grads = assert_same(lambda o, t: relic_loss(o, t, neg, 0.2, 0.7, 1.3),
+    grads = assert_same_values_and_grads(lambda o, t: relic_loss(o, t, neg, 0.2, 0.7, 1.3),
                         lambda o, t: literal_relic(o, t, neg_list, 0.2, 0.7, 1.3),
                         [online, target])
     assert grads[0].abs().sum() > 0 and grads[1].abs().sum() == 0
@@ -97,7 +79,7 @@ def test_multicrop_loss_matches_listing1_pairing():
     def fast(*xs):
         return relicv2_multicrop_loss(list(xs[:3]), list(xs[3:5]), list(xs[5:]), neg, 0.1, 1.0, 1.0)
 
-    assert_same(fast, literal, [*ol, *osm, *tl])
+    assert_same_values_and_grads(fast, literal, [*ol, *osm, *tl])
 
 
 def test_negatives_are_distinct_exclude_the_anchor_and_are_reproducible():

@@ -11,16 +11,7 @@ from hypothesis import strategies as st
 from train.objectives.rsa import rsa_beta, rsa_loss
 from train.objectives.terms import byol_loss
 
-
-def rn(*shape):
-    return torch.randn(*shape, dtype=torch.float64)
-
-
-def _grads(fn, tensors):
-    xs = [t.clone().requires_grad_(True) for t in tensors]
-    out = fn(*xs)
-    grads = torch.autograd.grad(out, xs, allow_unused=True)
-    return out.detach(), [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads)]
+from literal_check import rn, values_and_grads
 
 
 def _mse(z, z2):
@@ -42,8 +33,8 @@ def literal_rsa(za, za2, zw, zw2, beta):
 def test_rsa_loss_matches_literal_eq5_values_and_grads():
     torch.manual_seed(0)
     xs = [rn(5, 4) for _ in range(4)]
-    v1, g1 = _grads(lambda a, b, c, d: rsa_loss(a, b, c, d, 0.3), xs)
-    v2, g2 = _grads(lambda a, b, c, d: literal_rsa(a, b, c, d, 0.3), xs)
+    v1, g1 = values_and_grads(lambda a, b, c, d: rsa_loss(a, b, c, d, 0.3), xs)
+    v2, g2 = values_and_grads(lambda a, b, c, d: literal_rsa(a, b, c, d, 0.3), xs)
     torch.testing.assert_close(v1, v2, rtol=1e-9, atol=1e-10)
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)

@@ -9,16 +9,7 @@ from hypothesis import strategies as st
 from train.objectives.sdmp import sdmp_clam, sdmp_loss
 from train.objectives.terms import moco_ctr
 
-
-def rn(*shape):
-    return torch.randn(*shape, dtype=torch.float64)
-
-
-def _grads(fn, tensors):
-    xs = [t.clone().requires_grad_(True) for t in tensors]
-    out = fn(*xs)
-    grads = torch.autograd.grad(out, xs, allow_unused=True)
-    return out.detach(), [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads)]
+from literal_check import rn, values_and_grads
 
 
 def _cos(a, b):
@@ -49,8 +40,8 @@ def test_sdmp_loss_matches_literal_eqs_3_4_values_and_grads():
     q, ks, km = rn(b, d), rn(b + extra, d), rn(b + extra, d)
     lam = torch.rand(b, dtype=torch.float64)
     lam_list = lam.tolist()
-    v1, g1 = _grads(lambda q, ks, km: sdmp_loss(q, ks, km, lam, 0.3), [q, ks, km])
-    v2, g2 = _grads(lambda q, ks, km: literal_sdmp(q, ks, km, lam_list, 0.3), [q, ks, km])
+    v1, g1 = values_and_grads(lambda q, ks, km: sdmp_loss(q, ks, km, lam, 0.3), [q, ks, km])
+    v2, g2 = values_and_grads(lambda q, ks, km: literal_sdmp(q, ks, km, lam_list, 0.3), [q, ks, km])
     torch.testing.assert_close(v1, v2, rtol=1e-9, atol=1e-10)
     for a, c in zip(g1, g2):
         torch.testing.assert_close(a, c, rtol=1e-8, atol=1e-10)

@@ -10,24 +10,7 @@ import torch.nn.functional as F
 from train.objectives.terms import (byol_loss, local_first, moco_ctr, nt_xent, regression_loss,
                                     soft_info_nce)
 
-
-def rn(*shape):
-    return torch.randn(*shape, dtype=torch.float64)
-
-
-def _values_and_grads(fn, tensors):
-    xs = [t.clone().requires_grad_(True) for t in tensors]
-    out = fn(*xs)
-    grads = torch.autograd.grad(out, xs, allow_unused=True)
-    return out.detach(), [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads)]
-
-
-def assert_same_values_and_grads(fast, literal, tensors):
-    v1, g1 = _values_and_grads(fast, tensors)
-    v2, g2 = _values_and_grads(literal, tensors)
-    torch.testing.assert_close(v1, v2, rtol=1e-9, atol=1e-10)
-    for a, b in zip(g1, g2):
-        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+from literal_check import assert_same_values_and_grads, rn, values_and_grads
 
 
 def _cos(a, b):
@@ -55,7 +38,7 @@ def test_regression_loss_matches_eq2_and_stops_target_gradient():
         return sum(2 - 2 * _cos(p[i], z[i].detach()) for i in range(5))
 
     assert_same_values_and_grads(lambda p, z: regression_loss(p, z).sum(), literal, [p, z])
-    _, (gp, gz) = _values_and_grads(lambda p, z: regression_loss(p, z).sum(), [p, z])
+    _, (gp, gz) = values_and_grads(lambda p, z: regression_loss(p, z).sum(), [p, z])
     assert gp.abs().sum() > 0 and gz.abs().sum() == 0
 
 
