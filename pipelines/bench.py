@@ -405,7 +405,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(a: argparse.Namespace) -> dict:
     """Run the benchmark described by parsed arguments; returns the report (also written to a.out)."""
-    from pipelines.torchvision_backend import _scan_shards
+    from pipelines.shards import scan_shards
 
     recipes = _csv(a.recipes, tuple(RECIPES) + ("byol", "multicrop8", "plain"), "recipe")
     datasets = _csv(a.datasets, DATASETS, "dataset")
@@ -426,7 +426,7 @@ def run(a: argparse.Namespace) -> dict:
     }
     for ds in datasets:
         root, name = prepare(ds, work, a.n, a.quick, a.cores)
-        entries = _scan_shards(root / name / "train")
+        entries = scan_shards(root / name / "train")
         gpx, lpx = QUICK_SIZES_PX if a.quick else SIZES_PX[ds]
         decode_best: dict[str, float] = {}
         for dec in ("pil", "torchvision.io"):

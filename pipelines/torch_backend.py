@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import math
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from torch import Tensor
 from pipelines import mixing, schema
 from pipelines.batch import Batch, normalize
 from pipelines.loader import LoaderSpec
+from pipelines.shards import ShardRecord, scan_shards
 from pipelines.views import Recipe, ViewGroup
 
 GRAY_WEIGHTS = (0.2989, 0.5870, 0.1140)
@@ -395,35 +395,18 @@ def _dev_gen(gen: torch.Generator, dev: torch.device) -> torch.Generator:
 # ------------------------------------------------------------------------------------------------
 
 
-def _index_shards(split_dir: Path) -> dict[int, dict[str, tuple[int, int, int]]]:
-    """{record index: {ext: (shard number, data offset, size)}} from the shards' tar headers."""
-    shards = sorted(split_dir.glob("shard-*.tar"))
-    if not shards:
-        raise FileNotFoundError(f"no shards in {split_dir}: run make preprocess to write the DALI shards")
-    out: dict[int, dict[str, tuple[int, int, int]]] = {}
-    for s, path in enumerate(shards):
-        with tarfile.open(path) as tf:
-            for m in tf:
-                if not m.isfile():
-                    continue
-                key, _, ext = m.name.rpartition("/")[2].partition(".")
-                out.setdefault(int(key), {})[ext] = (s, m.offset_data, m.size)
-    return out
-
-
 class _Reader(torch.utils.data.Dataset):
     """Decodes and augments one whole batch per item (runs in DataLoader workers)."""
 
-    def __init__(self, spec: LoaderSpec, shards: list[str], members: list[dict], mean, std):
-        self.spec, self.shards, self.members, self.mean, self.std = spec, shards, members, mean, std
-        self.files: dict[int, object] = {}
+    def __init__(self, spec: LoaderSpec, records: list[ShardRecord], mean, std):
+        self.spec, self.records, self.mean, self.std = spec, records, mean, std
+        self.files: dict[str, object] = {}
 
-    def _read(self, loc) -> bytes:
-        s, off, size = loc
-        f = self.files.get(s)
+    def _read(self, shard: str, offset: int, size: int) -> bytes:
+        f = self.files.get(shard)
         if f is None:
-            f = self.files[s] = open(self.shards[s], "rb")
-        f.seek(off)
+            f = self.files[shard] = open(shard, "rb")
+        f.seek(offset)
         return f.read(size)
 
     def _decode(self, data: bytes, mode: str) -> Tensor:
@@ -441,13 +424,12 @@ class _Reader(torch.utils.data.Dataset):
         spec = self.spec
         images, masks, labels, cov = [], [], [], []
         for i in indices:
-            mem = self.members[i]
-            img_ext = "jpg" if "jpg" in mem else "png"
-            images.append(self._decode(self._read(mem[img_ext]), "RGB"))
-            rec = np.frombuffer(self._read(mem[schema.DALI_RECORD_EXT]), dtype="<i8")
-            labels.append(int(rec[0]))
-            cov.append(float(rec[2]) / 1e6 if rec[2] >= 0 else -1.0)
-            masks.append(self._decode(self._read(mem[schema.DALI_MASK_EXT]), "L") if schema.DALI_MASK_EXT in mem else None)
+            r = self.records[i]
+            images.append(self._decode(self._read(r.shard, r.image_offset, r.image_size), "RGB"))
+            labels.append(r.label)
+            cov.append(r.coverage)
+            masks.append(self._decode(self._read(r.shard, r.mask_offset, r.mask_size), "L")
+                         if r.mask_offset >= 0 else None)
         gen = torch.Generator().manual_seed(seed_key)
         need_masks = any(g.saliency_p > 0 for g in spec.recipe.groups)
         views = render_views(images, masks if need_masks else None, torch.tensor(cov), spec.recipe, gen)
@@ -485,11 +467,10 @@ class TorchLoader:
             raise TorchBackendError(f"split {spec.split!r} not in dataset {spec.dataset!r}; use one of {sorted(man['counts'])}")
         self.n = int(man["counts"][spec.split])
         split_dir = ddir / spec.split
-        index = _index_shards(split_dir)
-        if len(index) != self.n:
-            raise schema.DatasetError(f"{split_dir} holds {len(index)} records, manifest says {self.n}: re-run make preprocess")
-        self.shards = [str(p) for p in sorted(split_dir.glob("shard-*.tar"))]
-        self.members = [index[i] for i in range(self.n)]
+        self.records = scan_shards(split_dir)           # sorted by index, indices 0..N-1
+        if len(self.records) != self.n:
+            raise schema.DatasetError(f"{split_dir} holds {len(self.records)} records, manifest says {self.n}: "
+                                      "re-run make preprocess")
         self.spec = spec
         self.mean, self.std = tuple(man.get("mean") or (0.5,) * 3), tuple(man.get("std") or (0.25,) * 3)
         self.epoch = 0
@@ -541,7 +522,7 @@ class TorchLoader:
         batches = self._batches()
         start = self.done
         items = [(self._seed(k), batches[k]) for k in range(start, len(batches))]
-        reader = _Reader(s, self.shards, self.members, self.mean, self.std)
+        reader = _Reader(s, self.records, self.mean, self.std)
         if s.num_workers > 0 and len(items) > 1:
             dl = torch.utils.data.DataLoader(reader, batch_size=None, sampler=items, num_workers=s.num_workers,
                                              persistent_workers=False, prefetch_factor=2)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import io
 import os
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -39,6 +38,7 @@ from torch import Tensor
 from pipelines import schema
 from pipelines.batch import Batch, normalize
 from pipelines.loader import LoaderSpec
+from pipelines.shards import ShardRecord, scan_shards
 from pipelines.views import Recipe, ViewGroup
 
 _INTERPOLATION = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}
@@ -48,64 +48,6 @@ _BLUR_REFERENCE_PX = 224        # ViewGroup.blur_sigma is given in px at a 224-p
 
 class TorchvisionBackendError(ValueError):
     """A dataset or recipe the torchvision backend cannot read, with the fix in the message."""
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """Where the members of one record live inside its shard."""
-
-    shard: str
-    image_offset: int
-    image_size: int
-    mask_offset: int      # -1 without a mask
-    mask_size: int
-    label: int
-    index: int
-    coverage: float       # fraction of mask pixels >= 128, or schema.NO_MASK_COVERAGE
-
-
-def _scan_shards(split_dir: Path) -> list[_Entry]:
-    """Index every record of a split by reading the tar headers (and the small `.rec` members).
-
-    Raises:
-        TorchvisionBackendError: no shards, a record without image or `.rec`, or indices that are
-            not exactly 0..N-1.
-    """
-    shards = sorted(split_dir.glob("shard-*.tar"))
-    if not shards:
-        raise TorchvisionBackendError(f"no shard-*.tar files in {split_dir}; run `python -m preprocess` for this dataset")
-    image_exts = schema.DALI_IMAGE_EXT.split(";")
-    entries: list[_Entry] = []
-    for shard in shards:
-        members: dict[str, dict[str, tarfile.TarInfo]] = {}
-        recs: dict[str, bytes] = {}
-        with tarfile.open(shard, "r:") as tar:
-            for info in tar:
-                if not info.isfile():
-                    continue
-                key, _, ext = info.name.partition(".")
-                members.setdefault(key, {})[ext] = info
-                if ext == schema.DALI_RECORD_EXT:
-                    recs[key] = tar.extractfile(info).read()
-        for key in sorted(members):
-            parts = members[key]
-            image = next((parts[e] for e in image_exts if e in parts), None)
-            if image is None or key not in recs:
-                raise TorchvisionBackendError(
-                    f"record {key} in {shard.name} lacks its image or .{schema.DALI_RECORD_EXT} member; "
-                    "re-run `python -m preprocess` to rewrite the dataset")
-            label, index, cov_ppm = (int(v) for v in np.frombuffer(recs[key], dtype="<i8")[:3])
-            mask = parts.get(schema.DALI_MASK_EXT)
-            entries.append(_Entry(
-                shard=str(shard), image_offset=image.offset_data, image_size=image.size,
-                mask_offset=mask.offset_data if mask is not None else -1,
-                mask_size=mask.size if mask is not None else 0, label=label, index=index,
-                coverage=cov_ppm / 1e6 if cov_ppm >= 0 else schema.NO_MASK_COVERAGE))
-    entries.sort(key=lambda e: e.index)
-    if [e.index for e in entries] != list(range(len(entries))):
-        raise TorchvisionBackendError(
-            f"record indices in {split_dir} are not 0..{len(entries) - 1}; re-run `python -m preprocess`")
-    return entries
 
 
 def split_groups(recipe: Recipe) -> tuple[list[ViewGroup], list[ViewGroup], list[ViewGroup]]:
@@ -203,7 +145,7 @@ class ShardDataset(torch.utils.data.Dataset):
     order), `index` and `label`.
     """
 
-    def __init__(self, entries: list[_Entry], recipe: Recipe) -> None:
+    def __init__(self, entries: list[ShardRecord], recipe: Recipe) -> None:
         self.entries = entries
         self.recipe = recipe
         global_groups, _, _ = split_groups(recipe)
@@ -222,7 +164,7 @@ class ShardDataset(torch.utils.data.Dataset):
             fd = self._fds[shard] = os.open(shard, os.O_RDONLY)
         return os.pread(fd, size, offset)
 
-    def decode(self, pos: int) -> tuple[Image.Image, Image.Image | None, _Entry]:
+    def decode(self, pos: int) -> tuple[Image.Image, Image.Image | None, ShardRecord]:
         """Decode record `pos` as PIL RGB (and its mask as PIL L, or None)."""
         e = self.entries[pos]
         img = Image.open(io.BytesIO(self._read(e.shard, e.image_offset, e.image_size))).convert("RGB")
@@ -310,7 +252,7 @@ def _collate(items: list[dict]) -> dict:
 class TorchvisionLoader:
     """PIL + torchvision loader for one rank; see the module docstring."""
 
-    def __init__(self, spec: LoaderSpec, entries: list[_Entry], mean: tuple[float, ...],
+    def __init__(self, spec: LoaderSpec, entries: list[ShardRecord], mean: tuple[float, ...],
                  std: tuple[float, ...]) -> None:
         self.spec = spec
         self.mean, self.std = tuple(mean), tuple(std)
@@ -409,7 +351,7 @@ def build(spec: LoaderSpec) -> TorchvisionLoader:
     if spec.split not in manifest["counts"]:
         raise TorchvisionBackendError(
             f"dataset {dataset_dir} has no split {spec.split!r}; choose one of {sorted(manifest['counts'])}")
-    entries = _scan_shards(dataset_dir / spec.split)
+    entries = scan_shards(dataset_dir / spec.split)
     if len(entries) != manifest["counts"][spec.split]:
         raise TorchvisionBackendError(
             f"{dataset_dir / spec.split} holds {len(entries)} records, the manifest says "
