@@ -139,6 +139,8 @@ def _parse(key: str, value: Any, t: Any) -> Any:
                 raise TypeError
             return value
         if t is float:
+            if isinstance(value, str):      # YAML 1.1 reads `1e-4` (no dot) as a string
+                value = float(value)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError
             return float(value)

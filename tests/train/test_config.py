@@ -42,6 +42,12 @@ def test_unknown_key_lists_closest_keys() -> None:
         load_config(["method=rsa", "data=synthetic", "data.batchsize=8"])
 
 
+def test_exponent_without_dot_reads_as_float() -> None:
+    # YAML 1.1 reads `1e-4` as a string; a user typing it on the command line means a float.
+    cfg = load_config(["method=rsa", "data=synthetic", "optim.weight_decay=1e-4", "optim.lr=5E-2"])
+    assert cfg.optim.weight_decay == 1e-4 and cfg.optim.lr == 0.05
+
+
 def test_bad_type_is_an_error() -> None:
     with pytest.raises(ConfigError, match=r"optim\.steps.*int"):
         load_config(["method=rsa", "data=synthetic", "optim.steps=1.5"])
