@@ -57,52 +57,85 @@ class FFCVBackendError(ValueError):
 
 @dataclass(frozen=True)
 class CropLayout:
-    """Where each crop view lives in the flat per-sample row `_DecodeViews` writes.
+    """Where each view lives in the flat per-sample row `DecodeViews` writes.
 
-    Views are numbered over the crop groups (groups without a parent) in recipe order.
+    Views are numbered over the crop groups (groups without a parent) in recipe order; with compiled
+    ops (`staged` set, CPU loaders) the staged groups' views follow them, and a block of drawn per-view
+    parameters (`pipelines.ffcv_ops.PARAM_FIELDS`, float32) follows the crop windows.
     """
 
     groups: tuple[ViewGroup, ...]     # crop groups, recipe order
     first_view: tuple[int, ...]       # per group: number of its first view
-    offsets: tuple[int, ...]          # per view: byte offset of its (S, S, 3) crop in the row
+    offsets: tuple[int, ...]          # per view (crop, then staged): byte offset of its (S, S, 3) pixels
     sizes: tuple[int, ...]            # per view: S
-    params_offset: int                # byte offset of the (views, 4) uint16 windows
+    params_offset: int                # byte offset of the (crop views, 4) uint16 windows
     row_bytes: int
+    staged: tuple[ViewGroup, ...] = ()        # staged groups written by the compiled ops, recipe order
+    staged_first_view: tuple[int, ...] = ()   # per staged group: number of its first view
+    colour_offset: int = -1                   # byte offset of the (views, N_PARAMS) float32 parameters
 
     @staticmethod
-    def of(recipe: Recipe) -> "CropLayout":
+    def of(recipe: Recipe, compiled_ops: bool = False) -> "CropLayout":
         groups = tuple(g for g in recipe.groups if g.parent is None)
+        staged = tuple(g for g in recipe.groups if g.parent is not None) if compiled_ops else ()
         first, offsets, sizes, pos = [], [], [], 0
-        for g in groups:
+        for g in groups + staged:
             first.append(len(offsets))
             for _ in range(g.count):
                 offsets.append(pos)
                 sizes.append(g.size_px)
                 pos += g.size_px * g.size_px * 3
-        n = len(offsets)
-        return CropLayout(groups, tuple(first), tuple(offsets), tuple(sizes), pos, pos + _PARAM_BYTES * n)
+        n_crop = sum(g.count for g in groups)
+        windows_end = pos + _PARAM_BYTES * n_crop
+        if not compiled_ops:
+            return CropLayout(groups, tuple(first[:len(groups)]), tuple(offsets[:n_crop]),
+                              tuple(sizes[:n_crop]), pos, windows_end)
+        from pipelines.ffcv_ops import PARAM_BYTES
+
+        return CropLayout(groups, tuple(first[:len(groups)]), tuple(offsets), tuple(sizes), pos,
+                          windows_end + PARAM_BYTES * len(offsets), staged, tuple(first[len(groups):]),
+                          windows_end)
 
     @property
     def num_views(self) -> int:
-        return len(self.offsets)
+        """Crop views (the ones with a window)."""
+        return sum(g.count for g in self.groups)
 
-    def split(self, rows: Tensor) -> tuple[dict[str, Tensor], Tensor]:
-        """Cut a (B, row_bytes) uint8 batch into per-group views and crop windows.
+    @property
+    def all_groups(self) -> tuple[ViewGroup, ...]:
+        """Crop groups, then the staged groups of the compiled ops (view-number order)."""
+        return self.groups + self.staged
+
+    @property
+    def all_first_views(self) -> tuple[int, ...]:
+        return self.first_view + self.staged_first_view
+
+    def split(self, rows: Tensor) -> tuple[dict[str, Tensor], Tensor, Tensor | None]:
+        """Cut a (B, row_bytes) uint8 batch into per-group views, crop windows and drawn parameters.
 
         Returns:
-            ({group name: (count, B, 3, S, S) uint8}, (views, B, 4) int64 windows (y0, x0, h, w)).
+            ({group name: (count, B, 3, S, S) uint8}, (crop views, B, 4) int64 windows (y0, x0, h, w),
+            (views, B, N_PARAMS) float32 parameters, or None without compiled ops).
         """
         b = rows.shape[0]
         views = {}
-        for g, v0 in zip(self.groups, self.first_view):
+        for g, v0 in zip(self.all_groups, self.all_first_views):
             s = g.size_px
             start = self.offsets[v0]
             block = rows[:, start:start + g.count * s * s * 3]
             block = block.reshape(b, g.count, s, s, 3)                     # (B, count, S, S, 3)
             views[g.name] = block.permute(1, 0, 4, 2, 3)                     # (count, B, 3, S, S)
-        p = rows[:, self.params_offset:].reshape(b, self.num_views, 4, 2).long()  # (B, V, 4, 2) bytes
+        end = self.params_offset + _PARAM_BYTES * self.num_views
+        p = rows[:, self.params_offset:end].reshape(b, self.num_views, 4, 2).long()  # (B, V, 4, 2) bytes
         windows = (p[..., 0] | (p[..., 1] << 8)).permute(1, 0, 2)            # (V, B, 4)
-        return views, windows
+        params = None
+        if self.colour_offset >= 0:
+            from pipelines.ffcv_ops import N_PARAMS
+
+            n = len(self.offsets)
+            raw = rows[:, self.colour_offset:self.colour_offset + 4 * N_PARAMS * n].clone()  # aligned copy
+            params = raw.view(torch.float32).reshape(b, n, N_PARAMS).permute(1, 0, 2)  # (V, B, N_PARAMS)
+        return views, windows, params
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,6 +146,8 @@ def _ffcv_ops():
     from ffcv.pipeline.allocation_query import AllocationQuery
     from ffcv.pipeline.compiler import Compiler
     from ffcv.pipeline.operation import Operation
+
+    from pipelines import ffcv_ops
 
     jpg = IMAGE_MODES["jpg"]
     m1, m2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -199,6 +234,23 @@ def _ffcv_ops():
             log_ratio = np.log(np.array([g.ratio for g in lay.groups], np.float64))  # (G, 2)
             params_offset = lay.params_offset
             tries = _CROP_TRIES
+            # Compiled per-view ops (CPU loaders): group laws, and each staged view's parent view.
+            with_ops = lay.colour_offset >= 0
+            ops = ffcv_ops.compiled()
+            finish_view, finish_staged = ops.finish_view, ops.finish_staged
+            all_groups = lay.all_groups
+            laws = ffcv_ops.group_table(all_groups)                                   # (G_all, F)
+            law_bytes = laws.shape[1] * 8
+            all_view_group = np.repeat(np.arange(len(all_groups)), [g.count for g in all_groups])
+            by_name = {g.name: v0 for g, v0 in zip(all_groups, lay.all_first_views)}
+            staged_parent = np.array([by_name[g.parent] + k for g in lay.staged for k in range(g.count)]
+                                     + [-1], np.int64)                                # (staged views + 1,)
+            n_staged = len(staged_parent) - 1
+            colour_offset = lay.colour_offset
+            n_draws, first_draw, param_bytes = ffcv_ops.N_PARAMS, ffcv_ops.FIRST_DRAW, ffcv_ops.PARAM_BYTES
+            side = max(lay.sizes) if with_ops else 0
+            scratch = 3 * side * side                            # float32 scratch of one view
+            pad_len = 3 * (3 * side + 2)                         # one padded row: the blur radius <= side + 1
 
             def decode(batch_indices, my_storage, metadata, storage_state):
                 destination, temp_storage = my_storage
@@ -217,6 +269,11 @@ def _ffcv_ops():
                     key = np.empty(2, np.uint64)
                     memcpy(key_address, key.ctypes.data, 16)
                     out = destination[dst_ix]
+                    u = np.empty(n_draws, np.float64)
+                    buf = np.empty(scratch, np.float32)
+                    child = np.empty(scratch, np.float32)
+                    tmp = np.empty(scratch, np.float32)
+                    pad = np.empty(pad_len, np.float32)
                     for v in range(n_views):
                         g = view_group[v]
                         y0, x0, h, w = 0, 0, height, width
@@ -250,11 +307,35 @@ def _ffcv_ops():
                         s = sizes[v]
                         resize(0, img.ctypes.data, height, width, y0, y0 + h, x0, x0 + w,
                                out.ctypes.data + offsets[v], s, s)
-                        p = params_offset + 8 * v
-                        out[p], out[p + 1] = y0 & 255, y0 >> 8
-                        out[p + 2], out[p + 3] = x0 & 255, x0 >> 8
-                        out[p + 4], out[p + 5] = h & 255, h >> 8
-                        out[p + 6], out[p + 7] = w & 255, w >> 8
+                        p8 = params_offset + 8 * v
+                        out[p8], out[p8 + 1] = y0 & 255, y0 >> 8
+                        out[p8 + 2], out[p8 + 3] = x0 & 255, x0 >> 8
+                        out[p8 + 4], out[p8 + 5] = h & 255, h >> 8
+                        out[p8 + 6], out[p8 + 7] = w & 255, w >> 8
+                        if not with_ops:
+                            continue
+                        # The view's own ops on its crop, in place, then each staged view on the
+                        # finished float crop (one crop, two outputs); the parameters go into the row.
+                        for d in range(n_draws):
+                            u[d] = uniform_c(key[0], key[1], sample, v, first_draw + d)
+                        has_child = False
+                        for k in range(n_staged):
+                            if staged_parent[k] == v:
+                                has_child = True
+                        row = out.ctypes.data
+                        finish_view(row + offsets[v], s, u.ctypes.data, laws.ctypes.data + law_bytes * g,
+                                    row + colour_offset + param_bytes * v, buf.ctypes.data, tmp.ctypes.data,
+                                    pad.ctypes.data, 1 if has_child else 0)
+                        for k in range(n_staged):
+                            if staged_parent[k] != v:
+                                continue
+                            sv = n_views + k
+                            for d in range(n_draws):
+                                u[d] = uniform_c(key[0], key[1], sample, sv, first_draw + d)
+                            finish_staged(buf.ctypes.data, s, u.ctypes.data,
+                                          laws.ctypes.data + law_bytes * all_view_group[sv],
+                                          row + colour_offset + param_bytes * sv, row + offsets[sv],
+                                          child.ctypes.data, tmp.ctypes.data, pad.ctypes.data)
                 return destination[:len(batch_indices)]
 
             decode.is_parallel = True
@@ -404,6 +485,19 @@ def split_groups(recipe: Recipe) -> tuple[list[ViewGroup], list[ViewGroup], list
     return shared(recipe)
 
 
+def view_params(q: Tensor) -> torch_backend.ViewParams:
+    """The drawn parameters of N views as `torch_backend.ViewParams` (what the compiled ops applied).
+
+    Args:
+        q: (N, N_PARAMS) float32, columns `pipelines.ffcv_ops.PARAM_FIELDS`.
+    """
+    q = q.float()
+    return torch_backend.ViewParams(
+        flip=q[:, 0] > 0.5, jitter=q[:, 1] > 0.5, factors=q[:, 2:6].clone(), order=q[:, 6:10].long(),
+        gray=q[:, 10] > 0.5, blur=q[:, 11] > 0.5, sigma=q[:, 12].clone(), solarize=q[:, 13] > 0.5,
+        saliency=q[:, 14] > 0.5, gray_level=q[:, 15].clone())
+
+
 class FFCVLoader:
     """The FFCV loader of one rank (see the module docstring); follows `pipelines.loader.Loader`."""
 
@@ -413,7 +507,12 @@ class FFCVLoader:
         _, decode_views = _ffcv_ops()
         self.spec, self.mean, self.std = spec, tuple(mean), tuple(std)
         self.device = torch.device(spec.device)
-        self.layout = CropLayout.of(spec.recipe)
+        # On the CPU the per-view pixel ops run compiled inside FFCV's pipeline (see the module
+        # docstring). A staged group's parent must then finish inside it too, so a parent that draws
+        # saliency (composited in torch afterwards) keeps the torch path.
+        self.compiled_ops = self.device.type == "cpu" and not any(
+            g.saliency_p > 0 for g in spec.recipe.groups if g.name in {h.parent for h in spec.recipe.groups})
+        self.layout = CropLayout.of(spec.recipe, compiled_ops=self.compiled_ops)
         self.global_groups, self.local_groups, self.weak_groups = split_groups(spec.recipe)
         large_px = max(g.size_px for g in self.layout.groups)
         self.saliency_groups = {g.name for g in self.layout.groups
@@ -421,6 +520,7 @@ class FFCVLoader:
         self.epoch, self.skip, self._done = 0, 0, 0
         self.key = np.zeros(2, np.uint64)            # read by the compiled decoder through its address
         self.last_windows: dict[str, Tensor] = {}    # group → (count, B, 4) crop windows of the last batch
+        self.last_params: dict[str, torch_backend.ViewParams] = {}   # group → drawn parameters (compiled ops)
         from ffcv.reader import Reader
 
         reader = Reader(str(beton))
@@ -527,9 +627,38 @@ class FFCVLoader:
         # The FFCV buffers are reused a few batches later: copy now (host→device copies the data).
         rows_t = torch.from_numpy(rows)
         index = torch.from_numpy(indices.reshape(-1).astype(np.int64))
-        views, windows = self.layout.split(rows_t)
+        views, windows, params = self.layout.split(rows_t)
         self.last_windows = {g.name: windows[v0:v0 + g.count].clone()
                              for g, v0 in zip(self.layout.groups, self.layout.first_view)}
+        if self.compiled_ops:
+            finished = self._finish_compiled(views, params, masks, coverage)
+        else:
+            finished = self._finish_torch(views, masks, coverage, step)
+
+        def field(groups: list[ViewGroup]) -> Tensor | None:
+            if not groups:
+                return None
+            x = torch.cat([finished[g.name] for g in groups])                       # (V, B, 3, S, S)
+            return normalize(x, self.mean, self.std)
+
+        global_views = field(self.global_groups)
+        mixed = mix_lam = mix_partner = None
+        if s.mix.kind != "none":
+            mix_gen = torch.Generator().manual_seed(_key(s.seed, s.rank, self.epoch, step, 5))
+            mixed, mix_lam, mix_partner = self._mix(finished, mix_gen)
+        return Batch(global_views=global_views, local_views=field(self.local_groups),
+                     weak_views=field(self.weak_groups), mixed=mixed, mix_lam=mix_lam,
+                     mix_partner=mix_partner, index=index.to(dev, non_blocking=True),
+                     label=torch.from_numpy(labels.reshape(-1).astype(np.int64)).to(dev, non_blocking=True))
+
+    def _finish_torch(self, views: dict[str, Tensor], masks, coverage: np.ndarray, step: int
+                      ) -> dict[str, Tensor]:
+        """Flip, colour ops, saliency and staged views with torch_backend's ops on `spec.device`.
+
+        Returns:
+            {group name: (V, B, 3, S, S) float in [0, 1]}.
+        """
+        s, dev = self.spec, self.device
         # All parameters come from one host generator per (seed, rank, epoch, batch), as in torch_backend.
         host_gen = torch.Generator().manual_seed(_key(s.seed, s.rank, self.epoch, step, 4))
         finished: dict[str, Tensor] = {}
@@ -550,22 +679,32 @@ class FFCVLoader:
                 p = torch_backend.sample_color_params(x.shape[0] * x.shape[1], g, host_gen)
                 y = torch_backend.apply_color_ops(x.reshape(-1, *x.shape[2:]), p, g)   # (V*B, 3, S, S)
                 finished[g.name] = y.reshape(x.shape)                                  # (V, B, 3, S, S)
+        return finished
 
-        def field(groups: list[ViewGroup]) -> Tensor | None:
-            if not groups:
-                return None
-            x = torch.cat([finished[g.name] for g in groups])                       # (V, B, 3, S, S)
-            return normalize(x, self.mean, self.std)
+    def _finish_compiled(self, views: dict[str, Tensor], params: Tensor, masks, coverage: np.ndarray
+                         ) -> dict[str, Tensor]:
+        """The rows already hold finished pixels (compiled ops); read the parameters back, composite
+        saliency with them.
 
-        global_views = field(self.global_groups)
-        mixed = mix_lam = mix_partner = None
-        if s.mix.kind != "none":
-            mix_gen = torch.Generator().manual_seed(_key(s.seed, s.rank, self.epoch, step, 5))
-            mixed, mix_lam, mix_partner = self._mix(finished, mix_gen)
-        return Batch(global_views=global_views, local_views=field(self.local_groups),
-                     weak_views=field(self.weak_groups), mixed=mixed, mix_lam=mix_lam,
-                     mix_partner=mix_partner, index=index.to(dev, non_blocking=True),
-                     label=torch.from_numpy(labels.reshape(-1).astype(np.int64)).to(dev, non_blocking=True))
+        Args:
+            views: {group name: (V, B, 3, S, S) uint8}, staged groups included.
+            params: (views, B, N_PARAMS) float32 drawn parameters (`pipelines.ffcv_ops.PARAM_FIELDS`).
+
+        Returns:
+            {group name: (V, B, 3, S, S) float in [0, 1]}.
+        """
+        finished: dict[str, Tensor] = {}
+        self.last_params = {}
+        for g, v0 in zip(self.layout.all_groups, self.layout.all_first_views):
+            x = views[g.name]                                                    # (V, B, 3, S, S) uint8
+            v, b = x.shape[:2]
+            p = view_params(params[v0:v0 + v].reshape(v * b, -1))
+            self.last_params[g.name] = p
+            x = x.reshape(v * b, *x.shape[2:]).to(self.device).float().div_(255.0)  # (V*B, 3, S, S)
+            if g.name in self.saliency_groups and masks is not None:
+                x = self._saliency(x, g, p, masks, coverage, self.last_windows[g.name])
+            finished[g.name] = x.reshape(v, b, *x.shape[1:])                      # (V, B, 3, S, S)
+        return finished
 
     def _saliency(self, x: Tensor, g: ViewGroup, p, masks: np.ndarray, coverage: np.ndarray,
                   windows: Tensor) -> Tensor:

@@ -1,0 +1,350 @@
+"""Compiled per-view pixel ops of the FFCV backend on the CPU (numba; FFCV itself is not needed here).
+
+On a CPU loader, `ffcv_backend.DecodeViews` calls these kernels right after it resizes each crop into
+its row, inside FFCV's compiled pipeline (parallel over the samples of a batch in FFCV's threads):
+horizontal flip, colour jitter (the four ops in a per-view random order), grayscale, Gaussian blur and
+solarize, then staged views (RSA) on top of their parent's finished pixels. They reproduce
+`pipelines.torch_backend.apply_color_ops` op for op: float32 pixels in [0, 1], torchvision's per-op
+clamping, contrast against the mean luma of the *current* image, hue rotated in the same HSV, and one
+rounding to uint8 at the end of the view. Agreement with the torch ops is within one uint8 level
+(tests/pipelines/test_ffcv_backend.py), which is the rounding of the final value.
+
+Parameters are drawn by the caller's counter hash as uniforms `u` (draws `FIRST_DRAW + k` of the
+view, after the crop draws) and turned into a view's parameters by `draw_params` with the laws of
+`torch_backend.sample_color_params`. A view's parameters are `N_PARAMS` float32 values in the order
+of `PARAM_FIELDS`; the decoder writes them into the row so that Python reads them back.
+
+Deviation: the Gaussian window is truncated at radius min(kernel_px // 2, ceil(4 sigma)) and
+renormalised. The weights beyond 4 sigma hold < 1e-4 of the mass (< 0.02 of a uint8 level), and the
+23-px kernel at 224 px costs 2.9x the taps of the truncated one at sigma = 2 (17 taps), more for
+smaller sigma.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import numba
+import numpy as np
+
+from pipelines.views import ViewGroup
+
+PARAM_FIELDS = ("flip", "jitter", "brightness", "contrast", "saturation", "hue",
+                "order0", "order1", "order2", "order3", "gray", "blur", "sigma", "solarize",
+                "saliency", "gray_level")
+N_PARAMS = len(PARAM_FIELDS)      # float32 values per view in the row
+PARAM_BYTES = 4 * N_PARAMS
+FIRST_DRAW = 41                   # the crop draws of a view are 0..40 (crop_p, then 10 tries x 4)
+GROUP_FIELDS = ("flip_p", "jitter_p", "brightness", "contrast", "saturation", "hue", "gray_p",
+                "blur_p", "sigma0", "sigma1", "solarize_p", "saliency_p", "size_px", "kernel_px",
+                "staged")
+
+
+def group_table(groups: tuple[ViewGroup, ...]) -> np.ndarray:
+    """The laws of each group as one float64 row per group, columns `GROUP_FIELDS`.
+
+    Returns:
+        (G, len(GROUP_FIELDS)) float64.
+    """
+    rows = [(g.flip_p, g.jitter_p, g.brightness, g.contrast, g.saturation, g.hue, g.gray_p, g.blur_p,
+             g.blur_sigma[0], g.blur_sigma[1], g.solarize_p, g.saliency_p, g.size_px, g.blur_kernel_px,
+             float(g.parent is not None)) for g in groups]
+    return np.array(rows, np.float64).reshape(len(groups), len(GROUP_FIELDS))
+
+
+def blur_radius(kernel_px: int, sigma: float) -> int:
+    """Taps each side of the truncated Gaussian window: min(kernel_px // 2, ceil(4 sigma))."""
+    return int(min(kernel_px // 2, np.ceil(4.0 * sigma)))
+
+
+_F32 = np.float32
+_ZERO, _ONE, _HALF, _C255 = _F32(0.0), _F32(1.0), _F32(0.5), _F32(255.0)
+_TWO, _FOUR, _SIX = _F32(2.0), _F32(4.0), _F32(6.0)
+_W_R, _W_G, _W_B = _F32(0.2989), _F32(0.5870), _F32(0.1140)     # torch_backend.GRAY_WEIGHTS
+# cache=True: compiling the kernels takes about 10 s; numba's on-disk cache pays it once per machine.
+jit = numba.njit(nogil=True, cache=True)
+
+
+@jit
+def draw_params(u, gp, p):
+    """u: (N_PARAMS,) float64 uniforms of the view; gp: its group row; p: (N_PARAMS,) float32 out."""
+    staged = gp[14] > 0.5
+    # Staged views have no crop of their own: no flip, no saliency (as in torch_backend).
+    p[0] = 1.0 if (u[0] < gp[0] and not staged) else 0.0
+    on = u[1] < gp[1]
+    p[1] = 1.0 if on else 0.0
+    for k in range(4):
+        f = (2.0 * u[2 + k] - 1.0) * gp[2 + k]
+        if k < 3:
+            f = max(f + 1.0, 0.0)
+        p[2 + k] = f if on else (1.0 if k < 3 else 0.0)
+    # Order: argsort of four uniforms (a uniformly random permutation of the four ops).
+    for pos in range(4):
+        rank = 0
+        for k in range(4):
+            if u[6 + k] < u[6 + pos] or (u[6 + k] == u[6 + pos] and k < pos):
+                rank += 1
+        p[6 + rank] = pos
+    p[10] = 1.0 if u[10] < gp[6] else 0.0
+    p[11] = 1.0 if u[11] < gp[7] else 0.0
+    p[12] = (gp[8] + (gp[9] - gp[8]) * u[12]) * gp[12] / 224.0
+    p[13] = 1.0 if u[13] < gp[10] else 0.0
+    p[14] = 1.0 if (u[14] < gp[11] and not staged) else 0.0
+    p[15] = u[15]
+
+
+@jit
+def load(row, off, s, flip, buf):
+    """(s, s, 3) uint8 crop at row[off:] → float32 buf[: 3 s s] in [0, 1], columns reversed if flip."""
+    for y in range(s):
+        base = off + y * s * 3
+        for x in range(s):
+            sx = s - 1 - x if flip else x
+            for c in range(3):
+                buf[(y * s + x) * 3 + c] = _F32(row[base + sx * 3 + c]) / _C255
+
+
+@jit
+def store(buf, row, off, s):
+    """Round float32 buf (clamped to [0, 1]) to uint8 into row[off:] (the view's one rounding)."""
+    for i in range(s * s * 3):
+        v = buf[i]
+        v = min(max(v, _ZERO), _ONE) * _C255 + _HALF
+        row[off + i] = np.uint8(np.int32(v))
+
+
+@jit
+def flip_u8(row, off, s):
+    """Reverse the columns of the (s, s, 3) uint8 crop at row[off:] in place."""
+    for y in range(s):
+        base = off + y * s * 3
+        for x in range(s // 2):
+            a, b = base + x * 3, base + (s - 1 - x) * 3
+            for c in range(3):
+                row[a + c], row[b + c] = row[b + c], row[a + c]
+
+
+@jit
+def blend_(buf, n, f, other):
+    """buf = clamp(f buf + (1 - f) other, 0, 1) with a scalar `other` (torchvision `_blend`)."""
+    g = _ONE - f
+    for i in range(n):
+        buf[i] = min(max(f * buf[i] + g * other, _ZERO), _ONE)
+
+
+@jit
+def saturation_(buf, npx, f):
+    g = _ONE - f
+    for q in range(npx):
+        r, gg, b = buf[3 * q], buf[3 * q + 1], buf[3 * q + 2]
+        luma = _W_R * r + _W_G * gg + _W_B * b
+        buf[3 * q] = min(max(f * r + g * luma, _ZERO), _ONE)
+        buf[3 * q + 1] = min(max(f * gg + g * luma, _ZERO), _ONE)
+        buf[3 * q + 2] = min(max(f * b + g * luma, _ZERO), _ONE)
+
+
+@jit
+def mean_luma(buf, npx):
+    acc = 0.0
+    for q in range(npx):
+        acc += _W_R * buf[3 * q] + _W_G * buf[3 * q + 1] + _W_B * buf[3 * q + 2]
+    return _F32(acc / npx)
+
+
+@jit
+def hsv_channel(h, s, v, n):
+    """torch_backend._hsv2rgb's closed form for _ONE channel: v - v s clamp(min(k, 4 - k), 0, 1)."""
+    k = n + _SIX * h
+    k = k - _SIX * np.floor(k / _SIX)
+    return v - v * s * min(max(min(k, _FOUR - k), _ZERO), _ONE)
+
+
+@jit
+def hue_(buf, npx, shift):
+    """Rotate the hue by `shift` turns in torch_backend's HSV (torchvision's rgb→hsv, same branches)."""
+    for q in range(npx):
+        r, g, b = buf[3 * q], buf[3 * q + 1], buf[3 * q + 2]
+        maxc = max(max(r, g), b)
+        minc = min(min(r, g), b)
+        eqc = maxc == minc
+        cr = maxc - minc
+        s = cr / (_ONE if eqc else maxc)
+        crd = _ONE if eqc else cr
+        rc, gc, bc = (maxc - r) / crd, (maxc - g) / crd, (maxc - b) / crd
+        if maxc == r:
+            h = bc - gc
+        elif maxc == g:
+            h = _TWO + rc - bc
+        else:
+            h = _FOUR + gc - rc
+        h = h / _SIX + _ONE
+        h = h - np.floor(h)                    # fmod(., 1) of a positive number
+        h = h + shift
+        h = h - np.floor(h)                    # torch.remainder(., 1)
+        buf[3 * q] = hsv_channel(h, s, maxc, _F32(5.0))
+        buf[3 * q + 1] = hsv_channel(h, s, maxc, _F32(3.0))
+        buf[3 * q + 2] = hsv_channel(h, s, maxc, _ONE)
+
+
+@jit
+def gray_(buf, npx):
+    for q in range(npx):
+        luma = _W_R * buf[3 * q] + _W_G * buf[3 * q + 1] + _W_B * buf[3 * q + 2]
+        buf[3 * q] = luma
+        buf[3 * q + 1] = luma
+        buf[3 * q + 2] = luma
+
+
+@jit
+def blur_(buf, s, sigma, kernel_px, tmp, pad):
+    """Separable Gaussian blur of the (s, s, 3) float32 image in buf, in place.
+
+    Rows first, then columns, as torch_backend.gaussian_blur; reflect padding (replicate where the
+    kernel's _HALF-width reaches the image side, as there). tmp: >= 3 s s floats; pad: >= 3 (s + 2 r).
+    """
+    half_k = kernel_px // 2
+    r = min(half_k, int(np.ceil(4.0 * sigma)))
+    w = np.empty(2 * r + 1, np.float32)
+    tot = 0.0
+    for j in range(2 * r + 1):
+        t = (j - r) / sigma
+        w[j] = np.exp(-0.5 * t * t)
+        tot += w[j]
+    for j in range(2 * r + 1):
+        w[j] = _F32(w[j] / tot)
+    replicate = half_k >= s
+    row = 3 * s
+    for y in range(s):
+        base = y * row
+        for x in range(-r, s + r):
+            if replicate:
+                sx = min(max(x, 0), s - 1)
+            else:
+                sx = -x if x < 0 else (2 * (s - 1) - x if x >= s else x)
+            for c in range(3):
+                pad[(x + r) * 3 + c] = buf[base + sx * 3 + c]
+        for i in range(row):
+            tmp[base + i] = _ZERO
+        for j in range(2 * r + 1):
+            wj = w[j]
+            o = 3 * j
+            for i in range(row):               # contiguous: vectorised by LLVM
+                tmp[base + i] += wj * pad[o + i]
+    for y in range(s):
+        base = y * row
+        for i in range(row):
+            buf[base + i] = _ZERO
+        for j in range(2 * r + 1):
+            yy = y + j - r
+            if replicate:
+                sy = min(max(yy, 0), s - 1)
+            else:
+                sy = -yy if yy < 0 else (2 * (s - 1) - yy if yy >= s else yy)
+            wj = w[j]
+            src = sy * row
+            for i in range(row):
+                buf[base + i] += wj * tmp[src + i]
+
+
+@jit
+def color_ops(buf, s, p, gp, tmp, pad):
+    """torch_backend.apply_color_ops on _ONE view: jitter in p's order (ops with _ZERO strength are
+    skipped, as there), grayscale, blur, solarize; buf (3 s s float32, HWC) in place."""
+    npx = s * s
+    n = 3 * npx
+    if p[1] > 0.5:
+        for pos in range(4):
+            op = int(p[6 + pos])
+            if gp[2 + op] == 0.0:
+                continue
+            f = p[2 + op]
+            if op == 0:
+                blend_(buf, n, f, _ZERO)
+            elif op == 1:
+                blend_(buf, n, f, mean_luma(buf, npx))
+            elif op == 2:
+                saturation_(buf, npx, f)
+            else:
+                hue_(buf, npx, f)
+    if p[10] > 0.5:
+        gray_(buf, npx)
+    if p[11] > 0.5:
+        blur_(buf, s, np.float64(p[12]), int(gp[13]), tmp, pad)
+    if p[13] > 0.5:
+        for i in range(n):
+            if buf[i] >= _HALF:
+                buf[i] = _ONE - buf[i]
+
+
+@jit
+def needs_pixels(p, gp):
+    """Whether the view's drawn ops change any pixel beyond the flip."""
+    if p[1] > 0.5 and (gp[2] != 0.0 or gp[3] != 0.0 or gp[4] != 0.0 or gp[5] != 0.0):
+        return True
+    return p[10] > 0.5 or p[11] > 0.5 or p[13] > 0.5
+
+
+def finish_view(crop, s, u, gp, p, buf, tmp, pad, keep):
+    """One crop view, in place: draw its parameters, flip, apply its ops, round back to uint8.
+
+    C entry point (all arrays by address): crop, the (s, s, 3) uint8 crop in the row; u, its
+    N_PARAMS float64 uniforms; gp, its group's law row; p, where its N_PARAMS float32 parameters go
+    (in the row); buf, tmp, pad: float32 scratch (3 s s, 3 s s, 3 (3 s + 2)). keep != 0: leave the
+    finished float view in buf for staged views.
+    """
+    n = 3 * s * s
+    crop_a = numba.carray(crop, n, np.uint8)
+    p_a = numba.carray(p, N_PARAMS, np.float32)
+    gp_a = numba.carray(gp, len(GROUP_FIELDS), np.float64)
+    draw_params(numba.carray(u, N_PARAMS, np.float64), gp_a, p_a)
+    if keep != 0 or needs_pixels(p_a, gp_a):
+        buf_a = numba.carray(buf, n, np.float32)
+        load(crop_a, 0, s, p_a[0] > 0.5, buf_a)
+        color_ops(buf_a, s, p_a, gp_a, numba.carray(tmp, n, np.float32), numba.carray(pad, 3 * (3 * s + 2), np.float32))
+        store(buf_a, crop_a, 0, s)
+    elif p_a[0] > 0.5:
+        flip_u8(crop_a, 0, s)
+
+
+def finish_staged(parent, s, u, gp, p, out, child, tmp, pad):
+    """One staged view: draw its parameters, apply its ops to its parent's finished float view.
+
+    C entry point (all arrays by address): parent, the parent's float32 view (`finish_view`'s buf
+    with keep); out, the (s, s, 3) uint8 destination in the row; child, tmp, pad: float32 scratch.
+    """
+    n = 3 * s * s
+    p_a = numba.carray(p, N_PARAMS, np.float32)
+    gp_a = numba.carray(gp, len(GROUP_FIELDS), np.float64)
+    draw_params(numba.carray(u, N_PARAMS, np.float64), gp_a, p_a)
+    child_a = numba.carray(child, n, np.float32)
+    child_a[:] = numba.carray(parent, n, np.float32)
+    color_ops(child_a, s, p_a, gp_a, numba.carray(tmp, n, np.float32), numba.carray(pad, 3 * (3 * s + 2), np.float32))
+    store(child_a, numba.carray(out, n, np.uint8), 0, s)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled() -> SimpleNamespace:
+    """The kernels, compiled (or loaded from numba's cache) once per process.
+
+    The decoder calls `finish_view` and `finish_staged` as C functions through ctypes (as it calls
+    libffcv), with addresses for arrays. Linking them as numba dispatchers instead cost every FFCV
+    pipeline ~1.5 s more compile time (their code re-optimised into each pipeline), and a second
+    loader in one process typed FFCV's row buffers read-only, whose new overload on a dispatcher
+    shared with another pipeline raised KeyError inside numba's overload list. The jitted kernels
+    are returned too, for tests.
+    """
+    import ctypes
+
+    ptr, i64 = numba.types.voidptr, numba.types.int64
+    view_sig = numba.types.void(ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64)
+    staged_sig = numba.types.void(ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr)
+    view_c = numba.cfunc(view_sig, nopython=True, cache=True)(finish_view)
+    staged_c = numba.cfunc(staged_sig, nopython=True, cache=True)(finish_staged)
+    addr, i64c = ctypes.c_void_p, ctypes.c_int64
+    view_f = ctypes.CFUNCTYPE(None, addr, i64c, addr, addr, addr, addr, addr, addr, i64c)(view_c.address)
+    staged_f = ctypes.CFUNCTYPE(None, addr, i64c, addr, addr, addr, addr, addr, addr, addr)(staged_c.address)
+    # Keep the compiled objects alive as long as the ctypes pointers into them.
+    return SimpleNamespace(finish_view=view_f, finish_staged=staged_f, _cfuncs=(view_c, staged_c),
+                           draw_params=draw_params, color_ops=color_ops, needs_pixels=needs_pixels,
+                           load=load, store=store, flip_u8=flip_u8)
