@@ -501,7 +501,10 @@ def view_params(q: Tensor) -> torch_backend.ViewParams:
 class FFCVLoader:
     """The FFCV loader of one rank (see the module docstring); follows `pipelines.loader.Loader`."""
 
-    def __init__(self, spec: LoaderSpec, beton: Path, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+    def __init__(self, spec: LoaderSpec, beton: Path, mean: tuple[float, ...], std: tuple[float, ...],
+                 compiled_ops: bool | None = None) -> None:
+        """Args: compiled_ops: run the per-view pixel ops inside FFCV's pipeline (True) or as torch ops
+        on `spec.device` (False); None: compiled exactly on a CPU device (tests force either path)."""
         Loader, OrderOption, PipelineSpec, TraversalOrder, IntDecoder, FloatDecoder, BytesDecoder = \
             _ffcv_loader_classes()
         _, decode_views = _ffcv_ops()
@@ -510,8 +513,9 @@ class FFCVLoader:
         # On the CPU the per-view pixel ops run compiled inside FFCV's pipeline (see the module
         # docstring). A staged group's parent must then finish inside it too, so a parent that draws
         # saliency (composited in torch afterwards) keeps the torch path.
-        self.compiled_ops = self.device.type == "cpu" and not any(
-            g.saliency_p > 0 for g in spec.recipe.groups if g.name in {h.parent for h in spec.recipe.groups})
+        parents = {g.parent for g in spec.recipe.groups}
+        can_compile = not any(g.saliency_p > 0 for g in spec.recipe.groups if g.name in parents)
+        self.compiled_ops = can_compile and (self.device.type == "cpu" if compiled_ops is None else compiled_ops)
         self.layout = CropLayout.of(spec.recipe, compiled_ops=self.compiled_ops)
         self.global_groups, self.local_groups, self.weak_groups = split_groups(spec.recipe)
         large_px = max(g.size_px for g in self.layout.groups)

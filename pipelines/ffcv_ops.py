@@ -153,38 +153,45 @@ def mean_luma(buf, npx):
 
 
 @jit
-def hsv_channel(h, s, v, n):
-    """torch_backend._hsv2rgb's closed form for _ONE channel: v - v s clamp(min(k, 4 - k), 0, 1)."""
-    k = n + _SIX * h
-    k = k - _SIX * np.floor(k / _SIX)
-    return v - v * s * min(max(min(k, _FOUR - k), _ZERO), _ONE)
+def hue_channel(h6, maxc, cr, n):
+    """One channel of torch_backend._hsv2rgb, f(n) = v - v s clamp(min(k, 4 - k), 0, 1) with
+    k = (n + 6 h) mod 6, written with v s = max - min = cr and 6 h = h6 in [0, 6)."""
+    k = n + h6
+    if k >= _SIX:
+        k -= _SIX
+    return maxc - cr * min(max(min(k, _FOUR - k), _ZERO), _ONE)
 
 
 @jit
 def hue_(buf, npx, shift):
-    """Rotate the hue by `shift` turns in torch_backend's HSV (torchvision's rgb→hsv, same branches)."""
+    """Rotate the hue by `shift` turns in torch_backend's HSV (torchvision's rgb→hsv sectors).
+
+    Algebraically the same as rgb→hsv, h = (h + shift) mod 1, hsv→rgb, with hue kept in sixths
+    (h6 = 6 h) and v s = cr, which saves four divisions and the mod-1 floors per pixel (measured
+    0.76-0.83 → 0.15-0.16 ms for a 224-px view, side by side on the loaded 2-core machine); only float rounding differs from the torch op.
+    """
+    shift6 = _SIX * shift
     for q in range(npx):
         r, g, b = buf[3 * q], buf[3 * q + 1], buf[3 * q + 2]
         maxc = max(max(r, g), b)
-        minc = min(min(r, g), b)
-        eqc = maxc == minc
-        cr = maxc - minc
-        s = cr / (_ONE if eqc else maxc)
-        crd = _ONE if eqc else cr
-        rc, gc, bc = (maxc - r) / crd, (maxc - g) / crd, (maxc - b) / crd
+        cr = maxc - min(min(r, g), b)
+        if cr == _ZERO:
+            continue                           # gray pixel: saturation 0, any hue gives it back
+        inv = _ONE / cr
         if maxc == r:
-            h = bc - gc
+            h6 = (g - b) * inv                 # (bc - gc) of torchvision, in [-1, 1]
         elif maxc == g:
-            h = _TWO + rc - bc
+            h6 = _TWO + (b - r) * inv
         else:
-            h = _FOUR + gc - rc
-        h = h / _SIX + _ONE
-        h = h - np.floor(h)                    # fmod(., 1) of a positive number
-        h = h + shift
-        h = h - np.floor(h)                    # torch.remainder(., 1)
-        buf[3 * q] = hsv_channel(h, s, maxc, _F32(5.0))
-        buf[3 * q + 1] = hsv_channel(h, s, maxc, _F32(3.0))
-        buf[3 * q + 2] = hsv_channel(h, s, maxc, _ONE)
+            h6 = _FOUR + (r - g) * inv
+        h6 += shift6                           # in [-4, 8): one wrap each way
+        if h6 < _ZERO:
+            h6 += _SIX
+        elif h6 >= _SIX:
+            h6 -= _SIX
+        buf[3 * q] = hue_channel(h6, maxc, cr, _F32(5.0))
+        buf[3 * q + 1] = hue_channel(h6, maxc, cr, _F32(3.0))
+        buf[3 * q + 2] = hue_channel(h6, maxc, cr, _ONE)
 
 
 @jit
@@ -197,11 +204,22 @@ def gray_(buf, npx):
 
 
 @jit
+def axpy_(dst, w, src):
+    """dst += w src over whole (equal-length) views: zero-based indices let LLVM drop numba's
+    negative-index checks and vectorise (the blur at 224 px, sigma 2, went 2.1-2.9 → 0.46-0.66 ms
+    against flat-offset loops, side by side on the loaded 2-core machine)."""
+    for i in range(dst.size):
+        dst[i] += w * src[i]
+
+
+@jit
 def blur_(buf, s, sigma, kernel_px, tmp, pad):
     """Separable Gaussian blur of the (s, s, 3) float32 image in buf, in place.
 
     Rows first, then columns, as torch_backend.gaussian_blur; reflect padding (replicate where the
-    kernel's _HALF-width reaches the image side, as there). tmp: >= 3 s s floats; pad: >= 3 (s + 2 r).
+    kernel's half-width reaches the image side, as there). The window is truncated at radius
+    min(kernel_px // 2, ceil(4 sigma)) and renormalised (module docstring).
+    tmp: >= 3 s s floats; pad: >= 3 (s + 2 r).
     """
     half_k = kernel_px // 2
     r = min(half_k, int(np.ceil(4.0 * sigma)))
@@ -216,35 +234,28 @@ def blur_(buf, s, sigma, kernel_px, tmp, pad):
     replicate = half_k >= s
     row = 3 * s
     for y in range(s):
-        base = y * row
+        src = buf[y * row:(y + 1) * row]
         for x in range(-r, s + r):
             if replicate:
                 sx = min(max(x, 0), s - 1)
             else:
                 sx = -x if x < 0 else (2 * (s - 1) - x if x >= s else x)
             for c in range(3):
-                pad[(x + r) * 3 + c] = buf[base + sx * 3 + c]
-        for i in range(row):
-            tmp[base + i] = _ZERO
+                pad[(x + r) * 3 + c] = src[sx * 3 + c]
+        dst = tmp[y * row:(y + 1) * row]
+        dst[:] = _ZERO
         for j in range(2 * r + 1):
-            wj = w[j]
-            o = 3 * j
-            for i in range(row):               # contiguous: vectorised by LLVM
-                tmp[base + i] += wj * pad[o + i]
+            axpy_(dst, w[j], pad[3 * j:3 * j + row])
     for y in range(s):
-        base = y * row
-        for i in range(row):
-            buf[base + i] = _ZERO
+        dst = buf[y * row:(y + 1) * row]
+        dst[:] = _ZERO
         for j in range(2 * r + 1):
             yy = y + j - r
             if replicate:
                 sy = min(max(yy, 0), s - 1)
             else:
                 sy = -yy if yy < 0 else (2 * (s - 1) - yy if yy >= s else yy)
-            wj = w[j]
-            src = sy * row
-            for i in range(row):
-                buf[base + i] += wj * tmp[src + i]
+            axpy_(dst, w[j], tmp[sy * row:(sy + 1) * row])
 
 
 @jit

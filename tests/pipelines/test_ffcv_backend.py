@@ -1,7 +1,9 @@
-"""FFCV backend: Batch contract, rank shards, seeding, staged views, saliency, crop laws, resume, mixes.
+"""FFCV backend: Batch contract, rank shards, seeding, staged views, saliency, crop laws, resume, mixes,
+and the compiled per-view ops (CPU loaders) against torch_backend's ops.
 
 Datasets are written with the real FFCV writer into tmp_path. Images are raw (bit-exact) and encode
-their coordinates (R = 2x, G = 2y), so crop windows can be recovered from pixels.
+their coordinates (R = 2x, G = 2y), so crop windows can be recovered from pixels; the colour tests use
+raw images of smooth random colour.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from scipy import stats
 
 from pipelines.ffcv_backend import FFCVLoader
-from pipelines import mixing
+from pipelines import ffcv_ops, mixing, torch_backend
 from pipelines.loader import LoaderSpec, MixSpec, build_loader
 from pipelines.views import Recipe, ViewGroup
 from preprocess.records import Record
@@ -55,10 +57,10 @@ def small(tmp_path_factory) -> tuple[Path, CoordSplit]:
     return path, split
 
 
-def loader(path: Path, recipe: Recipe, **kw) -> FFCVLoader:
+def loader(path: Path, recipe: Recipe, compiled_ops: bool | None = None, **kw) -> FFCVLoader:
     spec = LoaderSpec(root="", dataset="", split="train", recipe=recipe, num_workers=1,
                       **{"batch_size": 8, **kw})
-    return FFCVLoader(spec, path, MEAN, STD)
+    return FFCVLoader(spec, path, MEAN, STD, compiled_ops=compiled_ops)
 
 
 def to_uint8(x: torch.Tensor) -> torch.Tensor:
@@ -84,9 +86,14 @@ def check_range(x: torch.Tensor) -> None:
     assert float(x.min()) >= lo - 1e-5 and float(x.max()) <= hi + 1e-5
 
 
-def test_batch_contract_relicv2_and_rsa(small) -> None:
+# Both paths on the CPU: compiled per-view ops (the CPU default) and torch ops (the GPU default).
+PATHS = pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+
+
+@PATHS
+def test_batch_contract_relicv2_and_rsa(small, compiled: bool) -> None:
     path, split = small
-    batches = list(loader(path, RELIC))
+    batches = list(loader(path, RELIC, compiled))
     assert len(batches) == 5
     for b in batches:
         assert b.global_views.shape == (4, 8, 3, 16, 16) and b.local_views.shape == (2, 8, 3, 8, 8)
@@ -96,7 +103,7 @@ def test_batch_contract_relicv2_and_rsa(small) -> None:
         assert b.index.dtype == torch.int64 and torch.equal(b.label, b.index % 7)
     seen = torch.cat([b.index for b in batches])
     assert sorted(seen.tolist()) == list(range(40))
-    (b,) = list(loader(path, RSA, batch_size=40))
+    (b,) = list(loader(path, RSA, compiled, batch_size=40))
     assert b.global_views.shape == b.weak_views.shape == (2, 40, 3, 16, 16) and b.local_views is None
     check_range(b.weak_views)
     assert not torch.equal(b.global_views, b.weak_views)         # aggressive ops were applied
@@ -146,18 +153,20 @@ def test_mid_epoch_resume_gives_the_remaining_batches(small) -> None:
         assert torch.equal(x.index, y.index) and torch.equal(x.global_views, y.global_views)
 
 
-def test_staged_view_equals_weak_view_when_staged_ops_are_off(small) -> None:
+@PATHS
+def test_staged_view_equals_weak_view_when_staged_ops_are_off(small, compiled: bool) -> None:
     path, _ = small
     off = Recipe("rsa-off", (RSA.groups[0], ViewGroup("aggressive", count=2, size_px=16, parent="weak")))
-    for b in loader(path, off):
+    for b in loader(path, off, compiled):
         assert torch.equal(b.global_views, b.weak_views)
 
 
-def test_saliency_never_grays_foreground(small) -> None:
+@PATHS
+def test_saliency_never_grays_foreground(small, compiled: bool) -> None:
     path, split = small
     group = ViewGroup("large", count=4, size_px=16, area=(0.14, 1.0), flip_p=0.0, saliency_p=1.0)
-    ld = loader(path, Recipe("sal", (group,)))
-    plain = list(loader(path, Recipe("sal", (replace(group, saliency_p=0.0),))))  # same crops
+    ld = loader(path, Recipe("sal", (group,)), compiled)
+    plain = list(loader(path, Recipe("sal", (replace(group, saliency_p=0.0),)), compiled))  # same crops
     grayed = 0
     for b, p in zip(ld, plain):
         win = ld.last_windows["large"]                                        # (4, B, 4)
@@ -177,22 +186,34 @@ def test_saliency_never_grays_foreground(small) -> None:
     assert grayed > 0
 
 
-def test_crop_laws_and_flip_rate(tmp_path: Path) -> None:
+OPS_LAWS = ViewGroup("ops", count=64, size_px=4, area=(0.25, 0.5), flip_p=0.3, jitter_p=0.3, brightness=0.4,
+                     contrast=0.4, saturation=0.2, hue=0.1, gray_p=0.2, blur_p=0.6, blur_sigma=(0.5, 1.5),
+                     solarize_p=0.1, saliency_p=0.4, interpolation="bilinear")
+
+
+def binomial_ok(hits: int, n: int, p: float) -> bool:
+    """hits ~ Binomial(n, p) within 4 sigma."""
+    return abs(hits - n * p) <= 4 * math.sqrt(n * p * (1 - p))
+
+
+def test_crop_laws_flip_rate_and_drawn_op_rates(tmp_path: Path) -> None:
     split = CoordSplit(n=16, side=128, has_masks=False)
     path = tmp_path / "train.beton"
     write_ffcv(split, path)
     group = ViewGroup("crops", count=64, size_px=4, area=(0.25, 0.5), flip_p=0.5, interpolation="bilinear")
-    ld = loader(path, Recipe("law", (group,)), batch_size=16)
+    ld = loader(path, Recipe("law", (group, OPS_LAWS)), batch_size=16)
     areas, log_ratios, flips, n = [], [], 0, 0
+    drawn = []
     for epoch in range(2):
         ld.set_epoch(epoch)
         for b in ld:
             win = ld.last_windows["crops"].reshape(-1, 4).double()           # (V*B, 4) y0, x0, h, w
             areas.append(win[:, 2] * win[:, 3] / 128 ** 2)
             log_ratios.append(torch.log(win[:, 3] / win[:, 2]))
-            px = to_uint8(b.global_views).double().reshape(-1, 3, 4, 4) / 2          # (V*B, 3, 4, 4) coordinates
+            px = to_uint8(b.global_views[:64]).double().reshape(-1, 3, 4, 4) / 2     # (V*B, 3, 4, 4) coordinates
             x_cols = px[:, 0].mean(1)                                         # (V*B, 4) x per column
             flipped = x_cols[:, 0] > x_cols[:, 3]
+            assert torch.equal(flipped, ld.last_params["crops"].flip)         # the flips it reports
             flips += int(flipped.sum())
             n += len(flipped)
             # The pixels agree with the reported windows: column centres at x0 + (c + 0.5) w / 4 - 0.5.
@@ -202,13 +223,164 @@ def test_crop_laws_and_flip_rate(tmp_path: Path) -> None:
             assert torch.allclose(span, 0.75 * win[:, 3], atol=1.5)
             centre_y = px[:, 1].mean((1, 2))
             assert torch.allclose(centre_y, win[:, 0] + win[:, 2] / 2 - 0.5, atol=1.0)
+            drawn.append(ld.last_params["ops"])
     areas, log_ratios = torch.cat(areas).numpy(), torch.cat(log_ratios).numpy()
     assert len(areas) == 2048
     # Area ~ U(0.25, 0.5) and log(w/h) ~ U(log 3/4, log 4/3) (no rejection at these ranges).
     assert stats.kstest(areas, stats.uniform(0.25, 0.25).cdf).pvalue > 1e-3
     lo, hi = math.log(3 / 4), math.log(4 / 3)
     assert stats.kstest(log_ratios, stats.uniform(lo, hi - lo).cdf).pvalue > 1e-3
-    assert abs(flips - n / 2) <= 4 * math.sqrt(n / 4)                         # binomial, 4 sigma
+    assert binomial_ok(flips, n, 0.5)
+    # The other group's drawn parameters follow its laws (torch_backend.sample_color_params).
+    cat = {f: torch.cat([getattr(p, f) for p in drawn]) for f in ("flip", "jitter", "factors", "order", "gray",
+                                                                 "blur", "sigma", "solarize", "saliency", "gray_level")}
+    m = len(cat["flip"])
+    assert m == 2048
+    g = OPS_LAWS
+    for f, prob in (("flip", g.flip_p), ("jitter", g.jitter_p), ("gray", g.gray_p), ("blur", g.blur_p),
+                    ("solarize", g.solarize_p), ("saliency", g.saliency_p)):
+        assert binomial_ok(int(cat[f].sum()), m, prob), f
+    on = cat["jitter"]
+    for k, amp in enumerate((g.brightness, g.contrast, g.saturation)):
+        assert stats.kstest(cat["factors"][on, k].numpy(), stats.uniform(1 - amp, 2 * amp).cdf).pvalue > 1e-3
+    assert stats.kstest(cat["factors"][on, 3].numpy(), stats.uniform(-g.hue, 2 * g.hue).cdf).pvalue > 1e-3
+    assert torch.equal(cat["factors"][~on], torch.tensor([1.0, 1.0, 1.0, 0.0]).expand(int((~on).sum()), 4))
+    assert torch.equal(cat["order"].sort(1).values, torch.arange(4).expand(m, 4))     # permutations
+    first = torch.bincount(cat["order"][:, 0], minlength=4)
+    assert all(binomial_ok(int(c), m, 0.25) for c in first)
+    scale = g.size_px / 224
+    assert stats.kstest(cat["sigma"].numpy(), stats.uniform(0.5 * scale, 1.0 * scale).cdf).pvalue > 1e-3
+    assert stats.kstest(cat["gray_level"].numpy(), stats.uniform(0, 1).cdf).pvalue > 1e-3
+    # Independent draws: flip and gray coincide at the product rate.
+    assert binomial_ok(int((cat["flip"] & cat["gray"]).sum()), m, g.flip_p * g.gray_p)
+
+
+@dataclass
+class ColourSplit:
+    """Raw images of smooth random colour plus fine noise (every colour op changes them)."""
+
+    n: int
+    side: int
+    mode: str = "raw"
+    jpeg_quality: int = 90
+    has_masks: bool = False
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Record:
+        return Record(colour_image(np.random.default_rng(i), self.side), i % 7, i, None)
+
+
+def colour_image(rng: np.random.Generator, side: int) -> np.ndarray:
+    """(side, side, 3) uint8: bicubic-upsampled random colours, noise, a few saturated pixels."""
+    coarse = rng.uniform(0, 255, (side // 4 + 2, side // 4 + 2, 3)).astype(np.float32)
+    img = cv2.resize(coarse, (side, side), interpolation=cv2.INTER_CUBIC) + rng.normal(0, 12, (side, side, 3))
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def torch_reference(crop: np.ndarray, p: torch_backend.ViewParams, group: ViewGroup) -> torch.Tensor:
+    """torch_backend's flip + apply_color_ops of N uint8 crops (N, S, S, 3) → (N, 3, S, S) float."""
+    x = torch.from_numpy(crop).permute(0, 3, 1, 2).float().div(255.0)
+    x = torch.where(p.flip.view(-1, 1, 1, 1), x.flip(-1), x)
+    return torch_backend.apply_color_ops(x, p, group)
+
+
+def run_finish_view(crop: np.ndarray, u: np.ndarray, group: ViewGroup, keep: bool = False):
+    """The decoder's C entry point on one (S, S, 3) uint8 crop: (uint8 result, parameters, float view)."""
+    ops = ffcv_ops.compiled()
+    s = crop.shape[0]
+    out = np.ascontiguousarray(crop).copy()
+    laws = ffcv_ops.group_table((group,))
+    p = np.zeros(ffcv_ops.N_PARAMS, np.float32)
+    buf, tmp = np.zeros(3 * s * s, np.float32), np.zeros(3 * s * s, np.float32)
+    pad = np.zeros(3 * (3 * s + 2), np.float32)
+    u = np.ascontiguousarray(u, np.float64)
+    ops.finish_view(out.ctypes.data, s, u.ctypes.data, laws.ctypes.data, p.ctypes.data, buf.ctypes.data,
+                    tmp.ctypes.data, pad.ctypes.data, int(keep))
+    return out, p, buf
+
+
+def params_of(p: np.ndarray) -> torch_backend.ViewParams:
+    from pipelines.ffcv_backend import view_params
+
+    return view_params(torch.from_numpy(p).reshape(1, -1))
+
+
+@pytest.mark.parametrize("size", [224, 96, 17])
+def test_compiled_ops_equal_torch_ops_within_one_level(size: int) -> None:
+    """The decoder's compiled view (flip, jitter in drawn order, gray, blur, solarize) equals torch_backend's
+    ops on the same crop within one uint8 level, over random draws with every op hit often; at 224 px
+    the blur window is truncated at 4 sigma (23-px kernel, radius <= 8)."""
+    group = ViewGroup("g", size_px=size, jitter_p=0.8, brightness=0.4, contrast=0.4, saturation=0.4, hue=0.5,
+                      gray_p=0.25, blur_p=0.6, solarize_p=0.4)
+    rng = np.random.default_rng(size)
+    seen = np.zeros(6, int)                                                   # flip, jitter, gray, blur, sol, any
+    for t in range({224: 12, 96: 24, 17: 60}[size]):
+        crop = colour_image(rng, size)
+        out, p, _ = run_finish_view(crop, rng.random(ffcv_ops.N_PARAMS), group)
+        vp = params_of(p)
+        ref = torch_reference(crop[None], vp, group)[0].permute(1, 2, 0).mul(255).numpy()   # (S, S, 3)
+        err = np.abs(out.astype(np.float64) - ref)
+        assert err.max() < 1.5, (t, p)                # one level of rounding, plus float32 noise
+        seen += [p[0] > 0.5, p[1] > 0.5, p[10] > 0.5, p[11] > 0.5, p[13] > 0.5, err.max() > 0.5]
+    assert (seen[:5] > 0).all()                                                # every op was exercised
+
+
+def test_compiled_identity_and_extreme_factors() -> None:
+    """No op drawn: the crop comes back bit-exact (flipped or not); extreme factors (brightness 0,
+    saturation 0, hue +-0.5) still agree with the torch ops."""
+    rng = np.random.default_rng(3)
+    crop = colour_image(rng, 24)
+    idle = ViewGroup("idle", size_px=24, flip_p=1.0)
+    out, p, _ = run_finish_view(crop, np.full(ffcv_ops.N_PARAMS, 0.5), idle)
+    assert p[0] == 1 and np.array_equal(out, crop[:, ::-1])
+    strong = ViewGroup("s", size_px=24, flip_p=0.0, jitter_p=1.0, brightness=1.0, contrast=1.0, saturation=1.0,
+                       hue=0.5)
+    for edge in (0.0, 1.0 - 1e-12):
+        u = np.full(ffcv_ops.N_PARAMS, 0.9)
+        u[2:6] = edge                                                          # factors 0 or 2, hue -+0.5
+        u[6:10] = rng.random(4)
+        out, p, _ = run_finish_view(crop, u, strong)
+        ref = torch_reference(crop[None], params_of(p), strong)[0].permute(1, 2, 0).mul(255).numpy()
+        assert np.abs(out - ref).max() < 1.5
+
+
+def staged_recipe(ops_on: bool) -> Recipe:
+    strong = dict(jitter_p=0.6, brightness=0.4, contrast=0.4, saturation=0.4, hue=0.2, gray_p=0.3, blur_p=0.5,
+                  solarize_p=0.3) if ops_on else {}
+    mild = dict(jitter_p=0.5, brightness=0.3, hue=0.1, solarize_p=0.3) if ops_on else {}
+    return Recipe("colour", (
+        ViewGroup("a", count=3, size_px=16, area=(0.2, 1.0), flip_p=0.5 if ops_on else 0.0, **strong),
+        ViewGroup("w", count=2, size_px=16, area=(0.3, 1.0), flip_p=0.5 if ops_on else 0.0, **mild),
+        ViewGroup("s", count=2, size_px=16, parent="w", **strong),
+    ))
+
+
+def test_loader_views_equal_torch_ops_on_the_same_crops(tmp_path: Path) -> None:
+    """Through FFCV: the parameters read back from the rows, fed to torch_backend's ops on the very same
+    crops (a loader with every op off draws the same windows), give the loader's views within one
+    level; staged views are the staged ops on the weak view's unrounded pixels."""
+    path = tmp_path / "train.beton"
+    write_ffcv(ColourSplit(n=24, side=40), path)
+    on, off = loader(path, staged_recipe(True)), loader(path, staged_recipe(False))
+    groups = {g.name: g for g in staged_recipe(True).groups}
+    hits = 0
+    for b, c in zip(on, off):
+        # With a staged group, the other crop group lands in local_views (split_groups).
+        crops = {"a": c.local_views, "w": c.weak_views}                       # (V, B, 3, 16, 16) normalised
+        got = {"a": b.local_views, "w": b.weak_views, "s": b.global_views}
+        finished = {}
+        for name in ("a", "w"):
+            crop = to_uint8(crops[name]).flatten(0, 1).permute(0, 2, 3, 1).to(torch.uint8).numpy()
+            finished[name] = torch_reference(crop, on.last_params[name], groups[name])   # (V*B, 3, S, S)
+        finished["s"] = torch_backend.apply_color_ops(finished["w"], on.last_params["s"], groups["s"])
+        for name, ref in finished.items():
+            err = (unnormalize(got[name]).flatten(0, 1) - ref).abs().mul(255)
+            assert float(err.max()) < 1.5, name
+            hits += int(on.last_params[name].jitter.sum() + on.last_params[name].blur.sum())
+        assert not bool(on.last_params["s"].flip.any())                       # staged views have no crop
+    assert hits > 20
 
 
 MIX_RECIPE = Recipe("mix", (ViewGroup("g", count=2, size_px=16, area=(0.2, 1.0), jitter_p=0.5, brightness=0.4),))
