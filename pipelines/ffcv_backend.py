@@ -525,6 +525,10 @@ class FFCVLoader:
         self.key = np.zeros(2, np.uint64)            # read by the compiled decoder through its address
         self.last_windows: dict[str, Tensor] = {}    # group → (count, B, 4) crop windows of the last batch
         self.last_params: dict[str, torch_backend.ViewParams] = {}   # group → drawn parameters (compiled ops)
+        self._salient: dict[str, tuple[Tensor, Tensor, Tensor]] = {}  # group → (mask, use, gray level)
+        # normalize() of every uint8 level per channel: the compiled path normalises by table lookup.
+        levels = torch.arange(256, dtype=torch.uint8).expand(3, 1, 256)                 # (3, 1, 256)
+        self._norm_lut = np.ascontiguousarray(normalize(levels, self.mean, self.std).numpy())  # (3, 1, 256)
         from ffcv.reader import Reader
 
         reader = Reader(str(beton))
@@ -642,14 +646,18 @@ class FFCVLoader:
         def field(groups: list[ViewGroup]) -> Tensor | None:
             if not groups:
                 return None
-            x = torch.cat([finished[g.name] for g in groups])                       # (V, B, 3, S, S)
-            return normalize(x, self.mean, self.std)
+            if not self.compiled_ops:
+                x = torch.cat([finished[g.name] for g in groups])                   # (V, B, 3, S, S)
+                return normalize(x, self.mean, self.std)
+            return self._normalize_rows(rows, groups, finished)
 
         global_views = field(self.global_groups)
         mixed = mix_lam = mix_partner = None
         if s.mix.kind != "none":
             mix_gen = torch.Generator().manual_seed(_key(s.seed, s.rank, self.epoch, step, 5))
-            mixed, mix_lam, mix_partner = self._mix(finished, mix_gen)
+            as_float = {k: x.to(dev).float().div_(255.0) if x.dtype == torch.uint8 else x
+                        for k, x in finished.items()}                                # compiled path: uint8 views
+            mixed, mix_lam, mix_partner = self._mix(as_float, mix_gen)
         return Batch(global_views=global_views, local_views=field(self.local_groups),
                      weak_views=field(self.weak_groups), mixed=mixed, mix_lam=mix_lam,
                      mix_partner=mix_partner, index=index.to(dev, non_blocking=True),
@@ -687,41 +695,86 @@ class FFCVLoader:
 
     def _finish_compiled(self, views: dict[str, Tensor], params: Tensor, masks, coverage: np.ndarray
                          ) -> dict[str, Tensor]:
-        """The rows already hold finished pixels (compiled ops); read the parameters back, composite
-        saliency with them.
+        """The rows already hold the finished pixels (compiled ops): read the drawn parameters back and
+        find the saliency masks that apply (composited by `_normalize_rows`).
 
         Args:
             views: {group name: (V, B, 3, S, S) uint8}, staged groups included.
             params: (views, B, N_PARAMS) float32 drawn parameters (`pipelines.ffcv_ops.PARAM_FIELDS`).
 
         Returns:
-            {group name: (V, B, 3, S, S) float in [0, 1]}.
+            {group name: (V, B, 3, S, S) uint8 views of the rows}.
         """
-        finished: dict[str, Tensor] = {}
-        self.last_params = {}
+        self.last_params, self._salient = {}, {}
         for g, v0 in zip(self.layout.all_groups, self.layout.all_first_views):
-            x = views[g.name]                                                    # (V, B, 3, S, S) uint8
-            v, b = x.shape[:2]
+            v, b = views[g.name].shape[:2]
             p = view_params(params[v0:v0 + v].reshape(v * b, -1))
             self.last_params[g.name] = p
-            x = x.reshape(v * b, *x.shape[2:]).to(self.device).float().div_(255.0)  # (V*B, 3, S, S)
             if g.name in self.saliency_groups and masks is not None:
-                x = self._saliency(x, g, p, masks, coverage, self.last_windows[g.name])
-            finished[g.name] = x.reshape(v, b, *x.shape[1:])                      # (V, B, 3, S, S)
-        return finished
+                hit = self._saliency_mask(g, p, masks, coverage, self.last_windows[g.name])
+                if hit is not None:
+                    self._salient[g.name] = (*hit, p.gray_level)
+        return dict(views)
+
+    def _normalize_rows(self, rows: np.ndarray, groups: list[ViewGroup], finished: dict[str, Tensor]) -> Tensor:
+        """One `Batch` field of the compiled path: the groups' uint8 views straight from the rows,
+        normalised in one compiled pass (`ffcv_ops.normalize_views`), then the saliency background
+        (the view's gray level, normalised) where `_finish_compiled` found one.
+
+        Returns:
+            (V, B, 3, S, S) float32 on `spec.device`.
+        """
+        from pipelines import ffcv_ops
+
+        b, size = rows.shape[0], groups[0].size_px
+        out = torch.empty(sum(g.count for g in groups), b, 3, size, size)          # (V, B, 3, S, S)
+        rows = np.ascontiguousarray(rows)
+        ops, lut = ffcv_ops.compiled(), self._norm_lut
+        mean = torch.tensor(self.mean).view(1, 3, 1, 1)
+        std = torch.tensor(self.std).view(1, 3, 1, 1)
+        k = 0
+        for g in groups:
+            v0 = self.layout.all_first_views[self.layout.all_groups.index(g)]
+            ops.normalize_views(rows.ctypes.data, rows.shape[1], b, self.layout.offsets[v0], g.count, size,
+                                lut.ctypes.data, out[k].data_ptr())
+            if g.name in self._salient:
+                mask, use, level = self._salient[g.name]
+                x = out[k:k + g.count].view(g.count * b, 3, size, size)           # (V*B, 3, S, S)
+                background = use.view(-1, 1, 1, 1) & (mask < 0.5)                  # (V*B, 1, S, S)
+                gray = (level.view(-1, 1, 1, 1) - mean) / std                       # (V*B, 3, 1, 1)
+                x.copy_(torch.where(background, gray, x))
+            k += g.count
+        return out.to(self.device, non_blocking=True)
 
     def _saliency(self, x: Tensor, g: ViewGroup, p, masks: np.ndarray, coverage: np.ndarray,
                   windows: Tensor) -> Tensor:
-        """RELICv2 App. A.2 background removal on the (flipped, colour-transformed) large crops of `g`.
-
-        A view is masked when its draw `p.saliency` hits and the sample's mask covers >= 5 %; its mask
-        is cropped with the view's own window, resized like the image and flipped with the view, then
-        `torch_backend.apply_saliency` sets pixels with mask < 0.5 to the view's `p.gray_level`.
-        Only the masks of views that are hit are decoded.
+        """RELICv2 App. A.2 background removal on the (flipped, colour-transformed) large crops of `g`:
+        `torch_backend.apply_saliency` with the masks of `_saliency_mask`.
 
         Args:
-            x: (V*B, 3, S, S) views. p: `torch_backend.ViewParams` of the group. masks: B encoded masks.
+            x: (V*B, 3, S, S) views in [0, 1]. The rest: see `_saliency_mask`.
+        """
+        hit = self._saliency_mask(g, p, masks, coverage, windows)
+        if hit is None:
+            return x
+        mask, use = hit
+        return torch_backend.apply_saliency(x, mask.to(x.device, non_blocking=True), use, p.gray_level)
+
+    def _saliency_mask(self, g: ViewGroup, p, masks: np.ndarray, coverage: np.ndarray,
+                       windows: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Which views of `g` lose their background, and their masks.
+
+        A view is masked when its draw `p.saliency` hits and the sample's mask covers >= 5 %; its mask
+        is cropped with the view's own window, resized like the image and flipped with the view;
+        pixels with mask < 0.5 then take the view's `p.gray_level`. Only the masks of views that are
+        hit are decoded.
+
+        Args:
+            g: the group. p: `torch_backend.ViewParams` of the group. masks: B encoded masks.
             coverage: (B,) mask coverages. windows: (V, B, 4) crop windows (y0, x0, h, w).
+
+        Returns:
+            ((V*B, 1, S, S) float masks on the CPU, (V*B,) bool use), or None when no view is hit.
         """
         import cv2
 
@@ -729,7 +782,7 @@ class FFCVLoader:
         cov = torch.from_numpy(np.asarray(coverage, np.float64)).repeat(count)          # (V*B,)
         use = p.saliency & (cov >= torch_backend.SALIENCY_MIN_COVERAGE)
         if not bool(use.any()):
-            return x
+            return None
         size = g.size_px
         mask = torch.ones(count * b, 1, size, size)                                    # (V*B, 1, S, S)
         decoded: dict[int, np.ndarray] = {}
@@ -741,7 +794,7 @@ class FFCVLoader:
             crop = cv2.resize(decoded[i][y0:y0 + h, x0:x0 + w], (size, size), interpolation=cv2.INTER_LINEAR)
             m = torch.from_numpy(crop).float().div_(255.0)
             mask[n, 0] = m.flip(-1) if bool(p.flip[n]) else m
-        return torch_backend.apply_saliency(x, mask.to(x.device, non_blocking=True), use, p.gray_level)
+        return mask, use
 
     def _mix(self, finished: dict[str, Tensor], gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
         """Intra-batch mixes of `spec.mix` (DESIGN §4) by `torch_backend.mix_views`, normalised afterwards.
