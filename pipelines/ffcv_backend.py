@@ -1,34 +1,56 @@
-"""FFCV backend: the `.beton` file → decode once → every crop of the recipe → `Batch` on the device.
+"""FFCV backend: the `.beton` file → decode once → every view of the recipe → `Batch` on the device.
 
 FFCV 1.0.2 maps each stored field to exactly one pipeline, so multi-crop through FFCV's own
 `RandomResizedCropRGBImageDecoder` would decode the image once per view. `DecodeViews` (in
 `_ffcv_ops`) is a decoder of our own, written with FFCV's `Operation` API and its compiled primitives
-(libffcv's turbojpeg `imdecode` and `resize`, i.e. OpenCV's `cv::resize` INTER_LINEAR on a window):
+(libffcv's turbojpeg `imdecode` and `resize`, i.e. OpenCV's `cv::resize` with INTER_AREA on a window):
 it decodes each image once and writes every crop of every crop group (random resized crop: area ~
 U(area) of the image, log(w/h) ~ U(log ratio), torchvision's 10 tries then a centre crop) into one
 flat uint8 row per sample, followed by the crop windows it drew. The windows are kept so that the
 saliency mask is cropped with exactly the image's window (`FFCVLoader.last_windows` exposes them).
 
-Randomness is counter-based: a crop parameter is a hash of (seed, rank, epoch, dataset index, view,
-draw), so it depends neither on FFCV's thread scheduling nor on the batch a sample lands in. The
-epoch key reaches the compiled code through a fixed address (numba freezes arrays captured by a
-closure, so the key array is read with `memcpy` from its address on each call). Everything after the
-crops (flip, colour jitter in random order, grayscale, blur, solarize, saliency composite, staged
-views, mixes) runs batched on `spec.device` with `pipelines.torch_backend`'s public ops (the same
-implementation as the reference backend), from one host generator seeded per (seed, rank, epoch,
-batch); a mid-epoch resume therefore only skips batches.
+Randomness is counter-based: a parameter is a hash of (seed, rank, epoch, dataset index, view, draw),
+so it depends neither on FFCV's thread scheduling nor on the batch a sample lands in. The epoch key
+reaches the compiled code through a fixed address (numba freezes arrays captured by a closure, so the
+key array is read with `memcpy` from its address on each call).
 
-Measured on the 2-core CPU machine (shared, loaded), 512 JPEGs of 500x375 at quality 90, batch 64,
-2 threads: FFCV's own RandomResizedCrop decoder, one 224-px view: 820-930 img/s; `DecodeViews`, one
-224-px view: 1,130-1,150 img/s; `DecodeViews`, relicv2 crops (4 x 224 + 2 x 96), i.e. the
-decode + crops ceiling: 370-530 img/s (one decode instead of six). The colour ops of the full recipe
-on CPU torch are the bottleneck there; they are meant for a GPU. They are `torch_backend`'s
-torchvision-exact ops (per-op clamping, HSV hue): colour jitter with p = 1 on 64 views of 224 px took
-0.69-0.78 s on one loaded CPU, against 0.06-0.08 s for this backend's former fused colour matrix
-(which clamped only at the end and rotated hue in YIQ, so it could not replace the exact op).
+After the crops, two paths, one semantics (`pipelines.torch_backend`'s ops: flip, colour jitter in a
+per-view random order with torchvision's per-op clamping and HSV hue, grayscale, Gaussian blur,
+solarize, saliency composite, staged views, mixes):
+- CPU device (`compiled_ops`): right after each crop is resized into its row, `pipelines.ffcv_ops`
+  draws the view's parameters (draws 41-56 of the view, after the crop draws 0-40) and applies flip,
+  jitter, grayscale, blur and solarize in float32, rounding to uint8 once per view; a staged group's
+  views (RSA) take their parent's finished float view, so one crop gives two outputs. This runs
+  compiled, parallel over samples in FFCV's threads. The drawn parameters follow the windows in the
+  row (`FFCVLoader.last_params`, as `torch_backend.ViewParams`); saliency uses them on the host, and
+  each `Batch` field is normalised straight from the rows in one compiled pass.
+- Other devices: the uint8 crops go to `spec.device` and the ops run there, batched, with
+  `torch_backend`'s public ops, from one host generator seeded per (seed, rank, epoch, batch).
+Either way a mid-epoch resume only skips batches. Mixes run in torch on `spec.device` in both paths.
 
-Deviations: crops are resized bilinearly (libffcv's `resize`) whatever the recipe's `interpolation`
-says.
+Measured on the 2-core CPU machine (shared with another engineer's CPU jobs), 2,000 JPEGs of 500x375
+at quality 90, batch 32, 2 threads, `python -m pipelines.bench --backends ffcv,torchvision --recipes
+relicv2,rsa --datasets imagenet-like --batches 6 --repeats 3`, load average 3.3-3.6 during the run:
+relicv2: ffcv 120 img/s (722 views/s), torchvision 24 img/s, 5.1x; decode + crops ceiling 331 img/s,
+2.75x above ffcv. rsa: ffcv 223 img/s, torchvision 55 img/s, 4.0x; ceiling 477 img/s, 2.14x above.
+The bench's stage split puts relicv2's compiled colour ops at 36 % of ffcv's time, crops (with the
+host-side normalisation) at 54 %. Measured kernels, 224-px view, one loaded core: all four jitter ops
+0.4 ms, blur at sigma 2 0.5-0.8 ms, flip alone 0.1 ms; normalising a 32-image relicv2 batch 34 ms
+(was 190 ms through torch), about two thirds of it first-touch page faults of the fresh output.
+Before this path (colour ops as CPU torch ops), the same bench gave ffcv 1.8 img/s on relicv2 and 6.4
+on rsa against torchvision's 21 and 40 (load average 4-5). Earlier single-op numbers (512 JPEGs,
+batch 64): FFCV's own RandomResizedCrop decoder, one 224-px view: 820-930 img/s; `DecodeViews`, one
+224-px view: 1,130-1,150 img/s; `DecodeViews`, relicv2 crops only: 370-530 img/s.
+
+Deviations:
+- crops are resized by libffcv's `resize` (OpenCV INTER_AREA) whatever the recipe's `interpolation`
+  says (libffcv exposes no other filter; relicv2 asks for bicubic);
+- compiled path: the Gaussian window is truncated at radius min(kernel_px // 2, ceil(4 sigma)) and
+  renormalised (< 0.02 of a uint8 level), and each view is rounded to uint8 before normalisation;
+  views agree with `torch_backend`'s ops within one uint8 level (tests/pipelines/test_ffcv_backend.py);
+- the two paths draw from different generators (a counter hash in the compiled path, a host
+  `torch.Generator` on other devices), so a CPU and a GPU run see different, equally distributed,
+  parameters.
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
 """Compiled per-view pixel ops of the FFCV backend on the CPU (numba; FFCV itself is not needed here).
 
-On a CPU loader, `ffcv_backend.DecodeViews` calls these kernels right after it resizes each crop into
-its row, inside FFCV's compiled pipeline (parallel over the samples of a batch in FFCV's threads):
+On a CPU loader, `ffcv_backend.DecodeViews` calls these kernels (`finish_view`, `finish_staged`, as C
+functions; see `compiled`) right after it resizes each crop into its row, inside FFCV's compiled
+pipeline (parallel over the samples of a batch in FFCV's threads):
 horizontal flip, colour jitter (the four ops in a per-view random order), grayscale, Gaussian blur and
 solarize, then staged views (RSA) on top of their parent's finished pixels. They reproduce
 `pipelines.torch_backend.apply_color_ops` op for op: float32 pixels in [0, 1], torchvision's per-op
 clamping, contrast against the mean luma of the *current* image, hue rotated in the same HSV, and one
 rounding to uint8 at the end of the view. Agreement with the torch ops is within one uint8 level
-(tests/pipelines/test_ffcv_backend.py), which is the rounding of the final value.
+(tests/pipelines/test_ffcv_backend.py), which is the rounding of the final value. The hue op computes
+the same HSV rotation with the hue kept in sixths (`hue_`), which only changes float rounding.
+`normalize_views` then turns a batch's rows into the normalised `Batch` field in one pass.
 
 Parameters are drawn by the caller's counter hash as uniforms `u` (draws `FIRST_DRAW + k` of the
 view, after the crop draws) and turned into a view's parameters by `draw_params` with the laws of
@@ -15,9 +18,8 @@ view, after the crop draws) and turned into a view's parameters by `draw_params`
 of `PARAM_FIELDS`; the decoder writes them into the row so that Python reads them back.
 
 Deviation: the Gaussian window is truncated at radius min(kernel_px // 2, ceil(4 sigma)) and
-renormalised. The weights beyond 4 sigma hold < 1e-4 of the mass (< 0.02 of a uint8 level), and the
-23-px kernel at 224 px costs 2.9x the taps of the truncated one at sigma = 2 (17 taps), more for
-smaller sigma.
+renormalised. The weights beyond 4 sigma hold < 1e-4 of the mass (< 0.02 of a uint8 level); the
+23-tap kernel of 224-px views shrinks to 17 taps at sigma = 2 and 5 at sigma = 0.5.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from types import SimpleNamespace
 import numba
 import numpy as np
 
+from pipelines.torch_backend import GRAY_WEIGHTS
 from pipelines.views import ViewGroup
 
 PARAM_FIELDS = ("flip", "jitter", "brightness", "contrast", "saturation", "hue",
@@ -53,15 +56,10 @@ def group_table(groups: tuple[ViewGroup, ...]) -> np.ndarray:
     return np.array(rows, np.float64).reshape(len(groups), len(GROUP_FIELDS))
 
 
-def blur_radius(kernel_px: int, sigma: float) -> int:
-    """Taps each side of the truncated Gaussian window: min(kernel_px // 2, ceil(4 sigma))."""
-    return int(min(kernel_px // 2, np.ceil(4.0 * sigma)))
-
-
 _F32 = np.float32
 _ZERO, _ONE, _HALF, _C255 = _F32(0.0), _F32(1.0), _F32(0.5), _F32(255.0)
 _TWO, _FOUR, _SIX = _F32(2.0), _F32(4.0), _F32(6.0)
-_W_R, _W_G, _W_B = _F32(0.2989), _F32(0.5870), _F32(0.1140)     # torch_backend.GRAY_WEIGHTS
+_W_R, _W_G, _W_B = (_F32(w) for w in GRAY_WEIGHTS)
 # cache=True: compiling the kernels takes about 10 s; numba's on-disk cache pays it once per machine.
 jit = numba.njit(nogil=True, cache=True)
 
