@@ -10,11 +10,13 @@ configs, git commit, versions, numbers) into `run.out_dir` and prints a table.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import platform
 import resource
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -100,6 +102,16 @@ def accuracy_after(cfg) -> dict[str, float]:
     return {k: last[k] for k in ("knn_top1", "linear_top1", "random_init/knn_top1", "random_init/linear_top1")}
 
 
+def bench_one(method: str, rest: list[str], steps: int, repeats: int) -> tuple[dict, dict]:
+    """Timing, peak memory and accuracy of one objective; run in a fresh process (see `main`)."""
+    device = select_device("auto")
+    cfg = load_config([f"method={method}", "data=synthetic", *rest, f"run.name=bench-{method}"])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    row = {**time_steps(cfg, device, steps, repeats), "peak_mem_mb": peak_memory_mb(device), **accuracy_after(cfg)}
+    return row, to_dict(cfg)
+
+
 def main(argv: list[str]) -> int:
     opts = dict(a.split("=", 1) for a in argv if a.split("=", 1)[0] in ("methods", "steps", "repeats"))
     rest = [a for a in argv if a.split("=", 1)[0] not in ("methods", "steps", "repeats")]
@@ -110,12 +122,11 @@ def main(argv: list[str]) -> int:
           f" | torch {torch.__version__} | python {platform.python_version()} | {steps} steps x {repeats}")
     rows, configs = {}, {}
     for method in methods:
-        cfg = load_config([f"method={method}", "data=synthetic", *rest, f"run.name=bench-{method}"])
-        configs[method] = to_dict(cfg)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        rows[method] = {**time_steps(cfg, device, steps, repeats), "peak_mem_mb": peak_memory_mb(device),
-                        **accuracy_after(cfg)}
+        # One fresh process per objective: the CPU peak (ru_maxrss) is per process and never goes
+        # down, so measuring every objective in one process would report the running maximum.
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            rows[method], configs[method] = pool.submit(bench_one, method, rest, steps, repeats).result()
+        print(f"{method}: done", flush=True)
     header = (f"{'method':<8} {'steps/s':>14} {'img/s':>8} {'cached steps/s':>15} {'stall':>6} {'peak MiB':>9}"
               f" {'kNN':>6} {'kNN rnd':>7} {'linear':>6} {'lin rnd':>7}")
     print(header)

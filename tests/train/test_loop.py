@@ -1,5 +1,6 @@
 """The loop end to end on the torch backend: every objective trains 3 finite steps, checkpoints
-round-trip, the exported backbone loads in timm, and a non-finite loss stops the run."""
+round-trip, the exported backbone loads in timm, a non-finite loss stops the run, and a short run of
+the demo preset beats a random-init backbone."""
 
 from __future__ import annotations
 
@@ -56,3 +57,19 @@ def test_non_finite_loss_stops_with_step_and_terms(tiny_args, tmp_path) -> None:
     cfg = load_config(tiny_args("byol", tmp_path, "optim.lr=.inf", "optim.warmup_steps=0"))
     with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step 2 .*loss=(nan|inf)"):
         train(cfg)
+
+
+@pytest.mark.slow
+def test_demo_run_beats_random_init(tmp_path_factory, tmp_path) -> None:
+    """`make demo` as it runs (rsa on the default synthetic dataset, data/synthetic.yaml, 300 steps,
+    about 3 minutes on 2 CPU cores): the pretrained backbone's kNN top-1 is at least 2 points above
+    the random-init backbone's (measured +3.8; 2,000 val images give a standard error of about 1
+    point) and its linear-probe top-1 is above it. A 150-step run on 2,000 images gained only +1.8."""
+    from preprocess.prepare import prepare_dataset
+
+    root = tmp_path_factory.mktemp("demo-data")
+    prepare_dataset("synthetic", root, workers=2, seed=0)
+    cfg = load_config(["method=rsa", "data=synthetic", f"data.root={root}", f"run.out_dir={tmp_path}", "run.name=run"])
+    last = train_records(train(cfg), "eval")[-1]
+    assert last["knn_top1"] >= last["random_init/knn_top1"] + 0.02, last
+    assert last["linear_top1"] > last["random_init/linear_top1"], last
