@@ -51,12 +51,12 @@ class Log:
     def step(self, step: int, total_steps: int, terms: dict[str, float], lr: float, ema: float,
              speed: dict[str, float]) -> None:
         """One training line, e.g.
-        `step 1200/100000 | loss 4.183 | lr 0.288 | ema 0.9961 | 2840 img/s/gpu | data 3.1 ms | step 88.4 ms`.
+        `step 1200/100000 | loss 4.183 | lr 0.288 | ema 0.9961 | 2840 img/s/rank | data 3.1 ms | step 88.4 ms`.
         """
         others = " | ".join(f"{k.removeprefix('loss/')} {v:.3f}" for k, v in terms.items() if k != "loss")
         self.print(f"step {step}/{total_steps} | loss {terms['loss']:.3f} | "
                    + (f"{others} | " if others else "")
-                   + f"lr {lr:.3g} | ema {ema:.4f} | {speed['img_per_s']:.0f} img/s/gpu | "
+                   + f"lr {lr:.3g} | ema {ema:.4f} | {speed['img_per_s']:.0f} img/s/rank | "
                    f"data {speed['data_ms']:.1f} ms | step {speed['step_ms']:.1f} ms")
         self.write({"kind": "train", "step": step, **terms, "lr": lr, "ema": ema, **speed})
 
