@@ -22,6 +22,7 @@ from models.multicrop import build_model
 from pipelines.loader import LoaderSpec, MixSpec, build_loader
 from pipelines.views import load_recipe
 from train import checkpoint, dist, schedules
+from train.optim import apply_lr_wd, build_optimizer, clip_and_step
 from train.config import Config, check_needs, dump_yaml, to_dict
 from train.log import Log, Meter
 from train.objectives import OBJECTIVES
@@ -171,35 +172,6 @@ def epochs_from(loader, start_step: int, steps_per_epoch: int, position: dict | 
         yield from loader
         epoch += 1
         loader.set_epoch(epoch)
-
-
-def build_optimizer(cfg: Config, modules: list[nn.Module]) -> torch.optim.Optimizer:
-    """LARS / SGD / AdamW from timm; biases and norm weights get no weight decay (nor LARS adaptation)."""
-    from timm.optim import create_optimizer_v2
-
-    holder = nn.ModuleList(modules)
-    kwargs = {"betas": (cfg.optim.momentum, 0.999)} if cfg.optim.name == "adamw" else {"momentum": cfg.optim.momentum}
-    optimizer = create_optimizer_v2(holder, opt=cfg.optim.name, lr=cfg.optim.lr,
-                                    weight_decay=cfg.optim.weight_decay, **kwargs)
-    for group in optimizer.param_groups:
-        group["wd_scale"] = 1.0 if group["weight_decay"] > 0 else 0.0
-    return optimizer
-
-
-def apply_lr_wd(optimizer: torch.optim.Optimizer, s) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = s.lr
-        group["weight_decay"] = s.weight_decay * group["wd_scale"]
-
-
-def clip_and_step(optimizer: torch.optim.Optimizer, scaler, clip: float) -> None:
-    """Optional global-norm clipping, then the optimiser step."""
-    if clip > 0:
-        scaler.unscale_(optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        torch.nn.utils.clip_grad_norm_(params, clip)
-    scaler.step(optimizer)
-    scaler.update()
 
 
 def evaluate_backbone(cfg: Config, backbone: nn.Module, backend: str, device: torch.device) -> dict:
