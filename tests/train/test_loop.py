@@ -62,14 +62,15 @@ def test_non_finite_loss_stops_with_step_and_terms(tiny_args, tmp_path) -> None:
 @pytest.mark.slow
 def test_demo_run_beats_random_init(tmp_path_factory, tmp_path) -> None:
     """`make demo` as it runs (rsa on the default synthetic dataset, data/synthetic.yaml, 300 steps,
-    about 3 minutes on 2 CPU cores): the pretrained backbone's kNN top-1 is at least 2 points above
-    the random-init backbone's (measured +3.8; 2,000 val images give a standard error of about 1
-    point) and its linear-probe top-1 is above it. A 150-step run on 2,000 images gained only +1.8."""
+    about 3 minutes on 2 CPU cores): the pretrained backbone's kNN top-1 is at least 1.5 points above
+    the random-init backbone's and its linear-probe top-1 is above it. Measured on 2,000 val images:
+    +3.4 and +2.9 kNN points in two runs of this preset (CPU threads make runs differ by ~0.5 point),
+    +1.3 to +2.5 linear; a 150-step run on 2,000 images gained only +1.8 kNN."""
     from preprocess.prepare import prepare_dataset
 
     root = tmp_path_factory.mktemp("demo-data")
     prepare_dataset("synthetic", root, workers=2, seed=0)
     cfg = load_config(["method=rsa", "data=synthetic", f"data.root={root}", f"run.out_dir={tmp_path}", "run.name=run"])
     last = train_records(train(cfg), "eval")[-1]
-    assert last["knn_top1"] >= last["random_init/knn_top1"] + 0.02, last
+    assert last["knn_top1"] >= last["random_init/knn_top1"] + 0.015, last
     assert last["linear_top1"] > last["random_init/linear_top1"], last
