@@ -28,8 +28,8 @@ from pipelines.views import load_recipe
 from train import checkpoint, schedules
 from train.config import load_config, to_dict
 from train.loop import select_device, train
-from train.optim import apply_lr_wd, build_optimizer, clip_and_step
 from train.objectives import OBJECTIVES
+from train.optim import apply_lr_wd, build_optimizer, clip_and_step
 
 
 def sync(device: torch.device) -> None:

@@ -22,10 +22,10 @@ from models.multicrop import build_model
 from pipelines.loader import LoaderSpec, MixSpec, build_loader
 from pipelines.views import load_recipe
 from train import checkpoint, dist, schedules
-from train.optim import apply_lr_wd, build_optimizer, clip_and_step
 from train.config import Config, check_needs, dump_yaml, to_dict
 from train.log import Log, Meter
 from train.objectives import OBJECTIVES
+from train.optim import apply_lr_wd, build_optimizer, clip_and_step
 
 
 class NonFiniteLossError(RuntimeError):
