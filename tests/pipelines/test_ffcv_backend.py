@@ -256,17 +256,10 @@ def test_crop_laws_flip_rate_and_drawn_op_rates(tmp_path: Path) -> None:
 
 
 @dataclass
-class ColourSplit:
-    """Raw images of smooth random colour plus fine noise (every colour op changes them)."""
+class ColourSplit(CoordSplit):
+    """Raw images of smooth random colour plus fine noise (every colour op changes them), no masks."""
 
-    n: int
-    side: int
-    mode: str = "raw"
-    jpeg_quality: int = 90
     has_masks: bool = False
-
-    def __len__(self) -> int:
-        return self.n
 
     def __getitem__(self, i: int) -> Record:
         return Record(colour_image(np.random.default_rng(i), self.side), i % 7, i, None)

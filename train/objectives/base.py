@@ -1,11 +1,13 @@
 """Types shared by the trainer and every objective: what goes in (`StepValues`), what comes out
-(`LossOut`) and what an objective needs from the data (`ViewNeeds`)."""
+(`LossOut`) and what an objective needs from the data (`ViewNeeds`), plus the online/target forward
+that the EMA-target objectives share."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -38,3 +40,16 @@ class LossOut:
     loss: Tensor                                            # scalar, differentiable
     logs: dict[str, Tensor] = field(default_factory=dict)   # name -> detached scalar
     state: dict[str, Tensor] = field(default_factory=dict)  # detached tensors for `after_step`
+
+
+def online_and_target(online: nn.Module, target: nn.Module, online_views: list[Tensor],
+                      target_views: list[Tensor]):
+    """One resolution of views through the online model and, without gradient, the EMA target.
+
+    Returns:
+        (online ViewEmbeddings, target ViewEmbeddings) of `models.multicrop.SSLModel`.
+    """
+    (emb,) = online([online_views])
+    with torch.no_grad():
+        (tgt,) = target([target_views])
+    return emb, tgt

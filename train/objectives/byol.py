@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from pipelines.batch import Batch
-from train.objectives.base import LossOut, StepValues, ViewNeeds
+from train.objectives.base import LossOut, StepValues, ViewNeeds, online_and_target
 from train.objectives.terms import byol_loss
 
 
@@ -37,9 +36,7 @@ class BYOL(nn.Module):
 
     def forward(self, online: nn.Module, target: nn.Module, batch: Batch, s: StepValues) -> LossOut:
         """Loss of one step from the views in `batch`; reads no state, changes none."""
-        (emb,) = online([batch.global_views[:2]])
-        with torch.no_grad():
-            (tgt,) = target([batch.global_views[:2]])
+        emb, tgt = online_and_target(online, target, batch.global_views[:2], batch.global_views[:2])
         loss = byol_loss(emb.p[0], emb.p[1], tgt.z[0], tgt.z[1])
         return LossOut(loss=loss, logs={"loss/byol": loss.detach()})
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from pipelines.batch import Batch
-from train.objectives.base import LossOut, StepValues, ViewNeeds
+from train.objectives.base import LossOut, StepValues, ViewNeeds, online_and_target
 from train.objectives.terms import gather_nograd_local_first, moco_ctr
 
 
@@ -41,9 +40,7 @@ class MoCoV3(nn.Module):
 
     def forward(self, online: nn.Module, target: nn.Module, batch: Batch, s: StepValues) -> LossOut:
         """Loss of one step from the views in `batch`; reads no state, changes none."""
-        (emb,) = online([batch.global_views[:2]])
-        with torch.no_grad():
-            (tgt,) = target([batch.global_views[:2]])
+        emb, tgt = online_and_target(online, target, batch.global_views[:2], batch.global_views[:2])
         k1 = gather_nograd_local_first(tgt.z[0])                          # (M, D)
         k2 = gather_nograd_local_first(tgt.z[1])                          # (M, D)
         loss = moco_ctr(emb.p[0], k2, self.cfg.tau) + moco_ctr(emb.p[1], k1, self.cfg.tau)

@@ -18,11 +18,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 
 from pipelines.batch import Batch
-from train.objectives.base import LossOut, StepValues, ViewNeeds
+from train.objectives.base import LossOut, StepValues, ViewNeeds, online_and_target
 from train.objectives.terms import regression_loss
 
 
@@ -100,9 +99,7 @@ class RSA(nn.Module):
         """Loss of one step from the views in `batch`; reads no state, changes none."""
         if batch.weak_views is None:
             raise ValueError("rsa needs batch.weak_views; use the staged view recipe views=rsa")
-        (agg,) = online([batch.global_views[:2]])
-        with torch.no_grad():
-            (weak,) = target([batch.weak_views[:2]])
+        agg, weak = online_and_target(online, target, batch.global_views[:2], batch.weak_views[:2])
         beta = rsa_beta(s.step, s.total_steps, self.cfg.beta_base)
         weak_term, aggressive_term = rsa_terms(agg.p[0], agg.p[1], weak.z[0], weak.z[1])
         loss = (1.0 - beta) * weak_term + beta * aggressive_term
