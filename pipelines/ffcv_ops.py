@@ -94,22 +94,35 @@ def draw_params(u, gp, p):
 
 @jit
 def load(row, off, s, flip, buf):
-    """(s, s, 3) uint8 crop at row[off:] → float32 buf[: 3 s s] in [0, 1], columns reversed if flip."""
+    """(s, s, 3) uint8 crop at row[off:] → float32 buf[: 3 s s] in [0, 1], columns reversed if flip.
+
+    Loops index zero-based slices, never `off + i`: numba cannot prove such an index non-negative,
+    and its wraparound check kept LLVM from vectorising (0.16-0.20 → 0.02 ms for a 224-px view;
+    `store` 0.18 → 0.015 ms).
+    """
+    n, rs = 3 * s * s, 3 * s
+    if not flip:
+        src, dst = row[off:off + n], buf[:n]
+        for i in range(n):
+            dst[i] = _F32(src[i]) / _C255
+        return
     for y in range(s):
-        base = off + y * s * 3
+        src, dst = row[off + y * rs:off + (y + 1) * rs], buf[y * rs:(y + 1) * rs]
         for x in range(s):
-            sx = s - 1 - x if flip else x
-            for c in range(3):
-                buf[(y * s + x) * 3 + c] = _F32(row[base + sx * 3 + c]) / _C255
+            sx = 3 * (s - 1 - x)
+            dst[3 * x] = _F32(src[sx]) / _C255
+            dst[3 * x + 1] = _F32(src[sx + 1]) / _C255
+            dst[3 * x + 2] = _F32(src[sx + 2]) / _C255
 
 
 @jit
 def store(buf, row, off, s):
     """Round float32 buf (clamped to [0, 1]) to uint8 into row[off:] (the view's one rounding)."""
-    for i in range(s * s * 3):
-        v = buf[i]
-        v = min(max(v, _ZERO), _ONE) * _C255 + _HALF
-        row[off + i] = np.uint8(np.int32(v))
+    n = 3 * s * s
+    src, dst = buf[:n], row[off:off + n]
+    for i in range(n):
+        v = min(max(src[i], _ZERO), _ONE) * _C255 + _HALF
+        dst[i] = np.uint8(np.int32(v))
 
 
 @jit
