@@ -3,7 +3,9 @@
 For every recipe × dataset × backend it measures source images/s and views/s of the loader alone
 (batches normalised on `--device`), with the same number of CPU cores for every backend (`--cores`:
 DataLoader workers / DALI threads, and torch's intra-op threads), as the median of `--repeats` runs,
-each timed after `--warmup-batches` batches. Next to them it measures two ceilings on the same shard
+each timed after `--warmup-batches` batches. The runs go in rounds: each round times the
+decode + crops ceiling and every backend once, back to back, so that a slow spell of a shared
+machine falls on all of them alike. Next to them it measures two ceilings on the same shard
 files with the faster of two libjpeg-turbo decoders (PIL, `torchvision.io.decode_image`), run in
 `--cores` DataLoader workers: decode-only, and decode + the recipe's crops and resizes (one decode per
 sample, every crop view resized to its size, no colour ops). Each backend is also run on the recipe
@@ -232,14 +234,15 @@ def _collate_views(items):
 
 
 def time_ceiling(entries, decoder: str, recipe: Recipe | None, batch_size: int, batches: int,
-                 warmup: int, repeats: int, cores: int) -> list[float]:
-    """Images/s of decode-only (`recipe` None) or decode + crops of `recipe`, in `cores` workers."""
+                 warmup: int, repeats: int, cores: int, first_seed: int = 0) -> list[float]:
+    """Images/s of decode-only (`recipe` None) or decode + crops of `recipe`, in `cores` workers;
+    run r reads the records in the order seeded with `first_seed + r`."""
     groups = None if recipe is None else [g for g in recipe.groups if g.parent is None]
     ds = _CeilingDataset(entries, decoder, groups)
     need = (warmup + batches) * batch_size
     runs = []
     for r in range(repeats):
-        g = torch.Generator().manual_seed(r)
+        g = torch.Generator().manual_seed(first_seed + r)
         order = torch.randperm(len(entries), generator=g).tolist()
         order = (order * (need // len(order) + 1))[:need]
         dl = torch.utils.data.DataLoader(
@@ -441,31 +444,39 @@ def run(a: argparse.Namespace) -> dict:
             report["ceilings"].append({"dataset": ds, "recipe": rc, "kind": "decode", "decoder": decoder,
                                        "img_per_s": decode_best[decoder], "views_per_s": 0.0,
                                        "all_decoders": decode_best})
-            runs = time_ceiling(entries, decoder, recipe, a.batch_size, a.batches, a.warmup_batches,
-                                a.repeats, a.cores)
+            # One round per repeat, each timing the ceiling and every backend back to back, so that
+            # a slow spell of a shared machine lands on all of them alike, not on one backend.
+            ceiling_runs: list[float] = []
+            rows = {be: {"dataset": ds, "recipe": rc, "backend": be, "views_per_sample": vps,
+                         "runs": [], "crops_only_runs": []} for be in backends}
+            for rnd in range(a.repeats):
+                ceiling_runs += time_ceiling(entries, decoder, recipe, a.batch_size, a.batches,
+                                             a.warmup_batches, 1, a.cores, first_seed=rnd)
+                for be, row in rows.items():
+                    if row.get("status") == "failed":
+                        continue
+                    try:
+                        def make(epoch, rec=recipe, be=be):
+                            spec = LoaderSpec(root=str(root), dataset=name, split="train", recipe=rec,
+                                              batch_size=a.batch_size, seed=0, device=a.device,
+                                              num_workers=a.cores)
+                            loader = build_loader(be, spec)
+                            loader.set_epoch(epoch + rnd)
+                            return loader
+                        row["runs"] += time_loader(make, a.batches, a.warmup_batches, 1, a.device)
+                        row["crops_only_runs"] += time_loader(lambda e: make(e, crops_only(recipe)),
+                                                              a.batches, a.warmup_batches, 1, a.device)
+                    except Exception as exc:  # a broken backend is reported, not silently skipped
+                        row.update(status="failed", error=f"{type(exc).__name__}: {exc}",
+                                   traceback=traceback.format_exc(limit=4))
             report["ceilings"].append({"dataset": ds, "recipe": rc, "kind": "decode+crops", "decoder": decoder,
-                                       "img_per_s": _median(runs), "views_per_s": _median(runs) * crop_views,
-                                       "runs": runs})
-            for be in backends:
-                row = {"dataset": ds, "recipe": rc, "backend": be, "views_per_sample": vps}
-                try:
-                    def make(epoch, rec=recipe):
-                        spec = LoaderSpec(root=str(root), dataset=name, split="train", recipe=rec,
-                                          batch_size=a.batch_size, seed=0, device=a.device,
-                                          num_workers=a.cores)
-                        loader = build_loader(be, spec)
-                        loader.set_epoch(epoch)
-                        return loader
-                    runs = time_loader(make, a.batches, a.warmup_batches, a.repeats, a.device)
-                    crop_runs = time_loader(lambda e: make(e, crops_only(recipe)), a.batches,
-                                            a.warmup_batches, a.repeats, a.device)
-                    full = _median(runs)
-                    row.update(status="ok", img_per_s=full, views_per_s=full * vps, runs=runs,
-                               crops_only_img_per_s=_median(crop_runs), crops_only_runs=crop_runs,
-                               stage_share=stage_shares(full, _median(crop_runs), decode_best[decoder]))
-                except Exception as exc:  # a broken backend is reported, not silently skipped
-                    row.update(status="failed", error=f"{type(exc).__name__}: {exc}",
-                               traceback=traceback.format_exc(limit=4))
+                                       "img_per_s": _median(ceiling_runs),
+                                       "views_per_s": _median(ceiling_runs) * crop_views, "runs": ceiling_runs})
+            for be, row in rows.items():
+                if row.get("status") != "failed":
+                    full, crops = _median(row["runs"]), _median(row["crops_only_runs"])
+                    row.update(status="ok", img_per_s=full, views_per_s=full * vps, crops_only_img_per_s=crops,
+                               stage_share=stage_shares(full, crops, decode_best[decoder]))
                 report["results"].append(row)
                 print(f"{ds} {rc} {be}: " + (f"{row['img_per_s']:.1f} img/s" if row["status"] == "ok"
                                              else row["error"].splitlines()[0]), flush=True)

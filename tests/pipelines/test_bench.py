@@ -10,7 +10,7 @@ from pipelines import bench
 def test_quick_bench_writes_report(tmp_path) -> None:
     out = tmp_path / "bench" / "pipelines.json"
     bench.main(["--quick", "--recipes", "rsa", "--datasets", "imagenet-like",
-                "--backends", "torchvision", "--cores", "1", "--out", str(out)])
+                "--backends", "torchvision", "--cores", "1", "--repeats", "2", "--out", str(out)])
     report = json.loads(out.read_text())
     assert {"machine", "versions", "git", "settings", "results", "ceilings", "ratios"} <= set(report)
     assert report["machine"]["cores"] >= 1 and report["versions"]["torch"]
@@ -19,6 +19,9 @@ def test_quick_bench_writes_report(tmp_path) -> None:
     assert row["img_per_s"] > 0 and row["views_per_s"] == row["img_per_s"] * 4   # rsa: 2 weak + 2 staged
     assert {c["kind"] for c in report["ceilings"]} == {"decode", "decode+crops"}
     assert all(c["img_per_s"] > 0 for c in report["ceilings"])
+    (crops,) = [c for c in report["ceilings"] if c["kind"] == "decode+crops"]
+    repeats = report["settings"]["repeats"]       # one run of the ceiling and of each backend per round
+    assert len(crops["runs"]) == len(row["runs"]) == len(row["crops_only_runs"]) == repeats >= 2
     assert report["ratios"][0]["best_backend"] == "torchvision"
     # The datasets are cached: preparing again runs no new preprocessing.
     log = out.parent / "bench-data" / "preprocess.log"
