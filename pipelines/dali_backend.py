@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from pipelines import schema
-from pipelines.batch import Batch
+from pipelines.batch import Batch, ReusedBuffers
 from pipelines.loader import LoaderSpec
 from pipelines.views import Recipe, ViewGroup
 
@@ -576,11 +576,24 @@ def _to_torch(tl) -> torch.Tensor:
     return torch.from_numpy(tl.as_array())
 
 
-def _view(tl) -> torch.Tensor:
-    """A torch view of DALI's output buffer, valid until the next `run()` (copy it before)."""
-    if hasattr(tl, "as_cpu"):
-        tl = tl.as_cpu()
-    return torch.from_numpy(np.asarray(tl.as_tensor()))
+def _feed(tls: list, dev: torch.device, buffers: ReusedBuffers, k: int) -> torch.Tensor | None:
+    """Copy V view outputs (DALI batches of (3, S, S) float32 samples) into one (V, k, 3, S, S)
+    tensor on `dev`: one copy per view with DALI's `feed_ndarray`, device to device on a GPU (no
+    round trip through the host), into a reused host buffer on the CPU (`ReusedBuffers`)."""
+    if not tls:
+        return None
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+
+    dense = [tl.as_tensor() for tl in tls]                                 # (B, 3, S, S) each
+    shape = (len(dense), *dense[0].shape())
+    if dev.type == "cpu":
+        out = buffers.take(shape)
+    else:
+        out = torch.empty(shape, dtype=torch.float32, device=dev)
+    stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+    for v, t in enumerate(dense):
+        feed_ndarray(t, out[v], cuda_stream=stream)
+    return out[:, :k]
 
 
 class DaliLoader:
@@ -598,6 +611,7 @@ class DaliLoader:
         _check_spec(spec)
         self.spec, self.tars, self.idxs, self.has_masks = spec, tars, idxs, has_masks
         self.mean, self.std, self.debug = mean, std, debug
+        self._buffers = ReusedBuffers()               # CPU device: the views land in reused host memory
         self.n = _count(idxs)
         lo, hi = _rank_range(self.n, spec.rank, spec.world_size)
         self.rank_count = hi - lo
@@ -642,8 +656,8 @@ class DaliLoader:
             k = self.spec.batch_size
             if not self.spec.drop_last and self.done == self.length - 1:
                 k = self.rank_count - self.done * self.spec.batch_size
-            groups: dict[str, list[torch.Tensor]] = {"global": [], "local": [], "weak": [], "mixed": [],
-                                                     "mix_lam": [], "mix_partner": []}
+            groups: dict[str, list] = {"global": [], "local": [], "weak": [], "mixed": [],  # DALI outputs,
+                                       "mix_lam": [], "mix_partner": []}                 # or tensors
             rec = None
             self.last_debug = {}
             for name, tl in zip(self._names, outs):
@@ -654,13 +668,11 @@ class DaliLoader:
                 elif name.startswith(("mix_lam", "mix_partner")):
                     groups[name.split(":")[0]].append(_to_torch(tl)[:k])     # (B,)
                 else:
-                    groups[name.split(":")[0]].append(_view(tl)[:k])         # (B, 3, S, S) float32
+                    groups[name.split(":")[0]].append(tl)                     # B x (3, S, S) float32
             self.done += 1
 
-            def stack(xs):
-                if not xs:
-                    return None
-                return torch.stack(xs).to(dev, non_blocking=True)           # (V, B, 3, S, S), a copy
+            def stack(tls):
+                return _feed(tls, dev, self._buffers, k)                         # (V, k, 3, S, S)
 
             lam = partner = None
             if groups["mixed"]:
