@@ -28,19 +28,18 @@ solarize, saliency composite, staged views, mixes):
   `torch_backend`'s public ops, from one host generator seeded per (seed, rank, epoch, batch).
 Either way a mid-epoch resume only skips batches. Mixes run in torch on `spec.device` in both paths.
 
-Measured on the 2-core CPU machine (shared with another engineer's CPU jobs), 2,000 JPEGs of 500x375
-at quality 90, batch 32, 2 threads, `python -m pipelines.bench --backends ffcv,torchvision --recipes
-relicv2,rsa --datasets imagenet-like --batches 6 --repeats 3`, load average 3.3-3.6 during the run:
-relicv2: ffcv 120 img/s (722 views/s), torchvision 24 img/s, 5.1x; decode + crops ceiling 331 img/s,
-2.75x above ffcv. rsa: ffcv 223 img/s, torchvision 55 img/s, 4.0x; ceiling 477 img/s, 2.14x above.
-The bench's stage split puts relicv2's compiled colour ops at 36 % of ffcv's time, crops (with the
-host-side normalisation) at 54 %. Measured kernels, 224-px view, one loaded core: all four jitter ops
-0.4 ms, blur at sigma 2 0.5-0.8 ms, flip alone 0.1 ms; normalising a 32-image relicv2 batch 34 ms
-(was 190 ms through torch), about two thirds of it first-touch page faults of the fresh output.
-Before this path (colour ops as CPU torch ops), the same bench gave ffcv 1.8 img/s on relicv2 and 6.4
-on rsa against torchvision's 21 and 40 (load average 4-5). Earlier single-op numbers (512 JPEGs,
-batch 64): FFCV's own RandomResizedCrop decoder, one 224-px view: 820-930 img/s; `DecodeViews`, one
-224-px view: 1,130-1,150 img/s; `DecodeViews`, relicv2 crops only: 370-530 img/s.
+Measured on the idle 2-core CPU machine, 2,000 JPEGs of ~500x375 at quality 90, batch 32, 2 threads,
+`python -m pipelines.bench --backends dali,ffcv,torchvision,torch --batches 10 --repeats 3` (medians
+of 3 rounds): relicv2 352 img/s (2,110 views/s), 6.1x the torchvision baseline, 1.19x below the decode
++ crops ceiling (419 img/s, uint8 crops only); rsa 717 img/s, 6.7x, 1.19x below its ceiling. Per
+224-px view on one core: load and store of the float view 0.04 ms, the four jitter ops ~0.2 ms (hue
+0.07), blur 0.15 / 0.21 / 0.36 ms at sigma 0.5 / 1 / 2, libffcv's resize ~0.67 ms (the largest
+share; torchvision's antialiased bilinear takes the same, bicubic 1.0 ms); normalising a 32-image relicv2 batch
+9 ms into a reused buffer, 41 ms into fresh memory. What got it there, from 204 img/s: vectorised
+load/store (0.18 -> 0.04 ms per view), reused output buffers (`ReusedBuffers`), samples handed to
+FFCV's two threads one at a time instead of in two fixed halves (CPU use 1.80 -> 1.95 of 2 cores),
+hue and blur rewritten as vectorisable loops. Before the compiled path (colour ops as CPU torch ops)
+ffcv was slower than the baseline.
 
 Deviations:
 - crops are resized by libffcv's `resize` (OpenCV INTER_AREA) whatever the recipe's `interpolation`
