@@ -578,22 +578,20 @@ def _to_torch(tl) -> torch.Tensor:
 
 def _feed(tls: list, dev: torch.device, buffers: ReusedBuffers, k: int) -> torch.Tensor | None:
     """Copy V view outputs (DALI batches of (3, S, S) float32 samples) into one (V, k, 3, S, S)
-    tensor on `dev`: one copy per view with DALI's `feed_ndarray`, device to device on a GPU (no
-    round trip through the host), into a reused host buffer on the CPU (`ReusedBuffers`)."""
+    tensor on `dev`, one copy per view with DALI's `feed_ndarray`: GPU outputs device to device (no
+    round trip through the host), CPU outputs into a reused host buffer (`ReusedBuffers`)."""
     if not tls:
         return None
     from nvidia.dali.plugin.pytorch import feed_ndarray
 
     dense = [tl.as_tensor() for tl in tls]                                 # (B, 3, S, S) each
     shape = (len(dense), *dense[0].shape())
-    if dev.type == "cpu":
-        out = buffers.take(shape)
-    else:
-        out = torch.empty(shape, dtype=torch.float32, device=dev)
-    stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+    on_gpu = hasattr(tls[0], "as_cpu")                                     # a TensorListGPU
+    out = torch.empty(shape, dtype=torch.float32, device=dev) if on_gpu else buffers.take(shape)
+    stream = torch.cuda.current_stream(dev) if on_gpu else None
     for v, t in enumerate(dense):
         feed_ndarray(t, out[v], cuda_stream=stream)
-    return out[:, :k]
+    return out[:, :k].to(dev, non_blocking=True)
 
 
 class DaliLoader:

@@ -34,8 +34,8 @@ of 3 rounds): relicv2 352 img/s (2,110 views/s), 6.1x the torchvision baseline, 
 + crops ceiling (419 img/s, uint8 crops only); rsa 717 img/s, 6.7x, 1.19x below its ceiling. Per
 224-px view on one core: load and store of the float view 0.04 ms, the four jitter ops ~0.2 ms (hue
 0.07), blur 0.15 / 0.21 / 0.36 ms at sigma 0.5 / 1 / 2, libffcv's resize ~0.67 ms (the largest
-share; torchvision's antialiased bilinear takes the same, bicubic 1.0 ms); normalising a 32-image relicv2 batch
-9 ms into a reused buffer, 41 ms into fresh memory. What got it there, from 204 img/s: vectorised
+share; torchvision's antialiased bilinear takes the same, bicubic 1.0 ms); normalising a 32-image
+relicv2 batch 9 ms into a reused buffer, 41 ms into fresh memory. What got it there, from 204 img/s: vectorised
 load/store (0.18 -> 0.04 ms per view), reused output buffers (`ReusedBuffers`), samples handed to
 FFCV's two threads one at a time instead of in two fixed halves (CPU use 1.80 -> 1.95 of 2 cores),
 hue and blur rewritten as vectorisable loops. Before the compiled path (colour ops as CPU torch ops)
@@ -162,12 +162,12 @@ class CropLayout:
 @functools.lru_cache(maxsize=None)
 def _ffcv_ops():
     """Define the FFCV operations (FFCV and numba are imported lazily, on first use)."""
+    import numba
     from ffcv.fields.rgb_image import IMAGE_MODES
     from ffcv.libffcv import ctypes_imdecode, ctypes_memcopy, ctypes_resize
     from ffcv.pipeline.allocation_query import AllocationQuery
     from ffcv.pipeline.compiler import Compiler
     from ffcv.pipeline.operation import Operation
-    import numba
 
     from pipelines import ffcv_ops
 
@@ -277,6 +277,9 @@ def _ffcv_ops():
 
             def decode(batch_indices, my_storage, metadata, storage_state):
                 destination, temp_storage = my_storage
+                # Samples go to FFCV's threads one at a time: their cost varies with the crop sizes
+                # and the drawn ops, and two fixed halves of the batch left a core idle ~10 % of
+                # the time (CPU use 1.80 -> 1.95 of 2 cores on relicv2).
                 chunk = set_chunksize(1)
                 for dst_ix in my_range(len(batch_indices)):
                     sample = batch_indices[dst_ix]
