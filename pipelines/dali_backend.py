@@ -582,11 +582,12 @@ def _feed(tls: list, dev: torch.device, buffers: ReusedBuffers, k: int) -> torch
     round trip through the host), CPU outputs into a reused host buffer (`ReusedBuffers`)."""
     if not tls:
         return None
+    from nvidia.dali.backend import TensorListGPU
     from nvidia.dali.plugin.pytorch import feed_ndarray
 
     dense = [tl.as_tensor() for tl in tls]                                 # (B, 3, S, S) each
     shape = (len(dense), *dense[0].shape())
-    on_gpu = hasattr(tls[0], "as_cpu")                                     # a TensorListGPU
+    on_gpu = isinstance(tls[0], TensorListGPU)
     out = torch.empty(shape, dtype=torch.float32, device=dev) if on_gpu else buffers.take(shape)
     stream = torch.cuda.current_stream(dev) if on_gpu else None
     for v, t in enumerate(dense):
