@@ -1,4 +1,5 @@
-"""DALI view graph: Batch contract, sharding, seeds, staged views, saliency, crop laws, resume."""
+"""DALI view graph: Batch contract, sharding, seeds, staged views, saliency, crop laws, op rates,
+independent views, resume."""
 
 from __future__ import annotations
 
@@ -135,9 +136,11 @@ def test_saliency_never_grays_foreground(shards) -> None:
 def test_crop_area_and_ratio_laws(shards) -> None:
     # area <= 0.5 and ratio within [3/4, 4/3] on a square image: every first try fits, so the
     # window follows the law exactly: area ~ U(0.08, 0.5), log(ratio) ~ U(log 3/4, log 4/3).
-    recipe = Recipe("laws", (ViewGroup("v", 8, 8, area=(0.08, 0.5), flip_p=0.5, gray_p=0.3, solarize_p=0.2),))
+    recipe = Recipe("laws", (ViewGroup("v", 8, 8, area=(0.08, 0.5), flip_p=0.5, gray_p=0.3, blur_p=0.4,
+                                       solarize_p=0.2),))
     loader = _loader(shards, recipe, seed=9)
-    areas, ratios, flips, grays, sols = [], [], [], [], []
+    areas, ratios, flips, grays, blurs, sols = [], [], [], [], [], []
+    pair_areas, pair_flips = [], []                                      # views 2k, 2k + 1 of a sample
     for _ in range(6):
         for _ in loader:
             for v in range(8):
@@ -146,15 +149,24 @@ def test_crop_area_and_ratio_laws(shards) -> None:
                 ratios += list(np.log(w / h))
                 flips += list(loader.last_debug[f"v/{v}/flip"])
                 grays += list(loader.last_debug[f"v/{v}/gray"])
+                blurs += list(loader.last_debug[f"v/{v}/blur"])
                 sols += list(loader.last_debug[f"v/{v}/solarize"])
+            for v in range(0, 8, 2):
+                a = [loader.last_debug[f"v/{u}/window"] for u in (v, v + 1)]
+                pair_areas += list(zip(*(x[:, 2] * x[:, 3] for x in a)))
+                pair_flips += list(zip(*(loader.last_debug[f"v/{u}/flip"] for u in (v, v + 1))))
     n = len(areas)                                                       # 6 epochs x 48 x 8 = 2304
     # window sides are rounded to whole pixels of a 32-px image: allow that granularity in D
     d_area = stats.kstest(areas, stats.uniform(0.08, 0.42).cdf).statistic
     lr = math.log(4 / 3)
     d_ratio = stats.kstest(ratios, stats.uniform(-lr, 2 * lr).cdf).statistic
     assert d_area < 1.36 / math.sqrt(n) + 0.02 and d_ratio < 1.36 / math.sqrt(n) + 0.05
-    for got, p in ((flips, 0.5), (grays, 0.3), (sols, 0.2)):
+    for got, p in ((flips, 0.5), (grays, 0.3), (blurs, 0.4), (sols, 0.2)):
         assert abs(np.mean(got) - p) < 4 * math.sqrt(p * (1 - p) / n)
+    # Views of one sample draw independently: uncorrelated areas, flips coinciding at p^2.
+    pa, pf = np.array(pair_areas, np.float64), np.array(pair_flips, np.float64)   # (1152, 2) each
+    assert abs(stats.pearsonr(pa[:, 0], pa[:, 1])[0]) < 4 / math.sqrt(len(pa))
+    assert abs(np.mean(pf[:, 0] * pf[:, 1]) - 0.25) < 4 * math.sqrt(0.25 * 0.75 / len(pf))
 
 
 def test_mid_epoch_resume(shards) -> None:

@@ -225,7 +225,7 @@ def test_crop_laws_flip_rate_and_drawn_op_rates(tmp_path: Path) -> None:
     group = ViewGroup("crops", count=64, size_px=4, area=(0.25, 0.5), flip_p=0.5, interpolation="bilinear")
     ld = loader(path, Recipe("law", (group, OPS_LAWS)), batch_size=16)
     areas, log_ratios, flips, n = [], [], 0, 0
-    drawn = []
+    drawn, view_flips = [], []
     for epoch in range(2):
         ld.set_epoch(epoch)
         for b in ld:
@@ -238,6 +238,7 @@ def test_crop_laws_flip_rate_and_drawn_op_rates(tmp_path: Path) -> None:
             assert torch.equal(flipped, ld.last_params["crops"].flip)         # the flips it reports
             flips += int(flipped.sum())
             n += len(flipped)
+            view_flips.append(flipped.view(64, -1))                           # (V, B)
             # The pixels agree with the reported windows: column centres at x0 + (c + 0.5) w / 4 - 0.5.
             centre_x = x_cols.mean(1)
             assert torch.allclose(centre_x, win[:, 1] + win[:, 3] / 2 - 0.5, atol=1.0)
@@ -253,6 +254,12 @@ def test_crop_laws_flip_rate_and_drawn_op_rates(tmp_path: Path) -> None:
     lo, hi = math.log(3 / 4), math.log(4 / 3)
     assert stats.kstest(log_ratios, stats.uniform(lo, hi - lo).cdf).pvalue > 1e-3
     assert binomial_ok(flips, n, 0.5)
+    # Views of one sample draw independently: the areas of views 2k and 2k + 1 of a sample are
+    # uncorrelated and their flips coincide at p^2 (1,024 pairs).
+    a = torch.cat([torch.from_numpy(x).view(64, -1) for x in np.split(areas, len(view_flips))], 1)  # (V, samples)
+    assert abs(stats.pearsonr(a[0::2].ravel(), a[1::2].ravel())[0]) < 4 / math.sqrt(a[0::2].numel())
+    f = torch.cat(view_flips, 1)                                              # (V, samples)
+    assert binomial_ok(int((f[0::2] & f[1::2]).sum()), f[0::2].numel(), 0.25)
     # The other group's drawn parameters follow its laws (torch_backend.sample_color_params).
     cat = {f: torch.cat([getattr(p, f) for p in drawn]) for f in ("flip", "jitter", "factors", "order", "gray",
                                                                  "blur", "sigma", "solarize", "saliency", "gray_level")}
