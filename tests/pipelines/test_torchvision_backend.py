@@ -1,6 +1,6 @@
 """The torchvision baseline backend: Batch contract, rank sharding, seeding, staged views, and the laws
 of its drawn parameters read back from pixels (crop area and ratio, flip, grayscale, blur, solarize
-rates, independent views)."""
+rates, independent views), and the saliency composite aligned with the crop."""
 
 from __future__ import annotations
 
@@ -223,3 +223,56 @@ def test_grayscale_blur_solarize_rates(coord_entries) -> None:
     for hits, n, p in ((gray.sum(), len(views), 0.3), (solarized.sum(), len(colour), 0.2),
                        (blurred.sum(), len(colour), 0.4)):
         assert abs(hits / n - p) < 4 * math.sqrt(p * (1 - p) / n), (hits, n, p)
+
+
+@dataclasses.dataclass
+class _MaskedSplit(_CoordSplit):
+    """64-px images with R = 4x, G = 4y, B = 255 on a centred square foreground [16, 48)^2 and 0
+    around it, and that square as the mask: the resized B channel is the resized mask."""
+
+    has_masks: bool = True
+
+    def __getitem__(self, i: int):
+        from preprocess.records import Record
+
+        yy, xx = np.mgrid[0:64, 0:64]
+        fg = (yy >= 16) & (yy < 48) & (xx >= 16) & (xx < 48)
+        img = np.stack([4 * xx, 4 * yy, np.where(fg, 255, 0)], -1).astype(np.uint8)
+        return Record(img, 0, i, fg.astype(np.uint8) * 255)
+
+
+def _inside(u: np.ndarray) -> np.ndarray:
+    """Source coordinates deep inside the foreground [16, 48): 1.5 px from its edge pixels."""
+    return (u > 16 + 1.5) & (u < 47 - 1.5)
+
+
+def test_saliency_composite_is_aligned_with_the_crop(tmp_path) -> None:
+    """Every view loses its background (p = 1): the pixels kept are exactly the foreground of the
+    crop window, which is read back from the R/G ramps of the kept pixels."""
+    from pipelines.shards import scan_shards
+    from pipelines.torchvision_backend import ShardDataset
+    from pipelines.views import ViewGroup
+    from preprocess.write_dali import write_dali
+
+    write_dali(_MaskedSplit(n=8), tmp_path / "train", shard_size=8)
+    g = ViewGroup("v", count=4, size_px=32, area=(0.3, 1.0), interpolation="bilinear", flip_p=0.5,
+                  saliency_p=1.0)
+    ds = ShardDataset(scan_shards(tmp_path / "train"), Recipe("sal", (g,)))
+    checked = 0
+    for k in range(60):
+        for v in ds._sample(k % 8, seed=k)["views"][0].numpy().astype(np.float64):   # (3, 32, 32)
+            gray = (v[0] == v[1]) & (v[1] == v[2])
+            kept = ~gray
+            assert not (kept & (v[2] < 128)).any()             # no background pixel survives
+            cols, rows = np.nonzero(kept.any(0))[0], np.nonzero(kept.any(1))[0]
+            if len(cols) < 4 or len(rows) < 4:
+                continue
+            # Source coordinate of each view column / row from the kept pixels' ramps (x = R / 4).
+            jj, ii = np.nonzero(kept)[1], np.nonzero(kept)[0]
+            fx = np.polyfit(jj, v[0][kept] / 4, 1)
+            fy = np.polyfit(ii, v[1][kept] / 4, 1)
+            x, y = np.polyval(fx, np.arange(32)), np.polyval(fy, np.arange(32))
+            deep_fg = _inside(y)[:, None] & _inside(x)[None, :]
+            assert not (deep_fg & gray).any()                  # foreground never grayed
+            checked += 1
+    assert checked > 100
