@@ -35,10 +35,10 @@ of 3 rounds): relicv2 352 img/s (2,110 views/s), 6.1x the torchvision baseline, 
 224-px view on one core: load and store of the float view 0.04 ms, the four jitter ops ~0.2 ms (hue
 0.07), blur 0.15 / 0.21 / 0.36 ms at sigma 0.5 / 1 / 2, libffcv's resize ~0.67 ms (the largest
 share; torchvision's antialiased bilinear takes the same, bicubic 1.0 ms); normalising a 32-image
-relicv2 batch 9 ms into a reused buffer, 41 ms into fresh memory. What got it there, from 204 img/s: vectorised
-load/store (0.18 -> 0.04 ms per view), reused output buffers (`ReusedBuffers`), samples handed to
-FFCV's two threads one at a time instead of in two fixed halves (CPU use 1.80 -> 1.95 of 2 cores),
-hue and blur rewritten as vectorisable loops. Before the compiled path (colour ops as CPU torch ops)
+relicv2 batch 9 ms into a reused buffer, 41 ms into fresh memory. What got it there, from 204
+img/s: vectorised load/store (0.18 -> 0.04 ms per view), reused output buffers (`ReusedBuffers`),
+samples handed to FFCV's two threads one at a time instead of in two fixed halves (CPU use 1.80 ->
+1.95 of 2 cores), hue and blur rewritten as vectorisable loops. Before the compiled path (colour ops as CPU torch ops)
 ffcv was slower than the baseline.
 
 Deviations:

@@ -190,7 +190,8 @@ def hue_(buf, npx, shift):
         cr = maxc - min(min(r, g), b)
         inv = _ONE / cr if cr > _ZERO else _ZERO
         # torchvision's sectors: (bc - gc), 2 + (rc - bc), 4 + (gc - rc), as sixths in [-1, 5]
-        h6 = (g - b) * inv if maxc == r else ((_TWO + (b - r) * inv) if maxc == g else (_FOUR + (r - g) * inv))
+        h6_gb = _TWO + (b - r) * inv if maxc == g else _FOUR + (r - g) * inv
+        h6 = (g - b) * inv if maxc == r else h6_gb
         h6 += shift6                           # in [-4, 8): one wrap each way
         h6 = h6 + _SIX if h6 < _ZERO else (h6 - _SIX if h6 >= _SIX else h6)
         px[3 * q] = hue_channel(h6, maxc, cr, _F32(5.0))
