@@ -153,7 +153,6 @@ def test_mid_epoch_resume_gives_the_remaining_batches(small) -> None:
         assert torch.equal(x.index, y.index) and torch.equal(x.global_views, y.global_views)
 
 
-
 def test_output_buffers_are_reused_only_when_no_tensor_holds_them(small) -> None:
     """The compiled path writes each batch into a buffer no live tensor shares: batches (or slices of
     them) that the caller keeps never change, and buffers of dropped batches are written again."""
@@ -175,6 +174,8 @@ def test_output_buffers_are_reused_only_when_no_tensor_holds_them(small) -> None
     # 5 batches x 2 fields, while the loop variable holds the previous batch: two buffers alternate
     # per field, plus batch 0's global buffer pinned by the slice (10 without reuse).
     assert ld._buffers.made == 2 + 2 + 1
+
+
 @PATHS
 def test_staged_view_equals_weak_view_when_staged_ops_are_off(small, compiled: bool) -> None:
     path, _ = small
