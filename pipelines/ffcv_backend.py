@@ -30,16 +30,16 @@ Either way a mid-epoch resume only skips batches. Mixes run in torch on `spec.de
 
 Measured on the idle 2-core CPU machine, 2,000 JPEGs of ~500x375 at quality 90, batch 32, 2 threads,
 `python -m pipelines.bench --backends dali,ffcv,torchvision,torch --batches 10 --repeats 3` (medians
-of 3 rounds): relicv2 352 img/s (2,110 views/s), 6.1x the torchvision baseline, 1.19x below the decode
-+ crops ceiling (419 img/s, uint8 crops only); rsa 717 img/s, 6.7x, 1.19x below its ceiling. Per
-224-px view on one core: load and store of the float view 0.04 ms, the four jitter ops ~0.2 ms (hue
-0.07), blur 0.15 / 0.21 / 0.36 ms at sigma 0.5 / 1 / 2, libffcv's resize ~0.67 ms (the largest
-share; torchvision's antialiased bilinear takes the same, bicubic 1.0 ms); normalising a 32-image
-relicv2 batch 9 ms into a reused buffer, 41 ms into fresh memory. What got it there, from 204
-img/s: vectorised load/store (0.18 -> 0.04 ms per view), reused output buffers (`ReusedBuffers`),
-samples handed to FFCV's two threads one at a time instead of in two fixed halves (CPU use 1.80 ->
-1.95 of 2 cores), hue and blur rewritten as vectorisable loops. Before the compiled path (colour ops as CPU torch ops)
-ffcv was slower than the baseline.
+of 3 rounds): relicv2 352 img/s (2,110 views/s), 6.1x the torchvision baseline, 1.19x below the
+decode + crops ceiling (419 img/s, uint8 crops only); rsa 717 img/s, 6.7x, 1.19x below its ceiling.
+Per 224-px view on one core: load and store of the float view 0.04 ms, the four jitter ops ~0.16 ms
+together (hue 0.07), blur 0.15 / 0.21 / 0.36 ms at sigma 0.5 / 1 / 2, libffcv's resize ~0.67 ms (the
+largest share; torchvision's antialiased bilinear takes the same, bicubic 1.0 ms); normalising a
+32-image relicv2 batch 9 ms into a reused buffer, 41 ms into fresh memory. What got it there, from
+204 img/s: vectorised load/store (0.18 -> 0.04 ms per view), reused output buffers
+(`ReusedBuffers`), samples handed to FFCV's two threads one at a time instead of in two fixed halves
+(CPU use 1.80 -> 1.95 of 2 cores), hue and blur rewritten as vectorisable loops. Before the compiled
+path (colour ops as CPU torch ops) ffcv was slower than the baseline.
 
 Deviations:
 - crops are resized by libffcv's `resize` (OpenCV INTER_AREA) whatever the recipe's `interpolation`
@@ -678,7 +678,7 @@ class FFCVLoader:
             if not self.compiled_ops:
                 x = torch.cat([finished[g.name] for g in groups])                   # (V, B, 3, S, S)
                 return normalize(x, self.mean, self.std)
-            return self._normalize_rows(rows, groups, finished)
+            return self._normalize_rows(rows, groups)
 
         global_views = field(self.global_groups)
         mixed = mix_lam = mix_partner = None
@@ -745,10 +745,10 @@ class FFCVLoader:
                     self._salient[g.name] = (*hit, p.gray_level)
         return dict(views)
 
-    def _normalize_rows(self, rows: np.ndarray, groups: list[ViewGroup], finished: dict[str, Tensor]) -> Tensor:
+    def _normalize_rows(self, rows: np.ndarray, groups: list[ViewGroup]) -> Tensor:
         """One `Batch` field of the compiled path: the groups' uint8 views straight from the rows,
-        normalised in one compiled pass (`ffcv_ops.normalize_views`), then the saliency background
-        (the view's gray level, normalised) where `_finish_compiled` found one.
+        normalised in one compiled pass (`ffcv_ops.normalize_views`), then `torch_backend.apply_saliency`
+        with the view's gray level, normalised, where `_finish_compiled` found a mask.
 
         Returns:
             (V, B, 3, S, S) float32 on `spec.device`.
@@ -759,8 +759,6 @@ class FFCVLoader:
         out = self._buffers.take((sum(g.count for g in groups), b, 3, size, size))  # (V, B, 3, S, S)
         rows = np.ascontiguousarray(rows)
         ops, lut = ffcv_ops.compiled(), self._norm_lut
-        mean = torch.tensor(self.mean).view(1, 3, 1, 1)
-        std = torch.tensor(self.std).view(1, 3, 1, 1)
         k = 0
         for g in groups:
             v0 = self.layout.all_first_views[self.layout.all_groups.index(g)]
@@ -769,9 +767,8 @@ class FFCVLoader:
             if g.name in self._salient:
                 mask, use, level = self._salient[g.name]
                 x = out[k:k + g.count].view(g.count * b, 3, size, size)           # (V*B, 3, S, S)
-                background = use.view(-1, 1, 1, 1) & (mask < 0.5)                  # (V*B, 1, S, S)
-                gray = (level.view(-1, 1, 1, 1) - mean) / std                       # (V*B, 3, 1, 1)
-                x.copy_(torch.where(background, gray, x))
+                gray = normalize(level.view(-1, 1, 1, 1).expand(-1, 3, 1, 1), self.mean, self.std)
+                x.copy_(torch_backend.apply_saliency(x, mask, use, gray.view(-1, 3)))
             k += g.count
         return out.to(self.device, non_blocking=True)
 

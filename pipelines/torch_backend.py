@@ -275,11 +275,12 @@ def apply_saliency(x: Tensor, mask: Tensor, use: Tensor, level: Tensor) -> Tenso
     Args:
         x: (N, 3, H, W) float views. mask: (N, 1, H, W) float in [0, 1], the saliency mask cropped
             with the same window (and flipped). use: (N,) bool (drawn and coverage >= 0.05).
-        level: (N,) gray level.
+        level: (N,) gray level, or (N, 3) per channel (the gray already normalised, for views that
+            are normalised before the composite).
     """
     bg = mask < 0.5
     keep = ~(use.to(x.device).view(-1, 1, 1, 1) & bg)
-    return torch.where(keep, x, level.to(x).view(-1, 1, 1, 1).expand_as(x))
+    return torch.where(keep, x, level.to(x).view(len(level), -1, 1, 1).expand_as(x))
 
 
 # ------------------------------------------------------------------------------------------------

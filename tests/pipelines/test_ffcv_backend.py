@@ -205,6 +205,10 @@ def test_saliency_never_grays_foreground(small, compiled: bool) -> None:
                 bg = out[~m]
                 if bg.size:
                     assert np.ptp(bg, axis=0).max() < 1e-6                  # one gray level per image
+                    assert np.ptp(bg[0]) < 1e-6                             # gray: R = G = B (equal stats)
+                    if compiled:                                            # the level it drew
+                        level = float(ld.last_params["large"].gray_level[v * len(b.index) + k])
+                        assert abs(bg[0, 0] * 0.25 + 0.5 - level) < 1e-5
                     grayed += 1
     assert grayed > 0
 
@@ -338,7 +342,7 @@ def test_compiled_ops_equal_torch_ops_within_one_level(size: int) -> None:
     group = ViewGroup("g", size_px=size, jitter_p=0.8, brightness=0.4, contrast=0.4, saturation=0.4, hue=0.5,
                       gray_p=0.25, blur_p=0.6, solarize_p=0.4)
     rng = np.random.default_rng(size)
-    seen = np.zeros(6, int)                                                   # flip, jitter, gray, blur, sol, any
+    seen = np.zeros(5, int)                                                   # flip, jitter, gray, blur, solarize
     for t in range({224: 12, 96: 24, 17: 60}[size]):
         crop = colour_image(rng, size)
         out, p, _ = run_finish_view(crop, rng.random(ffcv_ops.N_PARAMS), group)
@@ -346,8 +350,8 @@ def test_compiled_ops_equal_torch_ops_within_one_level(size: int) -> None:
         ref = torch_reference(crop[None], vp, group)[0].permute(1, 2, 0).mul(255).numpy()   # (S, S, 3)
         err = np.abs(out.astype(np.float64) - ref)
         assert err.max() < 1.5, (t, p)                # one level of rounding, plus float32 noise
-        seen += [p[0] > 0.5, p[1] > 0.5, p[10] > 0.5, p[11] > 0.5, p[13] > 0.5, err.max() > 0.5]
-    assert (seen[:5] > 0).all()                                                # every op was exercised
+        seen += [p[0] > 0.5, p[1] > 0.5, p[10] > 0.5, p[11] > 0.5, p[13] > 0.5]
+    assert (seen > 0).all()                                                # every op was exercised
 
 
 def test_compiled_identity_and_extreme_factors() -> None:
