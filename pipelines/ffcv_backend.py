@@ -22,7 +22,7 @@ solarize, saliency composite, staged views, mixes):
   jitter, grayscale, blur and solarize in float32, rounding to uint8 once per view; a staged group's
   views (RSA) take their parent's finished float view, so one crop gives two outputs. This runs
   compiled, parallel over samples in FFCV's threads. The drawn parameters follow the windows in the
-  row (`FFCVLoader.last_params`, as `torch_backend.ViewParams`); saliency uses them on the host, and
+  row (`FFCVLoader.last_params`, as `augment.ViewParams`); saliency uses them on the host, and
   each `Batch` field is normalised straight from the rows in one compiled pass.
 - Other devices: the uint8 crops go to `spec.device` and the ops run there, batched, with
   `torch_backend`'s public ops, from one host generator seeded per (seed, rank, epoch, batch).
@@ -63,7 +63,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipelines import schema, torch_backend
+from pipelines import augment, schema, torch_backend
 from pipelines.batch import Batch, ReusedBuffers, normalize
 from pipelines.loader import LoaderSpec
 from pipelines.views import Recipe, ViewGroup
@@ -513,14 +513,14 @@ def split_groups(recipe: Recipe) -> tuple[list[ViewGroup], list[ViewGroup], list
     return shared(recipe)
 
 
-def view_params(q: Tensor) -> torch_backend.ViewParams:
-    """The drawn parameters of N views as `torch_backend.ViewParams` (what the compiled ops applied).
+def view_params(q: Tensor) -> augment.ViewParams:
+    """The drawn parameters of N views as `augment.ViewParams` (what the compiled ops applied).
 
     Args:
         q: (N, N_PARAMS) float32, columns `pipelines.ffcv_ops.PARAM_FIELDS`.
     """
     q = q.float()
-    return torch_backend.ViewParams(
+    return augment.ViewParams(
         flip=q[:, 0] > 0.5, jitter=q[:, 1] > 0.5, factors=q[:, 2:6].clone(), order=q[:, 6:10].long(),
         gray=q[:, 10] > 0.5, blur=q[:, 11] > 0.5, sigma=q[:, 12].clone(), solarize=q[:, 13] > 0.5,
         saliency=q[:, 14] > 0.5, gray_level=q[:, 15].clone())
@@ -552,7 +552,7 @@ class FFCVLoader:
         self.epoch, self.skip, self._done = 0, 0, 0
         self.key = np.zeros(2, np.uint64)            # read by the compiled decoder through its address
         self.last_windows: dict[str, Tensor] = {}    # group → (count, B, 4) crop windows of the last batch
-        self.last_params: dict[str, torch_backend.ViewParams] = {}   # group → drawn parameters (compiled ops)
+        self.last_params: dict[str, augment.ViewParams] = {}   # group → drawn parameters (compiled ops)
         self._salient: dict[str, tuple[Tensor, Tensor, Tensor]] = {}  # group → (mask, use, gray level)
         # normalize() of every uint8 level per channel: the compiled path normalises by table lookup.
         levels = torch.arange(256, dtype=torch.uint8).expand(3, 1, 256)                 # (3, 1, 256)
@@ -707,18 +707,18 @@ class FFCVLoader:
             x = views[g.name].to(dev, non_blocking=True)                          # (V, B, 3, S, S) uint8
             v, b = x.shape[:2]
             x = x.reshape(v * b, *x.shape[2:]).float().div_(255.0)               # (V*B, 3, S, S)
-            p = torch_backend.sample_color_params(v * b, g, host_gen)
+            p = augment.sample_color_params(v * b, g, host_gen)
             sel = torch.nonzero(p.flip).squeeze(1).to(dev)
             x[sel] = x[sel].flip(-1)
-            x = torch_backend.apply_color_ops(x, p, g)
+            x = augment.apply_color_ops(x, p, g)
             if g.name in self.saliency_groups and masks is not None:
                 x = self._saliency(x, g, p, masks, coverage, self.last_windows[g.name])
             finished[g.name] = x.reshape(v, b, *x.shape[1:])                      # (V, B, 3, S, S)
         for g in s.recipe.groups:
             if g.parent is not None:           # staged: the parent's finished view + its own ops
                 x = finished[g.parent]
-                p = torch_backend.sample_color_params(x.shape[0] * x.shape[1], g, host_gen)
-                y = torch_backend.apply_color_ops(x.reshape(-1, *x.shape[2:]), p, g)   # (V*B, 3, S, S)
+                p = augment.sample_color_params(x.shape[0] * x.shape[1], g, host_gen)
+                y = augment.apply_color_ops(x.reshape(-1, *x.shape[2:]), p, g)   # (V*B, 3, S, S)
                 finished[g.name] = y.reshape(x.shape)                                  # (V, B, 3, S, S)
         return finished
 
@@ -747,7 +747,7 @@ class FFCVLoader:
 
     def _normalize_rows(self, rows: np.ndarray, groups: list[ViewGroup]) -> Tensor:
         """One `Batch` field of the compiled path: the groups' uint8 views straight from the rows,
-        normalised in one compiled pass (`ffcv_ops.normalize_views`), then `torch_backend.apply_saliency`
+        normalised in one compiled pass (`ffcv_ops.normalize_views`), then `augment.apply_saliency`
         with the view's gray level, normalised, where `_finish_compiled` found a mask.
 
         Returns:
@@ -768,14 +768,14 @@ class FFCVLoader:
                 mask, use, level = self._salient[g.name]
                 x = out[k:k + g.count].view(g.count * b, 3, size, size)           # (V*B, 3, S, S)
                 gray = normalize(level.view(-1, 1, 1, 1).expand(-1, 3, 1, 1), self.mean, self.std)
-                x.copy_(torch_backend.apply_saliency(x, mask, use, gray.view(-1, 3)))
+                x.copy_(augment.apply_saliency(x, mask, use, gray.view(-1, 3)))
             k += g.count
         return out.to(self.device, non_blocking=True)
 
     def _saliency(self, x: Tensor, g: ViewGroup, p, masks: np.ndarray, coverage: np.ndarray,
                   windows: Tensor) -> Tensor:
         """RELICv2 App. A.2 background removal on the (flipped, colour-transformed) large crops of `g`:
-        `torch_backend.apply_saliency` with the masks of `_saliency_mask`.
+        `augment.apply_saliency` with the masks of `_saliency_mask`.
 
         Args:
             x: (V*B, 3, S, S) views in [0, 1]. The rest: see `_saliency_mask`.
@@ -784,7 +784,7 @@ class FFCVLoader:
         if hit is None:
             return x
         mask, use = hit
-        return torch_backend.apply_saliency(x, mask.to(x.device, non_blocking=True), use, p.gray_level)
+        return augment.apply_saliency(x, mask.to(x.device, non_blocking=True), use, p.gray_level)
 
     def _saliency_mask(self, g: ViewGroup, p, masks: np.ndarray, coverage: np.ndarray,
                        windows: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -796,7 +796,7 @@ class FFCVLoader:
         hit are decoded.
 
         Args:
-            g: the group. p: `torch_backend.ViewParams` of the group. masks: B encoded masks.
+            g: the group. p: `augment.ViewParams` of the group. masks: B encoded masks.
             coverage: (B,) mask coverages. windows: (V, B, 4) crop windows (y0, x0, h, w).
 
         Returns:
@@ -806,7 +806,7 @@ class FFCVLoader:
 
         count, b = windows.shape[:2]
         cov = torch.from_numpy(np.asarray(coverage, np.float64)).repeat(count)          # (V*B,)
-        use = p.saliency & (cov >= torch_backend.SALIENCY_MIN_COVERAGE)
+        use = p.saliency & (cov >= augment.SALIENCY_MIN_COVERAGE)
         if not bool(use.any()):
             return None
         size = g.size_px

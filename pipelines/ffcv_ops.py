@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import numba
 import numpy as np
 
-from pipelines.torch_backend import GRAY_WEIGHTS
+from pipelines.augment import GRAY_WEIGHTS, blur_kernel_px
 from pipelines.views import ViewGroup
 
 PARAM_FIELDS = ("flip", "jitter", "brightness", "contrast", "saturation", "hue",
@@ -51,7 +51,7 @@ def group_table(groups: tuple[ViewGroup, ...]) -> np.ndarray:
         (G, len(GROUP_FIELDS)) float64.
     """
     rows = [(g.flip_p, g.jitter_p, g.brightness, g.contrast, g.saturation, g.hue, g.gray_p, g.blur_p,
-             g.blur_sigma[0], g.blur_sigma[1], g.solarize_p, g.saliency_p, g.size_px, g.blur_kernel_px,
+             g.blur_sigma[0], g.blur_sigma[1], g.solarize_p, g.saliency_p, g.size_px, blur_kernel_px(g.size_px),
              float(g.parent is not None)) for g in groups]
     return np.array(rows, np.float64).reshape(len(groups), len(GROUP_FIELDS))
 

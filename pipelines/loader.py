@@ -9,26 +9,16 @@ backend that needs it.
 from __future__ import annotations
 
 import importlib
+import typing
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Iterator, Literal, Protocol
 
 from pipelines.batch import Batch
+from pipelines.mixing import MIX_KINDS, MixSpec  # noqa: F401  (MIX_KINDS: re-exported)
 from pipelines.views import Recipe
 
-BACKENDS = ("torch", "torchvision", "ffcv", "dali")
-MIX_KINDS = ("none", "sdmp", "dacl")
-
-
-@dataclass(frozen=True)
-class MixSpec:
-    """Intra-batch mixes added to each batch as `Batch.mixed` (see `pipelines/mixing.py`)."""
-
-    kind: str = "none"                 # "none" | "sdmp" | "dacl"
-    alpha: float = 1.0                 # SDMP: lam ~ Beta(alpha, alpha); DACL: lam ~ U(alpha, 1)
-    sdmp_mixers: tuple[str, ...] = ("mixup", "cutmix", "resizemix")  # one drawn uniformly per batch
-    dacl_noises: tuple[str, ...] = ("linear", "geometric", "binary")  # DACL+: one drawn per sample
-    source: str = "global"             # SDMP mixes the global views; DACL mixes "image" (the whole
-                                       # resized image) or "global"
+Backend = Literal["torch", "torchvision", "ffcv", "dali"]
+BACKENDS: tuple[str, ...] = typing.get_args(Backend)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ float, `boxes` (B, 4) integer (y0, x0, y1, x1) with exclusive ends.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,22 @@ from torch import Tensor
 
 SDMP_MIXERS = ("mixup", "cutmix", "resizemix")
 DACL_NOISES = ("linear", "geometric", "binary")
+MixKind = Literal["none", "sdmp", "dacl"]
+MixSource = Literal["global", "image"]
+MIX_KINDS: tuple[str, ...] = typing.get_args(MixKind)
+MIX_SOURCES: tuple[str, ...] = typing.get_args(MixSource)
+
+
+@dataclass(frozen=True)
+class MixSpec:
+    """Intra-batch mixes added to each batch as `Batch.mixed`."""
+
+    kind: MixKind = "none"             # "none" | "sdmp" | "dacl"
+    alpha: float = 1.0                 # SDMP: lam ~ Beta(alpha, alpha); DACL: lam ~ U(alpha, 1)
+    sdmp_mixers: tuple[str, ...] = SDMP_MIXERS    # one drawn uniformly per batch
+    dacl_noises: tuple[str, ...] = DACL_NOISES    # DACL+: one drawn per sample
+    source: MixSource = "global"       # "global": mix every global view; "image": the whole image,
+                                       # resized to the global size without ops, mixed twice
 
 
 def partner_index(b: int, device: torch.device | str | None = None) -> Tensor:

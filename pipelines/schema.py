@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 SCHEMA_VERSION = 1          # bump on any change a reader of the old version would misread
@@ -74,13 +75,83 @@ def record_key(index: int) -> str:
 
 
 VERIFIED_NAME = ".verified.json"    # stamp: manifest sha256 + {relpath: [bytes, mtime_ns]}
-MANIFEST_KEYS = ("schema_version", "dataset", "counts", "class_names", "num_classes", "image_mode",
-                 "has_masks", "mean", "std", "image_px", "files", "source", "params", "skipped")
 VERIFY_MODES = ("stamp", "full", "size")
 
 
 class DatasetError(ValueError):
     """A dataset folder a reader must refuse; the message is one line naming the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """`manifest.json`: what a dataset folder holds; written by `preprocess`, read by every loader.
+
+    `to_json` / `from_json` are the only code that knows the JSON layout; `num_classes` is written
+    into the JSON too (for other tools) but derived from `class_names` here.
+    """
+
+    schema_version: int                    # SCHEMA_VERSION of the writer
+    dataset: str                           # folder name under the data root
+    source: str                            # source kind: synthetic | cifar10 | cifar100 | imagefolder
+    counts: dict[str, int]                 # records per split
+    class_names: tuple[str, ...]           # label i is class_names[i]
+    image_mode: str                        # one of IMAGE_MODES
+    image_px: int                          # largest stored image side, px
+    has_masks: bool                        # every record has a saliency mask
+    mean: tuple[float, float, float]       # per-channel mean of the train split, [0, 1] units
+    std: tuple[float, float, float]        # per-channel std of the train split, [0, 1] units
+    files: dict[str, dict]                 # relpath -> {"sha256": hex, "bytes": int}
+    params: dict = field(default_factory=dict)        # the source's parameters (seed, sizes, src, ...)
+    skipped: tuple[dict, ...] = ()                    # unreadable source files: {"path", "reason"}
+    jpeg_quality: int | None = None                   # JPEG quality when image_mode is "jpg"
+    size_policy: dict | None = None                   # {"side", "max_side_px"} of image folders
+    mask_source: str | None = None                    # where the masks came from, None without masks
+    gt_masks: dict[str, str] = field(default_factory=dict)   # split -> relpath of exact masks (synthetic)
+    formats: dict = field(default_factory=dict)       # {"ffcv": {split: file}, "dali": {split: [tars]}}
+    shard_size: int | None = None                     # records per DALI shard
+    build: dict = field(default_factory=dict)         # workers and seconds per stage
+    created_at: str = ""                              # ISO time of writing
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def to_json(self) -> bytes:
+        """The manifest file's bytes (indented JSON, keys in field order, `num_classes` added)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["num_classes"] = self.num_classes
+        return (json.dumps(d, indent=1) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str, where: str | os.PathLike = MANIFEST_NAME) -> "Manifest":
+        """Parse and check a manifest file's content.
+
+        Raises:
+            DatasetError: not a JSON object, no integer schema_version, a version newer than this
+                code, or a missing required key (the message names `where` and the fix).
+        """
+        redo = "re-write the dataset (make preprocess ARGS=--force)"
+        try:
+            d = json.loads(raw)
+        except ValueError as e:
+            raise DatasetError(f"{where} is not valid JSON ({e}): {redo}") from None
+        if not isinstance(d, dict):
+            raise DatasetError(f"{where} is not a JSON object: {redo}")
+        version = d.get("schema_version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise DatasetError(f"{where} has no integer schema_version: {redo}")
+        if version > SCHEMA_VERSION:
+            raise DatasetError(f"{where} has schema_version {version}, newer than this code's {SCHEMA_VERSION}: "
+                               f"upgrade viewmill, or {redo} with this version")
+        names = {f.name: f for f in fields(cls)}
+        required = [n for n, f in names.items() if f.default is MISSING and f.default_factory is MISSING]
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise DatasetError(f"{where} lacks {', '.join(missing)}: {redo}")
+        kw = {k: v for k, v in d.items() if k in names}
+        kw.update(class_names=tuple(d["class_names"]), mean=tuple(d["mean"]), std=tuple(d["std"]),
+                  skipped=tuple(d.get("skipped", ())))
+        return cls(**kw)
 
 
 def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 22) -> str:
@@ -118,7 +189,7 @@ def _read_stamp(dataset_dir: Path, manifest_sha256: str) -> dict[str, list[int]]
     return files if isinstance(files, dict) else {}
 
 
-def read_manifest(dataset_dir: str | os.PathLike, *, verify: str = "stamp") -> dict:
+def read_manifest(dataset_dir: str | os.PathLike, *, verify: str = "stamp") -> Manifest:
     """Read and verify `<dataset_dir>/manifest.json`; refuse an incomplete or damaged dataset.
 
     Args:
@@ -127,10 +198,7 @@ def read_manifest(dataset_dir: str | os.PathLike, *, verify: str = "stamp") -> d
             since the last verification; "full": re-hash every file; "size": sizes only.
 
     Returns:
-        The manifest dict: schema_version, dataset, counts {split: n}, class_names, num_classes,
-        image_mode, has_masks, mean, std (per channel, [0, 1] units, train split), image_px,
-        files {relpath: {sha256, bytes}}, source, params, skipped [{path, reason}], and more
-        (size_policy, jpeg_quality, created_at, ...).
+        The `Manifest`.
 
     Raises:
         DatasetError: no manifest (incomplete dataset), unreadable manifest, schema version newer
@@ -148,26 +216,12 @@ def read_manifest(dataset_dir: str | os.PathLike, *, verify: str = "stamp") -> d
         raise DatasetError(f"dataset {dataset_dir} is incomplete (no {MANIFEST_NAME}; an earlier run was "
                            f"interrupted or is still running): run make preprocess ({redo})")
     raw = path.read_bytes()
-    try:
-        manifest = json.loads(raw)
-    except ValueError as e:
-        raise DatasetError(f"{path} is not valid JSON ({e}): {redo}") from None
-    if not isinstance(manifest, dict):
-        raise DatasetError(f"{path} is not a JSON object: {redo}")
-    version = manifest.get("schema_version")
-    if not isinstance(version, int):
-        raise DatasetError(f"{path} has no integer schema_version: {redo}")
-    if version > SCHEMA_VERSION:
-        raise DatasetError(f"{path} has schema_version {version}, newer than this code's {SCHEMA_VERSION}: "
-                           f"upgrade viewmill, or re-write the dataset with this version ({redo})")
-    missing = [k for k in MANIFEST_KEYS if k not in manifest]
-    if missing:
-        raise DatasetError(f"{path} lacks {', '.join(missing)}: {redo}")
+    manifest = Manifest.from_json(raw, path)
     manifest_sha = hashlib.sha256(raw).hexdigest()
     stamp = _read_stamp(dataset_dir, manifest_sha) if verify == "stamp" else {}
     verified: dict[str, list[int]] = {}
     rehashed = False
-    for rel, info in sorted(manifest["files"].items()):
+    for rel, info in sorted(manifest.files.items()):
         f = dataset_dir / rel
         if not f.is_file():
             raise DatasetError(f"{f} listed in {MANIFEST_NAME} is missing: {redo}")

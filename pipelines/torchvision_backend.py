@@ -348,15 +348,15 @@ def build(spec: LoaderSpec) -> TorchvisionLoader:
                 f"group {g.name!r}: interpolation {g.interpolation!r} unknown; use one of {sorted(_INTERPOLATION)}")
     dataset_dir = Path(spec.root) / spec.dataset
     manifest = schema.read_manifest(dataset_dir)        # refuses incomplete or damaged datasets
-    if spec.split not in manifest["counts"]:
+    if spec.split not in manifest.counts:
         raise TorchvisionBackendError(
-            f"dataset {dataset_dir} has no split {spec.split!r}; choose one of {sorted(manifest['counts'])}")
+            f"dataset {dataset_dir} has no split {spec.split!r}; choose one of {sorted(manifest.counts)}")
     entries = scan_shards(dataset_dir / spec.split)
-    if len(entries) != manifest["counts"][spec.split]:
+    if len(entries) != manifest.counts[spec.split]:
         raise TorchvisionBackendError(
             f"{dataset_dir / spec.split} holds {len(entries)} records, the manifest says "
-            f"{manifest['counts'][spec.split]}; re-run `python -m preprocess` with --force")
-    mean, std = tuple(manifest["mean"]), tuple(manifest["std"])
+            f"{manifest.counts[spec.split]}; re-run `python -m preprocess` with --force")
+    mean, std = tuple(manifest.mean), tuple(manifest.std)
     if spec.drop_last and len(entries) < spec.world_size * spec.batch_size:
         raise TorchvisionBackendError(
             f"{spec.split} split has {len(entries)} records, fewer than world_size × batch_size = "

@@ -1,23 +1,39 @@
-"""View recipes: what views a training step sees, as data.
+"""View recipes: what views a training step sees, as data, and the role of every view.
 
 A recipe is a list of view groups, loaded from YAML (presets in `pipelines/recipes/`). Every sample
-and every view draws its own random parameters; the recipe only fixes the laws they are drawn from.
+and every view draws its own random parameters; the recipe only fixes the laws they are drawn from
+(`pipelines/augment.py` holds the laws and the reference ops).
+
 Sizes in a recipe may be the words `global` or `local`, resolved per dataset (224/96 for ImageNet,
 32/16 for CIFAR, 64/32 for 64-px data) by `load_recipe`.
 
-Group roles:
-- a group without `parent` crops the decoded image itself (a weak crop when some other group names
-  it as parent, a large or small crop otherwise, by its size);
-- a group with `parent: <name>` is staged (RSA): it takes each view of the parent group *after* the
-  parent's ops and applies its own colour/blur/solarize ops on top; it has no crop of its own, so its
-  crop fields must keep their defaults and its `count` equals the parent's.
+Roles. Every group's role is decided here, once, when a `Recipe` is made; backends and the
+trainer read `Recipe.fields` and `ViewGroup.role`, and nothing else decides it:
+
+- `staged` — a group with `parent: <name>` (RSA): it takes each view of the parent group *after*
+  the parent's ops and applies its own colour/blur/solarize ops on top; it has no crop of its own,
+  so its crop fields keep their defaults, its size and count are the parent's;
+- `weak` — a group that another group names as its parent;
+- `global` / `local` — any other group that crops the image: the word of its `size_px` (or an
+  explicit `role:`) when the YAML gives one, otherwise `global` for the largest crop size of the
+  recipe and `local` for smaller ones;
+- `image` — the whole image resized to the global size, no ops: the source of DACL's mixes with
+  `mix.source=image` (`pipelines.mixing.with_mix_source` adds it); no `Batch` field of its own.
+
+`Batch` fields, in this order: `global_views` = the staged groups, then the global groups (each in
+recipe order), so that objectives reading `global_views[:2]` get the aggressive views of a staged
+recipe; `local_views` = the local groups; `weak_views` = the weak groups (their order matches the
+staged views built on them when each weak group has one staged child).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from dataclasses import fields as _fields
 from pathlib import Path
+
+ROLES = ("global", "local", "weak", "staged", "image")
+FIELDS = ("global_views", "local_views", "weak_views")
 
 
 @dataclass(frozen=True)
@@ -37,30 +53,61 @@ class ViewGroup:
     contrast: float = 0.0                       # same, contrast
     saturation: float = 0.0                     # same, saturation
     hue: float = 0.0                            # hue shift drawn in [-a, a], a <= 0.5 (turns)
-    gray_p: float = 0.0                         # grayscale probability (0.2989 r + 0.5870 g + 0.1140 b)
+    gray_p: float = 0.0                         # grayscale probability (augment.GRAY_WEIGHTS)
     blur_p: float = 0.0                         # Gaussian-blur probability
-    blur_sigma: tuple[float, float] = (0.1, 2.0)  # sigma range in px at size 224, drawn uniformly
+    blur_sigma: tuple[float, float] = (0.1, 2.0)  # sigma range in px at augment.BLUR_REFERENCE_PX, drawn uniformly
     solarize_p: float = 0.0                     # solarize probability, threshold at half range
-    saliency_p: float = 0.0                     # background-removal probability (large crops only)
+    saliency_p: float = 0.0                     # background-removal probability (global crops only)
     parent: str | None = None                   # staged group: name of the weak group it builds on
+    role: str | None = None                     # one of ROLES; None: decided by `Recipe` (module docstring)
 
     @property
-    def blur_kernel_px(self) -> int:
-        """Odd Gaussian kernel side derived from the output size: 23 px at 224 (10 %)."""
-        k = int(round(0.1 * self.size_px))
-        return k if k % 2 == 1 else k + 1
+    def crops(self) -> bool:
+        """Whether the group crops the decoded image itself (every role but `staged`)."""
+        return self.parent is None
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """An ordered list of view groups."""
+    """An ordered list of view groups, each with its role resolved and the whole recipe validated.
+
+    Raises:
+        RecipeError: an invalid recipe (see `validate_recipe`).
+    """
 
     name: str
     groups: tuple[ViewGroup, ...] = field(default_factory=tuple)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "groups", _resolve_roles(self.name, tuple(self.groups)))
+        validate_recipe(self)
+
+    def by_role(self, *roles: str) -> tuple[ViewGroup, ...]:
+        """The groups of `roles`, in recipe order within each role, roles in the order given."""
+        return tuple(g for r in roles for g in self.groups if g.role == r)
+
+    @property
+    def fields(self) -> dict[str, tuple[ViewGroup, ...]]:
+        """{`Batch` field: its groups, in field order}; the one mapping every backend uses."""
+        return {"global_views": self.by_role("staged", "global"), "local_views": self.by_role("local"),
+                "weak_views": self.by_role("weak")}
+
+    @property
+    def crop_groups(self) -> tuple[ViewGroup, ...]:
+        """Groups that crop the image (all but staged), in recipe order."""
+        return tuple(g for g in self.groups if g.crops)
+
+    @property
+    def global_px(self) -> int:
+        """Side of `Batch.global_views`."""
+        return self.fields["global_views"][0].size_px
+
+    def group(self, name: str) -> ViewGroup:
+        return next(g for g in self.groups if g.name == name)
+
 
 # ------------------------------------------------------------------------------------------------
-# Loading and validation (added with the recipe presets).
+# Roles and validation.
 # ------------------------------------------------------------------------------------------------
 
 
@@ -76,40 +123,41 @@ class RecipeError(ValueError):
     """A recipe that cannot be used; the message is one line naming the problem and the fix."""
 
 
-def dataset_sizes(image_px: int) -> tuple[int, int]:
-    """(global_px, local_px) for a dataset of `image_px` images: 224/96 ImageNet-size, 32/16 CIFAR,
-    otherwise the image side and half of it (64/32 for 64-px data)."""
-    if image_px >= 224:
-        return 224, 96
-    return image_px, max(1, image_px // 2)
-
-
-def _size(v, global_px: int, local_px: int, where: str) -> int:
-    if v == "global":
-        return int(global_px)
-    if v == "local":
-        return int(local_px)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise RecipeError(f"{where}: size_px {v!r} must be a positive integer, 'global' or 'local'")
-    return v
-
-
-def _range(v, where: str, key: str, lo: float, hi: float) -> tuple[float, float]:
-    if not isinstance(v, (list, tuple)) or len(v) != 2 or not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in v):
-        raise RecipeError(f"{where}: {key} must be a pair [min, max] of numbers, got {v!r}")
-    a, b = float(v[0]), float(v[1])
-    if not (lo <= a <= b <= hi):
-        raise RecipeError(f"{where}: {key} {[a, b]} must satisfy {lo} <= min <= max <= {hi}")
-    return a, b
+def _resolve_roles(name: str, groups: tuple[ViewGroup, ...]) -> tuple[ViewGroup, ...]:
+    """Every group with its role (module docstring); staged groups take their parent's size."""
+    by_name = {g.name: g for g in groups}
+    parents = {g.parent for g in groups if g.parent is not None}
+    free = [g for g in groups if g.parent is None and g.role is None and g.name not in parents]
+    largest = max((g.size_px for g in groups if g.parent is None and g.role != "image"), default=0)
+    out = []
+    for g in groups:
+        if g.role is not None and g.role not in ROLES:
+            raise RecipeError(f"recipe {name!r} group {g.name!r}: role {g.role!r}; use one of {', '.join(ROLES)}")
+        if g.parent is not None:
+            par = by_name.get(g.parent)
+            size = par.size_px if par is not None else g.size_px
+            if g.size_px not in (size, ViewGroup.size_px):
+                raise RecipeError(f"recipe {name!r} group {g.name!r}: a staged group has no crop of its own "
+                                  f"(it takes the size of {g.parent!r}); remove ['size_px']")
+            out.append(replace(g, role="staged", size_px=size))
+        elif g.name in parents:
+            out.append(replace(g, role="weak"))
+        elif g in free:
+            out.append(replace(g, role="global" if g.size_px == largest else "local"))
+        else:
+            out.append(g)
+    return tuple(out)
 
 
 def validate_recipe(recipe: Recipe) -> Recipe:
-    """Check a resolved recipe; returns it unchanged.
+    """Check a recipe whose roles are resolved; returns it unchanged.
 
     Raises:
-        RecipeError: duplicate names, probabilities outside [0, 1], bad ranges, unknown parent,
-            staged group with its own crop parameters or a count different from its parent's, a
-            parent that is itself staged, saliency on small crops, no groups.
+        RecipeError: no groups, duplicate names, probabilities outside [0, 1], bad ranges, unknown
+            parent, a staged group with its own crop parameters or a count different from its
+            parent's, a parent that is itself staged, a role that contradicts the group, saliency
+            outside the global crops, no global view, or groups of one `Batch` field at different
+            sizes.
     """
     if not recipe.groups:
         raise RecipeError(f"recipe {recipe.name!r} has no view groups; add at least one under `groups:`")
@@ -119,11 +167,13 @@ def validate_recipe(recipe: Recipe) -> Recipe:
         dup = sorted({n for n in names if names.count(n) > 1})
         raise RecipeError(f"recipe {recipe.name!r}: duplicate group name(s) {dup}; names must be unique")
     default = ViewGroup(name="_")
-    big = max(g.size_px for g in recipe.groups if g.parent is None) if any(g.parent is None for g in recipe.groups) else 0
+    parents = {g.parent for g in recipe.groups if g.parent is not None}
     for g in recipe.groups:
         where = f"recipe {recipe.name!r} group {g.name!r}"
         if g.count < 1:
             raise RecipeError(f"{where}: count {g.count} must be >= 1")
+        if g.size_px < 1:
+            raise RecipeError(f"{where}: size_px {g.size_px} must be >= 1")
         for k in _PROB_KEYS:
             p = getattr(g, k)
             if not 0.0 <= p <= 1.0:
@@ -148,20 +198,64 @@ def validate_recipe(recipe: Recipe) -> Recipe:
             if par.parent is not None:
                 raise RecipeError(f"{where}: parent {par.name!r} is itself staged; stage on a cropping group")
             own = [k for k in _CROP_KEYS if k != "size_px" and getattr(g, k) != getattr(default, k)]
-            if own or (g.size_px != par.size_px and g.size_px != default.size_px):
-                raise RecipeError(f"{where}: a staged group has no crop of its own; remove {own or ['size_px']}")
+            if own:
+                raise RecipeError(f"{where}: a staged group has no crop of its own; remove {own}")
             if g.count != par.count:
                 raise RecipeError(f"{where}: count {g.count} differs from parent {par.name!r} count {par.count}; make them equal")
-        elif g.saliency_p > 0 and g.size_px < big:
-            raise RecipeError(f"{where}: saliency_p on a small crop ({g.size_px} px); saliency applies to large crops only")
+        elif g.role == "staged" or (g.role == "weak" and g.name not in parents):
+            raise RecipeError(f"{where}: role {g.role!r} is decided by `parent`; remove the role")
+        if g.saliency_p > 0 and g.role != "global":
+            raise RecipeError(f"{where}: saliency_p on a {g.role} group ({g.size_px} px); saliency applies to "
+                              "global crops only")
+    fields = recipe.fields
+    if not fields["global_views"]:
+        raise RecipeError(f"recipe {recipe.name!r} has no global view; give one group size_px: global")
+    for name, groups in fields.items():
+        sizes = sorted({g.size_px for g in groups})
+        if len(sizes) > 1:
+            raise RecipeError(f"recipe {recipe.name!r}: the {name} groups {[g.name for g in groups]} have sizes "
+                              f"{sizes} px; one Batch field holds one size, so make them equal")
     return recipe
 
 
+# ------------------------------------------------------------------------------------------------
+# Loading.
+# ------------------------------------------------------------------------------------------------
+
+
+def dataset_sizes(image_px: int) -> tuple[int, int]:
+    """(global_px, local_px) for a dataset of `image_px` images: 224/96 ImageNet-size, 32/16 CIFAR,
+    otherwise the image side and half of it (64/32 for 64-px data)."""
+    if image_px >= 224:
+        return 224, 96
+    return image_px, max(1, image_px // 2)
+
+
+def _size(v, global_px: int, local_px: int, where: str) -> tuple[int, str | None]:
+    """(px, role the word implies or None) of a YAML `size_px`."""
+    if v in ("global", "local"):
+        return (int(global_px) if v == "global" else int(local_px)), v
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise RecipeError(f"{where}: size_px {v!r} must be a positive integer, 'global' or 'local'")
+    return v, None
+
+
+def _range(v, where: str, key: str, lo: float, hi: float) -> tuple[float, float]:
+    if not isinstance(v, (list, tuple)) or len(v) != 2 or not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in v):
+        raise RecipeError(f"{where}: {key} must be a pair [min, max] of numbers, got {v!r}")
+    a, b = float(v[0]), float(v[1])
+    if not (lo <= a <= b <= hi):
+        raise RecipeError(f"{where}: {key} {[a, b]} must satisfy {lo} <= min <= max <= {hi}")
+    return a, b
+
+
 def load_recipe(name_or_path: str, global_px: int, local_px: int) -> Recipe:
-    """Load a preset (`byol`, `relicv2`, `rsa`, `multicrop8`, `plain`) or a YAML file, sizes resolved.
+    """Load a preset (`byol`, `relicv2`, `rsa`, `multicrop8`, `plain`) or a YAML file, sizes and roles
+    resolved.
 
     YAML layout: `name: <str>` (optional) and `groups:` a list of mappings with the `ViewGroup`
-    fields; `size_px` may be `global` or `local`. Staged groups take their parent's size.
+    fields; `size_px` may be `global` or `local` (which also sets the group's role). Staged groups
+    take their parent's size.
 
     Raises:
         FileNotFoundError: neither a preset nor an existing file.
@@ -184,26 +278,22 @@ def load_recipe(name_or_path: str, global_px: int, local_px: int) -> Recipe:
     if unknown_top:
         raise RecipeError(f"recipe {path.name}: unknown key(s) {unknown_top}; valid: name, groups")
     name = str(raw.get("name", path.stem))
-    items = []
+    groups = []
     for i, g in enumerate(raw["groups"]):
-        where = f"recipe {name!r} group #{i}"
         if not isinstance(g, dict) or "name" not in g:
-            raise RecipeError(f"{where}: each group must be a mapping with a `name`")
+            raise RecipeError(f"recipe {name!r} group #{i}: each group must be a mapping with a `name`")
+        where = f"recipe {name!r} group {g['name']!r}"
         bad = sorted(set(g) - set(_GROUP_KEYS))
         if bad:
-            raise RecipeError(f"{where} ({g['name']}): unknown key(s) {bad}; valid: {', '.join(_GROUP_KEYS)}")
-        items.append(dict(g))
-    by_name = {g["name"]: g for g in items}
-    groups = []
-    for i, g in enumerate(items):
-        where = f"recipe {name!r} group {g['name']!r}"
+            raise RecipeError(f"{where}: unknown key(s) {bad}; valid: {', '.join(_GROUP_KEYS)}")
         kw = dict(g)
+        word = None
         if "size_px" in kw:
-            kw["size_px"] = _size(kw["size_px"], global_px, local_px, where)
-        elif kw.get("parent") in by_name:
-            kw["size_px"] = _size(by_name[kw["parent"]].get("size_px", "global"), global_px, local_px, where)
-        else:
-            kw["size_px"] = int(global_px)
+            kw["size_px"], word = _size(kw["size_px"], global_px, local_px, where)
+        elif "parent" not in kw:
+            kw["size_px"], word = int(global_px), "global"
+        if word is not None and "role" not in kw and "parent" not in kw:
+            kw["role"] = word
         for key, lo, hi in (("area", 0.0, 1.0), ("ratio", 0.0, 1e9), ("blur_sigma", 0.0, 1e9)):
             if key in kw:
                 kw[key] = _range(kw[key], where, key, lo, hi)
@@ -213,7 +303,10 @@ def load_recipe(name_or_path: str, global_px: int, local_px: int) -> Recipe:
         if "count" in kw and (isinstance(kw["count"], bool) or not isinstance(kw["count"], int)):
             raise RecipeError(f"{where}: count must be an integer, got {kw['count']!r}")
         groups.append(ViewGroup(**kw))
-    return validate_recipe(Recipe(name=name, groups=tuple(groups)))
+    # Words name a crop group's role; a weak parent's word only gives its size.
+    parents = {g.parent for g in groups if g.parent is not None}
+    groups = [replace(g, role=None) if g.name in parents and g.role in ("global", "local") else g for g in groups]
+    return Recipe(name=name, groups=tuple(groups))
 
 
 def recipe_for_dataset(name_or_path: str, image_px: int) -> Recipe:
@@ -222,4 +315,4 @@ def recipe_for_dataset(name_or_path: str, image_px: int) -> Recipe:
 
 
 __all__ = ["ViewGroup", "Recipe", "RecipeError", "load_recipe", "validate_recipe", "recipe_for_dataset",
-           "dataset_sizes", "PRESETS"]
+           "dataset_sizes", "PRESETS", "ROLES", "FIELDS"]

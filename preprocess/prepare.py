@@ -329,7 +329,7 @@ def prepare_dataset(dataset: str, out_root: Path, *, src: Path | None = None, fo
     final = out_root / name
     staging = out_root / f".{name}.staging"
     if not force and (done := _is_complete(final)) is not None:
-        counts = ", ".join(f"{k} {v}" for k, v in done["counts"].items())
+        counts = ", ".join(f"{k} {v}" for k, v in done.counts.items())
         print(f"{final} is complete ({counts}); nothing to do (pass --force to rewrite)")
         return final
     timings: dict[str, float] = {}
@@ -418,14 +418,14 @@ def _remove_quietly(path: Path) -> None:
 def summary(dataset_dir: Path) -> str:
     """A short human summary of a complete dataset: counts, files, sizes, throughput."""
     m = schema.read_manifest(dataset_dir, verify="size")
-    n = sum(m["counts"].values())
-    size = sum(f["bytes"] for f in m["files"].values())
-    secs = m.get("build", {}).get("seconds", {})
-    lines = [f"{m['dataset']} ({m['source']}): " + ", ".join(f"{k} {v}" for k, v in m["counts"].items())
-             + f" images, {m['num_classes']} classes, {m['image_mode']} {m['image_px']} px, masks "
-             + ("yes" if m["has_masks"] else "no")]
+    n = sum(m.counts.values())
+    size = sum(f["bytes"] for f in m.files.values())
+    secs = m.build.get("seconds", {})
+    lines = [f"{m.dataset} ({m.source}): " + ", ".join(f"{k} {v}" for k, v in m.counts.items())
+             + f" images, {m.num_classes} classes, {m.image_mode} {m.image_px} px, masks "
+             + ("yes" if m.has_masks else "no")]
     by_kind: dict[str, list[int]] = {}
-    for rel, f in m["files"].items():
+    for rel, f in m.files.items():
         kind = ("ffcv .beton" if rel.endswith(".beton") else "dali shards" if rel.endswith((".tar", ".idx"))
                 else "ground-truth masks" if rel.startswith("gt_masks/") else "other")
         by_kind.setdefault(kind, [0, 0])
@@ -433,11 +433,11 @@ def summary(dataset_dir: Path) -> str:
         by_kind[kind][1] += f["bytes"]
     for kind, (count, b) in sorted(by_kind.items()):
         lines.append(f"  {kind:20s} {count:5d} files {b / 2**20:9.1f} MiB")
-    lines.append(f"  total {len(m['files'])} files, {size / 2**20:.1f} MiB in {dataset_dir}")
-    if m["skipped"]:
-        lines.append(f"  skipped {len(m['skipped'])} unreadable files (listed in manifest.json)")
+    lines.append(f"  total {len(m.files)} files, {size / 2**20:.1f} MiB in {dataset_dir}")
+    if m.skipped:
+        lines.append(f"  skipped {len(m.skipped)} unreadable files (listed in manifest.json)")
     if secs.get("total"):
         stages = ", ".join(f"{k} {v:.1f}s" for k, v in secs.items() if k != "total")
-        lines.append(f"  {n / secs['total']:.0f} images/s on {m['build']['workers']} workers "
+        lines.append(f"  {n / secs['total']:.0f} images/s on {m.build['workers']} workers "
                      f"({secs['total']:.1f}s: {stages})")
     return "\n".join(lines)

@@ -19,7 +19,7 @@ import torch
 from scipy import stats
 
 from pipelines.ffcv_backend import FFCVLoader
-from pipelines import ffcv_ops, mixing, torch_backend
+from pipelines import augment, ffcv_ops, mixing
 from pipelines.loader import LoaderSpec, MixSpec, build_loader
 from pipelines.views import Recipe, ViewGroup
 from preprocess.records import Record
@@ -265,7 +265,7 @@ def test_crop_laws_flip_rate_and_drawn_op_rates(tmp_path: Path) -> None:
     assert abs(stats.pearsonr(a[0::2].ravel(), a[1::2].ravel())[0]) < 4 / math.sqrt(a[0::2].numel())
     f = torch.cat(view_flips, 1)                                              # (V, samples)
     assert binomial_ok(int((f[0::2] & f[1::2]).sum()), f[0::2].numel(), 0.25)
-    # The other group's drawn parameters follow its laws (torch_backend.sample_color_params).
+    # The other group's drawn parameters follow its laws (augment.sample_color_params).
     cat = {f: torch.cat([getattr(p, f) for p in drawn]) for f in ("flip", "jitter", "factors", "order", "gray",
                                                                  "blur", "sigma", "solarize", "saliency", "gray_level")}
     m = len(cat["flip"])
@@ -306,11 +306,11 @@ def colour_image(rng: np.random.Generator, side: int) -> np.ndarray:
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
-def torch_reference(crop: np.ndarray, p: torch_backend.ViewParams, group: ViewGroup) -> torch.Tensor:
+def torch_reference(crop: np.ndarray, p: augment.ViewParams, group: ViewGroup) -> torch.Tensor:
     """torch_backend's flip + apply_color_ops of N uint8 crops (N, S, S, 3) → (N, 3, S, S) float."""
     x = torch.from_numpy(crop).permute(0, 3, 1, 2).float().div(255.0)
     x = torch.where(p.flip.view(-1, 1, 1, 1), x.flip(-1), x)
-    return torch_backend.apply_color_ops(x, p, group)
+    return augment.apply_color_ops(x, p, group)
 
 
 def run_finish_view(crop: np.ndarray, u: np.ndarray, group: ViewGroup, keep: bool = False):
@@ -328,7 +328,7 @@ def run_finish_view(crop: np.ndarray, u: np.ndarray, group: ViewGroup, keep: boo
     return out, p, buf
 
 
-def params_of(p: np.ndarray) -> torch_backend.ViewParams:
+def params_of(p: np.ndarray) -> augment.ViewParams:
     from pipelines.ffcv_backend import view_params
 
     return view_params(torch.from_numpy(p).reshape(1, -1))
@@ -401,7 +401,7 @@ def test_loader_views_equal_torch_ops_on_the_same_crops(tmp_path: Path) -> None:
         for name in ("a", "w"):
             crop = to_uint8(crops[name]).flatten(0, 1).permute(0, 2, 3, 1).to(torch.uint8).numpy()
             finished[name] = torch_reference(crop, on.last_params[name], groups[name])   # (V*B, 3, S, S)
-        finished["s"] = torch_backend.apply_color_ops(finished["w"], on.last_params["s"], groups["s"])
+        finished["s"] = augment.apply_color_ops(finished["w"], on.last_params["s"], groups["s"])
         for name, ref in finished.items():
             err = (unnormalize(got[name]).flatten(0, 1) - ref).abs().mul(255)
             assert float(err.max()) < 1.5, name

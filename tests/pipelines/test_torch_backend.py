@@ -11,7 +11,8 @@ import pytest
 import torch
 from scipy import stats
 
-from pipelines import torch_backend as tb
+from pipelines import augment as tb
+from pipelines import torch_backend
 from pipelines.loader import LoaderSpec, MixSpec, build_loader
 from pipelines.schema import read_manifest
 from pipelines.views import Recipe, ViewGroup, load_recipe
@@ -161,8 +162,8 @@ def test_saliency_composite_never_grays_foreground():
 
 def _bounds(root: str) -> tuple[float, float]:
     m = read_manifest(Path(root) / "synthetic")
-    lo = min((0 - mu) / sd for mu, sd in zip(m["mean"], m["std"]))
-    hi = max((1 - mu) / sd for mu, sd in zip(m["mean"], m["std"]))
+    lo = min((0 - mu) / sd for mu, sd in zip(m.mean, m.std))
+    hi = max((1 - mu) / sd for mu, sd in zip(m.mean, m.std))
     return lo, hi
 
 
@@ -214,7 +215,7 @@ def test_labels_and_plain_view_match_the_dataset(root):
         img = np.asarray(Image.open(tf.extractfile(img_name)).convert("RGB"))
         rec = np.frombuffer(tf.extractfile("000000003.rec").read(), dtype="<i8")
     m = read_manifest(Path(root) / "synthetic")
-    want = (torch.from_numpy(img.copy()).permute(2, 0, 1).float() / 255 - torch.tensor(m["mean"]).view(3, 1, 1)) / torch.tensor(m["std"]).view(3, 1, 1)
+    want = (torch.from_numpy(img.copy()).permute(2, 0, 1).float() / 255 - torch.tensor(m.mean).view(3, 1, 1)) / torch.tensor(m.std).view(3, 1, 1)
     assert torch.allclose(batches[0].global_views[0, 3], want, atol=1e-5)
     assert int(batches[0].label[3]) == int(rec[0])
 
@@ -258,9 +259,9 @@ def test_mid_epoch_resume(root):
 
 
 def test_bad_input_is_refused(root):
-    with pytest.raises(tb.TorchBackendError, match="even"):
+    with pytest.raises(torch_backend.TorchBackendError, match="even"):
         build_loader("torch", _spec(root, load_recipe("byol", 32, 16), batch_size=3, mix=MixSpec(kind="sdmp")))
-    with pytest.raises(tb.TorchBackendError, match="too small"):
+    with pytest.raises(torch_backend.TorchBackendError, match="too small"):
         build_loader("torch", _spec(root, load_recipe("byol", 32, 16), batch_size=64))
     with pytest.raises(ValueError, match="does not exist"):
         build_loader("torch", _spec(root, load_recipe("byol", 32, 16), dataset="missing"))

@@ -40,8 +40,8 @@ def _spec(root: str, recipe: Recipe, **kw) -> LoaderSpec:
 def _bounds(root: str) -> tuple[float, float]:
     """Range of normalised pixels with the dataset's own mean/std (uint8 0 and 255)."""
     m = read_manifest(Path(root) / "synthetic")
-    lo = min((0 - mu) / sd for mu, sd in zip(m["mean"], m["std"]))
-    hi = max((1 - mu) / sd for mu, sd in zip(m["mean"], m["std"]))
+    lo = min((0 - mu) / sd for mu, sd in zip(m.mean, m.std))
+    hi = max((1 - mu) / sd for mu, sd in zip(m.mean, m.std))
     return lo, hi
 
 

@@ -36,7 +36,7 @@ def test_presets_resolve_sizes_and_parameters():
     ("groups:\n  - {name: a}\n  - {name: b, parent: c}", "unknown parent 'c'"),
     ("groups:\n  - {name: a, count: 2}\n  - {name: b, parent: a, area: [0.2, 1.0]}", "no crop of its own"),
     ("groups:\n  - {name: a, count: 2}\n  - {name: b, parent: a}", "count 1 differs from parent"),
-    ("groups:\n  - {name: a}\n  - {name: b, size_px: local, saliency_p: 0.1}", "saliency_p on a small crop"),
+    ("groups:\n  - {name: a}\n  - {name: b, size_px: local, saliency_p: 0.1}", "saliency_p on a local group"),
     ("groups:\n  - {name: a, size_px: huge}", "size_px 'huge'"),
     ("groups:\n  - {name: a}\n  - {name: a}", "duplicate group name"),
     ("groups:\n  - {name: a, interpolation: nearest}", "interpolation 'nearest'"),
