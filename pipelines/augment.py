@@ -16,7 +16,8 @@ Laws (DESIGN §4; torchvision's transforms where the papers name them):
   solarize (p solarize_p, pixels >= 0.5 inverted).
 - saliency background removal (RELICv2 App. A.2, global crops): with p saliency_p, and only when
   the sample's mask covers at least `SALIENCY_MIN_COVERAGE` of the image, pixels whose mask (cropped
-  with the view's window and flipped with it) is below 0.5 take one gray level ~ U(0, 1).
+  with the view's window and flipped with it) is below 0.5 take one gray level ~ U(0, 1), before the
+  colour ops (Listing 1 removes the background before the view is augmented).
 - staged views take the parent view after its ops and apply their own colour/blur/solarize ops.
 
 Every parameter is drawn per sample and per view from an explicit `torch.Generator`; rendering runs
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -314,14 +316,12 @@ def apply_saliency(x: Tensor, mask: Tensor, use: Tensor, level: Tensor) -> Tenso
 
 def render_views(images: list[Tensor], masks: list[Tensor | None] | None, coverage: Tensor, recipe: Recipe,
                  gen: torch.Generator, device: str | torch.device = "cpu") -> dict[str, Tensor]:
-    """Render every group of `recipe` on a batch of decoded images (the reference recipe).
-
-    Order per crop view: crop + resize, flip, saliency composite (mask cropped with the same window,
-    flipped with it), colour jitter, grayscale, blur, solarize; staged groups then apply their own
-    ops to their parent's finished views.
+    """Render every group of `recipe` on a batch of decoded images (the reference recipe): crop and
+    resize every view of every crop group, then `finish_views`.
 
     Args:
-        images: B tensors (3, H_i, W_i) uint8 (CPU). masks: B tensors (1, H_i, W_i) uint8 or None.
+        images: B tensors (3, H_i, W_i) uint8 (CPU). masks: B tensors (1, H_i, W_i) uint8 or None, or
+            None without masks.
         coverage: (B,) float mask coverage (negative: no mask).
         gen: CPU generator (all parameters are drawn on the CPU, rendering on `device`).
 
@@ -331,26 +331,54 @@ def render_views(images: list[Tensor], masks: list[Tensor | None] | None, covera
     b = len(images)
     hw = torch.tensor([[im.shape[-2], im.shape[-1]] for im in images], dtype=torch.long)   # (B, 2)
     dev_imgs = [im.to(device) for im in images]
-    out: dict[str, Tensor] = {}
+    crops, boxes = {}, {}
     for g in recipe.crop_groups:
-        n = g.count * b
-        boxes = sample_crop_boxes(hw.repeat(g.count, 1), g, gen)                         # (N, 4) view-major
-        x = render_crops(dev_imgs * g.count, boxes, g.size_px, g.interpolation)        # (N, 3, S, S)
-        p = sample_color_params(n, g, gen)
+        s = g.size_px
+        boxes[g.name] = sample_crop_boxes(hw.repeat(g.count, 1), g, gen)                 # (N, 4) view-major
+        crops[g.name] = render_crops(dev_imgs * g.count, boxes[g.name], s, g.interpolation).view(g.count, b, 3, s, s)
+
+    def crop_masks(g: ViewGroup, use: Tensor) -> Tensor:
+        ms = [m.to(device) if m is not None else torch.zeros(1, *im.shape[-2:], dtype=torch.uint8, device=device)
+              for m, im in zip(masks, images)]
+        return render_crops(ms * g.count, boxes[g.name], g.size_px, "bilinear").view(g.count, b, 1, g.size_px, g.size_px)
+
+    return finish_views(crops, saliency_usable(coverage), recipe, gen, crop_masks if masks is not None else None)[0]
+
+
+def finish_views(crops: dict[str, Tensor], usable: Tensor, recipe: Recipe, gen: torch.Generator,
+                 crop_masks: Callable[[ViewGroup, Tensor], Tensor] | None = None
+                 ) -> tuple[dict[str, Tensor], dict[str, ViewParams]]:
+    """Everything after the crops, in the reference order: per crop view flip, saliency composite
+    (RELICv2 Listing 1: the background goes before the view is augmented), colour jitter, grayscale,
+    blur, solarize; then each staged group's own ops on its parent's finished views.
+
+    Args:
+        crops: {crop group name: (count, B, 3, S, S) float in [0, 1]}, crops resized, not flipped.
+        usable: (B,) bool, `saliency_usable` of the samples' coverage.
+        gen: CPU generator of the draws.
+        crop_masks: (group, use (count * B,) bool) -> (count, B, 1, S, S) float masks in [0, 1], cropped
+            with the views' windows, not flipped (only the `use` views matter); None without masks.
+
+    Returns:
+        ({group name: (count, B, 3, S, S) float in [0, 1]}, {group name: its drawn ViewParams}).
+    """
+    out: dict[str, Tensor] = {}
+    drawn: dict[str, ViewParams] = {}
+    for g in recipe.crop_groups:
+        c, b, _, s, _ = crops[g.name].shape
+        x = crops[g.name].reshape(c * b, 3, s, s)                                       # (N, 3, S, S)
+        p = drawn[g.name] = sample_color_params(c * b, g, gen)
         flip = p.flip.to(x.device).view(-1, 1, 1, 1)
         x = torch.where(flip, x.flip(-1), x)
-        if g.saliency_p > 0 and masks is not None:
-            # Listing 1 of RELICv2: the background goes before the crop is augmented.
-            use = p.saliency & saliency_usable(coverage).repeat(g.count)
+        if g.saliency_p > 0 and crop_masks is not None:
+            use = p.saliency & usable.to(p.saliency.device).repeat(c)
             if bool(use.any()):
-                ms = [m.to(device) if m is not None else torch.zeros(1, *im.shape[-2:], dtype=torch.uint8, device=device)
-                      for m, im in zip(masks, images)]
-                m = render_crops(ms * g.count, boxes, g.size_px, "bilinear")              # (N, 1, S, S)
+                m = crop_masks(g, use).reshape(c * b, 1, s, s).to(x)
                 x = apply_saliency(x, torch.where(flip, m.flip(-1), m), use, p.gray_level)
-        out[g.name] = apply_color_ops(x, p, g).view(g.count, b, 3, g.size_px, g.size_px)  # (V, B, 3, S, S)
+        out[g.name] = apply_color_ops(x, p, g).view(c, b, 3, s, s)
     for g in recipe.by_role("staged"):
-        n = g.count * b
-        x = out[g.parent].reshape(n, 3, g.size_px, g.size_px)                             # (N, 3, S, S)
-        p = sample_color_params(n, g, gen)
-        out[g.name] = apply_color_ops(x, p, g).view(g.count, b, 3, g.size_px, g.size_px)
-    return out
+        x = out[g.parent]
+        c, b, _, s, _ = x.shape
+        p = drawn[g.name] = sample_color_params(c * b, g, gen)
+        out[g.name] = apply_color_ops(x.reshape(c * b, 3, s, s), p, g).view(c, b, 3, s, s)
+    return out, drawn

@@ -1,18 +1,19 @@
-"""The `Batch` every backend yields: one training step of input, on the training device."""
+"""The `Batch` every backend yields (one training step of input, on the training device), and the
+bookkeeping that turns a batch's rendered views into it: fields in `Recipe.fields` order, mixes
+(`pipelines.mixing`), normalisation with the dataset's mean/std.
+"""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 from torch import Tensor
 
-# Per-channel statistics used to normalise uint8 images on the device. Datasets store their own
-# mean/std in the manifest; backends pass those in, these are the ImageNet defaults.
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+from pipelines.mixing import MixSpec, mix_sources, mix_views
+from pipelines.views import Recipe
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,11 @@ class Batch:
     def batch_size(self) -> int:
         return int(self.index.shape[0])
 
+    def to(self, device: torch.device | str) -> "Batch":
+        """The batch on `device` (host-to-device copies are non-blocking)."""
+        return Batch(**{f.name: None if (v := getattr(self, f.name)) is None else v.to(device, non_blocking=True)
+                        for f in fields(self)})
+
 
 def normalize(x: Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> Tensor:
     """Turn images in [0, 1] (or uint8 in [0, 255]) into normalised float32.
@@ -48,6 +54,48 @@ def normalize(x: Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> Ten
     m = torch.tensor(mean, device=x.device, dtype=x.dtype).view(3, 1, 1)
     s = torch.tensor(std, device=x.device, dtype=x.dtype).view(3, 1, 1)
     return (x - m) / s
+
+
+def mix_batch(views: dict[str, Tensor], recipe: Recipe, mix: MixSpec, gen: torch.Generator,
+              mean: tuple[float, ...], std: tuple[float, ...], device: torch.device | str
+              ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The `Batch.mixed`, `mix_lam`, `mix_partner` of one batch (all None without mixes).
+
+    Args:
+        views: {group name: (count, B, 3, S, S)} rendered views, uint8 or float in [0, 1].
+        recipe: the recipe the views were rendered from (with its mix source group).
+        mix: the spec. gen: CPU generator of this batch's mix draws.
+        mean, std: the dataset's per-channel statistics. device: where the mixes are made.
+
+    Returns:
+        (mixed (V, B, 3, S, S) normalised float32, lam (V, B) float32, partner (V, B) long).
+    """
+    if mix.kind == "none":
+        return None, None, None
+    src = mix_sources(views, recipe, mix).to(device, non_blocking=True)            # (V, B, 3, S, S)
+    src = src.float().div_(255.0) if src.dtype == torch.uint8 else src
+    out = mix_views(src, mix, gen)
+    return normalize(out.mixed, mean, std), out.lam, out.partner
+
+
+def make_batch(views: dict[str, Tensor], recipe: Recipe, mix: MixSpec, gen: torch.Generator,
+               mean: tuple[float, ...], std: tuple[float, ...], index: Tensor, label: Tensor,
+               device: torch.device | str) -> Batch:
+    """One `Batch` from the rendered views of a batch: each field the concatenation of its groups
+    (`Recipe.fields`), moved to `device` and normalised there, plus the mixes (`mix_batch`).
+
+    Args:
+        views: {group name: (count, B, 3, S, S)} uint8 or float in [0, 1]. index, label: (B,) long.
+    """
+    def field(groups) -> Tensor | None:
+        if not groups:
+            return None
+        return normalize(torch.cat([views[g.name] for g in groups]).to(device, non_blocking=True), mean, std)
+
+    mixed, lam, partner = mix_batch(views, recipe, mix, gen, mean, std, device)
+    by_field = {name: field(groups) for name, groups in recipe.fields.items()}
+    return Batch(**by_field, mixed=mixed, mix_lam=lam, mix_partner=partner,
+                 index=index.to(device, non_blocking=True), label=label.to(device, non_blocking=True))
 
 
 class ReusedBuffers:

@@ -1,20 +1,22 @@
 """Compiled per-view pixel ops of the FFCV backend on the CPU (numba; FFCV itself is not needed here).
 
-On a CPU loader, `ffcv_backend.DecodeViews` calls these kernels (`finish_view`, `finish_staged`, as C
+On a CPU loader, `ffcv_decode.DecodeViews` calls these kernels (`finish_view`, `finish_staged`, as C
 functions; see `compiled`) right after it resizes each crop into its row, inside FFCV's compiled
 pipeline (parallel over the samples of a batch in FFCV's threads):
 horizontal flip, colour jitter (the four ops in a per-view random order), grayscale, Gaussian blur and
 solarize, then staged views (RSA) on top of their parent's finished pixels. They reproduce
-`pipelines.torch_backend.apply_color_ops` op for op: float32 pixels in [0, 1], torchvision's per-op
+`pipelines.augment.apply_color_ops` op for op: float32 pixels in [0, 1], torchvision's per-op
 clamping, contrast against the mean luma of the *current* image, hue rotated in the same HSV, and one
 rounding to uint8 at the end of the view. Agreement with the torch ops is within one uint8 level
 (tests/pipelines/test_ffcv_backend.py), which is the rounding of the final value. The hue op computes
 the same HSV rotation with the hue kept in sixths (`hue_`), which only changes float rounding.
+A view that draws saliency is left raw by `finish_view` and finished on the host by
+`finish_salient` (composite, then the same ops), once its mask is known.
 `normalize_views` then turns a batch's rows into the normalised `Batch` field in one pass.
 
 Parameters are drawn by the caller's counter hash as uniforms `u` (draws `FIRST_DRAW + k` of the
 view, after the crop draws) and turned into a view's parameters by `draw_params` with the laws of
-`torch_backend.sample_color_params`. A view's parameters are `N_PARAMS` float32 values in the order
+`augment.sample_color_params`. A view's parameters are `N_PARAMS` float32 values in the order
 of `PARAM_FIELDS`; the decoder writes them into the row so that Python reads them back.
 
 Deviation: the Gaussian window is truncated at radius min(kernel_px // 2, ceil(4 sigma)) and
@@ -30,7 +32,7 @@ from types import SimpleNamespace
 import numba
 import numpy as np
 
-from pipelines.augment import GRAY_WEIGHTS, blur_kernel_px
+from pipelines.augment import GRAY_WEIGHTS, blur_kernel_px, blur_sigma_px
 from pipelines.views import ViewGroup
 
 PARAM_FIELDS = ("flip", "jitter", "brightness", "contrast", "saturation", "hue",
@@ -40,19 +42,23 @@ N_PARAMS = len(PARAM_FIELDS)      # float32 values per view in the row
 PARAM_BYTES = 4 * N_PARAMS
 FIRST_DRAW = 41                   # the crop draws of a view are 0..40 (crop_p, then 10 tries x 4)
 GROUP_FIELDS = ("flip_p", "jitter_p", "brightness", "contrast", "saturation", "hue", "gray_p",
-                "blur_p", "sigma0", "sigma1", "solarize_p", "saliency_p", "size_px", "kernel_px",
+                "blur_p", "sigma0_px", "sigma1_px", "solarize_p", "saliency_p", "size_px", "kernel_px",
                 "staged")
 
 
-def group_table(groups: tuple[ViewGroup, ...]) -> np.ndarray:
+def group_table(groups: tuple[ViewGroup, ...], saliency: bool = True) -> np.ndarray:
     """The laws of each group as one float64 row per group, columns `GROUP_FIELDS`.
+
+    Args:
+        groups: the groups, in the decoder's view-number order.
+        saliency: False (a dataset without masks): no view draws saliency, so none waits for a mask.
 
     Returns:
         (G, len(GROUP_FIELDS)) float64.
     """
     rows = [(g.flip_p, g.jitter_p, g.brightness, g.contrast, g.saturation, g.hue, g.gray_p, g.blur_p,
-             g.blur_sigma[0], g.blur_sigma[1], g.solarize_p, g.saliency_p, g.size_px, blur_kernel_px(g.size_px),
-             float(g.parent is not None)) for g in groups]
+             *blur_sigma_px(g), g.solarize_p, g.saliency_p if saliency else 0.0, g.size_px,
+             blur_kernel_px(g.size_px), float(g.role == "staged")) for g in groups]
     return np.array(rows, np.float64).reshape(len(groups), len(GROUP_FIELDS))
 
 
@@ -86,7 +92,7 @@ def draw_params(u, gp, p):
         p[6 + rank] = pos
     p[10] = 1.0 if u[10] < gp[6] else 0.0
     p[11] = 1.0 if u[11] < gp[7] else 0.0
-    p[12] = (gp[8] + (gp[9] - gp[8]) * u[12]) * gp[12] / 224.0
+    p[12] = gp[8] + (gp[9] - gp[8]) * u[12]
     p[13] = 1.0 if u[13] < gp[10] else 0.0
     p[14] = 1.0 if (u[14] < gp[11] and not staged) else 0.0
     p[15] = u[15]
@@ -313,7 +319,8 @@ def needs_pixels(p, gp):
 
 
 def finish_view(crop, s, u, gp, p, buf, tmp, pad, keep):
-    """One crop view, in place: draw its parameters, flip, apply its ops, round back to uint8.
+    """One crop view, in place: draw its parameters, flip, apply its ops, round back to uint8. A view
+    that draws saliency keeps its raw crop (`finish_salient` finishes it once its mask is known).
 
     C entry point (all arrays by address): crop, the (s, s, 3) uint8 crop in the row; u, its
     N_PARAMS float64 uniforms; gp, its group's law row; p, where its N_PARAMS float32 parameters go
@@ -325,6 +332,8 @@ def finish_view(crop, s, u, gp, p, buf, tmp, pad, keep):
     p_a = numba.carray(p, N_PARAMS, np.float32)
     gp_a = numba.carray(gp, len(GROUP_FIELDS), np.float64)
     draw_params(numba.carray(u, N_PARAMS, np.float64), gp_a, p_a)
+    if p_a[14] > 0.5:
+        return
     if keep != 0 or needs_pixels(p_a, gp_a):
         buf_a = numba.carray(buf, n, np.float32)
         load(crop_a, 0, s, p_a[0] > 0.5, buf_a)
@@ -332,6 +341,30 @@ def finish_view(crop, s, u, gp, p, buf, tmp, pad, keep):
         store(buf_a, crop_a, 0, s)
     elif p_a[0] > 0.5:
         flip_u8(crop_a, 0, s)
+
+
+@jit
+def finish_salient(crop, s, p, gp, mask, use):
+    """A view that drew saliency, on the host: flip, composite the background onto the drawn gray
+    level where `use` (the mask's coverage passed the gate), then the view's ops; in place.
+
+    Args:
+        crop: (3 s s,) uint8, the raw crop in the row (HWC). p: (N_PARAMS,) float32 drawn parameters.
+        gp: the group's law row. mask: (s s,) float32 in [0, 1], cropped with the view's window and
+            flipped with it. use: composite or not.
+    """
+    n = 3 * s * s
+    buf = np.empty(n, np.float32)
+    load(crop, 0, s, p[0] > 0.5, buf)
+    if use:
+        level = p[15]
+        for q in range(s * s):
+            if mask[q] < _HALF:
+                buf[3 * q] = level
+                buf[3 * q + 1] = level
+                buf[3 * q + 2] = level
+    color_ops(buf, s, p, gp, np.empty(n, np.float32), np.empty(3 * (3 * s + 2), np.float32))
+    store(buf, crop, 0, s)
 
 
 def finish_staged(parent, s, u, gp, p, out, child, tmp, pad):
@@ -405,6 +438,6 @@ def compiled() -> SimpleNamespace:
     norm_f = ctypes.CFUNCTYPE(None, addr, i64c, i64c, i64c, i64c, i64c, addr, addr)(norm_c.address)
     # Keep the compiled objects alive as long as the ctypes pointers into them.
     return SimpleNamespace(finish_view=view_f, finish_staged=staged_f, normalize_views=norm_f,
-                           _cfuncs=(view_c, staged_c, norm_c),
+                           _cfuncs=(view_c, staged_c, norm_c), finish_salient=finish_salient,
                            draw_params=draw_params, color_ops=color_ops, needs_pixels=needs_pixels,
                            load=load, store=store, flip_u8=flip_u8)

@@ -1,24 +1,41 @@
 """The one entry point the trainer uses: `build_loader(backend, spec)` → an iterable of `Batch`.
 
-Backends live in `torch_backend.py` (plain tensor ops, reference and CPU test backend),
+Everything the four backends share lives here, once:
+- `LoaderSpec`, checked once by `check_spec` (one `LoaderError` type for bad input);
+- `DatasetInfo`: the manifest, read and verified once, as the typed facts a loader needs;
+- `EpochOrder`: which records a rank reads in an epoch, in which batches (per-epoch shuffle, rank
+  sharding, skip for a mid-epoch resume) and the loader state-dict schema ({"epoch", "batches_done"}:
+  the next batch to read); the torch, torchvision and FFCV loaders iterate it (DALI's reader
+  shards and shuffles inside its graph and keeps the same state-dict keys);
+- `derive_seed`: how every per-(rank, epoch, batch) seed is mixed from the spec's seed.
+
+Backends: `torch_backend.py` (plain tensor ops, the reference recipe of `augment.py`),
 `torchvision_backend.py` (PIL + torchvision, the measured baseline), `ffcv_backend.py` and
-`dali_backend.py`. Each is imported lazily, so that a missing optional package only matters to the
-backend that needs it.
+`dali_backend.py`. This module is the only one that imports a backend, lazily, so that a missing
+optional package only matters to the backend that needs it; a backend imports FFCV or DALI at its top.
 """
 
 from __future__ import annotations
 
 import importlib
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Iterator, Literal, Protocol
 
+import numpy as np
+
+from pipelines import schema
 from pipelines.batch import Batch
-from pipelines.mixing import MIX_KINDS, MixSpec  # noqa: F401  (MIX_KINDS: re-exported)
+from pipelines.mixing import MixSpec, check_mix, with_mix_source
 from pipelines.views import Recipe
 
 Backend = Literal["torch", "torchvision", "ffcv", "dali"]
 BACKENDS: tuple[str, ...] = typing.get_args(Backend)
+
+
+class LoaderError(ValueError):
+    """A loader spec or dataset that cannot be loaded; the message is one line naming the fix."""
 
 
 @dataclass(frozen=True)
@@ -28,36 +45,169 @@ class LoaderSpec:
     root: str                          # dataset root folder (`<root>/<dataset>/manifest.json`)
     dataset: str                       # dataset name, e.g. "synthetic"
     split: str                         # "train" | "val"
-    recipe: Recipe                     # resolved view recipe (sizes in px)
+    recipe: Recipe                     # resolved view recipe (sizes in px, roles)
     batch_size: int                    # per rank, even
-    mix: MixSpec = MixSpec()
+    mix: MixSpec = field(default_factory=MixSpec)
     rank: int = 0                      # this process's rank; pipelines never call torch.distributed
     world_size: int = 1
-    seed: int = 0                      # base seed; each rank and epoch derives its own
+    seed: int = 0                      # base seed; each rank, epoch and batch derives its own
     device: str = "cpu"                # training device the Batch lands on
     num_workers: int = 2               # CPU threads/processes for decoding and augmentation
     shuffle: bool = True               # False: records in index order (evaluation)
-    drop_last: bool = True             # False: the last partial batch is kept (evaluation); with
-                                       # world_size > 1 ranks then cover disjoint index ranges
+    drop_last: bool = True             # False: the last partial batch is kept (evaluation)
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """The facts of one split that loaders need, from the verified manifest."""
+
+    dir: Path                          # `<root>/<dataset>`
+    split: str
+    count: int                         # records in the split
+    mean: tuple[float, float, float]   # per channel, [0, 1] units (train split)
+    std: tuple[float, float, float]
+    has_masks: bool                    # every record carries a saliency mask
+    manifest: schema.Manifest
+
+    @classmethod
+    def read(cls, root: str | Path, dataset: str, split: str) -> "DatasetInfo":
+        """Read and verify the manifest (`schema.read_manifest`) and pick the split.
+
+        Raises:
+            schema.DatasetError: a missing, incomplete or damaged dataset.
+            LoaderError: the split does not exist.
+        """
+        d = Path(root) / dataset
+        m = schema.read_manifest(d)
+        if split not in m.counts:
+            raise LoaderError(f"dataset {d} has no split {split!r}; choose one of {', '.join(sorted(m.counts))}")
+        return cls(dir=d, split=split, count=int(m.counts[split]), mean=tuple(m.mean), std=tuple(m.std),
+                   has_masks=bool(m.has_masks), manifest=m)
 
 
 class Loader(Protocol):
     """What every backend returns."""
 
-    def __iter__(self) -> Iterator[Batch]: ...       # one epoch, drop-last, equal length per rank
+    def __iter__(self) -> Iterator[Batch]: ...       # the rest of the current epoch
     def __len__(self) -> int: ...                    # batches per epoch on this rank
     def set_epoch(self, epoch: int) -> None: ...     # reshuffle and reseed for `epoch`
-    def state_dict(self) -> dict: ...                # position for a mid-epoch resume
+    def state_dict(self) -> dict: ...                # {"epoch", "batches_done", ...}: mid-epoch position
     def load_state_dict(self, state: dict) -> None: ...
 
 
-def build_loader(backend: str, spec: LoaderSpec) -> Loader:
-    """Build the loader of `backend` for `spec`.
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed mixed from integer parts (seed, rank, epoch, batch, purpose, ...); distinct
+    parts give unrelated seeds (FNV-style multiply, then xor-shift, per part)."""
+    h = 0x243F6A8885A308D3
+    for p in parts:
+        h = (h ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0x100000001B3 % (1 << 64)
+        h ^= h >> 29
+    return h & ((1 << 63) - 1)
+
+
+def rank_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """[start, stop) of the contiguous block of n items that `rank` takes: n·r/w to n·(r+1)/w."""
+    return n * rank // world_size, n * (rank + 1) // world_size
+
+
+class EpochOrder:
+    """The records one rank reads per epoch, in batches, and the loader position.
+
+    Order: a permutation of the split seeded by (seed, epoch), the same on every rank (`shuffle`),
+    or index order. Sharding: contiguous blocks of that order, with drop_last an equal number of
+    whole batches per rank (n // (world · batch) batches), otherwise `rank_range` of it, the last
+    batch possibly short. Resume: `load_state_dict` then iteration skips the batches already done.
+    """
+
+    def __init__(self, spec: LoaderSpec, count: int) -> None:
+        self.spec, self.count = spec, count
+        self.epoch = 0
+        self.batches_done = 0          # batches of `epoch` already handed out
+
+    def __len__(self) -> int:
+        s = self.spec
+        if s.drop_last:
+            return self.count // (s.world_size * s.batch_size)
+        lo, hi = rank_range(self.count, s.rank, s.world_size)
+        return -(-(hi - lo) // s.batch_size)
+
+    def indices(self) -> np.ndarray:
+        """(n_rank,) int64 dataset indices this rank reads in `epoch`, in reading order."""
+        s, n = self.spec, self.count
+        if s.shuffle:
+            order = np.random.default_rng(derive_seed(s.seed, self.epoch, 7)).permutation(n)
+        else:
+            order = np.arange(n)
+        if s.drop_last:
+            per_rank = len(self) * s.batch_size
+            return order[s.rank * per_rank:(s.rank + 1) * per_rank]
+        lo, hi = rank_range(n, s.rank, s.world_size)
+        return order[lo:hi]
+
+    def remaining(self) -> list[tuple[int, np.ndarray]]:
+        """[(batch number, (≤B,) int64 indices)] of this epoch from `batches_done` on."""
+        idx, bs = self.indices(), self.spec.batch_size
+        return [(k, idx[k * bs:(k + 1) * bs]) for k in range(self.batches_done, len(self))]
+
+    def batch_seed(self, k: int, purpose: int = 0) -> int:
+        """The seed of batch k of this rank and epoch (`purpose` separates independent streams)."""
+        s = self.spec
+        return derive_seed(s.seed, s.rank, self.epoch, k, purpose)
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.batches_done = 0
+        self.epoch = int(epoch)
+
+    def advance(self) -> None:
+        """Count one batch handed out; after an epoch's last batch the position is the next epoch's
+        start, so a state dict taken between any two batches names the next batch to read."""
+        self.batches_done += 1
+        if self.batches_done >= len(self):
+            self.epoch, self.batches_done = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batches_done": self.batches_done}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.batches_done = int(state["epoch"]), int(state["batches_done"])
+
+
+def check_spec(spec: LoaderSpec, info: DatasetInfo) -> None:
+    """The checks every backend needs, done once before a backend is built.
 
     Raises:
-        ValueError: unknown backend (the message lists the valid ones).
+        LoaderError: odd or non-positive batch size, a rank outside the world, a split too small for
+            one batch per rank, mixes without full batches, or a bad mix spec.
+    """
+    if spec.batch_size < 2 or spec.batch_size % 2:
+        raise LoaderError(f"batch_size must be a positive even number per rank, got {spec.batch_size}; "
+                          "use an even batch size")
+    if not 0 <= spec.rank < spec.world_size:
+        raise LoaderError(f"rank {spec.rank} is outside [0, world_size={spec.world_size}); pass a valid rank")
+    if spec.drop_last and info.count < spec.world_size * spec.batch_size:
+        raise LoaderError(f"split {spec.split!r} has {info.count} records, too small for one batch of "
+                          f"{spec.batch_size} per rank on {spec.world_size} rank(s); lower the batch size")
+    if spec.mix.kind != "none" and not spec.drop_last:
+        raise LoaderError("intra-batch mixes need full batches; use drop_last=True")
+    try:
+        check_mix(spec.mix)
+    except ValueError as e:
+        raise LoaderError(str(e)) from None
+
+
+def build_loader(backend: str, spec: LoaderSpec) -> Loader:
+    """Build the loader of `backend` for `spec`: reads the manifest, checks the spec, adds the mix
+    source group to the recipe (`mixing.with_mix_source`), then builds the backend.
+
+    Raises:
+        LoaderError: unknown backend or bad spec (see `check_spec`).
+        schema.DatasetError: a missing, incomplete or damaged dataset.
     """
     if backend not in BACKENDS:
-        raise ValueError(f"unknown pipeline backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        raise LoaderError(f"unknown pipeline backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    info = DatasetInfo.read(spec.root, spec.dataset, spec.split)
+    check_spec(spec, info)
+    spec = replace(spec, recipe=with_mix_source(spec.recipe, spec.mix))
     module = importlib.import_module(f"pipelines.{backend}_backend")
-    return module.build(spec)
+    return module.build(spec, info)

@@ -1,28 +1,49 @@
-"""Intra-batch mixes (SDMP, DACL): pure device-side torch functions and their parameter samplers.
+"""Intra-batch mixes (SDMP, DACL): their laws, a registry of samplers and applies, and the pure
+torch functions every engine is compared with.
 
-Papers:
-- SDMP: Ren et al., "A Simple Data Mixing Prior for Improving Self-Supervised Learning" (CVPR 2022):
-  the partner of sample i is sample n-1-i of the batch (flip pairing); one mixer per batch drawn from
-  {Mixup, CutMix, ResizeMix}; lam ~ Beta(alpha, alpha); both views of a sample use the same lam and box.
-- DACL: Verma et al., "Towards Domain-Agnostic Contrastive Learning" (ICML 2021), Sec. 3.1:
-  Linear Mixup Eq. (3) x+ = lam x + (1-lam) x~, lam ~ U(alpha, 1); Geometric Mixup Eq. (5)
-  x+ = x^lam * x~^(1-lam); Binary Mixup Eq. (6) x+ = x * m + x~ * (1-m), m ~ Bernoulli(rho). The paper
-  searches rho separately; here rho = lam (one coefficient per positive, see `sample_dacl`). DACL+
-  draws one noise function per sample.
+A mix has two halves, registered in `MIXES`: `sample` draws every random parameter of one batch (for
+all its mixed views) from a generator, and `apply` mixes the views with those draws. The torch,
+torchvision and FFCV loaders call `mix_views`; the DALI graph implements the same laws in-graph and
+tests compare its draws and outputs with these.
 
-All images are (B, C, H, W) float in [0, 1] before normalisation; `partner` is (B,) long, `lam` (B,)
-float, `boxes` (B, 4) integer (y0, x0, y1, x1) with exclusive ends.
+Laws (one home; DESIGN §4):
+- SDMP, Ren et al., "A Simple Data Mixing Prior for Improving Self-Supervised Learning" (CVPR 2022,
+  arXiv:2206.07692), Sec. 3.2: the partner of sample i is sample n-1-i (`partner_index`); one mixer
+  per batch, uniformly from `MixSpec.sdmp_mixers`; lam ~ Beta(alpha, alpha) per sample, the same for
+  every view of the sample (Eq. 1), and so is the box of the regional mixers: its side is
+  floor(sqrt(1 - lam) * (H, W)).
+  CutMix: the box centre is uniform over the image and the box is clipped at the border (CutMix's
+  rule); lam becomes the fraction of the image's own pixels kept.
+  ResizeMix, Eq. (2): the whole partner, resized (bilinear, antialiased) to the box, is pasted at a
+  uniformly random position where the box lies fully inside the image; lam = 1 - box area / image area.
+- DACL, Verma et al., "Towards Domain-Agnostic Contrastive Learning" (ICML 2021, arXiv:2011.04419),
+  Sec. 3.1: each positive (mixed view) draws its own partner, uniformly among the other samples,
+  and its own lam ~ U(alpha, 1); Linear Mixup Eq. (3) x+ = lam x + (1 - lam) x~; Geometric Mixup Eq. (5)
+  x+ = x^lam * x~^(1 - lam) on [0, 1] pixels; Binary Mixup Eq. (6) x+ = x * m + x~ * (1 - m),
+  m ~ Bernoulli(rho) per pixel and channel, with rho = lam (the paper searches rho separately).
+  DACL+ draws one noise function per sample and uses it for both of the sample's positives
+  ("apply this function to create both of the positive samples").
+
+Sources (`MixSpec.source`): "global" mixes every global view of the batch (view v of the mix is
+global view v mixed); "image" mixes the whole image resized to the global size with no other op,
+twice (two positives), as DACL's domain-agnostic setting asks; `with_mix_source` adds that image as
+a recipe group of role "image", so that every engine renders it like any other crop group.
+
+Images are float in [0, 1] before normalisation; `partner` is long, `lam` float, `boxes` integer
+(y0, x0, y1, x1) with exclusive ends.
 """
 
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from pipelines.views import Recipe, ViewGroup
 
 SDMP_MIXERS = ("mixup", "cutmix", "resizemix")
 DACL_NOISES = ("linear", "geometric", "binary")
@@ -124,13 +145,69 @@ def dacl_binary(x: Tensor, partner: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.bool(), x, x[partner])
 
 
+
+
 # ------------------------------------------------------------------------------------------------
-# Samplers (explicit generator: reproducible for a seed).
+# Spec checks and sources.
 # ------------------------------------------------------------------------------------------------
 
 
-def _beta(alpha: float, n: int, gen: torch.Generator, device) -> Tensor:
-    """Beta(alpha, alpha) draws from a generator, via two Gamma draws built from uniforms.
+IMAGE_GROUP = "mix_image"           # name of the recipe group that `source: image` adds
+
+
+def check_mix(mix: MixSpec) -> None:
+    """Raise a one-line ValueError for an unknown kind, source, mixer or noise, or a bad alpha."""
+    if mix.kind not in MIX_KINDS:
+        raise ValueError(f"unknown mix kind {mix.kind!r}; use one of {', '.join(MIX_KINDS)}")
+    if mix.source not in MIX_SOURCES:
+        raise ValueError(f"unknown mix source {mix.source!r}; use one of {', '.join(MIX_SOURCES)}")
+    if mix.kind == "sdmp":
+        bad = [m for m in mix.sdmp_mixers if m not in SDMP_MIXERS]
+        if bad or not mix.sdmp_mixers:
+            raise ValueError(f"unknown SDMP mixer(s) {bad}; use some of {', '.join(SDMP_MIXERS)}")
+        if not mix.alpha > 0:
+            raise ValueError(f"SDMP draws lam ~ Beta(alpha, alpha): mix.alpha must be > 0, got {mix.alpha}")
+    if mix.kind == "dacl":
+        bad = [n for n in mix.dacl_noises if n not in DACL_NOISES]
+        if bad or not mix.dacl_noises:
+            raise ValueError(f"unknown DACL noise(s) {bad}; use some of {', '.join(DACL_NOISES)}")
+        if not 0.0 <= mix.alpha < 1.0:
+            raise ValueError(f"DACL draws lam ~ U(alpha, 1): mix.alpha must be in [0, 1), got {mix.alpha}")
+
+
+def with_mix_source(recipe: Recipe, mix: MixSpec) -> Recipe:
+    """`recipe` plus, for `source: image` mixes, the group `IMAGE_GROUP` (role "image": the whole image
+    resized to the global size, bilinear, no flip and no other op) that the engines render."""
+    if mix.kind == "none" or mix.source != "image" or any(g.role == "image" for g in recipe.groups):
+        return recipe
+    image = ViewGroup(IMAGE_GROUP, count=1, size_px=recipe.global_px, crop_p=0.0, flip_p=0.0,
+                      interpolation="bilinear", role="image")
+    return replace(recipe, groups=recipe.groups + (image,))
+
+
+def mix_sources(views: dict[str, Tensor], recipe: Recipe, mix: MixSpec) -> Tensor:
+    """The views a batch's mixes start from (module docstring, sources).
+
+    Args:
+        views: {group name: (count, B, 3, S, S)} rendered views in [0, 1] (the recipe of
+            `with_mix_source`).
+
+    Returns:
+        (V, B, 3, S, S): the global views in `Recipe.fields` order ("global"), or the image twice ("image").
+    """
+    if mix.source == "image":
+        image = views[next(g.name for g in recipe.groups if g.role == "image")][0]
+        return torch.stack([image, image])
+    return torch.cat([views[g.name] for g in recipe.fields["global_views"]])
+
+
+# ------------------------------------------------------------------------------------------------
+# Samplers and applies, one per kind (explicit generator: reproducible for a seed).
+# ------------------------------------------------------------------------------------------------
+
+
+def beta(alpha: float, n: int, gen: torch.Generator) -> Tensor:
+    """n draws of Beta(alpha, alpha) from a CPU generator.
 
     torch's `_standard_gamma` takes no generator; Beta(a, a) = G1 / (G1 + G2) with Gi ~ Gamma(a)
     is computed with the Marsaglia-Tsang method on generator-drawn normals/uniforms (vectorised,
@@ -141,10 +218,10 @@ def _beta(alpha: float, n: int, gen: torch.Generator, device) -> Tensor:
         aa = a + 1 if boost else a
         d = aa - 1 / 3
         c = 1 / (9 * d) ** 0.5
-        out = torch.full((n,), float("nan"), device=device)
+        out = torch.full((n,), float("nan"))
         for _ in range(64):
-            z = torch.randn(n, generator=gen, device=device)
-            u = torch.rand(n, generator=gen, device=device)
+            z = torch.randn(n, generator=gen)
+            u = torch.rand(n, generator=gen)
             v = (1 + c * z) ** 3
             ok = (v > 0) & (torch.log(u.clamp_min(1e-30)) < 0.5 * z * z + d - d * v + d * torch.log(v.clamp_min(1e-30)))
             out = torch.where(torch.isnan(out) & ok, d * v, out)
@@ -152,80 +229,127 @@ def _beta(alpha: float, n: int, gen: torch.Generator, device) -> Tensor:
                 break
         out = torch.nan_to_num(out, nan=d)
         if boost:
-            u = torch.rand(n, generator=gen, device=device).clamp_min(1e-30)
-            out = out * u.pow(1 / a)
+            out = out * torch.rand(n, generator=gen).clamp_min(1e-30).pow(1 / a)
         return out
 
     g1, g2 = gamma(alpha), gamma(alpha)
     return (g1 / (g1 + g2).clamp_min(1e-30)).clamp(0, 1)
 
 
-@dataclass(frozen=True)
-class SDMPParams:
-    """One batch of SDMP mixing parameters, shared by all views of a sample."""
-
-    mixer: str          # one of SDMP_MIXERS, for the whole batch
-    lam: Tensor         # (B,) Beta(alpha, alpha) draw
-    boxes: Tensor       # (B, 4) long (y0, x0, y1, x1), area ~ (1 - lam) H W, clipped
-    partner: Tensor     # (B,) long, n-1-i
-
-
-def sample_sdmp(b: int, h: int, w: int, alpha: float, mixers: tuple[str, ...], gen: torch.Generator,
-                device="cpu") -> SDMPParams:
-    """SDMP parameters for a batch: one mixer uniformly, per-sample lam ~ Beta(alpha, alpha), and a
-    box of side sqrt(1 - lam) * (H, W) centred uniformly (CutMix rule; clipped at the border)."""
-    bad = [m for m in mixers if m not in SDMP_MIXERS]
-    if bad or not mixers:
-        raise ValueError(f"unknown SDMP mixer(s) {bad}; use some of {', '.join(SDMP_MIXERS)}")
-    mixer = mixers[int(torch.randint(len(mixers), (1,), generator=gen, device=device))]
-    lam = _beta(alpha, b, gen, device)
-    cut = torch.sqrt(1 - lam)
-    ch, cw = (cut * h).long(), (cut * w).long()
-    cy = torch.randint(h, (b,), generator=gen, device=device)
-    cx = torch.randint(w, (b,), generator=gen, device=device)
-    boxes = torch.stack([(cy - ch // 2).clamp(0, h), (cx - cw // 2).clamp(0, w),
-                         (cy + ch - ch // 2).clamp(0, h), (cx + cw - cw // 2).clamp(0, w)], 1)   # (B, 4)
-    return SDMPParams(mixer, lam, boxes, partner_index(b, device))
-
-
-def apply_sdmp(x: Tensor, p: SDMPParams) -> tuple[Tensor, Tensor]:
-    """Mix one view (B,C,H,W) with `p`; returns (mixed, lam actually used (B,))."""
-    if p.mixer == "mixup":
-        return mixup(x, p.lam, p.partner), p.lam.to(x.dtype)
-    return (cutmix if p.mixer == "cutmix" else resizemix)(x, p.boxes, p.partner)
+def sdmp_box_sides(lam: Tensor, h: int, w: int) -> tuple[Tensor, Tensor]:
+    """(box heights, box widths), long: floor(sqrt(1 - lam) * (H, W)), the side law of both regional mixers."""
+    cut = torch.sqrt(1 - lam.double())
+    return torch.floor(cut * h).long(), torch.floor(cut * w).long()
 
 
 @dataclass(frozen=True)
-class DACLParams:
-    """DACL(+) parameters of one positive view of a batch."""
+class MixDraw:
+    """Every random draw of one batch's mixes, per mixed view (V views of B samples)."""
 
-    partner: Tensor     # (B,) long, uniformly random, partner[i] != i
-    lam: Tensor         # (B,) ~ U(alpha, 1)
-    noise: Tensor       # (B,) long index into the noise tuple (DACL+: one per sample)
-
-
-def sample_dacl(b: int, alpha: float, n_noises: int, gen: torch.Generator, device="cpu") -> DACLParams:
-    """DACL parameters: partner ≠ i uniformly, lam ~ U(alpha, 1) (Sec. 3.1), noise type per sample."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"DACL alpha {alpha} outside [0, 1]: lam is drawn from U(alpha, 1)")
-    shift = torch.randint(1, max(b, 2), (b,), generator=gen, device=device)
-    partner = (torch.arange(b, device=device) + shift) % b
-    lam = alpha + (1 - alpha) * torch.rand(b, generator=gen, device=device)
-    noise = torch.randint(n_noises, (b,), generator=gen, device=device)
-    return DACLParams(partner, lam, noise)
+    partner: Tensor              # (V, B) long, the sample mixed into sample i
+    lam: Tensor                  # (V, B) float, the drawn weight of sample i itself
+    mixer: str = ""              # SDMP: the batch's mixer (one of SDMP_MIXERS)
+    boxes: Tensor | None = None  # SDMP: (V, B, 4) long (y0, x0, y1, x1), exclusive ends, clipped
+    noise: Tensor | None = None  # DACL: (B,) long, index into MixSpec.dacl_noises, shared by the positives
+    keep: Tensor | None = None   # DACL binary mixup: (V, B, C, H, W) bool, m of Eq. (6)
 
 
-def apply_dacl(x: Tensor, p: DACLParams, noises: tuple[str, ...], gen: torch.Generator) -> Tensor:
-    """Apply DACL+ noise per sample; binary masks m ~ Bernoulli(rho = lam_i) per pixel, Eq. (6)."""
-    bad = [n for n in noises if n not in DACL_NOISES]
-    if bad or not noises:
-        raise ValueError(f"unknown DACL noise(s) {bad}; use some of {', '.join(DACL_NOISES)}")
-    out = x
-    for j, name in enumerate(noises):
-        if name == "binary":
-            keep = torch.rand(x.shape, generator=gen, device=x.device) < p.lam.view(-1, 1, 1, 1)
-            y = dacl_binary(x, p.partner, keep)
+def sample_sdmp(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generator, device) -> MixDraw:
+    """SDMP draws (module docstring): one mixer, lam per sample and its box, shared by the V views."""
+    mixer = mix.sdmp_mixers[int(torch.randint(len(mix.sdmp_mixers), (1,), generator=gen))]
+    lam = beta(mix.alpha, b, gen)                                                      # (B,)
+    bh, bw = sdmp_box_sides(lam, h, w)
+    if mixer == "resizemix":                                  # fully inside: top-left uniform
+        y0 = torch.floor(torch.rand(b, generator=gen, dtype=torch.float64) * (h - bh + 1)).long()
+        x0 = torch.floor(torch.rand(b, generator=gen, dtype=torch.float64) * (w - bw + 1)).long()
+        boxes = torch.stack([y0, x0, y0 + bh, x0 + bw], 1)
+    else:                                                     # centre uniform, clipped (CutMix)
+        cy = torch.randint(h, (b,), generator=gen)
+        cx = torch.randint(w, (b,), generator=gen)
+        boxes = torch.stack([(cy - bh // 2).clamp(0, h), (cx - bw // 2).clamp(0, w),
+                             (cy + bh - bh // 2).clamp(0, h), (cx + bw - bw // 2).clamp(0, w)], 1)  # (B, 4)
+    return MixDraw(partner=partner_index(b).expand(v, b).to(device), lam=lam.float().expand(v, b).to(device),
+                   mixer=mixer, boxes=boxes.expand(v, b, 4).to(device))
+
+
+def apply_sdmp(x: Tensor, d: MixDraw) -> tuple[Tensor, Tensor]:
+    """Mix views x (V, B, C, H, W) with SDMP draws; returns (mixed, lam actually used (V, B))."""
+    out, lams = [], []
+    for k in range(x.shape[0]):
+        if d.mixer == "mixup":
+            out.append(mixup(x[k], d.lam[k], d.partner[k]))
+            lams.append(d.lam[k].to(x.dtype))
         else:
-            y = (dacl_linear if name == "linear" else dacl_geometric)(x, p.partner, p.lam)
-        out = y if j == 0 else torch.where((p.noise == j).view(-1, 1, 1, 1), y, out)
-    return out
+            y, lam = (cutmix if d.mixer == "cutmix" else resizemix)(x[k], d.boxes[k], d.partner[k])
+            out.append(y)
+            lams.append(lam)
+    return torch.stack(out), torch.stack(lams)
+
+
+def sample_dacl(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generator, device) -> MixDraw:
+    """DACL(+) draws (module docstring): per positive a partner != i and lam; one noise per sample."""
+    shift = torch.randint(1, max(b, 2), (v, b), generator=gen)
+    partner = (torch.arange(b) + shift) % b                                          # (V, B)
+    lam = mix.alpha + (1 - mix.alpha) * torch.rand(v, b, generator=gen)               # (V, B)
+    noise = torch.randint(len(mix.dacl_noises), (b,), generator=gen)                  # (B,)
+    keep = None
+    if "binary" in mix.dacl_noises:
+        # The masks are the only large draw: drawn where they are used, from a generator seeded here.
+        dev_gen = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
+        u = torch.rand((v, b, 3, h, w), generator=dev_gen, device=device)
+        keep = u < lam.to(device).view(v, b, 1, 1, 1)                                  # (V, B, 3, H, W)
+    return MixDraw(partner=partner.to(device), lam=lam.to(device), noise=noise.to(device), keep=keep)
+
+
+def apply_dacl(x: Tensor, d: MixDraw, noises: tuple[str, ...]) -> tuple[Tensor, Tensor]:
+    """Mix views x (V, B, C, H, W) with DACL draws, each sample with its noise; returns (mixed, lam)."""
+    out = []
+    for k in range(x.shape[0]):
+        y = None
+        for j, name in enumerate(noises):
+            if name == "binary":
+                m = dacl_binary(x[k], d.partner[k], d.keep[k])
+            else:
+                m = (dacl_linear if name == "linear" else dacl_geometric)(x[k], d.partner[k], d.lam[k])
+            y = m if y is None else torch.where((d.noise == j).view(-1, 1, 1, 1), m, y)
+        out.append(y)
+    return torch.stack(out), d.lam.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Mix:
+    """One kind of intra-batch mix: how to draw a batch's parameters, and how to apply them."""
+
+    sample: Callable[..., MixDraw]                      # (v, b, h, w, mix, gen, device) -> MixDraw
+    apply: Callable[[Tensor, MixDraw, MixSpec], tuple[Tensor, Tensor]]   # (x, draw, mix) -> (mixed, lam)
+
+
+MIXES: dict[str, Mix] = {
+    "sdmp": Mix(sample_sdmp, lambda x, d, mix: apply_sdmp(x, d)),
+    "dacl": Mix(sample_dacl, lambda x, d, mix: apply_dacl(x, d, mix.dacl_noises)),
+}
+
+
+@dataclass(frozen=True)
+class MixOut:
+    """The mixes of one batch, unnormalised."""
+
+    mixed: Tensor                # (V, B, 3, H, W) in [0, 1]
+    lam: Tensor                  # (V, B) float32, weight of sample i itself after area correction
+    partner: Tensor              # (V, B) long
+    draw: MixDraw                # the draws (tests and debugging)
+
+
+def mix_views(x: Tensor, mix: MixSpec, gen: torch.Generator) -> MixOut:
+    """The intra-batch mixes of `mix` on the source views x (V, B, 3, H, W) in [0, 1] (`mix_sources`).
+
+    Args:
+        x: source views on the training device.
+        mix: the spec (kind "sdmp" or "dacl").
+        gen: CPU generator of the batch; every draw comes from it.
+    """
+    v, b, _, h, w = x.shape
+    kind = MIXES[mix.kind]
+    draw = kind.sample(v, b, h, w, mix, gen, x.device)
+    mixed, lam = kind.apply(x, draw, mix)
+    return MixOut(mixed=mixed, lam=lam.float(), partner=draw.partner.long(), draw=draw)

@@ -1,0 +1,306 @@
+"""FFCV's decode-once multi-crop operation: one `.beton` image field → every crop view of the recipe.
+
+FFCV 1.0.2 maps each stored field to exactly one pipeline, so multi-crop through FFCV's own
+`RandomResizedCropRGBImageDecoder` would decode the image once per view. `DecodeViews` is a decoder
+of our own, written with FFCV's `Operation` API and its compiled primitives (libffcv's turbojpeg
+`imdecode` and `resize`, i.e. OpenCV's `cv::resize` with INTER_AREA on a window): it decodes each
+image once and writes every crop of every crop group (the crop law of `pipelines.augment`) into one
+flat uint8 row per sample, followed by the crop windows it drew (`CropLayout`), so that saliency
+masks are cropped with exactly the image's window on the host.
+
+With `ops` (CPU loaders), right after each crop is resized into its row, the compiled kernels of
+`pipelines.ffcv_ops` draw the view's parameters (draws `ffcv_ops.FIRST_DRAW`.. of the view, after
+the crop draws) and apply flip, jitter, grayscale, blur and solarize; staged views (RSA) take their
+parent's finished float view, so one crop gives two outputs. The drawn parameters follow the
+windows in the row (`CropLayout.split`, read back as `augment.ViewParams` by `view_params`). A view
+that draws saliency is left as its raw crop, with its parameters: its mask arrives in another
+field, after this operation, and the reference order composites the background before the ops;
+the loader finishes it on the host (`ffcv_ops.finish_salient`).
+
+Randomness is counter-based: a parameter is a hash of (key, dataset index, view, draw), the key
+mixed from (seed, rank, epoch) by the loader, so it depends neither on FFCV's thread scheduling nor
+on the batch a sample lands in. The key reaches the compiled code through a fixed address (numba
+freezes arrays captured by a closure, so the key array is read with `memcpy` from its address on
+each call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numba
+import numpy as np
+import torch
+from ffcv.fields.rgb_image import IMAGE_MODES
+from ffcv.libffcv import ctypes_imdecode, ctypes_memcopy, ctypes_resize
+from ffcv.pipeline.allocation_query import AllocationQuery
+from ffcv.pipeline.compiler import Compiler
+from ffcv.pipeline.operation import Operation
+from torch import Tensor
+
+from pipelines import ffcv_ops
+from pipelines.augment import CROP_TRIES, ViewParams
+from pipelines.views import Recipe, ViewGroup
+
+WINDOW_BYTES = 8                 # per crop view: y0, x0, h, w as little-endian uint16 (FFCV sides < 65536)
+
+
+@dataclass(frozen=True)
+class CropLayout:
+    """Where each view lives in the flat per-sample row `DecodeViews` writes.
+
+    Views are numbered over the crop groups in recipe order; with compiled ops (`staged` set, CPU
+    loaders) the staged groups' views follow them, and a block of drawn per-view parameters
+    (`ffcv_ops.PARAM_FIELDS`, float32) follows the crop windows.
+    """
+
+    groups: tuple[ViewGroup, ...]     # crop groups, recipe order
+    first_view: tuple[int, ...]       # per group: number of its first view
+    offsets: tuple[int, ...]          # per view (crop, then staged): byte offset of its (S, S, 3) pixels
+    sizes: tuple[int, ...]            # per view: S
+    windows_offset: int               # byte offset of the (crop views, 4) uint16 windows
+    row_bytes: int
+    staged: tuple[ViewGroup, ...] = ()        # staged groups written by the compiled ops, recipe order
+    staged_first_view: tuple[int, ...] = ()   # per staged group: number of its first view
+    params_offset: int = -1                   # byte offset of the (views, N_PARAMS) float32 parameters
+
+    @staticmethod
+    def of(recipe: Recipe, ops: bool) -> "CropLayout":
+        groups = recipe.crop_groups
+        staged = recipe.by_role("staged") if ops else ()
+        first, offsets, sizes, pos = [], [], [], 0
+        for g in groups + staged:
+            first.append(len(offsets))
+            for _ in range(g.count):
+                offsets.append(pos)
+                sizes.append(g.size_px)
+                pos += g.size_px * g.size_px * 3
+        n_crop = sum(g.count for g in groups)
+        windows_end = pos + WINDOW_BYTES * n_crop
+        if not ops:
+            return CropLayout(groups, tuple(first[:len(groups)]), tuple(offsets[:n_crop]),
+                              tuple(sizes[:n_crop]), pos, windows_end)
+        return CropLayout(groups, tuple(first[:len(groups)]), tuple(offsets), tuple(sizes), pos,
+                          windows_end + ffcv_ops.PARAM_BYTES * len(offsets), staged,
+                          tuple(first[len(groups):]), windows_end)
+
+    @property
+    def num_crop_views(self) -> int:
+        return sum(g.count for g in self.groups)
+
+    @property
+    def all_groups(self) -> tuple[ViewGroup, ...]:
+        """Crop groups, then the staged groups of the compiled ops (view-number order)."""
+        return self.groups + self.staged
+
+    @property
+    def all_first_views(self) -> tuple[int, ...]:
+        return self.first_view + self.staged_first_view
+
+    def first_view_of(self, name: str) -> int:
+        return next(v0 for g, v0 in zip(self.all_groups, self.all_first_views) if g.name == name)
+
+    def split(self, rows: Tensor) -> tuple[dict[str, Tensor], Tensor, Tensor | None]:
+        """Cut a (B, row_bytes) uint8 batch into per-group views, crop windows and drawn parameters.
+
+        Returns:
+            ({group name: (count, B, 3, S, S) uint8 views of the rows}, (crop views, B, 4) int64 windows
+            (y0, x0, h, w), (views, B, N_PARAMS) float32 parameters, or None without compiled ops).
+        """
+        b = rows.shape[0]
+        views = {}
+        for g, v0 in zip(self.all_groups, self.all_first_views):
+            s = g.size_px
+            start = self.offsets[v0]
+            block = rows[:, start:start + g.count * s * s * 3].reshape(b, g.count, s, s, 3)  # (B, count, S, S, 3)
+            views[g.name] = block.permute(1, 0, 4, 2, 3)                                       # (count, B, 3, S, S)
+        n = self.num_crop_views
+        w = rows[:, self.windows_offset:self.windows_offset + WINDOW_BYTES * n].reshape(b, n, 4, 2).long()
+        windows = (w[..., 0] | (w[..., 1] << 8)).permute(1, 0, 2)                             # (V, B, 4)
+        params = None
+        if self.params_offset >= 0:
+            nv = len(self.offsets)
+            raw = rows[:, self.params_offset:self.params_offset + ffcv_ops.PARAM_BYTES * nv].clone()  # aligned copy
+            params = raw.view(torch.float32).reshape(b, nv, ffcv_ops.N_PARAMS).permute(1, 0, 2)  # (V, B, N_PARAMS)
+        return views, windows, params
+
+
+def view_params(q: Tensor) -> ViewParams:
+    """The drawn parameters of N views, as `augment.ViewParams` (what the compiled ops applied).
+
+    Args:
+        q: (N, N_PARAMS) float32, columns `ffcv_ops.PARAM_FIELDS`.
+    """
+    q = q.float()
+    return ViewParams(flip=q[:, 0] > 0.5, jitter=q[:, 1] > 0.5, factors=q[:, 2:6].clone(), order=q[:, 6:10].long(),
+                      gray=q[:, 10] > 0.5, blur=q[:, 11] > 0.5, sigma=q[:, 12].clone(), solarize=q[:, 13] > 0.5,
+                      saliency=q[:, 14] > 0.5, gray_level=q[:, 15].clone())
+
+
+_JPG = IMAGE_MODES["jpg"]
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_S11, _S27, _S30, _S31 = np.uint64(11), np.uint64(27), np.uint64(30), np.uint64(31)
+
+
+def _compiled_uniform():
+    """A fresh compiled `uniform(k0, k1, sample, view, draw)` -> U[0, 1) for one pipeline (sharing
+    one dispatcher between FFCV's epoch threads raced in numba's type inference when two loaders
+    compiled at once)."""
+
+    def mix64(z):
+        """splitmix64's finaliser: a bijective scramble of a 64-bit word."""
+        z = (z ^ (z >> _S30)) * _M1
+        z = (z ^ (z >> _S27)) * _M2
+        return z ^ (z >> _S31)
+
+    mix64_c = Compiler.compile(mix64)
+
+    def uniform(k0, k1, sample, view, draw):
+        """U[0, 1) from the counter (key, sample, view, draw); 53 random bits."""
+        z = mix64_c(k0 + np.uint64(sample) * _GOLDEN)
+        z = mix64_c(z ^ (k1 + np.uint64(view * 64 + draw) * _GOLDEN))
+        return np.float64(z >> _S11) * (1.0 / 9007199254740992.0)
+
+    return Compiler.compile(uniform)
+
+
+class DecodeViews(Operation):
+    """Decode each image once and write all the recipe's crops into one row (see `CropLayout`)."""
+
+    def __init__(self, layout: CropLayout, key: np.ndarray, laws: np.ndarray) -> None:
+        """Args: key: (2,) uint64, updated in place per epoch and read through its address; laws:
+        `ffcv_ops.group_table` of `layout.all_groups` (used with compiled ops)."""
+        super().__init__()
+        self.layout, self.key, self.laws = layout, key, laws
+
+    def declare_state_and_memory(self, previous_state):
+        n = int(self.metadata["width"].max()) * int(self.metadata["height"].max()) * 3
+        row = (self.layout.row_bytes,)
+        return (replace(previous_state, jit_mode=True, shape=row, dtype=np.dtype("u1")),
+                (AllocationQuery(row, np.dtype("u1")), AllocationQuery((n,), np.dtype("u1"))))
+
+    def generate_code(self):
+        lay, laws = self.layout, self.laws
+        mem_read = self.memory_read
+        my_range = Compiler.get_iterator()
+        uniform_c = _compiled_uniform()
+        memcpy, resize, imdecode = ctypes_memcopy, ctypes_resize, ctypes_imdecode
+        set_chunksize = numba.set_parallel_chunksize
+        key_address = np.uint64(self.key.ctypes.data)
+        jpg = _JPG
+        n_views = lay.num_crop_views
+        view_group = np.repeat(np.arange(len(lay.groups)), [g.count for g in lay.groups])
+        offsets = np.array(lay.offsets, np.int64)
+        sizes = np.array(lay.sizes, np.int64)
+        crop_p = np.array([g.crop_p for g in lay.groups], np.float64)
+        area = np.array([g.area for g in lay.groups], np.float64)                # (G, 2)
+        log_ratio = np.log(np.array([g.ratio for g in lay.groups], np.float64))  # (G, 2)
+        windows_offset = lay.windows_offset
+        tries = CROP_TRIES
+        # Compiled per-view ops (CPU loaders): group laws, and each staged view's parent view.
+        with_ops = lay.params_offset >= 0
+        ops = ffcv_ops.compiled()
+        finish_view, finish_staged = ops.finish_view, ops.finish_staged
+        law_bytes = laws.shape[1] * 8
+        all_view_group = np.repeat(np.arange(len(lay.all_groups)), [g.count for g in lay.all_groups])
+        staged_parent = np.array([lay.first_view_of(g.parent) + k for g in lay.staged for k in range(g.count)]
+                                 + [-1], np.int64)                                # (staged views + 1,)
+        n_staged = len(staged_parent) - 1
+        params_offset = lay.params_offset
+        n_draws, first_draw, param_bytes = ffcv_ops.N_PARAMS, ffcv_ops.FIRST_DRAW, ffcv_ops.PARAM_BYTES
+        side = max(lay.sizes) if with_ops else 0
+        scratch = 3 * side * side                            # float32 scratch of one view
+        pad_len = 3 * (3 * side + 2)                         # one padded row: the blur radius <= side + 1
+
+        def decode(batch_indices, my_storage, metadata, storage_state):
+            destination, temp_storage = my_storage
+            # Samples go to FFCV's threads one at a time: their cost varies with the crop sizes
+            # and the drawn ops, and two fixed halves of the batch left a core idle ~10 % of the
+            # time (CPU use 1.80 -> 1.95 of 2 cores on relicv2).
+            chunk = set_chunksize(1)
+            for dst_ix in my_range(len(batch_indices)):
+                sample = batch_indices[dst_ix]
+                field = metadata[sample]
+                data = mem_read(field["data_ptr"], storage_state)
+                height, width = field["height"], field["width"]
+                if field["mode"] == jpg:
+                    # libffcv's turbojpeg decode, called through ctypes directly.
+                    imdecode(data.ctypes.data, data.size, height, width, temp_storage[dst_ix].ctypes.data,
+                             height, width, 0, 0, 1, 1, False, False)
+                    img = temp_storage[dst_ix][:3 * height * width].reshape(height, width, 3)
+                else:
+                    img = data.reshape(height, width, 3)
+                key = np.empty(2, np.uint64)
+                memcpy(key_address, key.ctypes.data, 16)
+                out = destination[dst_ix]
+                u = np.empty(n_draws, np.float64)
+                buf = np.empty(scratch, np.float32)
+                child = np.empty(scratch, np.float32)
+                tmp = np.empty(scratch, np.float32)
+                pad = np.empty(pad_len, np.float32)
+                for v in range(n_views):
+                    g = view_group[v]
+                    y0, x0, h, w = 0, 0, height, width
+                    if uniform_c(key[0], key[1], sample, v, 0) < crop_p[g]:
+                        # RandomResizedCrop (augment.sample_crop_boxes): area ~ U(area) * H * W,
+                        # log(w / h) ~ U(log ratio); CROP_TRIES tries, then the centre crop below.
+                        found = False
+                        for t in range(tries):
+                            a = area[g, 0] + (area[g, 1] - area[g, 0]) * uniform_c(key[0], key[1], sample, v, 1 + 4 * t)
+                            lr = log_ratio[g, 0] + (log_ratio[g, 1] - log_ratio[g, 0]) * uniform_c(key[0], key[1], sample, v, 2 + 4 * t)
+                            target = a * height * width
+                            aspect = np.exp(lr)
+                            cw = int(np.round(np.sqrt(target * aspect)))
+                            ch = int(np.round(np.sqrt(target / aspect)))
+                            if 0 < cw <= width and 0 < ch <= height:
+                                y0 = int(uniform_c(key[0], key[1], sample, v, 3 + 4 * t) * (height - ch + 1))
+                                x0 = int(uniform_c(key[0], key[1], sample, v, 4 + 4 * t) * (width - cw + 1))
+                                h, w = ch, cw
+                                found = True
+                                break
+                        if not found:
+                            in_ratio = width / height
+                            if in_ratio < np.exp(log_ratio[g, 0]):
+                                w = width
+                                h = int(np.round(w / np.exp(log_ratio[g, 0])))
+                            elif in_ratio > np.exp(log_ratio[g, 1]):
+                                h = height
+                                w = int(np.round(h * np.exp(log_ratio[g, 1])))
+                            y0 = (height - h) // 2
+                            x0 = (width - w) // 2
+                    s = sizes[v]
+                    resize(0, img.ctypes.data, height, width, y0, y0 + h, x0, x0 + w, out.ctypes.data + offsets[v], s, s)
+                    p8 = windows_offset + 8 * v
+                    out[p8], out[p8 + 1] = y0 & 255, y0 >> 8
+                    out[p8 + 2], out[p8 + 3] = x0 & 255, x0 >> 8
+                    out[p8 + 4], out[p8 + 5] = h & 255, h >> 8
+                    out[p8 + 6], out[p8 + 7] = w & 255, w >> 8
+                    if not with_ops:
+                        continue
+                    # The view's own ops on its crop, in place, then each staged view on the
+                    # finished float crop (one crop, two outputs); the parameters go into the row.
+                    for d in range(n_draws):
+                        u[d] = uniform_c(key[0], key[1], sample, v, first_draw + d)
+                    has_child = False
+                    for k in range(n_staged):
+                        if staged_parent[k] == v:
+                            has_child = True
+                    row = out.ctypes.data
+                    finish_view(row + offsets[v], s, u.ctypes.data, laws.ctypes.data + law_bytes * g,
+                                row + params_offset + param_bytes * v, buf.ctypes.data, tmp.ctypes.data,
+                                pad.ctypes.data, 1 if has_child else 0)
+                    for k in range(n_staged):
+                        if staged_parent[k] != v:
+                            continue
+                        sv = n_views + k
+                        for d in range(n_draws):
+                            u[d] = uniform_c(key[0], key[1], sample, sv, first_draw + d)
+                        finish_staged(buf.ctypes.data, s, u.ctypes.data, laws.ctypes.data + law_bytes * all_view_group[sv],
+                                      row + params_offset + param_bytes * sv, row + offsets[sv],
+                                      child.ctypes.data, tmp.ctypes.data, pad.ctypes.data)
+            set_chunksize(chunk)
+            return destination[:len(batch_indices)]
+
+        decode.is_parallel = True
+        return decode
