@@ -1,0 +1,176 @@
+"""The `Batch` contract, once for every backend × every preset recipe × an odd recipe and the mixes.
+
+For each case: shapes, dtypes and value ranges of every field; the role and the order of the views
+(the odd recipe: a weak crop with a staged view on it, one more global crop and a local crop, each
+with an op that marks it); rank shards disjoint and covering the split; the same seed giving the same
+batches in a new loader and another seed other batches; a mid-epoch resume giving exactly the
+remaining batches. Then the evaluation path (index order, keep-all) agrees across backends.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelines.loader import BACKENDS, LoaderSpec, build_loader
+from pipelines.mixing import MixSpec
+from pipelines.schema import read_manifest
+from pipelines.views import PRESETS, Recipe, ViewGroup, load_recipe
+
+N_TRAIN, N_VAL, B, PX = 48, 20, 8, 32
+_PACKAGE = {"ffcv": "ffcv", "dali": "nvidia.dali"}
+INSTALLED = [b for b in BACKENDS if b not in _PACKAGE or importlib.util.find_spec(_PACKAGE[b]) is not None]
+EVERY_BACKEND = [pytest.param(b, marks=pytest.mark.skipif(b not in INSTALLED, reason=f"{_PACKAGE.get(b)} not installed"))
+                 for b in BACKENDS]
+
+
+ODD = Recipe("odd", (
+    ViewGroup("extra", count=1, size_px=PX, area=(0.3, 1.0), solarize_p=1.0),     # a global crop, solarized
+    ViewGroup("weak", count=2, size_px=PX, area=(0.3, 1.0)),                      # the staged views' parents
+    ViewGroup("small", count=1, size_px=PX // 2, area=(0.1, 0.3)),               # a local crop
+    ViewGroup("gray", count=2, size_px=PX, parent="weak", gray_p=1.0),            # staged: gray of the weak view
+))
+CASES = {name: (load_recipe(name, PX, PX // 2), MixSpec()) for name in PRESETS}
+CASES["byol+sdmp"] = (load_recipe("byol", PX, PX // 2), MixSpec("sdmp"))
+CASES["plain+dacl"] = (load_recipe("plain", PX, PX // 2), MixSpec("dacl", alpha=0.5, source="image"))
+CASES["odd"] = (ODD, MixSpec())
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """A synthetic dataset with its exact masks in the mask field (so saliency runs), written by the
+    real preprocessor."""
+    from preprocess.prepare import prepare_dataset
+
+    root = tmp_path_factory.mktemp("contract")
+    prepare_dataset("synthetic", root, workers=1, train_size=N_TRAIN, val_size=N_VAL, image_px=PX, seed=0,
+                    gt_masks_as_mask=True, shard_size=16)
+    return root
+
+
+def _spec(root: Path, recipe: Recipe, mix: MixSpec, **kw) -> LoaderSpec:
+    return LoaderSpec(root=str(root), dataset="synthetic", recipe=recipe, mix=mix,
+                      **{"split": "train", "batch_size": B, "num_workers": 1, "seed": 1, **kw})
+
+
+def _pixels(x: torch.Tensor, root: Path) -> torch.Tensor:
+    """Normalised views (..., 3, H, W) back to pixel levels in [0, 255]."""
+    m = read_manifest(root / "synthetic")
+    mean, std = torch.tensor(m.mean).view(3, 1, 1), torch.tensor(m.std).view(3, 1, 1)
+    return (x * std + mean) * 255
+
+
+def _check_fields(b, recipe: Recipe, mix: MixSpec, root: Path) -> None:
+    """Shapes, dtypes, ranges of every field, and the mixes' partners and lam."""
+    m = read_manifest(root / "synthetic")
+    lo = min((0 - mu) / sd for mu, sd in zip(m.mean, m.std)) - 1e-4
+    hi = max((1 - mu) / sd for mu, sd in zip(m.mean, m.std)) + 1e-4
+    for name, groups in recipe.fields.items():
+        x = getattr(b, name)
+        if not groups:
+            assert x is None, name
+            continue
+        assert x.shape == (sum(g.count for g in groups), B, 3, groups[0].size_px, groups[0].size_px), name
+        assert x.dtype == torch.float32 and lo <= float(x.min()) and float(x.max()) <= hi, name
+    assert b.index.dtype == b.label.dtype == torch.int64 and b.index.shape == b.label.shape == (B,)
+    if mix.kind == "none":
+        assert b.mixed is None and b.mix_lam is None and b.mix_partner is None
+        return
+    vm = 2 if mix.source == "image" else b.global_views.shape[0]
+    assert b.mixed.shape == (vm, B, 3, PX, PX) and b.mixed.dtype == torch.float32
+    assert lo <= float(b.mixed.min()) and float(b.mixed.max()) <= hi
+    assert b.mix_lam.shape == b.mix_partner.shape == (vm, B) and b.mix_partner.dtype == torch.int64
+    assert bool(((b.mix_lam >= 0) & (b.mix_lam <= 1)).all())
+    if mix.kind == "sdmp":                         # flip partner; the same lam for every view of a sample
+        assert torch.equal(b.mix_partner, torch.arange(B - 1, -1, -1).expand(vm, B))
+        assert torch.allclose(b.mix_lam, b.mix_lam[:1].expand(vm, B))
+    else:                                          # DACL: a partner other than itself, lam ~ U(alpha, 1)
+        assert not bool((b.mix_partner == torch.arange(B)).any()) and float(b.mix_lam.min()) >= mix.alpha
+
+
+def _check_odd_roles(b, root: Path) -> None:
+    """global_views = [gray(weak 0), gray(weak 1), extra (solarized colour)], weak_views = the weak crops,
+    local_views = the small crop: the order `views.Recipe.fields` defines."""
+    g, w = _pixels(b.global_views, root), _pixels(b.weak_views, root)          # (3, B, 3, S, S), (2, B, 3, S, S)
+    assert g.shape[0] == 3 and w.shape[0] == 2 and b.local_views.shape == (1, B, 3, PX // 2, PX // 2)
+    gray = g[:2]
+    assert float((gray - gray[:, :, :1]).abs().max()) < 0.5                     # R = G = B
+    luma = 0.2989 * w[:, :, 0] + 0.5870 * w[:, :, 1] + 0.1140 * w[:, :, 2]     # staged view k on weak view k
+    assert float((gray[:, :, 0] - luma).abs().max()) <= 1.6
+    extra = g[2]
+    assert float(extra.max()) <= 128.5                                           # solarized: levels >= 128 inverted
+    assert float((extra - extra[:, :1]).abs().amax((1, 2, 3)).mean()) > 5.0     # still colour
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x is y is None
+               for x, y in zip((a.global_views, a.local_views, a.weak_views, a.mixed, a.mix_lam, a.index),
+                               (b.global_views, b.local_views, b.weak_views, b.mixed, b.mix_lam, b.index)))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("backend", EVERY_BACKEND)
+def test_contract(root: Path, backend: str, case: str) -> None:
+    recipe, mix = CASES[case]
+    ranks = [build_loader(backend, _spec(root, recipe, mix, rank=r, world_size=2)) for r in range(2)]
+    n_batches = N_TRAIN // (2 * B)
+    assert [len(ld) for ld in ranks] == [n_batches, n_batches]
+    first, state = [], None
+    for k, b in enumerate(ranks[0]):
+        first.append(b)
+        if k == 0:
+            state = ranks[0].state_dict()              # between batch 0 and batch 1
+    second = list(ranks[1])
+    assert len(first) == len(second) == n_batches
+    for b in first + second:
+        _check_fields(b, recipe, mix, root)
+        if case == "odd":
+            _check_odd_roles(b, root)
+    idx = [set(torch.cat([b.index for b in bs]).tolist()) for bs in (first, second)]
+    assert not idx[0] & idx[1] and len(idx[0]) == len(idx[1]) == n_batches * B
+    assert idx[0] | idx[1] == set(range(N_TRAIN))
+    labels = {int(i): int(l) for b in first + second for i, l in zip(b.index, b.label)}
+    assert len(set(labels.values())) > 1
+    # Same seed, new loader, resumed after batch 0: exactly batches 1.. of the first run.
+    resumed = build_loader(backend, _spec(root, recipe, mix, rank=0, world_size=2))
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(rest) == n_batches - 1 and all(_same(x, y) for x, y in zip(rest, first[1:]))
+    # Another seed: other views.
+    other = next(iter(build_loader(backend, _spec(root, recipe, mix, rank=0, world_size=2, seed=2))))
+    assert not torch.equal(other.global_views, first[0].global_views)
+
+
+def test_contract_fails_on_a_view_in_the_wrong_role(root: Path) -> None:
+    """The role check above catches a backend that files the extra global crop under local views or
+    puts it before the staged views."""
+    b = next(iter(build_loader("torch", _spec(root, ODD, MixSpec()))))
+    _check_odd_roles(b, root)
+    swapped = type(b)(**{**b.__dict__, "global_views": b.global_views[[2, 0, 1]]})
+    with pytest.raises(AssertionError):
+        _check_odd_roles(swapped, root)
+    moved = type(b)(**{**b.__dict__, "global_views": b.global_views[:2]})
+    with pytest.raises(AssertionError):
+        _check_odd_roles(moved, root)
+
+
+def test_evaluation_order_and_plain_views_agree_across_backends(root: Path) -> None:
+    """Keep-all, index order, two ranks: every backend yields the val split once, in order, with the
+    same labels and the same whole-image views (within one level: decoders and resizers differ)."""
+    plain = load_recipe("plain", PX, PX // 2)
+    got = {}
+    for backend in INSTALLED:
+        parts = [list(build_loader(backend, _spec(root, plain, MixSpec(), split="val", rank=r, world_size=2,
+                                                  shuffle=False, drop_last=False))) for r in range(2)]
+        batches = parts[0] + parts[1]
+        assert [b.batch_size for b in batches] == [8, 2, 8, 2]                    # 10 per rank
+        index = torch.cat([b.index for b in batches])
+        assert torch.equal(index, torch.arange(N_VAL))
+        got[backend] = (torch.cat([b.global_views[0] for b in batches]), torch.cat([b.label for b in batches]))
+    ref_views, ref_labels = got["torch"]
+    for backend, (views, labels) in got.items():
+        assert torch.equal(labels, ref_labels), backend
+        assert float((_pixels(views, root) - _pixels(ref_views, root)).abs().max()) <= 1.01, backend
