@@ -2,8 +2,9 @@
 
 Sources (synthetic, CIFAR, image folders) yield `Record`s; `PreparedSplit` is the indexable,
 picklable view of one split that both writers read in their parallel workers, so both formats store
-the same pixels, labels and indices. `check_record` is the contract both writers hold a record to,
-and `mask_coverage` the one definition of the coverage stored with it.
+the same pixels, labels and indices; `ArraySplit` is one held in memory. `check_record` is the
+contract both writers hold a record to, and `mask_coverage` the one definition of the coverage
+stored with it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,29 @@ class PreparedSplit(Protocol):
 
     def __len__(self) -> int: ...
     def __getitem__(self, i: int) -> Record: ...
+
+
+@dataclass
+class ArraySplit:
+    """A `PreparedSplit` held in memory as arrays (CIFAR, and synthetic once generated); mode "raw"."""
+
+    images: np.ndarray                 # (N, H, W, 3) uint8
+    labels: np.ndarray                 # (N,) int64
+    masks: np.ndarray | None = None    # (N, H, W) uint8 {0, 255} written into the mask field
+    mode: str = "raw"
+    jpeg_quality: int = schema.JPEG_QUALITY
+
+    @property
+    def has_masks(self) -> bool:
+        return self.masks is not None
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> Record:
+        i = int(i)
+        return Record(image=self.images[i], label=int(self.labels[i]), index=i,
+                      mask=None if self.masks is None else self.masks[i])
 
 
 def check_record(split: PreparedSplit, i: int) -> Record:

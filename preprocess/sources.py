@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from pipelines import schema
 from preprocess import cifar, imagefolder, synthetic
-from preprocess.records import PreparedSplit
+from preprocess.records import ArraySplit, PreparedSplit
 
 _CHUNK = 256                    # records per worker task in the synthetic check pass
 
@@ -221,7 +221,7 @@ def _read_synthetic(src: None, p: dict, *, workers: int, progress: bool) -> Prep
         gen = synthetic.SyntheticSplit(p[f"{split}_size"], seed=p["seed"], split=split,
                                        image_px=p["image_px"])
         images, masks = _generate_synthetic(gen, workers, progress)
-        splits[split] = cifar.ArraySplit(images, gen.labels.copy(), masks if p["gt_masks_as_mask"] else None)
+        splits[split] = ArraySplit(images, gen.labels.copy(), masks if p["gt_masks_as_mask"] else None)
         gt_masks[split] = masks
     mean, std = _mean_std(splits["train"].images)
     return PreparedSource(splits=splits, params=p, class_names=synthetic.CLASS_NAMES, image_px=p["image_px"],
