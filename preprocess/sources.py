@@ -1,9 +1,9 @@
 """The registry of dataset sources: what each needs, which parameters it takes, how it is read.
 
-    SOURCES["synthetic"]     generated; options --train-size --val-size --image-px --seed --gt-masks-as-mask
-    SOURCES["cifar10"]       --src: the official python-version batches
-    SOURCES["cifar100"]      --src: the official python-version batches (fine labels)
-    SOURCES["imagefolder"]   --src: SRC/train|val/<class>/*; options --max-side --side --class-list
+    SOURCES["synthetic"]     generated from a seed, with exact foreground masks (preprocess/synthetic.py)
+    SOURCES["cifar10"]       --src: the official python-version batches (preprocess/cifar.py)
+    SOURCES["cifar100"]      --src: the same, fine labels
+    SOURCES["imagefolder"]   --src: SRC/train|val/<class>/* (preprocess/imagefolder.py)
 
 `Source.prepare` checks the parameters and the source folder, then runs one check pass per split over
 the source (generate / read+decode, in parallel workers: mean/std, skips, ground-truth masks) and
@@ -214,7 +214,7 @@ def _generate_synthetic(split: synthetic.SyntheticSplit, workers: int, progress:
     return images, masks
 
 
-def _read_synthetic(src: None, p: dict, *, workers: int, progress: bool) -> PreparedSource:
+def _read_synthetic(src: Path | None, p: dict, *, workers: int, progress: bool) -> PreparedSource:
     p = {**p, **{k: int(p[k]) for k in ("train_size", "val_size", "image_px", "seed")}}
     splits, gt_masks = {}, {}
     for split in schema.SPLITS:
