@@ -106,12 +106,11 @@ def run(n: int, synthetic_n: int, work: Path, worker_counts: list[int]) -> dict:
     for workers in worker_counts:
         for dataset, params, s in workloads:
             d = prepare_dataset(dataset, work / "out", src=s, force=True, workers=workers, **params)
-            m = json.loads((d / schema.MANIFEST_NAME).read_text())
-            images = sum(m["counts"].values())
-            secs = m["build"]["seconds"]
+            m = schema.read_manifest(d, verify="size")
+            images = sum(m.counts.values())
+            secs = m.build["seconds"]
             results.append({"dataset": dataset, "params": params, "workers": workers, "images": images,
-                            "img_per_s": images / secs["total"], "seconds": secs,
-                            "skipped": len(m["skipped"])})
+                            "img_per_s": images / secs["total"], "seconds": secs, "skipped": len(m.skipped)})
     files = sorted((src / "train").rglob("*.jpg"))[:100]
     micro = {str(side): microbench(files, side) for side in (512, 256)}
     return {"machine": machine(), "runs": results, "per_image_ms_one_process": micro, "n_jpegs": n,

@@ -9,12 +9,11 @@ only admits the numpy array constructors, so a hostile file cannot run code.
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from preprocess.records import Record
+from preprocess.records import ArraySplit
 
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 _LAYOUT = {
@@ -38,29 +37,6 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a CIFAR batch")
-
-
-@dataclass
-class ArraySplit:
-    """A split held in memory as arrays (CIFAR, and synthetic once generated); mode "raw"."""
-
-    images: np.ndarray                 # (N, H, W, 3) uint8
-    labels: np.ndarray                 # (N,) int64
-    masks: np.ndarray | None = None    # (N, H, W) uint8 {0, 255} written into the mask field
-    mode: str = "raw"
-    jpeg_quality: int = 90
-
-    @property
-    def has_masks(self) -> bool:
-        return self.masks is not None
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, i: int) -> Record:
-        i = int(i)
-        return Record(image=self.images[i], label=int(self.labels[i]), index=i,
-                      mask=None if self.masks is None else self.masks[i])
 
 
 def find_cifar_dir(dataset: str, src: Path) -> Path:

@@ -2,15 +2,19 @@
 
 Sources (synthetic, CIFAR, image folders) yield `Record`s; `PreparedSplit` is the indexable,
 picklable view of one split that both writers read in their parallel workers, so both formats store
-the same pixels, labels and indices.
+the same pixels, labels and indices; `ArraySplit` is one held in memory. `check_record` is the
+contract both writers hold a record to, and `mask_coverage` the one definition of the coverage
+stored with it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
+
+from pipelines import schema
 
 
 @dataclass(frozen=True)
@@ -36,3 +40,68 @@ class PreparedSplit(Protocol):
 
     def __len__(self) -> int: ...
     def __getitem__(self, i: int) -> Record: ...
+
+
+@dataclass
+class ArraySplit:
+    """A `PreparedSplit` held in memory as arrays (CIFAR, and synthetic once generated); mode "raw"."""
+
+    images: np.ndarray                 # (N, H, W, 3) uint8
+    labels: np.ndarray                 # (N,) int64
+    masks: np.ndarray | None = None    # (N, H, W) uint8 {0, 255} written into the mask field
+    mode: str = "raw"
+    jpeg_quality: int = schema.JPEG_QUALITY
+
+    @property
+    def has_masks(self) -> bool:
+        return self.masks is not None
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> Record:
+        i = int(i)
+        return Record(image=self.images[i], label=int(self.labels[i]), index=i,
+                      mask=None if self.masks is None else self.masks[i])
+
+
+def check_record(split: PreparedSplit, i: int) -> Record:
+    """`split[i]`, checked against what both writers rely on.
+
+    Args:
+        split: the split being written.
+        i: record position, 0 <= i < len(split).
+
+    Returns:
+        The record; its `mask` is None exactly when `split.has_masks` is False (a mask the split
+        does not declare is dropped), else a (H, W) array matching the image.
+
+    Raises:
+        ValueError: the record's index is not i, its image is not uint8 (H, W, 3), or its mask is
+            missing or shaped unlike the image (the message names record i).
+    """
+    rec = split[i]
+    if rec.index != i:
+        raise ValueError(f"record {i} carries index {rec.index}; PreparedSplit[i] must have index i")
+    img = rec.image
+    if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
+        raise ValueError(f"record {i}: image must be uint8 (H, W, 3), got {img.dtype} {img.shape}")
+    if not split.has_masks:
+        return rec if rec.mask is None else replace(rec, mask=None)
+    if rec.mask is None:
+        raise ValueError(f"record {i} has no mask but the split declares has_masks=True; "
+                         "give every record a mask")
+    if rec.mask.shape != img.shape[:2]:
+        raise ValueError(f"record {i}: mask shape {rec.mask.shape} differs from image {img.shape[:2]}")
+    return rec
+
+
+def mask_coverage(mask: np.ndarray | None) -> float:
+    """Fraction of mask pixels >= 128, in [0, 1], or `schema.NO_MASK_COVERAGE` without a mask.
+
+    Args:
+        mask: (H, W) uint8 mask, or None.
+    """
+    if mask is None:
+        return schema.NO_MASK_COVERAGE
+    return float(np.mean(mask >= 128))

@@ -25,16 +25,16 @@ from PIL import Image
 from tqdm import tqdm
 
 from pipelines import schema
+from preprocess.records import PreparedSplit, check_record, mask_coverage
 
-_TAR_BLOCK = 512
 _INDEX_VERSION = "v1.2"  # the `wds2idx` format: "v1.2 <samples>", then per sample "ext offset size name ..."
 
 
-def coverage_ppm(mask: np.ndarray | None) -> int:
-    """Fraction of mask pixels >= 128 in parts per million, or -1 without a mask."""
-    if mask is None:
+def _coverage_ppm(coverage: float) -> int:
+    """A `mask_coverage` fraction in parts per million, -1 for `schema.NO_MASK_COVERAGE`."""
+    if coverage == schema.NO_MASK_COVERAGE:
         return -1
-    return int(round(float(np.mean(mask >= 128)) * 1_000_000))
+    return int(round(coverage * 1_000_000))
 
 
 def _encode_image(image: np.ndarray, mode: str, quality: int) -> tuple[str, bytes]:
@@ -55,32 +55,23 @@ def _encode_mask(mask: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def _record_members(split, i: int) -> list[tuple[str, bytes]]:
-    rec = split[i]
-    if rec.index != i:
-        raise ValueError(f"record {i} carries index {rec.index}; PreparedSplit[i] must have index i")
-    img = rec.image
-    if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
-        raise ValueError(f"record {i}: image must be uint8 (H, W, 3), got {img.dtype} {img.shape}")
-    if split.has_masks and rec.mask is None:
-        raise ValueError(f"record {i} has no mask but the split declares has_masks=True; give every record a mask")
+def _record_members(split: PreparedSplit, i: int) -> list[tuple[str, bytes]]:
+    """The tar members of record i: (name, data), in storage order."""
+    rec = check_record(split, i)
     key = schema.record_key(i)
-    ext, data = _encode_image(img, split.mode, split.jpeg_quality)
-    mask = rec.mask if split.has_masks else None
-    if mask is not None and mask.shape != img.shape[:2]:
-        raise ValueError(f"record {i}: mask shape {mask.shape} differs from image {img.shape[:2]}")
-    rec_bytes = np.array([rec.label, i, coverage_ppm(mask)], dtype="<i8").tobytes()
+    ext, data = _encode_image(rec.image, split.mode, split.jpeg_quality)
+    rec_bytes = np.array([rec.label, i, _coverage_ppm(mask_coverage(rec.mask))], dtype="<i8").tobytes()
     members = [
         (f"{key}.{schema.DALI_LABEL_EXT}", str(int(rec.label)).encode("ascii")),
         (f"{key}.{ext}", data),
     ]
-    if mask is not None:
-        members.append((f"{key}.{schema.DALI_MASK_EXT}", _encode_mask(mask)))
+    if rec.mask is not None:
+        members.append((f"{key}.{schema.DALI_MASK_EXT}", _encode_mask(rec.mask)))
     members.append((f"{key}.{schema.DALI_RECORD_EXT}", rec_bytes))
     return members
 
 
-def _write_shard(split, shard: int, start: int, stop: int, out_dir: Path) -> Path:
+def _write_shard(split: PreparedSplit, shard: int, start: int, stop: int, out_dir: Path) -> Path:
     """Write records [start, stop) as shard `shard` (tar + index), each via a temporary name."""
     tar_path = out_dir / schema.SHARD_PATTERN.format(shard)
     idx_path = out_dir / schema.INDEX_PATTERN.format(shard)
@@ -112,7 +103,7 @@ def _write_shard(split, shard: int, start: int, stop: int, out_dir: Path) -> Pat
 _WORKER_SPLIT = None
 
 
-def _init_worker(split) -> None:
+def _init_worker(split: PreparedSplit) -> None:
     global _WORKER_SPLIT
     _WORKER_SPLIT = split
 
@@ -122,7 +113,7 @@ def _worker_shard(args: tuple[int, int, int, str]) -> str:
     return str(_write_shard(_WORKER_SPLIT, shard, start, stop, Path(out_dir)))
 
 
-def write_dali(split, out_dir: Path, *, shard_size: int = 1000, num_workers: int = 1,
+def write_dali(split: PreparedSplit, out_dir: Path, *, shard_size: int = 1000, num_workers: int = 1,
                progress: bool = False) -> list[Path]:
     """Write `split` as DALI webdataset shards with index files.
 

@@ -22,7 +22,7 @@ import cv2
 import numpy as np
 
 from pipelines import schema
-from preprocess.records import PreparedSplit
+from preprocess.records import PreparedSplit, check_record, mask_coverage
 
 # "No mask" is one zero byte, not zero bytes: FFCV 1.0.2 files a zero-size allocation under the same
 # pointer as the next sample's image, whose reads then return nothing. Readers tell a missing mask by
@@ -37,13 +37,6 @@ def encode_mask_png(mask: np.ndarray) -> np.ndarray:
     if not ok:
         raise ValueError("could not PNG-encode a mask; masks must be (H, W) uint8")
     return buf.reshape(-1)
-
-
-def mask_coverage(mask: np.ndarray | None) -> float:
-    """Fraction of mask pixels >= 128, or `schema.NO_MASK_COVERAGE` without a mask."""
-    if mask is None:
-        return schema.NO_MASK_COVERAGE
-    return float(np.mean(mask >= 128))
 
 
 class _FFCVRecords:
@@ -70,21 +63,11 @@ class _FFCVRecords:
             return (np.zeros((1, 1, 3), np.uint8), 0, int(i), _NO_MASK, schema.NO_MASK_COVERAGE)
 
     def _fields(self, i: int) -> tuple:
-        rec = self.split[i]
-        if rec.index != i:
-            raise ValueError(f"record {i} carries index {rec.index}; PreparedSplit[i] must have index i")
-        img = rec.image
-        if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
-            raise ValueError(f"record {i}: image must be uint8 (H, W, 3), got {img.dtype} {img.shape}")
+        rec = check_record(self.split, i)
+        img, mask = rec.image, rec.mask
         if max(img.shape[:2]) > 65535:
             raise ValueError(f"record {i}: image side {max(img.shape[:2])} px exceeds FFCV's 65535 px; "
                              "apply a max-side size policy")
-        mask = rec.mask if self.split.has_masks else None
-        if self.split.has_masks and mask is None:
-            raise ValueError(f"record {i} has no mask but the split declares has_masks=True; "
-                             "give every record a mask")
-        if mask is not None and mask.shape != img.shape[:2]:
-            raise ValueError(f"record {i}: mask shape {mask.shape} differs from image {img.shape[:2]}")
         mask_bytes = _NO_MASK if mask is None else encode_mask_png(mask)
         return (np.ascontiguousarray(img), int(rec.label), i, mask_bytes, mask_coverage(mask))
 

@@ -1,8 +1,7 @@
-"""Bad input (issue 2): one-line refusals naming the fix, and counted skips of unreadable images."""
+"""Bad input: one-line refusals naming the fix, and counted skips of unreadable images."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -13,11 +12,12 @@ import pytest
 from PIL import Image
 
 from pipelines import schema
-from pipelines.schema import DatasetError, read_manifest
+from pipelines.schema import DatasetError, Manifest, read_manifest
 from preprocess import prepare
 from preprocess.cifar import CifarError, load_cifar
 from preprocess.imagefolder import ImageFolderError
-from preprocess.prepare import PreprocessError, prepare_dataset
+from preprocess.prepare import prepare_dataset
+from preprocess.sources import DATASETS, PreprocessError
 
 
 def _one_line(e: pytest.ExceptionInfo) -> str:
@@ -36,9 +36,10 @@ def _fake_dataset(root: Path, version: int = schema.SCHEMA_VERSION) -> Path:
     (d / "train" / "shard-000000.tar").write_bytes(os.urandom(3000))
     files = {rel: {"sha256": schema.sha256_file(d / rel), "bytes": (d / rel).stat().st_size}
              for rel in ("train.beton", "train/shard-000000.tar")}
-    m = {k: None for k in schema.MANIFEST_KEYS}
-    m.update(schema_version=version, dataset="ds", files=files, counts={"train": 1})
-    (d / schema.MANIFEST_NAME).write_text(json.dumps(m))
+    m = Manifest(schema_version=version, dataset="ds", source="synthetic", counts={"train": 1},
+                 class_names=("a", "b"), image_mode="raw", image_px=8, has_masks=False,
+                 mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), files=files)
+    (d / schema.MANIFEST_NAME).write_bytes(m.to_json())
     return d
 
 
@@ -62,10 +63,21 @@ def test_manifest_from_a_newer_schema_is_refused(tmp_path: Path) -> None:
 
 def test_malformed_manifest_is_refused(tmp_path: Path) -> None:
     d = _fake_dataset(tmp_path)
+    assert read_manifest(d).counts == {"train": 1}
     (d / schema.MANIFEST_NAME).write_text("{ not json")
     with pytest.raises(DatasetError) as e:
         read_manifest(d)
     assert "not valid JSON" in _one_line(e)
+
+
+def test_manifest_without_a_required_key_is_refused(tmp_path: Path) -> None:
+    d = _fake_dataset(tmp_path)
+    m = json.loads((d / schema.MANIFEST_NAME).read_text())
+    del m["counts"], m["mean"]
+    (d / schema.MANIFEST_NAME).write_text(json.dumps(m))
+    with pytest.raises(DatasetError) as e:
+        read_manifest(d)
+    assert "lacks counts, mean" in _one_line(e) and "--force" in str(e.value)
 
 
 def test_size_mismatch_and_missing_file_are_refused(tmp_path: Path) -> None:
@@ -111,7 +123,7 @@ def test_checksum_policy_stamp_and_full(tmp_path: Path, monkeypatch) -> None:
 def test_unknown_dataset_lists_the_valid_ones(tmp_path: Path) -> None:
     with pytest.raises(PreprocessError) as e:
         prepare_dataset("imagenet", tmp_path)
-    assert all(n in _one_line(e) for n in prepare.DATASETS)
+    assert all(n in _one_line(e) for n in DATASETS)
 
 
 def test_missing_not_a_folder_and_unreadable_src(tmp_path: Path, monkeypatch) -> None:
@@ -230,11 +242,11 @@ def test_unreadable_images_are_skipped_counted_and_listed(tmp_path: Path) -> Non
     assert good
     d = prepare_dataset("imagefolder", tmp_path / "out", src=src, workers=2, max_side=14)
     m = read_manifest(d, verify="full")
-    skipped = {s["path"]: s["reason"] for s in m["skipped"]}
+    skipped = {s["path"]: s["reason"] for s in m.skipped}
     assert sorted(skipped) == ["train/cat/trunc.jpg", "train/dog/corrupt.png", "train/dog/zero.jpg",
                                "val/cat/empty.png"]
     assert skipped["train/dog/zero.jpg"] == "zero-byte file"
-    assert m["counts"] == {"train": 4 + 3 + 3, "val": 2}            # 2+2 plain, gray/cmyk/full, rgba/pal/deep
-    assert m["class_names"] == ["cat", "dog"] and m["image_mode"] == "jpg" and m["jpeg_quality"] == 90
-    assert m["size_policy"] == {"side": "longer", "max_side_px": 14} and m["image_px"] == 14
-    assert all(0.0 <= v <= 1.0 for v in m["mean"] + m["std"])
+    assert m.counts == {"train": 4 + 3 + 3, "val": 2}               # 2+2 plain, gray/cmyk/full, rgba/pal/deep
+    assert m.class_names == ("cat", "dog") and m.image_mode == "jpg" and m.jpeg_quality == 90
+    assert m.size_policy == {"side": "longer", "max_side_px": 14} and m.image_px == 14
+    assert all(0.0 <= v <= 1.0 for v in m.mean + m.std)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pipelines.schema import read_manifest
-from preprocess.__main__ import main
+from preprocess.__main__ import main, parse_args
+from preprocess.sources import SOURCES, PreprocessError
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -45,7 +46,19 @@ def test_synthetic_run_prints_summary_then_rerun_does_nothing(tmp_path: Path, ca
     out = capsys.readouterr().out
     assert "train 20, val 10 images" in out and "images/s" in out and "MiB" in out
     m = read_manifest(tmp_path / "synthetic")
-    assert m["params"]["seed"] == 3 and m["has_masks"] and m["image_px"] == 24
-    assert len([f for f in m["files"] if f.startswith("train/") and f.endswith(".tar")]) == 3
+    assert m.params["seed"] == 3 and m.has_masks and m.image_px == 24
+    assert len([f for f in m.files if f.startswith("train/") and f.endswith(".tar")]) == 3
     assert main(args) == 0
     assert "nothing to do" in capsys.readouterr().out
+
+
+def test_source_options_come_from_the_registry() -> None:
+    a = parse_args([])
+    for source in SOURCES.values():
+        for param in source.params:
+            assert getattr(a, param.name) == param.default, param.flag
+    assert parse_args(["--max-side", "64", "--gt-masks-as-mask"]).max_side == 64
+    with pytest.raises(PreprocessError, match="unknown option[(]s[)] seed for cifar10; valid: none"):
+        SOURCES["cifar10"].resolve({"seed": 1})
+    with pytest.raises(PreprocessError, match="unknown option[(]s[)] size for synthetic; valid: gt_masks_as_mask,"):
+        SOURCES["synthetic"].resolve({"size": 1})

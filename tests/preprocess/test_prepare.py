@@ -14,7 +14,8 @@ import pytest
 from pipelines import schema
 from pipelines.schema import DatasetError, read_manifest
 from preprocess import prepare
-from preprocess.prepare import PreprocessError, prepare_dataset
+from preprocess.prepare import prepare_dataset
+from preprocess.sources import PreprocessError
 from preprocess.synthetic import SyntheticSplit
 
 TINY = dict(train_size=48, val_size=16, image_px=32)
@@ -29,15 +30,21 @@ def dataset(tmp_path_factory) -> Path:
 
 def test_complete_dataset_layout_and_manifest(dataset: Path) -> None:
     m = read_manifest(dataset, verify="full")
-    assert m["schema_version"] == schema.SCHEMA_VERSION and m["dataset"] == "synthetic"
-    assert m["counts"] == {"train": 48, "val": 16} and m["num_classes"] == 10 == len(m["class_names"])
-    assert m["image_mode"] == "raw" and m["image_px"] == 32 and m["has_masks"] is True
-    assert m["params"]["gt_masks_as_mask"] is True and m["skipped"] == []
+    assert m.schema_version == schema.SCHEMA_VERSION and m.dataset == "synthetic" and m.source == "synthetic"
+    assert m.counts == {"train": 48, "val": 16} and m.num_classes == 10 == len(m.class_names)
+    assert m.image_mode == "raw" and m.image_px == 32 and m.has_masks is True and m.jpeg_quality is None
+    assert m.params["gt_masks_as_mask"] is True and m.skipped == ()
+    assert m.mask_source == "synthetic_ground_truth" and m.shard_size == 20 and m.size_policy is None
+    assert m.gt_masks == {"train": "gt_masks/train.npy", "val": "gt_masks/val.npy"}
+    assert m.formats == {"ffcv": {"train": "train.beton", "val": "val.beton"},
+                         "dali": {"train": [f"train/shard-00000{k}.tar" for k in range(3)],
+                                  "val": ["val/shard-000000.tar"]}}
+    assert json.loads((dataset / schema.MANIFEST_NAME).read_text())["num_classes"] == 10   # for other tools
     on_disk = sorted(p.relative_to(dataset).as_posix() for p in dataset.rglob("*") if p.is_file())
-    assert sorted(m["files"]) == [f for f in on_disk if f not in (schema.MANIFEST_NAME, schema.VERIFIED_NAME)]
+    assert sorted(m.files) == [f for f in on_disk if f not in (schema.MANIFEST_NAME, schema.VERIFIED_NAME)]
     assert {"train.beton", "val.beton", "gt_masks/train.npy", "train/shard-000002.tar",
-            "train/shard-000002.idx", "val/shard-000000.tar"} <= set(m["files"])
-    for rel, info in m["files"].items():
+            "train/shard-000002.idx", "val/shard-000000.tar"} <= set(m.files)
+    for rel, info in m.files.items():
         assert schema.sha256_file(dataset / rel) == info["sha256"]
         assert (dataset / rel).stat().st_size == info["bytes"]
     assert not list(dataset.parent.glob(".*"))                  # no staging or old folder left
@@ -49,7 +56,7 @@ def test_gt_masks_and_mean_std_match_the_source(dataset: Path) -> None:
     masks = np.load(dataset / "gt_masks" / "train.npy")
     assert masks.shape == (48, 32, 32) and masks.dtype == np.uint8
     images = np.stack([src[i].image for i in range(48)]).reshape(-1, 3) / 255.0   # (N*H*W, 3)
-    assert np.allclose(m["mean"], images.mean(0)) and np.allclose(m["std"], images.std(0))
+    assert np.allclose(m.mean, images.mean(0)) and np.allclose(m.std, images.std(0))
     for i in (0, 31, 47):
         assert np.array_equal(masks[i], src.gt_mask(i))
     with tarfile.open(dataset / "train" / "shard-000000.tar") as tar:
@@ -84,7 +91,7 @@ def test_disk_failure_keeps_previous_dataset(tmp_path: Path, monkeypatch) -> Non
     msg = str(e.value)
     assert "\n" not in msg and "disk is full" in msg and "nothing was replaced" in msg
     assert (first / schema.MANIFEST_NAME).read_bytes() == manifest_before
-    assert read_manifest(first, verify="full")["params"]["seed"] == 0    # old dataset intact
+    assert read_manifest(first, verify="full").params["seed"] == 0      # old dataset intact
     assert sorted(p.name for p in root.iterdir()) == ["synthetic"]      # staging cleaned up
 
 
@@ -101,7 +108,7 @@ def test_killed_run_leaves_nothing_accepted_and_next_run_cleans_up(tmp_path: Pat
             read_manifest(folder)
     monkeypatch.undo()
     done = prepare_dataset("synthetic", root, workers=1, **TINY)
-    assert read_manifest(done)["counts"] == {"train": 48, "val": 16}
+    assert read_manifest(done).counts == {"train": 48, "val": 16}
     assert not staging.exists()
 
 
@@ -130,15 +137,15 @@ def test_force_rewrites_and_swap_never_exposes_a_mixed_folder(tmp_path: Path, mo
             read_manifest(folder)
     again = prepare_dataset("synthetic", root, workers=1, seed=5, **TINY)  # incomplete → rewritten
     m = read_manifest(again, verify="full")
-    assert m["params"]["seed"] == 5 and (again / "train.beton").read_bytes() != old_beton
+    assert m.params["seed"] == 5 and (again / "train.beton").read_bytes() != old_beton
     assert sorted(p.name for p in root.iterdir()) == ["synthetic"]
     forced = prepare_dataset("synthetic", root, force=True, workers=1, seed=6, **TINY)
-    assert read_manifest(forced)["params"]["seed"] == 6
+    assert read_manifest(forced).params["seed"] == 6
 
 
 def test_manifest_is_written_last(dataset: Path) -> None:
     m_time = (dataset / schema.MANIFEST_NAME).stat().st_mtime_ns
-    assert all((dataset / rel).stat().st_mtime_ns <= m_time for rel in read_manifest(dataset)["files"])
+    assert all((dataset / rel).stat().st_mtime_ns <= m_time for rel in read_manifest(dataset).files)
     json.loads((dataset / schema.MANIFEST_NAME).read_text())
 
 
@@ -154,9 +161,10 @@ def test_cifar10_end_to_end(tmp_path: Path) -> None:
         pickle.dump({b"label_names": [f"k{i}".encode() for i in range(10)]}, f)
     d = prepare_dataset("cifar10", tmp_path / "out", src=tmp_path, workers=1)
     m = read_manifest(d)
-    assert m["counts"] == {"train": 20, "val": 4} and m["class_names"][3] == "k3"
-    assert m["image_mode"] == "raw" and m["image_px"] == 32 and m["has_masks"] is False
-    assert "gt_masks/train.npy" not in m["files"] and m["source"] == "cifar10"
+    assert m.counts == {"train": 20, "val": 4} and m.class_names[3] == "k3"
+    assert m.image_mode == "raw" and m.image_px == 32 and m.has_masks is False and m.mask_source is None
+    assert "gt_masks/train.npy" not in m.files and m.gt_masks == {} and m.source == "cifar10"
+    assert m.params == {"src": str(tmp_path.resolve())}
 
 
 def test_fresh_dataset_is_not_rehashed_on_open(dataset: Path, monkeypatch) -> None:

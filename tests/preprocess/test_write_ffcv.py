@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from pipelines import schema
-from pipelines.ffcv_backend import read_beton, read_masks
 from preprocess.records import Record
 from preprocess.write_ffcv import write_ffcv
+from tests.readers import read_beton, read_masks
 
 # JPEG at quality 90 on smooth images: mean absolute error per image stays below this (uint8 units).
 JPEG_MEAN_ABS_TOL = 3.0

@@ -1,0 +1,333 @@
+"""The registry of dataset sources: what each needs, which parameters it takes, how it is read.
+
+    SOURCES["synthetic"]     generated from a seed, with exact foreground masks (preprocess/synthetic.py)
+    SOURCES["cifar10"]       --src: the official python-version batches (preprocess/cifar.py)
+    SOURCES["cifar100"]      --src: the same, fine labels
+    SOURCES["imagefolder"]   --src: SRC/train|val/<class>/* (preprocess/imagefolder.py)
+
+`Source.prepare` checks the parameters and the source folder, then runs one check pass per split over
+the source (generate / read+decode, in parallel workers: mean/std, skips, ground-truth masks) and
+returns a `PreparedSource`: the splits both writers read and the facts the manifest records. The
+CLI builds its per-source options from `Source.params`; nothing else branches on a dataset name.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from tqdm import tqdm
+
+from pipelines import schema
+from preprocess import cifar, imagefolder, synthetic
+from preprocess.records import ArraySplit, PreparedSplit
+
+_CHUNK = 256                    # records per worker task in the synthetic check pass
+
+
+class PreprocessError(ValueError):
+    """Bad arguments or a failed write; the message is one line naming the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One source parameter: a keyword of `prepare_dataset` and the CLI option `--<name-with-dashes>`."""
+
+    name: str                                  # keyword, manifest `params` key and argparse dest
+    default: Any
+    type: type = int                           # int | str | Path | bool (bool: a flag, default False)
+    help: str | None = None                    # CLI help
+    choices: tuple[str, ...] | None = None     # the CLI accepts only these
+
+    @property
+    def flag(self) -> str:
+        """The CLI option, e.g. `--train-size`."""
+        return "--" + self.name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class PreparedSource:
+    """A source read and checked: the splits both writers consume and the facts of the manifest."""
+
+    splits: dict[str, PreparedSplit]           # schema.SPLITS -> records
+    params: dict                               # recorded in the manifest: defaults filled in, paths resolved
+    class_names: tuple[str, ...]
+    image_px: int                              # largest stored image side, px
+    mean: tuple[float, float, float]           # per-channel mean of the train split, [0, 1] units
+    std: tuple[float, float, float]            # per-channel std of the train split, [0, 1] units
+    size_policy: dict | None = None            # {"side", "max_side_px"} when images were resized
+    skipped: tuple[dict, ...] = ()             # unreadable files: {"path" (relative to src), "reason"}
+    gt_masks: dict[str, np.ndarray] = field(default_factory=dict)   # split -> (N, H, W) uint8 exact masks
+    mask_source: str | None = None             # what the records' masks are, None without masks
+
+
+def _no_check(params: dict) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Source:
+    """One dataset source and its facts.
+
+    `read(src, params, workers=, progress=)` gets checked parameters (defaults filled in) and, when
+    `needs_src`, a checked readable folder.
+    """
+
+    name: str
+    read: Callable[..., PreparedSource]
+    needs_src: bool = False                    # --src is required and must be a readable folder
+    params: tuple[Param, ...] = ()
+    check: Callable[[dict], None] = _no_check  # raises PreprocessError on a bad parameter value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """{parameter name: default}."""
+        return {p.name: p.default for p in self.params}
+
+    def resolve(self, params: dict) -> dict:
+        """`params` with defaults filled in, checked.
+
+        Raises:
+            PreprocessError: an option this source does not take, or a bad value.
+        """
+        extra = sorted(set(params) - set(self.defaults))
+        if extra:
+            raise PreprocessError(f"unknown option(s) {', '.join(extra)} for {self.name}; valid: "
+                                  f"{', '.join(sorted(self.defaults)) or 'none'}")
+        resolved = {**self.defaults, **params}
+        self.check(resolved)
+        return resolved
+
+    def prepare(self, src: Path | None, params: dict, *, workers: int, progress: bool) -> PreparedSource:
+        """Check the parameters and the source folder, then read every split (see the module docstring).
+
+        Args:
+            src: the source folder; ignored unless `needs_src`.
+            params: source parameters by name (missing ones take their defaults).
+            workers: parallel processes (>= 1).
+            progress: tqdm bars (only shown when stderr is a terminal).
+
+        Raises:
+            PreprocessError, CifarError, ImageFolderError (all ValueError): bad input, one-line message.
+        """
+        resolved = self.resolve(params)
+        if self.needs_src:
+            src = _check_src(self.name, src)
+        return self.read(src, resolved, workers=workers, progress=progress)
+
+
+def _check_src(dataset: str, src: Path | None) -> Path:
+    if src is None:
+        raise PreprocessError(f"--src is required for {dataset}: pass the folder holding the data")
+    src = Path(src)
+    if not src.exists():
+        raise PreprocessError(f"source path {src} does not exist: pass --src with the folder holding "
+                              f"the {dataset} data")
+    if not src.is_dir():
+        raise PreprocessError(f"source path {src} is not a folder: pass --src with the folder holding "
+                              f"the {dataset} data")
+    if not os.access(src, os.R_OK | os.X_OK):
+        raise PreprocessError(f"source folder {src} is not readable: fix its permissions (chmod u+rx) "
+                              "or copy the data somewhere readable")
+    return src
+
+
+def _bar(total: int, desc: str, progress: bool) -> tqdm:
+    return tqdm(total=total, desc=desc, unit="img", disable=not (progress and sys.stderr.isatty()))
+
+
+def _mean_std(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std in [0, 1] units of (N, H, W, 3) uint8 images (float64 sums)."""
+    s = np.zeros(3)
+    ss = np.zeros(3)
+    for a in range(0, len(images), 1024):                     # bounded float64 temporaries
+        f = images[a:a + 1024].reshape(-1, 3).astype(np.float64) / 255.0   # (n*H*W, 3)
+        s += f.sum(0)
+        ss += (f * f).sum(0)
+    count = images.shape[0] * images.shape[1] * images.shape[2]
+    return _from_sums(np.stack([s, ss, np.full(3, count)]))
+
+
+def _from_sums(acc: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(mean, std) from per-channel rows [sum, sum of squares, count], a (3, 3) array."""
+    mean = acc[0] / acc[2]
+    std = np.sqrt(np.maximum(acc[1] / acc[2] - mean ** 2, 0.0))
+    return tuple(float(x) for x in mean), tuple(float(x) for x in std)
+
+
+# ------------------------------------------------------------------------------------------------
+# synthetic
+# ------------------------------------------------------------------------------------------------
+
+def _check_synthetic(p: dict) -> None:
+    for k in ("train_size", "val_size", "image_px", "seed"):
+        if not isinstance(p[k], (int, np.integer)) or isinstance(p[k], bool):
+            raise PreprocessError(f"synthetic option {k} must be an integer, got {p[k]!r}")
+    if p["train_size"] < 1 or p["val_size"] < 1:
+        raise PreprocessError("synthetic --train-size and --val-size must be >= 1")
+    if not 16 <= p["image_px"] <= 1024:
+        raise PreprocessError(f"synthetic --image-px must be in [16, 1024], got {p['image_px']}")
+
+
+def _synthetic_chunk(args: tuple[synthetic.SyntheticSplit, int, int]) -> tuple[int, np.ndarray, np.ndarray]:
+    split, a, b = args
+    images = np.empty((b - a, split.image_px, split.image_px, 3), np.uint8)
+    masks = np.empty((b - a, split.image_px, split.image_px), np.uint8)
+    for j, i in enumerate(range(a, b)):
+        bg, obj, inside = split.render(i)
+        images[j] = np.where(inside[..., None], obj, bg)
+        masks[j] = inside.astype(np.uint8) * 255
+    return a, images, masks
+
+
+def _generate_synthetic(split: synthetic.SyntheticSplit, workers: int, progress: bool
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """All images (N, H, W, 3) and exact masks (N, H, W) of a synthetic split, in parallel.
+
+    Generating once and handing arrays to both writers costs one generation instead of three.
+    """
+    n, px = len(split), split.image_px
+    images = np.empty((n, px, px, 3), np.uint8)
+    masks = np.empty((n, px, px), np.uint8)
+    jobs = [(split, a, min(a + _CHUNK, n)) for a in range(0, n, _CHUNK)]
+    with _bar(n, f"generate {split.split}", progress) as bar:
+        if workers <= 1 or len(jobs) == 1:
+            results = map(_synthetic_chunk, jobs)
+            pool = None
+        else:
+            pool = mp.get_context("fork").Pool(min(workers, len(jobs)))
+            results = pool.imap_unordered(_synthetic_chunk, jobs)
+        try:
+            for a, im, m in results:
+                images[a:a + len(im)] = im
+                masks[a:a + len(m)] = m
+                bar.update(len(im))
+        finally:
+            if pool is not None:
+                pool.terminate()
+    return images, masks
+
+
+def _read_synthetic(src: Path | None, p: dict, *, workers: int, progress: bool) -> PreparedSource:
+    p = {**p, **{k: int(p[k]) for k in ("train_size", "val_size", "image_px", "seed")}}
+    splits, gt_masks = {}, {}
+    for split in schema.SPLITS:
+        gen = synthetic.SyntheticSplit(p[f"{split}_size"], seed=p["seed"], split=split,
+                                       image_px=p["image_px"])
+        images, masks = _generate_synthetic(gen, workers, progress)
+        splits[split] = ArraySplit(images, gen.labels.copy(), masks if p["gt_masks_as_mask"] else None)
+        gt_masks[split] = masks
+    mean, std = _mean_std(splits["train"].images)
+    return PreparedSource(splits=splits, params=p, class_names=synthetic.CLASS_NAMES, image_px=p["image_px"],
+                          mean=mean, std=std, gt_masks=gt_masks,
+                          mask_source="synthetic_ground_truth" if p["gt_masks_as_mask"] else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# cifar10, cifar100
+# ------------------------------------------------------------------------------------------------
+
+def _read_cifar(dataset: str, src: Path, p: dict, *, workers: int, progress: bool) -> PreparedSource:
+    splits, names = cifar.load_cifar(dataset, src)
+    mean, std = _mean_std(splits["train"].images)
+    return PreparedSource(splits=splits, params={"src": str(src.resolve())}, class_names=tuple(names),
+                          image_px=32, mean=mean, std=std)
+
+
+# ------------------------------------------------------------------------------------------------
+# imagefolder
+# ------------------------------------------------------------------------------------------------
+
+def _check_imagefolder(p: dict) -> None:
+    if p["side"] not in imagefolder.SIDES:
+        raise PreprocessError(f"unknown --side {p['side']!r}; use one of {', '.join(imagefolder.SIDES)}")
+    if int(p["max_side"]) < 0:
+        raise PreprocessError(f"--max-side must be >= 0 (0: keep the size), got {p['max_side']}")
+
+
+def _check_files(files: list[tuple[str, int]], *, max_side: int, side: str, stats: bool, workers: int,
+                 progress: bool, desc: str
+                 ) -> tuple[list[tuple[str, int]], list[dict], list[tuple[int, int]], np.ndarray]:
+    """Decode every file once in parallel: (good files, skipped [{path, reason}], shapes, stats (3, 3))."""
+    args = [(p, max_side, side, stats) for p, _ in files]
+    label = dict(files)
+    good, skipped, shapes = [], [], []
+    acc = np.zeros((3, 3))
+    with _bar(len(files), desc, progress) as bar:
+        if workers <= 1:
+            results = map(imagefolder.check_image, args)
+            pool = None
+        else:
+            pool = mp.get_context("fork").Pool(workers)
+            results = pool.imap(imagefolder.check_image, args, chunksize=16)
+        try:
+            for path, reason, shape, st in results:
+                if reason is None:
+                    good.append((path, label[path]))
+                    shapes.append(shape)
+                    if st is not None:
+                        acc += st
+                else:
+                    skipped.append({"path": path, "reason": reason})
+                bar.update(1)
+        finally:
+            if pool is not None:
+                pool.terminate()
+    return good, skipped, shapes, acc
+
+
+def _read_imagefolder(src: Path, p: dict, *, workers: int, progress: bool) -> PreparedSource:
+    max_side = int(p["max_side"])
+    class_list = Path(p["class_list"]) if p["class_list"] else None
+    names, files = imagefolder.list_image_folder(src, class_list)
+    splits, skipped, max_px, mean_std = {}, [], 0, None
+    for split in schema.SPLITS:
+        good, bad, shapes, acc = _check_files(files[split], max_side=max_side, side=p["side"],
+                                              stats=split == "train", workers=workers, progress=progress,
+                                              desc=f"read/decode {split}")
+        skipped += [{**s, "path": os.path.relpath(s["path"], src)} for s in bad]
+        if not good:
+            raise PreprocessError(f"split {split} of {src} has no decodable image ({len(bad)} "
+                                  "skipped, see their reasons with a viewer): add valid images")
+        if split == "train":
+            mean_std = _from_sums(acc)
+        max_px = max(max_px, max(max(s) for s in shapes))
+        splits[split] = imagefolder.ImageFolderSplit([f for f, _ in good], [lab for _, lab in good],
+                                                     max_side=max_side, side=p["side"],
+                                                     jpeg_quality=schema.JPEG_QUALITY)
+    mean, std = mean_std
+    params = {**p, "src": str(src.resolve()), "class_list": str(class_list.resolve()) if class_list else None}
+    return PreparedSource(splits=splits, params=params, class_names=tuple(names), image_px=int(max_px),
+                          mean=mean, std=std, size_policy={"side": p["side"], "max_side_px": max_side},
+                          skipped=tuple(skipped))
+
+
+# ------------------------------------------------------------------------------------------------
+# The registry.
+# ------------------------------------------------------------------------------------------------
+
+SOURCES: dict[str, Source] = {
+    "synthetic": Source("synthetic", _read_synthetic, check=_check_synthetic, params=(
+        Param("train_size", 10_000),
+        Param("val_size", 2_000),
+        Param("image_px", 64),
+        Param("seed", 0),
+        Param("gt_masks_as_mask", False, bool,
+              help="store the ground-truth masks in the mask field (tests of the view pipelines)"),
+    )),
+    "cifar10": Source("cifar10", functools.partial(_read_cifar, "cifar10"), needs_src=True),
+    "cifar100": Source("cifar100", functools.partial(_read_cifar, "cifar100"), needs_src=True),
+    "imagefolder": Source("imagefolder", _read_imagefolder, needs_src=True, check=_check_imagefolder, params=(
+        Param("max_side", schema.MAX_SIDE_PX,
+              help="cap of the chosen side in px, only downscaling (0: keep sizes)"),
+        Param("side", "longer", str, choices=imagefolder.SIDES),
+        Param("class_list", None, Path, help="file with one class folder name per line (ImageNet-100)"),
+    )),
+}
+DATASETS = tuple(SOURCES)
