@@ -43,6 +43,7 @@ import torch
 
 from pipelines import schema
 from pipelines.loader import BACKENDS, LoaderSpec, build_loader
+from pipelines.shards import ShardReader, scan_shards
 from pipelines.views import Recipe, load_recipe
 
 DATASETS = ("imagenet-like", "synthetic")
@@ -179,26 +180,15 @@ def time_loader(make, batches: int, warmup: int, repeats: int, device: str) -> l
 class _CeilingDataset(torch.utils.data.Dataset):
     """Reads one record's image bytes from its shard, decodes it and (optionally) crops the views."""
 
-    def __init__(self, entries, decoder: str, crop_groups: list | None) -> None:
-        self.entries, self.decoder, self.crop_groups = entries, decoder, crop_groups
-        self._fds: dict[str, int] = {}
+    def __init__(self, reader: ShardReader, decoder: str, crop_groups: list | None) -> None:
+        self.reader, self.decoder, self.crop_groups = reader, decoder, crop_groups
 
     def __len__(self) -> int:
-        return len(self.entries)
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_fds": {}}
-
-    def _bytes(self, i: int) -> bytes:
-        e = self.entries[i]
-        fd = self._fds.get(e.shard)
-        if fd is None:
-            fd = self._fds[e.shard] = os.open(e.shard, os.O_RDONLY)
-        return os.pread(fd, e.image_size, e.image_offset)
+        return len(self.reader.records)
 
     def __getitem__(self, i: int):
         import torchvision.transforms as T
-        data = self._bytes(i)
+        data = self.reader.image(i)
         if self.decoder == "pil":
             from PIL import Image
             img = Image.open(io.BytesIO(data)).convert("RGB")
@@ -237,8 +227,8 @@ def time_ceiling(entries, decoder: str, recipe: Recipe | None, batch_size: int, 
                  warmup: int, repeats: int, cores: int, first_seed: int = 0) -> list[float]:
     """Images/s of decode-only (`recipe` None) or decode + crops of `recipe`, in `cores` workers;
     run r reads the records in the order seeded with `first_seed + r`."""
-    groups = None if recipe is None else [g for g in recipe.groups if g.parent is None]
-    ds = _CeilingDataset(entries, decoder, groups)
+    groups = None if recipe is None else list(recipe.crop_groups)
+    ds = _CeilingDataset(ShardReader(entries), decoder, groups)
     need = (warmup + batches) * batch_size
     runs = []
     for r in range(repeats):
@@ -408,7 +398,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(a: argparse.Namespace) -> dict:
     """Run the benchmark described by parsed arguments; returns the report (also written to a.out)."""
-    from pipelines.shards import scan_shards
 
     recipes = _csv(a.recipes, tuple(RECIPES) + ("byol", "multicrop8", "plain"), "recipe")
     datasets = _csv(a.datasets, DATASETS, "dataset")
@@ -440,7 +429,7 @@ def run(a: argparse.Namespace) -> dict:
             recipe = load_recipe(rc, gpx, lpx)
             report["recipes"][f"{rc}@{gpx}/{lpx}"] = [dataclasses.asdict(g) for g in recipe.groups]
             vps = views_per_sample(recipe)
-            crop_views = sum(g.count for g in recipe.groups if g.parent is None)
+            crop_views = sum(g.count for g in recipe.crop_groups)
             report["ceilings"].append({"dataset": ds, "recipe": rc, "kind": "decode", "decoder": decoder,
                                        "img_per_s": decode_best[decoder], "views_per_s": 0.0,
                                        "all_decoders": decode_best})

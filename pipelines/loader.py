@@ -67,7 +67,6 @@ class DatasetInfo:
     mean: tuple[float, float, float]   # per channel, [0, 1] units (train split)
     std: tuple[float, float, float]
     has_masks: bool                    # every record carries a saliency mask
-    manifest: schema.Manifest
 
     @classmethod
     def read(cls, root: str | Path, dataset: str, split: str) -> "DatasetInfo":
@@ -82,7 +81,7 @@ class DatasetInfo:
         if split not in m.counts:
             raise LoaderError(f"dataset {d} has no split {split!r}; choose one of {', '.join(sorted(m.counts))}")
         return cls(dir=d, split=split, count=int(m.counts[split]), mean=tuple(m.mean), std=tuple(m.std),
-                   has_masks=bool(m.has_masks), manifest=m)
+                   has_masks=bool(m.has_masks))
 
 
 class Loader(Protocol):

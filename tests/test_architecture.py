@@ -12,6 +12,21 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pipelines", "models", "train", "preprocess")
 ACCEL = ("ffcv", "nvidia.dali")
+# The backends of `pipelines`, each a family of modules: `<name>_backend.py` plus its helpers
+# `<prefix>*.py`, and the accelerator package only that family may import.
+BACKEND_FAMILIES = {"torch": ("torch_backend", None), "torchvision": ("torchvision_backend", None),
+                    "ffcv": ("ffcv_", "ffcv"), "dali": ("dali_", "nvidia.dali")}
+
+
+def family_of(module: str) -> str | None:
+    """The backend family of a `pipelines` module name (e.g. "pipelines.ffcv_ops" -> "ffcv"), or None."""
+    if not module.startswith("pipelines."):
+        return None
+    leaf = module.split(".")[1]
+    for name, (prefix, _) in BACKEND_FAMILIES.items():
+        if leaf == prefix or (prefix.endswith("_") and leaf.startswith(prefix)):
+            return name
+    return None
 
 
 def imports_of(path: Path) -> list[tuple[str, int, bool]]:
@@ -50,12 +65,17 @@ def violations(path: Path) -> list[str]:
     for name, line, top in imports_of(path):
         why = None
         if package == "pipelines":
+            mine = family_of(".".join(rel.with_suffix("").parts))
+            theirs = family_of(name)
+            allowed = BACKEND_FAMILIES[mine][1] if mine else None
             if under(name, ("models", "train", "preprocess")):
                 why = "pipelines must not import models/train/preprocess"
-            elif under(name, ACCEL) and not path.name.endswith("_backend.py"):
-                why = "ffcv / nvidia.dali only in pipelines/*_backend.py"
-            elif under(name, ACCEL) and top:
-                why = "ffcv / nvidia.dali must be imported lazily (inside functions)"
+            elif under(name, ACCEL) and not (allowed and under(name, (allowed,))):
+                why = "ffcv only in pipelines/ffcv_*.py, nvidia.dali only in pipelines/dali_*.py"
+            elif theirs and mine and theirs != mine:
+                why = "no backend imports another backend"
+            elif theirs and not mine:
+                why = "only pipelines/loader.py imports a backend, lazily by name (build_loader)"
         elif package == "models" and under(name, ("pipelines", "train", "preprocess")):
             why = "models may import only torch and timm"
         elif package == "train" and under(name, ("preprocess",) + ACCEL):
@@ -90,7 +110,9 @@ def main() -> int:
 
 @pytest.mark.parametrize("package, source, fragment", [
     ("pipelines", "import train.loop\n", "must not import models/train"),
-    ("pipelines", "def f():\n    import ffcv\n", "only in pipelines/*_backend.py"),
+    ("pipelines", "def f():\n    import ffcv\n", "ffcv only in pipelines/ffcv_*.py"),
+    ("pipelines", "from pipelines import torch_backend\n", "only pipelines/loader.py imports a backend"),
+    ("pipelines", "from pipelines.dali_graph import graph\n", "only pipelines/loader.py imports a backend"),
     ("models", "from pipelines.batch import Batch\n", "only torch and timm"),
     ("train", "from preprocess.prepare import prepare_dataset\n", "must not import preprocess"),
     ("train", "def f():\n    from nvidia.dali import fn\n", "nvidia.dali"),
@@ -107,14 +129,21 @@ def test_each_rule_catches_its_edge(tmp_path, monkeypatch, package, source, frag
     assert any(fragment in v for v in violations(path))
 
 
-def test_backend_may_import_accelerators_lazily(tmp_path, monkeypatch) -> None:
-    path = tmp_path / "pipelines" / "dali_backend.py"
-    path.parent.mkdir()
-    path.write_text("def build():\n    from nvidia.dali import fn\n")
+def test_backend_families_import_their_accelerator_and_not_each_other(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
-    assert violations(path) == []
-    path.write_text("import nvidia.dali\n")
-    assert any("lazily" in v for v in violations(path))
+    (tmp_path / "pipelines").mkdir()
+
+    def found(name: str, source: str) -> list[str]:
+        path = tmp_path / "pipelines" / name
+        path.write_text(source)
+        return violations(path)
+
+    assert found("dali_graph.py", "from nvidia.dali import fn\nfrom pipelines.dali_backend import x\n") == []
+    assert found("ffcv_decode.py", "import ffcv\nfrom pipelines import ffcv_ops\n") == []
+    assert any("ffcv only in" in v for v in found("dali_graph.py", "import ffcv\n"))
+    assert any("no backend imports another" in v for v in found("ffcv_backend.py", "from pipelines import torch_backend\n"))
+    assert any("no backend imports another" in v for v in found("torchvision_backend.py", "import pipelines.dali_graph\n"))
+    assert found("torch_backend.py", "from pipelines.augment import render_views\nfrom pipelines.loader import EpochOrder\n") == []
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ For each case: shapes, dtypes and value ranges of every field; the role and the 
 (the odd recipe: a weak crop with a staged view on it, one more global crop and a local crop, each
 with an op that marks it); rank shards disjoint and covering the split; the same seed giving the same
 batches in a new loader and another seed other batches; a mid-epoch resume giving exactly the
-remaining batches. Then the evaluation path (index order, keep-all) agrees across backends.
+remaining batches; the next epoch reshuffled. Then the evaluation path (index order, keep-all) agrees across backends.
 """
 
 from __future__ import annotations
@@ -134,6 +134,9 @@ def test_contract(root: Path, backend: str, case: str) -> None:
     assert idx[0] | idx[1] == set(range(N_TRAIN))
     labels = {int(i): int(l) for b in first + second for i, l in zip(b.index, b.label)}
     assert len(set(labels.values())) > 1
+    # The position moved on to epoch 1, which is reshuffled.
+    assert ranks[0].state_dict()["epoch"] == 1 and ranks[0].state_dict()["batches_done"] == 0
+    assert not torch.equal(next(iter(ranks[0])).index, first[0].index)
     # Same seed, new loader, resumed after batch 0: exactly batches 1.. of the first run.
     resumed = build_loader(backend, _spec(root, recipe, mix, rank=0, world_size=2))
     resumed.load_state_dict(state)

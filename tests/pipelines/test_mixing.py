@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from scipy import stats
 
 from pipelines import mixing
+from tests.pipelines import mix_laws
 
 SET = settings(max_examples=25, deadline=None)
 
@@ -86,27 +88,56 @@ def test_geometric_mixing_with_itself_is_identity(seed, l):
     assert torch.allclose(mixing.dacl_geometric(x, same, torch.full((4,), l)), x, atol=1e-5)
 
 
-def test_sdmp_lam_is_beta_and_boxes_match_area():
+def test_sdmp_lam_is_beta_and_one_mixer_per_batch():
     g = torch.Generator().manual_seed(0)
     for alpha in (0.5, 1.0, 2.0):
-        p = mixing.sample_sdmp(4000, 32, 32, alpha, mixing.SDMP_MIXERS, g)
-        assert stats.kstest(p.lam.numpy(), stats.beta(alpha, alpha).cdf).pvalue > 1e-3
-    area = ((p.boxes[:, 2] - p.boxes[:, 0]) * (p.boxes[:, 3] - p.boxes[:, 1])).float() / 1024
-    inside = p.lam < 0.5  # clipping only shrinks the box
-    assert (area <= 1 - p.lam + 0.07).all() and area[inside].mean() > 0.3
-    mixers = {mixing.sample_sdmp(2, 8, 8, 1.0, mixing.SDMP_MIXERS, g).mixer for _ in range(60)}
+        d = mixing.sample_sdmp(2, 4000, 32, 32, mixing.MixSpec("sdmp", alpha=alpha), g, "cpu")
+        assert stats.kstest(d.lam[0].numpy(), stats.beta(alpha, alpha).cdf).pvalue > 1e-3
+    mixers = {mixing.sample_sdmp(2, 2, 8, 8, mixing.MixSpec("sdmp"), g, "cpu").mixer for _ in range(60)}
     assert mixers == set(mixing.SDMP_MIXERS)
 
 
-def test_dacl_partner_never_self_lam_uniform_and_binary_rate():
+def _constant_colour_views(b: int, s: int, v: int = 2) -> torch.Tensor:
+    """(V, B, 3, S, S) pixel levels: sample i is one colour, unique per sample, in every view."""
+    colour = torch.stack([torch.full((b,), 200.0), 40.0 + 3 * torch.arange(b), torch.full((b,), 90.0)], 1)
+    return colour.view(1, b, 3, 1, 1).expand(v, b, 3, s, s).clone()
+
+
+@pytest.mark.parametrize("mixer", ["mixup", "cutmix", "resizemix"])
+def test_sdmp_laws_of_the_reference(mixer):
+    b, s = 32, 16
+    x = _constant_colour_views(b, s)
+    spec = mixing.MixSpec("sdmp", alpha=1.0, sdmp_mixers=(mixer,))
+    out = mixing.mix_views(x / 255, spec, torch.Generator().manual_seed(4))
+    boxes = mix_laws.pasted_boxes(out.mixed * 255, x, tol=1e-3)
+    clipped = mix_laws.check_sdmp_laws(mixer, out.draw.lam[0], out.lam, boxes, out.partner, s)
+    assert mixer != "cutmix" or clipped > 0
+    if mixer != "mixup":                           # positions spread over the image, up to both borders
+        d = mixing.sample_sdmp(2, 4000, s, s, spec, torch.Generator().manual_seed(5), "cpu")
+        y0, y1 = d.boxes[0, :, 0], d.boxes[0, :, 2]
+        assert int(y0.min()) == 0 and int(y1.max()) == s and y0.unique().numel() >= s // 2
+
+
+def test_dacl_laws_of_the_reference():
+    b, s = 32, 16
+    x = _constant_colour_views(b, s)
+    spec = mixing.MixSpec("dacl", alpha=0.5, dacl_noises=("linear", "binary"))
+    out = mixing.mix_views(x / 255, spec, torch.Generator().manual_seed(6))
+    mix_laws.check_dacl_laws(out.partner, out.lam, mix_laws.noise_kinds(out.mixed * 255, x, tol=1e-3), 0.5,
+                             own=torch.arange(b))
     g = torch.Generator().manual_seed(1)
-    p = mixing.sample_dacl(4000, 0.6, 3, g)
-    assert not (p.partner == torch.arange(4000)).any()
-    assert stats.kstest(p.lam.numpy(), stats.uniform(0.6, 0.4).cdf).pvalue > 1e-3
-    assert set(p.noise.tolist()) == {0, 1, 2}
-    x = torch.zeros(8, 3, 16, 16)
-    x[::2] = 1.0  # partners of the even samples are odd with prob ~1/2; use a fixed partner instead
-    q = mixing.DACLParams(torch.arange(8).roll(1), torch.full((8,), 0.7), torch.full((8,), 2))
-    y = mixing.apply_dacl(x, q, mixing.DACL_NOISES, g)
-    kept = (y[::2] == 1.0).float().mean().item()  # even samples keep their own 1s with rate rho = lam
+    d = mixing.sample_dacl(2, 4000, 4, 4, mixing.MixSpec("dacl", alpha=0.6), g, "cpu")
+    assert not (d.partner == torch.arange(4000)).any()
+    assert stats.kstest(d.lam[0].numpy(), stats.uniform(0.6, 0.4).cdf).pvalue > 1e-3
+    assert set(d.noise.tolist()) == {0, 1, 2}
+
+
+def test_binary_mixup_keeps_its_own_pixels_at_rate_lam():
+    x = torch.zeros(1, 8, 3, 16, 16)
+    x[:, ::2] = 1.0                                                 # even samples 1, partners (odd) 0
+    d = mixing.MixDraw(partner=torch.arange(8).roll(1).view(1, 8), lam=torch.full((1, 8), 0.7),
+                       noise=torch.zeros(8, dtype=torch.long),
+                       keep=torch.rand(1, 8, 3, 16, 16, generator=torch.Generator().manual_seed(2)) < 0.7)
+    y, _ = mixing.apply_dacl(x, d, ("binary",))
+    kept = (y[0, ::2] == 1.0).float().mean().item()                # even samples keep their own 1s at rate rho = lam
     assert abs(kept - 0.7) < 0.03

@@ -1,6 +1,7 @@
-"""The torchvision baseline backend: Batch contract, rank sharding, seeding, staged views, and the laws
-of its drawn parameters read back from pixels (crop area and ratio, flip, grayscale, blur, solarize
-rates, independent views), and the saliency composite aligned with the crop."""
+"""The torchvision baseline backend: batches independent of the workers, staged views, mixes, and the
+laws of its drawn parameters read back from pixels (crop area and ratio, flip, grayscale, blur,
+solarize rates, independent views), and the saliency composite aligned with the crop (the Batch
+contract, rank shards, seeds and resume are in test_contract.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import pytest
 import torch
 from scipy import stats
 
-from pipelines.schema import read_manifest
 from pipelines.loader import LoaderSpec, build_loader
 from pipelines.views import Recipe, load_recipe
 
@@ -37,73 +37,14 @@ def _spec(root: str, recipe: Recipe, **kw) -> LoaderSpec:
     return LoaderSpec(**{**base, **kw})
 
 
-def _bounds(root: str) -> tuple[float, float]:
-    """Range of normalised pixels with the dataset's own mean/std (uint8 0 and 255)."""
-    m = read_manifest(Path(root) / "synthetic")
-    lo = min((0 - mu) / sd for mu, sd in zip(m.mean, m.std))
-    hi = max((1 - mu) / sd for mu, sd in zip(m.mean, m.std))
-    return lo, hi
-
-
-@pytest.mark.parametrize("name", ["relicv2", "rsa"])
-def test_batch_contract(root: str, name: str) -> None:
-    recipe = load_recipe(name, GLOBAL_PX, LOCAL_PX)
-    loader = build_loader("torchvision", _spec(root, recipe))
-    batches = list(loader)
-    assert len(batches) == len(loader) == N_TRAIN // 4
-    b = batches[0]
-    lo, hi = _bounds(root)
-    n_global = sum(g.count for g in recipe.groups if g.parent is not None) or sum(
-        g.count for g in recipe.groups if g.size_px == GLOBAL_PX)
-    assert b.global_views.shape == (n_global, 4, 3, GLOBAL_PX, GLOBAL_PX)
-    if name == "relicv2":
-        assert b.local_views.shape == (2, 4, 3, LOCAL_PX, LOCAL_PX) and b.weak_views is None
-    else:
-        assert b.weak_views.shape == (2, 4, 3, GLOBAL_PX, GLOBAL_PX) and b.local_views is None
-    for x in (b.global_views, b.local_views, b.weak_views):
-        if x is not None:
-            assert x.dtype == torch.float32
-            assert lo - 1e-5 <= float(x.min()) and float(x.max()) <= hi + 1e-5
-            assert float(x.std()) > 0.05          # real pixels, not a constant
-    assert b.index.dtype == torch.long and b.label.dtype == torch.long and b.index.shape == (4,)
-    assert b.mixed is None and b.mix_lam is None
-
-
-def test_rank_shards_disjoint_and_covering(root: str) -> None:
-    recipe = load_recipe("rsa", GLOBAL_PX, LOCAL_PX)
-    seen = []
-    for rank in range(2):
-        loader = build_loader("torchvision", _spec(root, recipe, rank=rank, world_size=2))
-        loader.set_epoch(3)
-        seen.append([i for b in loader for i in b.index.tolist()])
-    assert len(seen[0]) == len(seen[1]) == N_TRAIN // 2
-    assert not set(seen[0]) & set(seen[1])
-    assert sorted(seen[0] + seen[1]) == list(range(N_TRAIN))
-
-
 def test_same_seed_same_batches_across_workers(root: str) -> None:
     recipe = load_recipe("relicv2", GLOBAL_PX, LOCAL_PX)
     a = list(build_loader("torchvision", _spec(root, recipe, num_workers=0)))
     b = list(build_loader("torchvision", _spec(root, recipe, num_workers=2)))
-    c = list(build_loader("torchvision", _spec(root, recipe, seed=8)))
+    assert len(a) == len(b) == N_TRAIN // 4
     for x, y in zip(a, b):
         assert torch.equal(x.index, y.index)
         assert torch.equal(x.global_views, y.global_views) and torch.equal(x.local_views, y.local_views)
-    assert not torch.equal(a[0].global_views, c[0].global_views)
-
-
-def test_resume_mid_epoch(root: str) -> None:
-    recipe = load_recipe("rsa", GLOBAL_PX, LOCAL_PX)
-    full = list(build_loader("torchvision", _spec(root, recipe)))
-    loader = build_loader("torchvision", _spec(root, recipe))
-    it = iter(loader)
-    next(it), next(it)
-    state = loader.state_dict()
-    resumed = build_loader("torchvision", _spec(root, recipe))
-    resumed.load_state_dict(state)
-    rest = list(resumed)
-    assert len(rest) == len(full) - 2
-    assert torch.equal(rest[0].index, full[2].index) and torch.equal(rest[0].global_views, full[2].global_views)
 
 
 def test_staged_view_equals_weak_view_when_staged_ops_off(root: str) -> None:
@@ -118,13 +59,8 @@ def test_staged_view_equals_weak_view_when_staged_ops_off(root: str) -> None:
     assert not torch.equal(b_on.global_views, b_on.weak_views)
 
 
-def test_bad_batch_size_is_a_clear_error(root: str) -> None:
-    with pytest.raises(ValueError, match="even"):
-        build_loader("torchvision", _spec(root, load_recipe("rsa", GLOBAL_PX, LOCAL_PX), batch_size=3))
-
-
 def test_sdmp_mix_pairs_flip_partners(root: str) -> None:
-    from pipelines.loader import MixSpec
+    from pipelines.mixing import MixSpec
 
     recipe = load_recipe("rsa", GLOBAL_PX, LOCAL_PX)
     b = next(iter(build_loader("torchvision", _spec(root, recipe, mix=MixSpec(kind="sdmp", sdmp_mixers=("mixup",))))))
@@ -172,6 +108,14 @@ def coord_entries(tmp_path_factory):
     return scan_shards(out)
 
 
+def _dataset(entries, recipe: Recipe, masks: bool = False):
+    """The baseline's per-sample renderer on indexed shards."""
+    from pipelines.shards import ShardReader
+    from pipelines.torchvision_backend import ShardDataset
+
+    return ShardDataset(ShardReader(entries), recipe, masks)
+
+
 def _window(view: np.ndarray) -> tuple[float, float, bool]:
     """(width, height, flipped) of the crop window behind a (3, S, S) view of a coordinate image:
     a straight-line fit of R along x and of G along y over the inner pixels (the borders of a
@@ -185,12 +129,11 @@ def _window(view: np.ndarray) -> tuple[float, float, bool]:
 
 
 def test_crop_laws_flip_rate_and_independent_views(coord_entries) -> None:
-    from pipelines.torchvision_backend import ShardDataset
     from pipelines.views import ViewGroup
 
     g = ViewGroup("v", count=8, size_px=32, area=(0.08, 0.5), interpolation="bilinear", flip_p=0.5)
-    ds = ShardDataset(coord_entries, Recipe("laws", (g,)))
-    windows = np.array([[_window(v) for v in ds._sample(k % len(ds), seed=k)["views"][0].numpy()]
+    ds = _dataset(coord_entries, Recipe("laws", (g,)))
+    windows = np.array([[_window(v) for v in ds.render(k % len(ds), seed=k)["v"].numpy()]
                         for k in range(300)])                 # (samples, views, (w, h, flipped))
     w, h, flipped = windows[..., 0], windows[..., 1], windows[..., 2] > 0.5
     n = w.size                                                 # 2,400 views
@@ -208,14 +151,13 @@ def test_crop_laws_flip_rate_and_independent_views(coord_entries) -> None:
 
 
 def test_grayscale_blur_solarize_rates(coord_entries) -> None:
-    from pipelines.torchvision_backend import ShardDataset
     from pipelines.views import ViewGroup
 
     # The whole image at its own size: pixels change only by the drawn ops.
     g = ViewGroup("v", count=4, size_px=SIDE, crop_p=0.0, flip_p=0.0, gray_p=0.3, blur_p=0.4,
                   blur_sigma=(1.0, 2.0), solarize_p=0.2)
-    ds = ShardDataset(coord_entries, Recipe("rates", (g,)))
-    views = np.concatenate([ds._sample(k % len(ds), seed=k)["views"][0].numpy() for k in range(500)])
+    ds = _dataset(coord_entries, Recipe("rates", (g,)))
+    views = np.concatenate([ds.render(k % len(ds), seed=k)["v"].numpy() for k in range(500)])
     gray = np.array([np.array_equal(v[0], v[1]) and np.array_equal(v[1], v[2]) for v in views])
     colour = views[~gray]                                      # B is still the checkerboard's
     solarized = colour[:, 2].max(axis=(1, 2)) < 128                      # B in [160, 200] inverted
@@ -250,17 +192,16 @@ def test_saliency_composite_is_aligned_with_the_crop(tmp_path) -> None:
     """Every view loses its background (p = 1): the pixels kept are exactly the foreground of the
     crop window, which is read back from the R/G ramps of the kept pixels."""
     from pipelines.shards import scan_shards
-    from pipelines.torchvision_backend import ShardDataset
     from pipelines.views import ViewGroup
     from preprocess.write_dali import write_dali
 
     write_dali(_MaskedSplit(n=8), tmp_path / "train", shard_size=8)
     g = ViewGroup("v", count=4, size_px=32, area=(0.3, 1.0), interpolation="bilinear", flip_p=0.5,
                   saliency_p=1.0)
-    ds = ShardDataset(scan_shards(tmp_path / "train"), Recipe("sal", (g,)))
+    ds = _dataset(scan_shards(tmp_path / "train"), Recipe("sal", (g,)), masks=True)
     checked = 0
     for k in range(60):
-        for v in ds._sample(k % 8, seed=k)["views"][0].numpy().astype(np.float64):   # (3, 32, 32)
+        for v in ds.render(k % 8, seed=k)["v"].numpy().astype(np.float64):   # (3, 32, 32)
             gray = (v[0] == v[1]) & (v[1] == v[2])
             kept = ~gray
             assert not (kept & (v[2] < 128)).any()             # no background pixel survives

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.views import PRESETS, RecipeError, load_recipe, recipe_for_dataset
+from pipelines.views import PRESETS, Recipe, RecipeError, ViewGroup, load_recipe, recipe_for_dataset
 
 
 def test_presets_resolve_sizes_and_parameters():
@@ -55,3 +55,49 @@ def test_validation_errors_are_one_line(tmp_path, body, needle):
 def test_unknown_recipe_name():
     with pytest.raises(FileNotFoundError, match="neither a preset"):
         load_recipe("bogus", 32, 16)
+
+
+def test_roles_are_resolved_once_from_parents_and_size_words():
+    def counts(r):
+        return {name: [(g.name, g.count) for g in groups] for name, groups in r.fields.items()}
+
+    assert counts(load_recipe("relicv2", 64, 32)) == {
+        "global_views": [("large1_odd", 1), ("large2_even", 1), ("large3_odd", 1), ("large4_even", 1)],
+        "local_views": [("small1_odd", 1), ("small2_even", 1)], "weak_views": []}
+    assert counts(load_recipe("rsa", 32, 16)) == {"global_views": [("aggressive", 2)], "local_views": [],
+                                                  "weak_views": [("weak", 2)]}
+    assert counts(load_recipe("multicrop8", 32, 16))["local_views"] == [("local", 6)]
+    # A dataset whose global and local sizes coincide (16-px images: 16/8 -> e.g. global_px=local_px):
+    # the words decide, not the sizes.
+    mc = load_recipe("multicrop8", 16, 16)
+    assert [g.role for g in mc.groups] == ["global", "local"]
+
+
+def test_staged_views_come_first_in_global_views(tmp_path):
+    f = tmp_path / "odd.yaml"
+    f.write_text("groups:\n  - {name: extra, size_px: global}\n  - {name: weak, count: 2}\n"
+                 "  - {name: agg, count: 2, parent: weak, gray_p: 1.0}\n  - {name: small, size_px: local}\n")
+    r = load_recipe(str(f), 32, 16)
+    assert [g.name for g in r.fields["global_views"]] == ["agg", "extra"]
+    assert [g.name for g in r.fields["weak_views"]] == ["weak"] and [g.name for g in r.fields["local_views"]] == ["small"]
+    assert [g.role for g in r.groups] == ["global", "weak", "staged", "local"] and r.group("agg").size_px == 32
+
+
+def test_code_made_recipes_get_roles_by_size():
+    r = Recipe("r", (ViewGroup("a", 2, 24), ViewGroup("b", 3, 12), ViewGroup("c", 1, 24)))
+    assert [g.role for g in r.groups] == ["global", "local", "global"]
+    assert r.global_px == 24 and [g.name for g in r.fields["global_views"]] == ["a", "c"]
+
+
+@pytest.mark.parametrize("groups, needle", [
+    ((ViewGroup("a", 1, 32, role="global"), ViewGroup("b", 1, 16, role="global")), "sizes [16, 32] px"),
+    ((ViewGroup("a", 1, 16, role="local"),), "no global view"),
+    ((ViewGroup("a", 2, 32), ViewGroup("b", 2, 16, parent="a")), "no crop of its own"),
+    ((ViewGroup("a", 1, 32, role="weak"),), "decided by `parent`"),
+    ((ViewGroup("a", 1, 32, role="big"),), "role 'big'"),
+    ((ViewGroup("a", 1, 32), ViewGroup("b", 1, 16, saliency_p=0.1)), "saliency applies to global crops only"),
+])
+def test_role_errors_are_one_line(groups, needle):
+    with pytest.raises(RecipeError) as e:
+        Recipe("r", groups)
+    assert needle in str(e.value) and "\n" not in str(e.value)

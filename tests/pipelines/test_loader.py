@@ -1,0 +1,102 @@
+"""pipelines/loader.py: the epoch order every loader shares, the spec checks and their errors."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from pipelines import schema
+from pipelines.loader import DatasetInfo, EpochOrder, LoaderError, LoaderSpec, build_loader, rank_range
+from pipelines.mixing import MixSpec
+from pipelines.views import load_recipe
+
+RECIPE = load_recipe("byol", 32, 16)
+
+
+def _spec(**kw) -> LoaderSpec:
+    return LoaderSpec(root="", dataset="", recipe=RECIPE, **{"split": "train", "batch_size": 4, **kw})
+
+
+@pytest.mark.parametrize("n, world, bs", [(40, 1, 4), (41, 2, 4), (50, 3, 6), (7, 2, 2)])
+def test_drop_last_shards_are_disjoint_equal_and_whole_batches(n, world, bs):
+    per_rank = []
+    for r in range(world):
+        o = EpochOrder(_spec(rank=r, world_size=world, batch_size=bs, seed=5), n)
+        batches = o.remaining()
+        assert len(batches) == len(o) == n // (world * bs)
+        assert all(len(idx) == bs for _, idx in batches)
+        per_rank.append(np.concatenate([idx for _, idx in batches]))
+    allidx = np.concatenate(per_rank)
+    assert len(set(allidx.tolist())) == len(allidx) and set(allidx.tolist()) <= set(range(n))
+
+
+@pytest.mark.parametrize("n, world", [(10, 3), (41, 2), (5, 4)])
+def test_keep_all_covers_every_record_once_in_contiguous_ranges(n, world):
+    got = []
+    for r in range(world):
+        o = EpochOrder(_spec(rank=r, world_size=world, batch_size=4, shuffle=False, drop_last=False), n)
+        idx = np.concatenate([i for _, i in o.remaining()]) if len(o) else np.zeros(0, np.int64)
+        lo, hi = rank_range(n, r, world)
+        assert idx.tolist() == list(range(lo, hi))
+        got += idx.tolist()
+    assert got == list(range(n))
+
+
+def test_shuffle_is_per_epoch_and_shared_by_ranks():
+    a, b = (EpochOrder(_spec(rank=r, world_size=2, seed=1), 40) for r in range(2))
+    e0 = np.concatenate([a.indices(), b.indices()])
+    a.set_epoch(1)
+    b.set_epoch(1)
+    e1 = np.concatenate([a.indices(), b.indices()])
+    assert sorted(e0.tolist()) == sorted(e1.tolist()) == list(range(40)) and not np.array_equal(e0, e1)
+    assert np.array_equal(EpochOrder(_spec(seed=1), 40).indices(), EpochOrder(_spec(seed=1), 40).indices())
+
+
+def test_position_names_the_next_batch_and_resumes_there():
+    o = EpochOrder(_spec(seed=2), 20)                                       # 5 batches
+    assert o.state_dict() == {"epoch": 0, "batches_done": 0}
+    for _ in range(2):
+        o.advance()
+    state = o.state_dict()
+    assert state == {"epoch": 0, "batches_done": 2}
+    r = EpochOrder(_spec(seed=2), 20)
+    r.load_state_dict(state)
+    assert [k for k, _ in r.remaining()] == [2, 3, 4]
+    assert all(np.array_equal(x, y) for (_, x), (_, y) in zip(r.remaining(), o.remaining()))
+    for _ in range(3):
+        o.advance()
+    assert o.state_dict() == {"epoch": 1, "batches_done": 0}                # after the last batch: next epoch
+    o.set_epoch(1)
+    assert o.state_dict() == {"epoch": 1, "batches_done": 0}
+    assert o.batch_seed(0) != r.batch_seed(0) and r.batch_seed(1) != r.batch_seed(2)
+
+
+def test_bad_specs_are_one_loader_error(tmp_path):
+    from preprocess.prepare import prepare_dataset
+
+    prepare_dataset("synthetic", tmp_path, workers=1, train_size=16, val_size=8, image_px=16)
+    good = LoaderSpec(root=str(tmp_path), dataset="synthetic", split="train", recipe=RECIPE, batch_size=4)
+    for bad, needle in ((replace(good, batch_size=3), "even"), (replace(good, batch_size=0), "even"),
+                        (replace(good, rank=2, world_size=2), "rank 2"), (replace(good, batch_size=32), "too small"),
+                        (replace(good, split="test"), "no split 'test'"),
+                        (replace(good, mix=MixSpec("sdmp"), drop_last=False), "full batches"),
+                        (replace(good, mix=MixSpec("dacl", alpha=1.0)), "alpha"),
+                        (replace(good, mix=MixSpec("sdmp", sdmp_mixers=("cutup",))), "cutup")):
+        with pytest.raises(LoaderError, match=needle) as e:
+            build_loader("torch", bad)
+        assert "\n" not in str(e.value)
+    with pytest.raises(LoaderError, match="choose one of torch, torchvision, ffcv, dali"):
+        build_loader("trch", good)
+    with pytest.raises(schema.DatasetError, match="does not exist"):
+        build_loader("torch", replace(good, dataset="nope"))
+
+
+def test_dataset_info_reads_the_manifest_once(tmp_path):
+    from preprocess.prepare import prepare_dataset
+
+    prepare_dataset("synthetic", tmp_path, workers=1, train_size=16, val_size=8, image_px=16, gt_masks_as_mask=True)
+    info = DatasetInfo.read(tmp_path, "synthetic", "val")
+    m = schema.read_manifest(tmp_path / "synthetic")
+    assert (info.count, info.mean, info.std, info.has_masks) == (8, m.mean, m.std, True)
