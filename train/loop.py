@@ -22,7 +22,7 @@ from models.multicrop import build_model
 from pipelines.loader import LoaderSpec, MixSpec, build_loader
 from pipelines.views import load_recipe
 from train import checkpoint, dist, schedules
-from train.config import Config, check_needs, dump_yaml, to_dict
+from train.config import Config, ConfigError, check_needs, dump_yaml, to_dict
 from train.log import Log, Meter
 from train.objectives import OBJECTIVES
 from train.optim import apply_lr_wd, build_optimizer, clip_and_step
@@ -53,7 +53,7 @@ def train(cfg: Config) -> Path:
     # Objective first: its ViewNeeds are checked against the views before any work is done.
     objective = OBJECTIVES[cfg.method](cfg.objective).to(device)
     recipe = load_recipe(cfg.views.recipe, cfg.views.global_px, cfg.views.local_px)
-    check_needs(cfg.method, objective.needs, recipe, cfg.data.mix.kind, cfg.views.global_px)
+    check_needs(cfg.method, objective.needs, recipe, cfg.data.mix.kind)
     loader = build_loader(backend, LoaderSpec(
         root=cfg.data.root, dataset=cfg.data.name, split="train", recipe=recipe, batch_size=batch_per_rank,
         mix=MixSpec(kind=cfg.data.mix.kind, alpha=cfg.data.mix.alpha, source=cfg.data.mix.source),
@@ -152,9 +152,16 @@ def train(cfg: Config) -> Path:
 
 
 def select_device(name: str) -> torch.device:
-    """`run.device`: "auto" joins the torchrun group (if any) and takes its device."""
-    device = dist.init_from_env()
-    return device if name == "auto" else torch.device(name)
+    """The device of `run.device` ("auto", "cpu" or "cuda"), after joining the torchrun group (if any).
+
+    "auto" is `cuda:<LOCAL_RANK>` when CUDA is present, else the CPU; "cuda" is `cuda:<LOCAL_RANK>`.
+
+    Raises:
+        ConfigError: "cuda" on a machine where torch sees no CUDA device.
+    """
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device=cuda but torch sees no CUDA device; use run.device=auto or run.device=cpu")
+    return dist.init_from_env(use_cuda=None if name == "auto" else name == "cuda")
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -21,7 +21,9 @@ Deviations:
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +33,8 @@ from pipelines.batch import Batch
 from train.objectives.base import LossOut, Objective, StepValues, ViewNeeds, check_positive
 from train.objectives.terms import gather_nograd_local_first, regression_loss
 
-BASES = ("byol", "mocov2star")
+UOTABase = Literal["byol", "mocov2star"]
+BASES: tuple[str, ...] = typing.get_args(UOTABase)
 
 
 @torch.no_grad()
@@ -61,7 +64,7 @@ def uota_weights(z: Tensor, tau: float) -> Tensor:
 
 @dataclass(frozen=True)
 class UOTAConfig:
-    base: str = "byol"          # base objective: "byol" (Eq. S.6) | "mocov2star" (Eq. S.5)
+    base: UOTABase = "byol"     # base objective: "byol" (Eq. S.6) | "mocov2star" (Eq. S.5)
     tau: float = 200.0          # UOTA temperature (Table S.1: 200 BYOL, 250 MoCo-v2*)
     warmup_epochs: float = 20.0 # N_warm: epochs of the base objective alone before UOTA
     moco_tau: float = 0.2       # MoCo-v2* softmax temperature t
