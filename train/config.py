@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import yaml
 
@@ -259,12 +259,7 @@ def load_config(args: list[str], config_dir: Path = CONFIG_DIR) -> Config:
     Raises:
         ConfigError: a malformed word, an unknown key (with the closest valid keys) or a bad value.
     """
-    pairs = []
-    for word in args:
-        if "=" not in word:
-            raise ConfigError(f"argument {word!r} is not key=value; write e.g. optim.lr=0.5")
-        key, value = word.split("=", 1)
-        pairs.append((key.strip(), value))
+    pairs = _pairs(args)
     picks = dict(p for p in pairs if p[0] in ("method", "data"))
     tree: dict = {}
     _merge(tree, _load_yaml(config_dir / "base.yaml"), Config)
@@ -285,13 +280,40 @@ def load_config(args: list[str], config_dir: Path = CONFIG_DIR) -> Config:
     return dataclasses.replace(_build(Config, tree), objective=objective)
 
 
-def config_from_dict(tree: dict) -> Config:
-    """Rebuild a Config from `to_dict` output (a checkpoint's or config.yaml's), checking it again."""
+def _pairs(words: Sequence[str]) -> list[tuple[str, str]]:
+    """CLI words `key=value` as (key, value) pairs, or a ConfigError naming the malformed word."""
+    pairs = []
+    for word in words:
+        if "=" not in word:
+            raise ConfigError(f"argument {word!r} is not key=value; write e.g. optim.lr=0.5")
+        key, value = word.split("=", 1)
+        pairs.append((key.strip(), value))
+    return pairs
+
+
+def config_from_dict(tree: dict, overrides: Sequence[str] = ()) -> Config:
+    """Rebuild a Config from `to_dict` output (a checkpoint's or config.yaml's), checking it again.
+
+    Args:
+        tree: nested dicts as `to_dict` writes them.
+        overrides: dotted `key=value` words applied on top (e.g. `data.root=...`); not `method`.
+
+    Returns:
+        The frozen, validated Config.
+
+    Raises:
+        ConfigError: an unknown key, a bad value, or an override of `method`.
+    """
     tree = dict(tree)
     method = tree.pop("method", Config.method)
-    objective = tree.pop("objective", None) or {}
+    objective = dict(tree.pop("objective", None) or {})
     checked: dict = {}
     _merge(checked, tree, Config)
+    for key, value in _pairs(overrides):
+        if key == "method":
+            raise ConfigError(f"method={value} cannot override the saved method {method}; start a new run instead")
+        _merge(checked, _dotted_to_nested(key, value), Config)
+    objective.update(checked.pop("objective", {}))
     cfg = _build(Config, checked)
     return dataclasses.replace(cfg, method=method, objective=build_objective_config(method, objective))
 

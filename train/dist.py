@@ -10,7 +10,8 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 
 def is_distributed() -> bool:
@@ -47,6 +48,11 @@ def init_from_env(use_cuda: bool | None = None) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (or the model itself)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def cleanup() -> None:
