@@ -21,15 +21,11 @@ from pathlib import Path
 
 import torch
 
-from models.ema import make_target
-from models.multicrop import build_model
-from pipelines.loader import LoaderSpec, MixSpec, build_loader
-from pipelines.views import load_recipe
 from train import checkpoint, schedules
-from train.config import load_config, to_dict
-from train.loop import select_device, train
+from train.config import Config, load_config, to_dict
+from train.loop import check_finite, epochs_from, train, train_step
 from train.objectives import OBJECTIVES
-from train.optim import apply_lr_wd, build_optimizer, clip_and_step
+from train.setup import build_parts, resolve_backend, select_device
 
 
 def sync(device: torch.device) -> None:
@@ -37,51 +33,33 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()  # sync: timing boundary of a benchmark
 
 
-def time_steps(cfg, device, steps: int, repeats: int, warmup_steps: int = 2) -> dict[str, float]:
-    """Mean ± std steps/s with the real loader and with a batch kept on the device."""
-    backend = cfg.data.backend if cfg.data.backend != "auto" else ("dali" if device.type == "cuda" else "torch")
-    objective = OBJECTIVES[cfg.method](cfg.objective).to(device)
-    recipe = load_recipe(cfg.views.recipe, cfg.views.global_px, cfg.views.local_px)
-    loader = build_loader(backend, LoaderSpec(
-        root=cfg.data.root, dataset=cfg.data.name, split="train", recipe=recipe, batch_size=cfg.data.batch_size,
-        mix=MixSpec(kind=cfg.data.mix.kind, alpha=cfg.data.mix.alpha, source=cfg.data.mix.source),
-        seed=cfg.run.seed, device=str(device), num_workers=cfg.data.num_workers))
-    torch.manual_seed(cfg.run.seed)
-    online = build_model(cfg.model.backbone, cfg.views.global_px, cfg.model.proj_hidden, cfg.model.proj_out,
-                         cfg.model.pred_hidden, cfg.model.proj_layers).to(device)
-    target = make_target(online) if objective.needs.target else None
-    optimizer = build_optimizer(cfg, [online, objective])
-    scaler = torch.amp.GradScaler(device.type, enabled=False)
+def time_steps(cfg: Config, device: torch.device, steps: int, repeats: int,
+               warmup_steps: int = 2) -> dict[str, float]:
+    """Mean ± std steps/s of the loop's `train_step`, with the real loader and with one batch kept on
+    the device (no loader at all), after `warmup_steps` untimed steps.
 
-    def forever():
-        epoch = 0
-        while True:
-            loader.set_epoch(epoch)
-            yield from loader
-            epoch += 1
-
-    batches = forever()
+    Raises:
+        NonFiniteLossError: a timed step had a non-finite loss (checked once, after the timing).
+    """
+    parts = build_parts(cfg, device, resolve_backend(cfg.data.backend, device))
+    batches = epochs_from(parts.loader, 0, len(parts.loader), None)
     cached = next(batches)
+    done = 0
 
     def run(n: int, feed) -> float:
+        nonlocal done
         sync(device)
         start = time.perf_counter()
-        for step in range(n):
-            s = schedules.at(cfg.optim, step, len(loader), cfg.data.batch_size)
-            apply_lr_wd(optimizer, s)
-            out = objective(online, target, feed(), s)
-            out.loss.backward()
-            clip_and_step(optimizer, scaler, cfg.optim.clip)
-            optimizer.zero_grad(set_to_none=True)
-            if target is not None:
-                target.update_from(online, momentum=s.ema)
-            objective.after_step(out)
+        for _ in range(n):
+            train_step(parts, feed(), schedules.at(cfg.optim, done, len(parts.loader), cfg.data.batch_size))
+            done += 1
         sync(device)
         return n / (time.perf_counter() - start)
 
     run(warmup_steps, lambda: next(batches))
     real = [run(steps, lambda: next(batches)) for _ in range(repeats)]
     fed = [run(steps, lambda: cached) for _ in range(repeats)]
+    check_finite(parts, cfg.method, done, {})
     mean = statistics.mean
     return {"steps_per_s": mean(real), "steps_per_s_std": statistics.pstdev(real),
             "img_per_s": mean(real) * cfg.data.batch_size, "cached_steps_per_s": mean(fed),

@@ -2,8 +2,10 @@
 
 Merge order (STYLE §4): dataclass defaults → `configs/base.yaml` → `configs/data/<DATASET>.yaml`
 → `configs/method/<METHOD>.yaml` → dotted `key=value` CLI overrides. Unknown keys and values that do
-not parse to the field's type are `ConfigError`s with a one-line message. The `objective:` section is
-validated by the chosen objective's own `Config` dataclass.
+not parse to the field's type are `ConfigError`s with a one-line message; so is a value outside the
+choices of an enumerated (`typing.Literal`) field, whichever source it comes from (a preset, a CLI
+override, a checkpoint's config), so that a typo stops the run before anything is written. The
+`objective:` section is validated by the chosen objective's own `Config` dataclass.
 """
 
 from __future__ import annotations
@@ -14,9 +16,16 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import yaml
+
+from pipelines.loader import Backend
+from pipelines.mixing import MixKind, MixSource
+from pipelines.views import Recipe
+
+if TYPE_CHECKING:
+    from train.objectives.base import ViewNeeds
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -25,18 +34,23 @@ class ConfigError(ValueError):
     """A bad key or value in a config file or a CLI override."""
 
 
+BackendChoice = Literal["auto", Backend]        # "auto": dali on CUDA, torch on CPU (train.setup)
+OptimName = Literal["lars", "sgd", "adamw"]     # timm optimiser names
+DeviceName = Literal["auto", "cpu", "cuda"]     # no "cuda:N": torchrun's LOCAL_RANK picks the GPU
+
+
 @dataclass(frozen=True)
 class MixConfig:
-    kind: str = "none"              # intra-batch mix: "none" | "sdmp" | "dacl"
+    kind: MixKind = "none"          # intra-batch mix: "none" | "sdmp" | "dacl"
     alpha: float = 1.0              # SDMP: lam ~ Beta(alpha, alpha); DACL: lam ~ U(alpha, 1)
-    source: str = "global"          # what is mixed: "global" views or the whole "image" (DACL)
+    source: MixSource = "global"    # what is mixed: "global" views or the whole "image" (DACL)
 
 
 @dataclass(frozen=True)
 class DataConfig:
     name: str = "synthetic"         # dataset folder under `root` (written by `python -m preprocess`)
     root: str = "data"              # data root folder
-    backend: str = "auto"           # "torch" | "torchvision" | "ffcv" | "dali"; "auto": torch on CPU, dali on GPU
+    backend: BackendChoice = "auto"  # "torch" | "torchvision" | "ffcv" | "dali"; "auto": torch on CPU, dali on GPU
     batch_size: int = 256           # global batch (all ranks together), even per rank
     num_workers: int = 2            # decoding/augmentation workers per rank
     num_classes: int = 10           # classes, for kNN / linear-probe evaluation
@@ -62,7 +76,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    name: str = "lars"              # "lars" | "sgd" | "adamw"
+    name: OptimName = "lars"        # "lars" | "sgd" | "adamw"
     lr: float = 0.3                 # at global batch 256; scaled linearly with the batch
     weight_decay: float = 1e-6      # at step 0; cosine to `final_weight_decay`
     final_weight_decay: float = 1e-6  # weight decay at the last step
@@ -85,7 +99,7 @@ class RunConfig:
     eval_every_epochs: int = 0      # kNN + linear probe every K epochs; 0: only at start and end
     resume: str = ""                # checkpoint file to resume from; "": fresh run
     amp: bool = True                # bf16 autocast (GPU only)
-    device: str = "auto"            # "auto" | "cpu" | "cuda"
+    device: DeviceName = "auto"     # "auto": torchrun's device; "cuda": cuda:<LOCAL_RANK>; "cpu"
     max_eval_samples: int = 0       # cap on train/val samples for evaluation; 0: all
     stop_after_steps: int = 0       # stop with a checkpoint after this step (resumable); 0: run to optim.steps
 
@@ -124,6 +138,12 @@ def _unknown(key: str, valid: list[str]) -> ConfigError:
 
 def _parse(key: str, value: Any, t: Any) -> Any:
     """Convert `value` (from YAML or a CLI string) to type `t`, or raise ConfigError."""
+    if typing.get_origin(t) is Literal:
+        choices = typing.get_args(t)
+        if value not in choices:            # compared as written: YAML would read `no`/`on` as bools
+            raise ConfigError(f"config key {key!r}: {value!r} is not a valid choice; "
+                              f"choose one of {', '.join(map(str, choices))}")
+        return value
     try:
         if isinstance(value, str) and t is not str:
             value = yaml.safe_load(value)
@@ -214,7 +234,10 @@ def build_objective_config(method: str, section: dict) -> Any:
         if key not in hints:
             raise _unknown(f"objective.{key}", [f"objective.{k}" for k in hints])
         kwargs[key] = _parse(f"objective.{key}", value, hints[key])
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:                 # the Config's own checks (`__post_init__`), one line each
+        raise ConfigError(str(e)) from None
 
 
 def _unknown_method(method: str, valid: list[str]) -> ConfigError:
@@ -236,12 +259,7 @@ def load_config(args: list[str], config_dir: Path = CONFIG_DIR) -> Config:
     Raises:
         ConfigError: a malformed word, an unknown key (with the closest valid keys) or a bad value.
     """
-    pairs = []
-    for word in args:
-        if "=" not in word:
-            raise ConfigError(f"argument {word!r} is not key=value; write e.g. optim.lr=0.5")
-        key, value = word.split("=", 1)
-        pairs.append((key.strip(), value))
+    pairs = _pairs(args)
     picks = dict(p for p in pairs if p[0] in ("method", "data"))
     tree: dict = {}
     _merge(tree, _load_yaml(config_dir / "base.yaml"), Config)
@@ -262,13 +280,40 @@ def load_config(args: list[str], config_dir: Path = CONFIG_DIR) -> Config:
     return dataclasses.replace(_build(Config, tree), objective=objective)
 
 
-def config_from_dict(tree: dict) -> Config:
-    """Rebuild a Config from `to_dict` output (a checkpoint's or config.yaml's), checking it again."""
+def _pairs(words: Sequence[str]) -> list[tuple[str, str]]:
+    """CLI words `key=value` as (key, value) pairs, or a ConfigError naming the malformed word."""
+    pairs = []
+    for word in words:
+        if "=" not in word:
+            raise ConfigError(f"argument {word!r} is not key=value; write e.g. optim.lr=0.5")
+        key, value = word.split("=", 1)
+        pairs.append((key.strip(), value))
+    return pairs
+
+
+def config_from_dict(tree: dict, overrides: Sequence[str] = ()) -> Config:
+    """Rebuild a Config from `to_dict` output (a checkpoint's or config.yaml's), checking it again.
+
+    Args:
+        tree: nested dicts as `to_dict` writes them.
+        overrides: dotted `key=value` words applied on top (e.g. `data.root=...`); not `method`.
+
+    Returns:
+        The frozen, validated Config.
+
+    Raises:
+        ConfigError: an unknown key, a bad value, or an override of `method`.
+    """
     tree = dict(tree)
     method = tree.pop("method", Config.method)
-    objective = tree.pop("objective", None) or {}
+    objective = dict(tree.pop("objective", None) or {})
     checked: dict = {}
     _merge(checked, tree, Config)
+    for key, value in _pairs(overrides):
+        if key == "method":
+            raise ConfigError(f"method={value} cannot override the saved method {method}; start a new run instead")
+        _merge(checked, _dotted_to_nested(key, value), Config)
+    objective.update(checked.pop("objective", {}))
     cfg = _build(Config, checked)
     return dataclasses.replace(cfg, method=method, objective=build_objective_config(method, objective))
 
@@ -289,24 +334,22 @@ def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def check_needs(method: str, needs: Any, recipe: Any, mix_kind: str, global_px: int) -> None:
+def check_needs(method: str, needs: ViewNeeds, recipe: Recipe, mix_kind: str) -> None:
     """Fail at start-up, in one line, when the views of the data config cannot feed the objective.
+
+    Counts the views of each `Batch` field from the roles the recipe resolved (`Recipe.fields`).
 
     Args:
         method: objective name (for the message).
         needs: the objective instance's `ViewNeeds`.
         recipe: the resolved `pipelines.views.Recipe`.
         mix_kind: `data.mix.kind`.
-        global_px: side of the global views, px.
 
     Raises:
         ConfigError: naming the missing views and the setting that provides them.
     """
-    parents = {g.parent for g in recipe.groups if g.parent}
-    weak = sum(g.count for g in recipe.groups if g.name in parents)
-    views = [g for g in recipe.groups if g.name not in parents]
-    n_global = sum(g.count for g in views if g.size_px >= global_px)
-    n_local = sum(g.count for g in views if g.size_px < global_px)
+    views = {name: sum(g.count for g in groups) for name, groups in recipe.fields.items()}
+    n_global, n_local, weak = views["global_views"], views["local_views"], views["weak_views"]
     problems = []
     if n_global < needs.global_views:
         problems.append(f"{needs.global_views} global views (recipe has {n_global})")

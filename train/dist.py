@@ -10,7 +10,8 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 
 def is_distributed() -> bool:
@@ -29,14 +30,17 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def init_from_env() -> torch.device:
+def init_from_env(use_cuda: bool | None = None) -> torch.device:
     """Join the process group that torchrun describes in the environment, if any.
 
+    Args:
+        use_cuda: train on the GPU; None: when CUDA is present.
+
     Returns:
-        The device this process trains on: `cuda:<LOCAL_RANK>` with NCCL when CUDA is present,
-        else CPU with gloo.
+        The device this process trains on: `cuda:<LOCAL_RANK>` with NCCL when `use_cuda`, else CPU
+        with gloo.
     """
-    use_cuda = torch.cuda.is_available()
+    use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not is_distributed():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
@@ -44,6 +48,11 @@ def init_from_env() -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (or the model itself)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def cleanup() -> None:

@@ -12,10 +12,14 @@ the gradient vanishes (deterministic: no sampling, no augmentation).
 Deviations: none for kNN. The linear probe is the l2-regularised L-BFGS logistic regression of
 SimCLR's transfer evaluation (arXiv:2002.05709v3, transfer-learning appendix; no augmentation)
 rather than DINO's SGD-trained linear layer on augmented crops: deterministic and seconds on CPU.
+
+`evaluate_backbone` runs both on the data of a run's config; the loop and `python -m train eval` call it.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Iterable
 
 import torch
@@ -23,6 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipelines.batch import Batch
+from pipelines.loader import LoaderSpec, build_loader
+from pipelines.views import load_recipe
+from train import dist
+from train.config import Config
 
 
 def _check_split(feats: Tensor, labels: Tensor, num_classes: int, split: str) -> None:
@@ -185,3 +193,34 @@ def evaluate(backbone: nn.Module, train_batches: Iterable[Batch], val_batches: I
     va_f, va_y, _ = extract_features(backbone, val_batches, device)
     return {"knn_top1": knn_top1(tr_f, tr_y, va_f, va_y, num_classes),
             "linear_top1": linear_probe_top1(tr_f, tr_y, va_f, va_y, num_classes)}
+
+
+def evaluate_backbone(cfg: Config, backbone: nn.Module, backend: str, device: torch.device) -> dict[str, float]:
+    """`evaluate` of `backbone` on the data of `cfg`, on rank 0 (train -> val split, `plain` views).
+
+    Every rank calls it (it ends with a barrier); the other ranks wait and receive rank 0's result.
+
+    Args:
+        cfg: the run's config (data, views.global_px, run.seed, run.max_eval_samples).
+        backbone: (B, 3, H, W) -> (B, F) module on `device`; its train/eval mode is restored.
+        backend: a resolved loader backend (not "auto").
+        device: where the backbone runs and the batches land.
+
+    Returns:
+        {"knn_top1": accuracy in [0, 1], "linear_top1": accuracy in [0, 1]}, the same on every rank.
+    """
+    result = {"knn_top1": math.nan, "linear_top1": math.nan}
+    if dist.is_main():
+        plain = load_recipe("plain", cfg.views.global_px, cfg.views.local_px)
+        batch = cfg.data.batch_size // dist.world_size()
+        cap = math.ceil(cfg.run.max_eval_samples / batch) if cfg.run.max_eval_samples else None
+
+        def batches(split: str):
+            spec = LoaderSpec(root=cfg.data.root, dataset=cfg.data.name, split=split, recipe=plain,
+                              batch_size=batch, seed=cfg.run.seed, device=str(device),
+                              num_workers=cfg.data.num_workers, shuffle=False, drop_last=False)
+            return itertools.islice(build_loader(backend, spec), cap)
+
+        result = evaluate(backbone, batches("train"), batches("val"), cfg.data.num_classes, device)
+    dist.barrier()
+    return dist.broadcast_object(result)

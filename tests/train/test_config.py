@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +13,8 @@ from pipelines.views import Recipe, ViewGroup
 from train.config import Config, ConfigError, check_needs, config_from_dict, load_config, to_dict
 from train.objectives import OBJECTIVES
 from train.objectives.base import ViewNeeds
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_presets(tmp_path, base: str, data: str, method: str):
@@ -73,15 +78,69 @@ def test_every_method_preset_resolves_and_round_trips(method: str) -> None:
         assert cfg.model.pred_hidden == 0
 
 
+@pytest.mark.parametrize("key, value, choices", [
+    ("data.backend", "torhc", "auto, torch, torchvision, ffcv, dali"),
+    ("optim.name", "adam", "lars, sgd, adamw"),
+    ("data.mix.kind", "cutmix", "none, sdmp, dacl"),
+    ("data.mix.source", "views", "global, image"),
+    ("run.device", "cuda:1", "auto, cpu, cuda"),
+])
+def test_enumerated_value_outside_the_choices_is_an_error_naming_them(key, value, choices) -> None:
+    with pytest.raises(ConfigError, match=rf"{key}.*{value}.*choose one of {choices}$"):
+        load_config(["method=rsa", "data=synthetic", f"{key}={value}"])
+    tree = to_dict(load_config(["method=rsa", "data=synthetic"]))
+    section, _, name = key.rpartition(".")
+    node = tree
+    for part in section.split("."):
+        node = node[part]
+    node[name] = value
+    with pytest.raises(ConfigError, match=rf"{key}.*choose one of {choices}$"):
+        config_from_dict(tree)
+
+
+def test_enumerated_value_in_a_preset_is_checked(tmp_path) -> None:
+    d = write_presets(tmp_path, "data:\n  backend: dalli\n", "", "")
+    with pytest.raises(ConfigError, match=r"data\.backend.*'dalli'.*choose one of auto, torch"):
+        load_config(["method=byol", "data=tiny"], config_dir=d)
+    assert load_config(["method=uota", "data=synthetic", "objective.base=mocov2star"]).objective.base == "mocov2star"
+    with pytest.raises(ConfigError, match=r"objective\.base.*choose one of byol, mocov2star"):
+        load_config(["method=uota", "data=synthetic", "objective.base=swav"])
+    with pytest.raises(ConfigError, match=r"objective\.tau must be > 0.*objective\.tau=0\.5"):
+        load_config(["method=simclr", "data=synthetic", "objective.tau=0"])
+
+
+def test_cli_rejects_a_bad_choice_before_writing_the_run_folder(tmp_path) -> None:
+    out = tmp_path / "runs"
+    done = subprocess.run([sys.executable, "-m", "train", "method=rsa", "data=synthetic", "data.backend=torhc",
+                           f"run.out_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "data.backend" in done.stderr and "choose one of auto, torch, torchvision, ffcv, dali" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
 def test_needs_check_names_the_missing_views() -> None:
     recipe = Recipe("two", (ViewGroup("g", count=2, size_px=64),))
-    check_needs("byol", ViewNeeds(global_views=2), recipe, "none", 64)
+    check_needs("byol", ViewNeeds(global_views=2), recipe, "none")
     with pytest.raises(ConfigError, match="staged weak views"):
-        check_needs("rsa", ViewNeeds(weak=True), recipe, "none", 64)
+        check_needs("rsa", ViewNeeds(weak=True), recipe, "none")
     with pytest.raises(ConfigError, match="2 local views"):
-        check_needs("relicv2", ViewNeeds(local=2), recipe, "none", 64)
+        check_needs("relicv2", ViewNeeds(local=2), recipe, "none")
     with pytest.raises(ConfigError, match="data.mix.kind=sdmp"):
-        check_needs("sdmp", ViewNeeds(mix="sdmp"), recipe, "none", 64)
+        check_needs("sdmp", ViewNeeds(mix="sdmp"), recipe, "none")
     staged = Recipe("rsa", (ViewGroup("weak", count=2, size_px=64),
                             ViewGroup("strong", count=2, size_px=64, parent="weak")))
-    check_needs("rsa", ViewNeeds(weak=True), staged, "none", 64)
+    check_needs("rsa", ViewNeeds(weak=True), staged, "none")
+
+
+def test_needs_check_counts_the_roles_the_recipe_resolved() -> None:
+    # A crop at the global size that the recipe calls local counts as local, not as global.
+    recipe = Recipe("odd", (ViewGroup("g", count=2, size_px=64), ViewGroup("l", count=2, size_px=64, role="local")))
+    check_needs("relicv2", ViewNeeds(global_views=2, local=2), recipe, "none")
+    with pytest.raises(ConfigError, match=r"4 global views \(recipe has 2\)"):
+        check_needs("relicv2", ViewNeeds(global_views=4, local=2), recipe, "none")
+    # Staged views feed global_views, their weak parents weak_views; one more crop at the global size.
+    staged = Recipe("rsa+1", (ViewGroup("weak", count=2, size_px=64), ViewGroup("strong", count=2, parent="weak"),
+                              ViewGroup("extra", count=1, size_px=64)))
+    check_needs("rsa", ViewNeeds(global_views=3, weak=True), staged, "none")
+    with pytest.raises(ConfigError, match=r"4 global views \(recipe has 3\)"):
+        check_needs("rsa", ViewNeeds(global_views=4, weak=True), staged, "none")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from train.objectives.base import Objective
 from train.objectives.byol import BYOL
 from train.objectives.dacl import DACL
 from train.objectives.mocov3 import MoCoV3
@@ -11,7 +12,7 @@ from train.objectives.sdmp import SDMP
 from train.objectives.simclr import SimCLR
 from train.objectives.uota import UOTA
 
-OBJECTIVES: dict[str, type] = {
+OBJECTIVES: dict[str, type[Objective]] = {
     "byol": BYOL,
     "dacl": DACL,
     "mocov3": MoCoV3,

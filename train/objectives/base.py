@@ -1,13 +1,18 @@
 """Types shared by the trainer and every objective: what goes in (`StepValues`), what comes out
-(`LossOut`) and what an objective needs from the data (`ViewNeeds`), plus the online/target forward
-that the EMA-target objectives share."""
+(`LossOut`), what an objective needs from the data (`ViewNeeds`), the `Objective` base class with the
+validation every `Config` shares, and the online/target forward that the EMA-target objectives share."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+
+from pipelines.batch import Batch
+from pipelines.mixing import MixKind
 
 
 @dataclass(frozen=True)
@@ -29,7 +34,7 @@ class ViewNeeds:
     global_views: int = 2     # minimum number of global views
     local: int = 0            # minimum number of local views (0: ignored if present)
     weak: bool = False        # needs staged weak parents (RSA)
-    mix: str = "none"         # intra-batch mix kind it needs: "none" | "sdmp" | "dacl"
+    mix: MixKind = "none"     # intra-batch mix kind it needs: "none" | "sdmp" | "dacl"
     target: bool = True       # uses an EMA target network
 
 
@@ -40,6 +45,49 @@ class LossOut:
     loss: Tensor                                            # scalar, differentiable
     logs: dict[str, Tensor] = field(default_factory=dict)   # name -> detached scalar
     state: dict[str, Tensor] = field(default_factory=dict)  # detached tensors for `after_step`
+
+
+def check_positive(cfg: Any, *names: str) -> None:
+    """The `> 0` rule of an objective `Config`'s temperatures (and other positive fields).
+
+    Called from the Config's `__post_init__`; the message suggests the field's default.
+
+    Args:
+        cfg: a frozen objective Config dataclass instance.
+        names: fields of `cfg` that must be > 0.
+
+    Raises:
+        ValueError: one line naming the first field that is not > 0 and its default.
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for name in names:
+        value = getattr(cfg, name)
+        if not value > 0:
+            raise ValueError(f"objective.{name} must be > 0, got {value}; set objective.{name}={defaults[name]}")
+
+
+class Objective(nn.Module):
+    """Base of every objective (STYLE §2): its validated config, what it reads, its after-step hook.
+
+    A subclass sets `Config` (the frozen dataclass that validates the `objective:` config section)
+    and `needs`, and implements `forward(online, target, batch, s) -> LossOut`, which reads no
+    state and changes none. State of its own (queues, centres) changes only in `after_step`.
+    """
+
+    Config: ClassVar[type]          # the objective's frozen Config dataclass
+    needs: ViewNeeds                # what it reads from a Batch; an instance may refine it from cfg
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, online: nn.Module, target: nn.Module | None, batch: Batch, s: StepValues) -> LossOut:
+        """Loss of one step from the views in `batch` (target: None when `needs.target` is False)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement forward")
+
+    def after_step(self, out: LossOut) -> None:
+        """Update the objective's own state after the optimiser step; by default it has none (the
+        EMA target is not objective state: the loop updates it)."""
 
 
 def online_and_target(online: nn.Module, target: nn.Module, online_views: list[Tensor],

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from pipelines.batch import Batch
-from train.objectives.base import LossOut, StepValues, ViewNeeds, online_and_target
+from train.objectives.base import LossOut, Objective, StepValues, ViewNeeds, online_and_target
 from train.objectives.terms import byol_loss
 
 
@@ -24,21 +24,14 @@ class BYOLConfig:
     """BYOL has no loss hyper-parameters; the EMA momentum comes from the schedules."""
 
 
-class BYOL(nn.Module):
+class BYOL(Objective):
     """Symmetrised BYOL loss over the first two global views."""
 
     Config = BYOLConfig
     needs = ViewNeeds(global_views=2, target=True)
-
-    def __init__(self, cfg: BYOLConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
 
     def forward(self, online: nn.Module, target: nn.Module, batch: Batch, s: StepValues) -> LossOut:
         """Loss of one step from the views in `batch`; reads no state, changes none."""
         emb, tgt = online_and_target(online, target, batch.global_views[:2], batch.global_views[:2])
         loss = byol_loss(emb.p[0], emb.p[1], tgt.z[0], tgt.z[1])
         return LossOut(loss=loss, logs={"loss/byol": loss.detach()})
-
-    def after_step(self, out: LossOut) -> None:
-        """No state besides the EMA target, which the loop updates."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from pipelines.batch import Batch
-from train.objectives.base import LossOut, StepValues, ViewNeeds
+from train.objectives.base import LossOut, Objective, StepValues, ViewNeeds, check_positive
 from train.objectives.terms import gather_local_first, nt_xent, nt_xent_local
 
 __all__ = ["DACL", "DACLConfig", "nt_xent"]
@@ -31,11 +31,10 @@ class DACLConfig:
     with_simclr: bool = False   # True: SimCLR loss on the two global views + DACL loss
 
     def __post_init__(self) -> None:
-        if not self.tau > 0:
-            raise ValueError(f"objective.tau must be > 0, got {self.tau}; set objective.tau=0.5")
+        check_positive(self, "tau")
 
 
-class DACL(nn.Module):
+class DACL(Objective):
     """NT-Xent of the projector outputs of the two Mixup-noise positives `batch.mixed[0:2]`.
 
     `needs` of an instance follows the config: one global view (unused) for DACL alone, two for
@@ -46,8 +45,7 @@ class DACL(nn.Module):
     needs = ViewNeeds(global_views=1, mix="dacl", target=False)
 
     def __init__(self, cfg: DACLConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         if cfg.with_simclr:
             self.needs = replace(DACL.needs, global_views=2)
 
@@ -73,6 +71,3 @@ class DACL(nn.Module):
             loss = simclr + dacl
             logs["loss/simclr"] = simclr.detach()
         return LossOut(loss=loss, logs=logs)
-
-    def after_step(self, out: LossOut) -> None:
-        """No state."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from pipelines.batch import Batch
-from train.objectives.base import LossOut, StepValues, ViewNeeds, online_and_target
+from train.objectives.base import LossOut, Objective, StepValues, ViewNeeds, check_positive, online_and_target
 from train.objectives.terms import gather_nograd_local_first, moco_ctr
 
 
@@ -24,19 +24,14 @@ class MoCoV3Config:
     tau: float = 0.2            # softmax temperature (0.2 for ViT, 1.0 for ResNet-50 in the paper)
 
     def __post_init__(self) -> None:
-        if not self.tau > 0:
-            raise ValueError(f"objective.tau must be > 0, got {self.tau}; set objective.tau=0.2")
+        check_positive(self, "tau")
 
 
-class MoCoV3(nn.Module):
+class MoCoV3(Objective):
     """MoCo v3 over the first two global views; queries are online `p`, keys target `z`."""
 
     Config = MoCoV3Config
     needs = ViewNeeds(global_views=2, target=True)
-
-    def __init__(self, cfg: MoCoV3Config) -> None:
-        super().__init__()
-        self.cfg = cfg
 
     def forward(self, online: nn.Module, target: nn.Module, batch: Batch, s: StepValues) -> LossOut:
         """Loss of one step from the views in `batch`; reads no state, changes none."""
@@ -45,6 +40,3 @@ class MoCoV3(nn.Module):
         k2 = gather_nograd_local_first(tgt.z[1])                          # (M, D)
         loss = moco_ctr(emb.p[0], k2, self.cfg.tau) + moco_ctr(emb.p[1], k1, self.cfg.tau)
         return LossOut(loss=loss, logs={"loss/mocov3": loss.detach()})
-
-    def after_step(self, out: LossOut) -> None:
-        """No state besides the EMA target, which the loop updates."""

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from pipelines.batch import Batch
 from train import dist
-from train.objectives.base import LossOut, StepValues, ViewNeeds
+from train.objectives.base import LossOut, Objective, StepValues, ViewNeeds, check_positive
 from train.objectives.terms import gather_local_first, gather_nograd_local_first
 
 
@@ -130,13 +130,12 @@ class ReLICv2Config:
     seed: int = 0               # base seed of the negative draws (seed + step)
 
     def __post_init__(self) -> None:
-        if not self.tau > 0:
-            raise ValueError(f"objective.tau must be > 0, got {self.tau}; set objective.tau=0.2")
+        check_positive(self, "tau")
         if self.num_negatives < 1:
             raise ValueError(f"objective.num_negatives must be >= 1, got {self.num_negatives}")
 
 
-class ReLICv2(nn.Module):
+class ReLICv2(Objective):
     """RELICv2: 4 large crops (`global_views`, saliency-masked by the pipeline) and 2 small crops.
 
     Online: all crops; target: the large crops only. Negatives are drawn from the gathered batch
@@ -146,10 +145,6 @@ class ReLICv2(nn.Module):
 
     Config = ReLICv2Config
     needs = ViewNeeds(global_views=4, local=2, target=True)
-
-    def __init__(self, cfg: ReLICv2Config) -> None:
-        super().__init__()
-        self.cfg = cfg
 
     def forward(self, online: nn.Module, target: nn.Module, batch: Batch, s: StepValues) -> LossOut:
         """Loss of one step from the views in `batch`; reads no state, changes none."""
@@ -171,6 +166,3 @@ class ReLICv2(nn.Module):
         loss = relicv2_multicrop_loss(online_large, online_small, target_large, neg_idx,
                                       self.cfg.tau, self.cfg.alpha, self.cfg.beta)
         return LossOut(loss=loss, logs={"loss/relicv2": loss.detach()})
-
-    def after_step(self, out: LossOut) -> None:
-        """No state besides the EMA target, which the loop updates."""

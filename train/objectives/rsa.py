@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from pipelines.batch import Batch
-from train.objectives.base import LossOut, StepValues, ViewNeeds, online_and_target
+from train.objectives.base import LossOut, Objective, StepValues, ViewNeeds, online_and_target
 from train.objectives.terms import regression_loss
 
 
@@ -85,15 +85,11 @@ class RSAConfig:
             raise ValueError(f"objective.beta_base must be in [0, 1], got {self.beta_base}")
 
 
-class RSA(nn.Module):
+class RSA(Objective):
     """RSA on BYOL: `batch.global_views` are the aggressive views, `batch.weak_views` their parents."""
 
     Config = RSAConfig
     needs = ViewNeeds(global_views=2, weak=True, target=True)
-
-    def __init__(self, cfg: RSAConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
 
     def forward(self, online: nn.Module, target: nn.Module, batch: Batch, s: StepValues) -> LossOut:
         """Loss of one step from the views in `batch`; reads no state, changes none."""
@@ -105,6 +101,3 @@ class RSA(nn.Module):
         loss = (1.0 - beta) * weak_term + beta * aggressive_term
         return LossOut(loss=loss, logs={"loss/weak": weak_term.detach(),
                                         "loss/aggressive": aggressive_term.detach()})
-
-    def after_step(self, out: LossOut) -> None:
-        """No state besides the EMA target, which the loop updates."""

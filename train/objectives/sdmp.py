@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipelines.batch import Batch
-from train.objectives.base import LossOut, StepValues, ViewNeeds
+from train.objectives.base import LossOut, Objective, StepValues, ViewNeeds, check_positive
 from train.objectives.terms import gather_nograd_local_first, soft_info_nce
 
 
@@ -81,11 +81,10 @@ class SDMPConfig:
     tau: float = 0.2            # softmax temperature of Eqs. (3)-(4)
 
     def __post_init__(self) -> None:
-        if not self.tau > 0:
-            raise ValueError(f"objective.tau must be > 0, got {self.tau}; set objective.tau=0.2")
+        check_positive(self, "tau")
 
 
-class SDMP(nn.Module):
+class SDMP(Objective):
     """SDMP in MoCo v3 form: online queries on mixed views, target keys of clean and mixed views.
 
     Reads `batch.global_views` (2, B, ...), `batch.mixed` (2, B, ...) where mixed[v] mixes
@@ -94,10 +93,6 @@ class SDMP(nn.Module):
 
     Config = SDMPConfig
     needs = ViewNeeds(global_views=2, mix="sdmp", target=True)
-
-    def __init__(self, cfg: SDMPConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
 
     def forward(self, online: nn.Module, target: nn.Module, batch: Batch, s: StepValues) -> LossOut:
         """Loss of one step from the views in `batch`; reads no state, changes none."""
@@ -114,6 +109,3 @@ class SDMP(nn.Module):
         d1 = sdmp_loss(q[1], k_src[0], k_mix[0], lam[1], self.cfg.tau)
         loss = d0 + d1
         return LossOut(loss=loss, logs={"loss/sdmp": loss.detach()})
-
-    def after_step(self, out: LossOut) -> None:
-        """No state besides the EMA target, which the loop updates."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from pipelines.batch import Batch
-from train.objectives.base import LossOut, StepValues, ViewNeeds
+from train.objectives.base import LossOut, Objective, StepValues, ViewNeeds, check_positive
 from train.objectives.terms import gather_local_first, nt_xent_local
 
 
@@ -23,19 +23,14 @@ class SimCLRConfig:
     tau: float = 0.5            # NT-Xent temperature (0.5 on CIFAR, 0.1 on ImageNet in the paper)
 
     def __post_init__(self) -> None:
-        if not self.tau > 0:
-            raise ValueError(f"objective.tau must be > 0, got {self.tau}; set objective.tau=0.5")
+        check_positive(self, "tau")
 
 
-class SimCLR(nn.Module):
+class SimCLR(Objective):
     """NT-Xent of the projector outputs `z` of the first two global views; no target network."""
 
     Config = SimCLRConfig
     needs = ViewNeeds(global_views=2, target=False)
-
-    def __init__(self, cfg: SimCLRConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
 
     def forward(self, online: nn.Module, target: nn.Module | None, batch: Batch,
                 s: StepValues) -> LossOut:
@@ -44,6 +39,3 @@ class SimCLR(nn.Module):
         z1, z2 = emb.z[0], emb.z[1]                                       # (B, D) each
         loss = nt_xent_local(z1, z2, gather_local_first(z1), gather_local_first(z2), self.cfg.tau)
         return LossOut(loss=loss, logs={"loss/simclr": loss.detach()})
-
-    def after_step(self, out: LossOut) -> None:
-        """No state."""

@@ -21,17 +21,20 @@ Deviations:
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipelines.batch import Batch
-from train.objectives.base import LossOut, StepValues, ViewNeeds
+from train.objectives.base import LossOut, Objective, StepValues, ViewNeeds, check_positive
 from train.objectives.terms import gather_nograd_local_first, regression_loss
 
-BASES = ("byol", "mocov2star")
+UOTABase = Literal["byol", "mocov2star"]
+BASES: tuple[str, ...] = typing.get_args(UOTABase)
 
 
 @torch.no_grad()
@@ -61,7 +64,7 @@ def uota_weights(z: Tensor, tau: float) -> Tensor:
 
 @dataclass(frozen=True)
 class UOTAConfig:
-    base: str = "byol"          # base objective: "byol" (Eq. S.6) | "mocov2star" (Eq. S.5)
+    base: UOTABase = "byol"     # base objective: "byol" (Eq. S.6) | "mocov2star" (Eq. S.5)
     tau: float = 200.0          # UOTA temperature (Table S.1: 200 BYOL, 250 MoCo-v2*)
     warmup_epochs: float = 20.0 # N_warm: epochs of the base objective alone before UOTA
     moco_tau: float = 0.2       # MoCo-v2* softmax temperature t
@@ -71,14 +74,13 @@ class UOTAConfig:
 
     def __post_init__(self) -> None:
         if self.base not in BASES:
-            raise ValueError(f"objective.base={self.base!r} is unknown; choose one of {BASES}")
-        if not self.tau > 0 or not self.moco_tau > 0:
-            raise ValueError("objective.tau and objective.moco_tau must be > 0")
+            raise ValueError(f"objective.base={self.base!r} is unknown; choose one of {', '.join(BASES)}")
+        check_positive(self, "tau", "moco_tau")
         if self.queue_size < 1 or self.dim < 1:
             raise ValueError("objective.queue_size and objective.dim must be >= 1")
 
 
-class UOTA(nn.Module):
+class UOTA(Objective):
     """UOTA over a multi-crop base: online `p` of every view (global and local) is a trainable
     feature; targets are the target projections of the global views.
 
@@ -92,8 +94,7 @@ class UOTA(nn.Module):
     needs = ViewNeeds(global_views=2, target=True)
 
     def __init__(self, cfg: UOTAConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         k = cfg.queue_size if cfg.base == "mocov2star" else 0
         gen = torch.Generator().manual_seed(cfg.seed)
         self.register_buffer("queue", F.normalize(torch.randn(k, cfg.dim, generator=gen), dim=1))

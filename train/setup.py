@@ -1,0 +1,133 @@
+"""Start-up, written once for the loop, `python -m train eval` and `python -m train.bench`: the device,
+the loader backend, and the parts a training step touches (objective, loader, online and target
+networks, optimiser, gradient scaler), built in the same order everywhere so that one seed gives the
+same networks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from models.ema import make_target
+from models.multicrop import build_model
+from pipelines.loader import Loader, LoaderSpec, build_loader
+from pipelines.mixing import MixSpec
+from pipelines.views import Recipe, load_recipe
+from train import dist
+from train.config import Config, ConfigError, check_needs
+from train.objectives import OBJECTIVES
+from train.objectives.base import Objective
+from train.optim import build_optimizer
+
+
+def select_device(name: str) -> torch.device:
+    """The device of `run.device` ("auto", "cpu" or "cuda"), after joining the torchrun group (if any).
+
+    "auto" is `cuda:<LOCAL_RANK>` when CUDA is present, else the CPU; "cuda" is `cuda:<LOCAL_RANK>`.
+
+    Raises:
+        ConfigError: "cuda" on a machine where torch sees no CUDA device.
+    """
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device=cuda but torch sees no CUDA device; use run.device=auto or run.device=cpu")
+    return dist.init_from_env(use_cuda=None if name == "auto" else name == "cuda")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """`data.backend` with "auto" resolved: the DALI graphs on a GPU, the torch reference backend on CPU."""
+    if backend != "auto":
+        return backend
+    return "dali" if device.type == "cuda" else "torch"
+
+
+def build_train_loader(cfg: Config, recipe: Recipe, backend: str, device: torch.device) -> Loader:
+    """This rank's training loader: its share of `data.batch_size`, shuffled, drop-last, with the mixes.
+
+    Raises:
+        ConfigError: a global batch that does not split into even per-rank batches.
+    """
+    world = dist.world_size()
+    if cfg.data.batch_size % (2 * world):
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size} must split into even per-rank batches "
+                          f"over {world} ranks; use a multiple of {2 * world}")
+    mix = MixSpec(kind=cfg.data.mix.kind, alpha=cfg.data.mix.alpha, source=cfg.data.mix.source)
+    return build_loader(backend, LoaderSpec(
+        root=cfg.data.root, dataset=cfg.data.name, split="train", recipe=recipe,
+        batch_size=cfg.data.batch_size // world, mix=mix, rank=dist.rank(), world_size=world,
+        seed=cfg.run.seed, device=str(device), num_workers=cfg.data.num_workers))
+
+
+def build_online(cfg: Config, device: torch.device) -> nn.Module:
+    """The online `SSLModel` of `cfg.model` on `device` (channels-last on a GPU), randomly initialised."""
+    m = cfg.model
+    online = build_model(m.backbone, cfg.views.global_px, m.proj_hidden, m.proj_out, m.pred_hidden,
+                         m.proj_layers).to(device)
+    if device.type == "cuda" and m.channels_last:
+        online = online.to(memory_format=torch.channels_last)
+    return online
+
+
+@dataclass
+class Parts:
+    """Everything a training step touches, built once by `build_parts`."""
+
+    objective: Objective
+    loader: Loader
+    online: nn.Module                   # the SSLModel, wrapped in DDP under torchrun
+    target: nn.Module | None            # EMA target (None when the objective has none)
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    device: torch.device                # the training device
+    amp: bool                           # bf16 autocast of the forward pass
+    clip: float                         # max global grad norm; 0 disables clipping
+    first_non_finite: Tensor            # () int64 on the device: first non-finite step (1-based), -1: none
+
+    def state_dict(self) -> dict:
+        """The trained state a checkpoint holds: online (unwrapped), target, objective, optimiser, scaler."""
+        return {"online": dist.unwrap(self.online).state_dict(),
+                "target": self.target.state_dict() if self.target is not None else {},
+                "objective": self.objective.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` saved (a checkpoint's dict may hold more keys)."""
+        dist.unwrap(self.online).load_state_dict(state["online"])
+        if self.target is not None:
+            self.target.load_state_dict(state["target"])
+        self.objective.load_state_dict(state["objective"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+
+
+def build_parts(cfg: Config, device: torch.device, backend: str) -> Parts:
+    """Objective, loader, networks, optimiser and scaler of `cfg` for this rank.
+
+    The objective comes first: its `ViewNeeds` are checked against the recipe before any other work.
+    The networks are built from `run.seed` on every rank, so online and target start identical
+    everywhere.
+
+    Raises:
+        ConfigError: views or mixes that cannot feed the objective, or a batch that does not split.
+    """
+    objective = OBJECTIVES[cfg.method](cfg.objective).to(device)
+    recipe = load_recipe(cfg.views.recipe, cfg.views.global_px, cfg.views.local_px)
+    check_needs(cfg.method, objective.needs, recipe, cfg.data.mix.kind)
+    loader = build_train_loader(cfg, recipe, backend, device)
+    torch.manual_seed(cfg.run.seed)
+    online = build_online(cfg, device)
+    if dist.world_size() > 1:
+        # SyncBatchNorm needs CUDA; on CPU/gloo each rank normalises with its own batch statistics.
+        if device.type == "cuda":
+            online = nn.SyncBatchNorm.convert_sync_batchnorm(online)
+        online = DistributedDataParallel(online, device_ids=[device.index] if device.type == "cuda" else None)
+    target = make_target(dist.unwrap(online)) if objective.needs.target else None
+    return Parts(
+        objective=objective, loader=loader, online=online, target=target,
+        optimizer=build_optimizer(cfg, [dist.unwrap(online), objective]),
+        scaler=torch.amp.GradScaler(device.type, enabled=False),   # bf16 autocast needs no loss scaling
+        device=device, amp=cfg.run.amp and device.type == "cuda", clip=cfg.optim.clip,
+        first_non_finite=torch.full((), -1, dtype=torch.long, device=device))
