@@ -102,9 +102,8 @@ class ReusedBuffers:
     """Float32 output tensors that are written again once nothing refers to them any more.
 
     For a backend whose batches land in host memory (a CPU training device). Writing a batch into
-    fresh memory pays the kernel's zero-filling of every page on first touch: on the 2-core machine
-    32 ms of the 41 ms it took to normalise the 4 x 224-px views of a 32-image relicv2 batch (9 ms
-    into a buffer written before), about 1 ms per image.
+    fresh memory pays the kernel's zero-filling of every page on first touch, which cost most of the
+    normalisation time of a batch (docs/benchmarks.md, kernel notes).
 
     Each buffer is a numpy array and the tensors handed out are `torch.from_numpy` views of it; their
     storage holds a reference to the array, so the array's reference count says whether any tensor

@@ -174,7 +174,7 @@ def colour_ops(x, g: ViewGroup, debug: dict, tag: str, sd: Seeds):
 
 def blur(x, sig):
     # The window is DALI's 2·ceil(3σ)+1 from sigma rather than the fixed 10 % kernel (23 px at 224):
-    # on 2 cores, 224-px uint8, σ ~ U(0.1, 2), 8.0 ms/img against 28.7 ms/img for the fixed 23 px.
+    # a few times cheaper for the small σ most draws give (docs/benchmarks.md, kernel notes).
     return fn.gaussian_blur(x, sigma=sig)
 
 
@@ -353,8 +353,8 @@ def graph(spec: LoaderSpec, tars: list[str], idxs: list[str], masks: bool, seed:
 
     def normalized(x):
         # `batch.normalize` ((x/255 - mean)/std, CHW float32) inside the graph, in DALI's threads
-        # and overlapped with the host through the prefetch queue (1.25x on the crops-only recipe
-        # against the uint8 stack + permute + normalize on the host).
+        # and overlapped with the host through the prefetch queue, instead of a uint8 stack +
+        # permute + normalize on the host.
         return fn.crop_mirror_normalize(x, dtype=types.FLOAT, output_layout="CHW",
                                         mean=[255.0 * m for m in mean], std=[255.0 * v for v in std])
 

@@ -103,8 +103,7 @@ def load(row, off, s, flip, buf):
     """(s, s, 3) uint8 crop at row[off:] → float32 buf[: 3 s s] in [0, 1], columns reversed if flip.
 
     Loops index zero-based slices, never `off + i`: numba cannot prove such an index non-negative,
-    and its wraparound check kept LLVM from vectorising (0.16-0.20 → 0.02 ms for a 224-px view;
-    `store` 0.18 → 0.015 ms).
+    and its wraparound check keeps LLVM from vectorising (docs/benchmarks.md, kernel notes).
     """
     n, rs = 3 * s * s, 3 * s
     if not flip:
@@ -185,8 +184,7 @@ def hue_(buf, npx, shift):
     Algebraically the same as rgb→hsv, h = (h + shift) mod 1, hsv→rgb, with hue kept in sixths
     (h6 = 6 h) and v s = cr, which saves four divisions and the mod-1 floors per pixel; only float
     rounding differs from the torch op. Gray pixels (cr = 0) come back unchanged (any hue gives
-    v back). Every branch is a select on a zero-based slice, so LLVM vectorises the loop (measured
-    for a 224-px view: 0.8 ms as the torch formulas, 0.16 ms with branches, 0.06-0.07 ms).
+    v back). Every branch is a select on a zero-based slice, so LLVM vectorises the loop.
     """
     shift6 = _SIX * shift
     px = buf[:3 * npx]
@@ -245,9 +243,8 @@ def blur_(buf, s, sigma, kernel_px, tmp, pad):
     Rows first, then columns, as torch_backend.gaussian_blur; reflect padding (replicate where the
     kernel's half-width reaches the image side, as there). The window is truncated at radius
     min(kernel_px // 2, ceil(4 sigma)) and renormalised (module docstring); its symmetric taps are
-    summed in pairs, so only float rounding differs from the torch op (measured for a 224-px view
-    at sigma 0.5 / 1 / 2: 2.1-2.9 ms with flat-offset loops, 0.27 / 0.38 / 0.56 ms as one vectorised
-    multiply-add per tap, 0.15 / 0.21 / 0.36 ms with paired taps and the padding copied as a slice).
+    summed in pairs and the padding is copied as a slice (the fastest of the loop shapes tried,
+    docs/benchmarks.md); only float rounding differs from the torch op.
     tmp: >= 3 s s floats; pad: >= 3 (s + 2 r).
     """
     half_k = kernel_px // 2
@@ -390,9 +387,8 @@ def normalize_views(rows, row_bytes, n, off, count, s, lut, out):
     (s, s, 3) uint8 start at byte `off` of each row; lut: (3, 256) float32, the normalised value of
     each level per channel (made by `pipelines.batch.normalize` itself, so the result is bit-equal to
     it); out: (count, n, 3, s, s) float32. Replaces a permuted copy, a cast, a concatenation and two
-    normalisation passes in torch (measured 190 → 34 ms for the 4 x 224-px views of a 32-image batch
-    on the 2-core machine, most of the rest being first-touch page faults of the fresh output; 9 ms
-    into a buffer written before, see `pipelines.batch.ReusedBuffers`).
+    normalisation passes in torch; with `pipelines.batch.ReusedBuffers` the output pages are
+    already mapped.
     """
     npx = s * s
     src_all = numba.carray(rows, n * row_bytes, np.uint8)
