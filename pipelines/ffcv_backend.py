@@ -100,6 +100,8 @@ class FFCVLoader:
         self.layout = CropLayout.of(spec.recipe, ops=self.ops)
         self.masks = info.has_masks and any(g.saliency_p > 0 for g in spec.recipe.groups)
         self.laws = ffcv_ops.group_table(self.layout.all_groups, saliency=self.masks)     # (G, F) float64
+        if self.ops:
+            ffcv_ops.compiled()                      # every kernel compiled now, before FFCV's threads
         self.order = EpochOrder(spec, info.count)
         self.key = np.zeros(2, np.uint64)            # read by the compiled decoder through its address
         self.last_windows: dict[str, Tensor] = {}    # group → (count, B, 4) crop windows of the last batch
@@ -218,13 +220,18 @@ class FFCVLoader:
                 continue
             v0, s = self.layout.first_view[k], g.size_px
             cropped = self._crop_masks(g, masks, [(v, i) for v, i in hits if bool(usable[i])], p.flip)
+            buf, tmp = np.empty(3 * s * s, np.float32), np.empty(3 * s * s, np.float32)
+            pad = np.empty(3 * (3 * s + 2), np.float32)
+            no_mask = np.zeros(s * s, np.float32)
             for v, i in hits:
                 start = self.layout.offsets[v0 + v]
                 crop = rows[i, start:start + 3 * s * s]
+                assert crop.flags.c_contiguous
+                drawn = np.ascontiguousarray(params[v0 + v, i].numpy())
                 mask = cropped.get((v, i))
-                finish(crop, s, params[v0 + v, i].numpy(), self.laws[k],
-                       np.ascontiguousarray(mask, np.float32).reshape(-1) if mask is not None
-                       else np.zeros(s * s, np.float32), mask is not None)
+                mask = np.ascontiguousarray(mask, np.float32).reshape(-1) if mask is not None else no_mask
+                finish(crop.ctypes.data, s, drawn.ctypes.data, self.laws[k].ctypes.data, mask.ctypes.data,
+                       int((v, i) in cropped), buf.ctypes.data, tmp.ctypes.data, pad.ctypes.data)
 
     def _normalize_rows(self, rows: np.ndarray, groups: tuple[ViewGroup, ...]) -> Tensor:
         """One `Batch` field of the compiled path: the groups' uint8 views straight from the rows,

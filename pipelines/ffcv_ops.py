@@ -340,28 +340,32 @@ def finish_view(crop, s, u, gp, p, buf, tmp, pad, keep):
         flip_u8(crop_a, 0, s)
 
 
-@jit
-def finish_salient(crop, s, p, gp, mask, use):
-    """A view that drew saliency, on the host: flip, composite the background onto the drawn gray
-    level where `use` (the mask's coverage passed the gate), then the view's ops; in place.
+def finish_salient(crop, s, p, gp, mask, use, buf, tmp, pad):
+    """A view that drew saliency, finished by the loader once its mask is known: flip, composite the
+    background onto the drawn gray level where `use` (the mask's coverage passed the gate), then the
+    view's ops, in place.
 
-    Args:
-        crop: (3 s s,) uint8, the raw crop in the row (HWC). p: (N_PARAMS,) float32 drawn parameters.
-        gp: the group's law row. mask: (s s,) float32 in [0, 1], cropped with the view's window and
-            flipped with it. use: composite or not.
+    C entry point (all arrays by address), like `finish_view`: crop, the (s, s, 3) uint8 raw crop in
+    the row; p, its N_PARAMS float32 drawn parameters; gp, its group's law row; mask, (s s,) float32
+    in [0, 1], cropped with the view's window and flipped with it (read only when use != 0); buf, tmp,
+    pad: float32 scratch (3 s s, 3 s s, 3 (3 s + 2)).
     """
     n = 3 * s * s
-    buf = np.empty(n, np.float32)
-    load(crop, 0, s, p[0] > 0.5, buf)
-    if use:
-        level = p[15]
+    crop_a = numba.carray(crop, n, np.uint8)
+    p_a = numba.carray(p, N_PARAMS, np.float32)
+    buf_a = numba.carray(buf, n, np.float32)
+    load(crop_a, 0, s, p_a[0] > 0.5, buf_a)
+    if use != 0:
+        mask_a = numba.carray(mask, s * s, np.float32)
+        level = p_a[15]
         for q in range(s * s):
-            if mask[q] < _HALF:
-                buf[3 * q] = level
-                buf[3 * q + 1] = level
-                buf[3 * q + 2] = level
-    color_ops(buf, s, p, gp, np.empty(n, np.float32), np.empty(3 * (3 * s + 2), np.float32))
-    store(buf, crop, 0, s)
+            if mask_a[q] < _HALF:
+                buf_a[3 * q] = level
+                buf_a[3 * q + 1] = level
+                buf_a[3 * q + 2] = level
+    color_ops(buf_a, s, p_a, numba.carray(gp, len(GROUP_FIELDS), np.float64), numba.carray(tmp, n, np.float32),
+              numba.carray(pad, 3 * (3 * s + 2), np.float32))
+    store(buf_a, crop_a, 0, s)
 
 
 def finish_staged(parent, s, u, gp, p, out, child, tmp, pad):
@@ -412,12 +416,14 @@ def normalize_views(rows, row_bytes, n, off, count, s, lut, out):
 def compiled() -> SimpleNamespace:
     """The kernels, compiled (or loaded from numba's cache) once per process.
 
-    The decoder calls `finish_view` and `finish_staged`, and the loader `normalize_views`, as C
-    functions through ctypes (as the decoder calls libffcv), with addresses for arrays. Linking them as numba dispatchers instead cost every FFCV
-    pipeline ~1.5 s more compile time (their code re-optimised into each pipeline), and a second
-    loader in one process typed FFCV's row buffers read-only, whose new overload on a dispatcher
-    shared with another pipeline raised KeyError inside numba's overload list. The jitted kernels
-    are returned too, for tests.
+    The decoder calls `finish_view` and `finish_staged`, and the loader `finish_salient` and
+    `normalize_views`, as C functions through ctypes (as the decoder calls libffcv), with addresses
+    for arrays; all four are compiled here, once, and nothing is compiled while batches flow.
+    Linking them as numba dispatchers instead cost every FFCV pipeline ~1.5 s more compile time
+    (their code re-optimised into each pipeline), and a dispatcher that gained a new overload
+    after FFCV pipelines had been compiled in the process (a second loader typing FFCV's row buffers
+    read-only; `finish_salient` typed lazily on its first call) raised KeyError inside numba's
+    overload list. The jitted kernels are returned too, for tests.
     """
     import ctypes
 
@@ -425,15 +431,18 @@ def compiled() -> SimpleNamespace:
     view_sig = numba.types.void(ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64)
     staged_sig = numba.types.void(ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr)
     norm_sig = numba.types.void(ptr, i64, i64, i64, i64, i64, ptr, ptr)
+    salient_sig = numba.types.void(ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr)
     view_c = numba.cfunc(view_sig, nopython=True, cache=True)(finish_view)
     staged_c = numba.cfunc(staged_sig, nopython=True, cache=True)(finish_staged)
     norm_c = numba.cfunc(norm_sig, nopython=True, cache=True)(normalize_views)
+    salient_c = numba.cfunc(salient_sig, nopython=True, cache=True)(finish_salient)
     addr, i64c = ctypes.c_void_p, ctypes.c_int64
     view_f = ctypes.CFUNCTYPE(None, addr, i64c, addr, addr, addr, addr, addr, addr, i64c)(view_c.address)
     staged_f = ctypes.CFUNCTYPE(None, addr, i64c, addr, addr, addr, addr, addr, addr, addr)(staged_c.address)
     norm_f = ctypes.CFUNCTYPE(None, addr, i64c, i64c, i64c, i64c, i64c, addr, addr)(norm_c.address)
+    salient_f = ctypes.CFUNCTYPE(None, addr, i64c, addr, addr, addr, i64c, addr, addr, addr)(salient_c.address)
     # Keep the compiled objects alive as long as the ctypes pointers into them.
     return SimpleNamespace(finish_view=view_f, finish_staged=staged_f, normalize_views=norm_f,
-                           _cfuncs=(view_c, staged_c, norm_c), finish_salient=finish_salient,
+                           finish_salient=salient_f, _cfuncs=(view_c, staged_c, norm_c, salient_c),
                            draw_params=draw_params, color_ops=color_ops, needs_pixels=needs_pixels,
                            load=load, store=store, flip_u8=flip_u8)
