@@ -272,7 +272,7 @@ def sample_sdmp(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generat
                    mixer=mixer, boxes=boxes.expand(v, b, 4).to(device))
 
 
-def apply_sdmp(x: Tensor, d: MixDraw) -> tuple[Tensor, Tensor]:
+def apply_sdmp(x: Tensor, d: MixDraw, mix: MixSpec) -> tuple[Tensor, Tensor]:
     """Mix views x (V, B, C, H, W) with SDMP draws; returns (mixed, lam actually used (V, B))."""
     out, lams = [], []
     for k in range(x.shape[0]):
@@ -301,12 +301,13 @@ def sample_dacl(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generat
     return MixDraw(partner=partner.to(device), lam=lam.to(device), noise=noise.to(device), keep=keep)
 
 
-def apply_dacl(x: Tensor, d: MixDraw, noises: tuple[str, ...]) -> tuple[Tensor, Tensor]:
-    """Mix views x (V, B, C, H, W) with DACL draws, each sample with its noise; returns (mixed, lam)."""
+def apply_dacl(x: Tensor, d: MixDraw, mix: MixSpec) -> tuple[Tensor, Tensor]:
+    """Mix views x (V, B, C, H, W) with DACL draws, each sample with its noise (`d.noise` indexes
+    `mix.dacl_noises`); returns (mixed, lam)."""
     out = []
     for k in range(x.shape[0]):
         y = None
-        for j, name in enumerate(noises):
+        for j, name in enumerate(mix.dacl_noises):
             if name == "binary":
                 m = dacl_binary(x[k], d.partner[k], d.keep[k])
             else:
@@ -325,8 +326,8 @@ class Mix:
 
 
 MIXES: dict[str, Mix] = {
-    "sdmp": Mix(sample_sdmp, lambda x, d, mix: apply_sdmp(x, d)),
-    "dacl": Mix(sample_dacl, lambda x, d, mix: apply_dacl(x, d, mix.dacl_noises)),
+    "sdmp": Mix(sample_sdmp, apply_sdmp),
+    "dacl": Mix(sample_dacl, apply_dacl),
 }
 
 

@@ -138,6 +138,6 @@ def test_binary_mixup_keeps_its_own_pixels_at_rate_lam():
     d = mixing.MixDraw(partner=torch.arange(8).roll(1).view(1, 8), lam=torch.full((1, 8), 0.7),
                        noise=torch.zeros(8, dtype=torch.long),
                        keep=torch.rand(1, 8, 3, 16, 16, generator=torch.Generator().manual_seed(2)) < 0.7)
-    y, _ = mixing.apply_dacl(x, d, ("binary",))
+    y, _ = mixing.apply_dacl(x, d, mixing.MixSpec("dacl", dacl_noises=("binary",)))
     kept = (y[0, ::2] == 1.0).float().mean().item()                # even samples keep their own 1s at rate rho = lam
     assert abs(kept - 0.7) < 0.03
