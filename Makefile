@@ -18,7 +18,7 @@ SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 STAMP    := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/null | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-fast preprocess train eval profile bench-data bench-train bench-preprocess
+.PHONY: help install demo test test-fast preprocess train eval profile bench-data bench-train bench-preprocess gpu-check
 
 help:  ## list targets and variables
 	@echo "viewmill make targets:"
@@ -65,3 +65,6 @@ bench-train: install  ## training steps/s, images/s, memory, accuracy per object
 
 bench-preprocess: install  ## preprocessing throughput (images/s), 1 worker and all cores
 	$(PY) -m preprocess.bench $(ARGS)
+
+gpu-check: install  ## on a GPU machine: gpu tests, DALI GPU vs CPU graph vs torchvision, ResNet-50 data stall
+	$(PY) -m train.gpu_check $(ARGS)

@@ -78,30 +78,45 @@ def _imagenet_like_image(rng: np.random.Generator, w: int, h: int) -> np.ndarray
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
-def make_imagenet_like(src: Path, n: int, size: tuple[int, int], seed: int = 0) -> Path:
-    """Write `n` train JPEGs (and n // 10 val) in `src/{train,val}/<class>/`; skip if complete.
+def _write_imagenet_like(job: tuple) -> None:
+    """Write one generated JPEG; its draws come from (seed, split, i) alone, so any worker can make it."""
+    from PIL import Image
+
+    path, seed, split_id, i, (w0, h0) = job
+    rng = np.random.default_rng([seed, split_id, i])
+    # Sizes vary around the target like real photos; one in four is portrait.
+    w, h = int(w0 * rng.uniform(0.85, 1.15)), int(h0 * rng.uniform(0.85, 1.15))
+    if rng.random() < 0.25:
+        w, h = h, w
+    Image.fromarray(_imagenet_like_image(rng, w, h)).save(path, quality=schema.JPEG_QUALITY)
+
+
+def make_imagenet_like(src: Path, n: int, size: tuple[int, int], seed: int = 0, workers: int = 1) -> Path:
+    """Write `n` train JPEGs (and n // 10 val) in `src/{train,val}/<class>/`, in `workers` processes;
+    skip if complete.
 
     Returns:
         `src`.
     """
-    from PIL import Image
+    from concurrent.futures import ProcessPoolExecutor
 
     done = src / ".complete"
-    if done.exists() and done.read_text() == f"{n} {size} {seed}":
+    stamp = f"{n} {size} {seed} per-image-seeds"
+    if done.exists() and done.read_text() == stamp:
         return src
-    rng = np.random.default_rng(seed)
-    w0, h0 = size
-    for split, count in (("train", n), ("val", max(n // 10, 2 * IMAGENET_LIKE_CLASSES))):
+    jobs = []
+    for split_id, (split, count) in enumerate((("train", n), ("val", max(n // 10, 2 * IMAGENET_LIKE_CLASSES)))):
         for i in range(count):
             cls = src / split / f"class{i % IMAGENET_LIKE_CLASSES:03d}"
             cls.mkdir(parents=True, exist_ok=True)
-            # Sizes vary around the target like real photos; one in four is portrait.
-            w, h = int(w0 * rng.uniform(0.85, 1.15)), int(h0 * rng.uniform(0.85, 1.15))
-            if rng.random() < 0.25:
-                w, h = h, w
-            Image.fromarray(_imagenet_like_image(rng, w, h)).save(
-                cls / f"{split}_{i:06d}.jpg", quality=schema.JPEG_QUALITY)
-    done.write_text(f"{n} {size} {seed}")
+            jobs.append((cls / f"{split}_{i:06d}.jpg", seed, split_id, i, size))
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            list(pool.map(_write_imagenet_like, jobs, chunksize=16))
+    else:
+        for job in jobs:
+            _write_imagenet_like(job)
+    done.write_text(stamp)
     return src
 
 
@@ -123,7 +138,7 @@ def prepare(name: str, work: Path, n: int, quick: bool, cores: int) -> tuple[Pat
     log = work / "preprocess.log"
     if name == "imagenet-like":
         size = (96, 72) if quick else IMAGENET_LIKE_SIZE
-        src = make_imagenet_like(work / "imagenet-like-src", n, size)
+        src = make_imagenet_like(work / "imagenet-like-src", n, size, workers=cores)
         if not (root / "imagenet-like" / schema.MANIFEST_NAME).exists():
             _preprocess(["--dataset", "imagefolder", "--src", str(src), "--name", "imagenet-like",
                          "--out", str(root), "--workers", str(cores)], log)
@@ -380,6 +395,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-batches", type=int, default=None, help="untimed batches per run (default 3; quick 1)")
     p.add_argument("--cores", type=int, default=os.cpu_count(), help="CPU workers/threads for every backend")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where batches land")
+    p.add_argument("--no-stages", dest="stages", action="store_false",
+                   help="skip the crops-only runs that split each backend's time into stages")
     p.add_argument("--quick", action="store_true", help="tiny data and runs (tests)")
     p.add_argument("--out", default="bench/pipelines.json", help="JSON report; datasets are cached next to it")
     a = p.parse_args(argv)
@@ -401,7 +418,13 @@ def run(a: argparse.Namespace) -> dict:
 
     recipes = _csv(a.recipes, tuple(RECIPES) + ("byol", "multicrop8", "plain"), "recipe")
     datasets = _csv(a.datasets, DATASETS, "dataset")
-    backends = _csv(a.backends, BACKENDS, "backend")
+    # A backend may name the device its graph runs on and its batches land on: "dali@cpu" is the DALI
+    # CPU graph on a GPU machine; a bare name uses --device.
+    backends = [b.strip() for b in a.backends.split(",") if b.strip()]
+    _csv(",".join(b.partition("@")[0] for b in backends), BACKENDS, "backend")
+    bad = [b for b in backends if b.partition("@")[2] not in ("", "cpu", "cuda")]
+    if bad or not backends:
+        raise BenchError(f"bad backend {bad or a.backends!r}; write <backend> or <backend>@cpu / <backend>@cuda")
     out = Path(a.out)
     work = out.parent / "bench-data"
     work.mkdir(parents=True, exist_ok=True)
@@ -410,7 +433,7 @@ def run(a: argparse.Namespace) -> dict:
         "machine": machine(), "versions": versions(), "git": git_commit(),
         "settings": {"recipes": recipes, "datasets": datasets, "backends": backends, "n_images": a.n,
                      "repeats": a.repeats, "batch_size": a.batch_size, "timed_batches": a.batches,
-                     "warmup_batches": a.warmup_batches, "cores": a.cores, "device": a.device,
+                     "warmup_batches": a.warmup_batches, "cores": a.cores, "device": a.device, "stages": a.stages,
                      "quick": a.quick, "sizes_px": {d: (QUICK_SIZES_PX if a.quick else SIZES_PX[d]) for d in datasets},
                      "imagenet_like_image_px": (96, 72) if a.quick else IMAGENET_LIKE_SIZE,
                      "jpeg_quality": schema.JPEG_QUALITY, "statistic": "median over repeats"},
@@ -445,16 +468,21 @@ def run(a: argparse.Namespace) -> dict:
                     if row.get("status") == "failed":
                         continue
                     try:
-                        def make(epoch, rec=recipe, be=be):
+                        backend, _, device = be.partition("@")
+                        device = device or a.device
+                        row["device"] = device
+
+                        def make(epoch, rec=recipe, backend=backend, device=device):
                             spec = LoaderSpec(root=str(root), dataset=name, split="train", recipe=rec,
-                                              batch_size=a.batch_size, seed=0, device=a.device,
+                                              batch_size=a.batch_size, seed=0, device=device,
                                               num_workers=a.cores)
-                            loader = build_loader(be, spec)
+                            loader = build_loader(backend, spec)
                             loader.set_epoch(epoch + rnd)
                             return loader
-                        row["runs"] += time_loader(make, a.batches, a.warmup_batches, 1, a.device)
-                        row["crops_only_runs"] += time_loader(lambda e: make(e, crops_only(recipe)),
-                                                              a.batches, a.warmup_batches, 1, a.device)
+                        row["runs"] += time_loader(make, a.batches, a.warmup_batches, 1, device)
+                        if a.stages:
+                            row["crops_only_runs"] += time_loader(lambda e: make(e, crops_only(recipe)),
+                                                                  a.batches, a.warmup_batches, 1, device)
                     except Exception as exc:  # a broken backend is reported, not silently skipped
                         row.update(status="failed", error=f"{type(exc).__name__}: {exc}",
                                    traceback=traceback.format_exc(limit=4))
@@ -463,7 +491,7 @@ def run(a: argparse.Namespace) -> dict:
                                        "views_per_s": _median(ceiling_runs) * crop_views, "runs": ceiling_runs})
             for be, row in rows.items():
                 if row.get("status") != "failed":
-                    full, crops = _median(row["runs"]), _median(row["crops_only_runs"])
+                    full, crops = _median(row["runs"]), _median(row["crops_only_runs"]) or None
                     row.update(status="ok", img_per_s=full, views_per_s=full * vps, crops_only_img_per_s=crops,
                                stage_share=stage_shares(full, crops, decode_best[decoder]))
                 report["results"].append(row)

@@ -9,7 +9,9 @@
     OUT/<name>/                     the staging folder renamed into place
 
 The source is read and checked first (`preprocess/sources.py`: one pass per split, before anything
-is written under OUT), then the two writers run per split. Nothing under OUT/<name> changes until
+is written under OUT), then the two writers run per split. Where FFCV is not installed (a GPU machine
+that reads with DALI only) the `.beton` files are left out, said on stderr and in the manifest's
+`formats`; the ffcv backend then refuses the dataset with that fix. Nothing under OUT/<name> changes until
 the new dataset is complete: with --force the old folder is moved aside (its manifest removed
 first, so a reader never accepts a half-swapped folder), the staging folder renamed in, and the old
 one deleted. An interrupted run leaves only the staging folder, which the next run deletes.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -76,6 +79,10 @@ def _write_manifest(staging: Path, manifest: Manifest) -> None:
     os.replace(tmp, staging / schema.MANIFEST_NAME)
 
 
+def ffcv_installed() -> bool:
+    return importlib.util.find_spec("ffcv") is not None
+
+
 def _manifest(name: str, dataset: str, prepared: PreparedSource, files: dict[str, dict], shard_size: int,
               workers: int, timings: dict[str, float]) -> Manifest:
     """The manifest of a dataset whose files (relpath -> {sha256, bytes}) are all written."""
@@ -99,7 +106,7 @@ def _manifest(name: str, dataset: str, prepared: PreparedSource, files: dict[str
         size_policy=prepared.size_policy,
         mask_source=prepared.mask_source,
         gt_masks={k: f"gt_masks/{k}.npy" for k in prepared.gt_masks},
-        formats={"ffcv": {k: f"{k}.beton" for k in splits},
+        formats={**({"ffcv": {k: f"{k}.beton" for k in splits}} if all(f"{k}.beton" in files for k in splits) else {}),
                  "dali": {k: sorted(f for f in files if f.startswith(f"{k}/") and f.endswith(".tar"))
                           for k in splits}},
         shard_size=shard_size,
@@ -190,9 +197,14 @@ def prepare_dataset(dataset: str, out_root: Path, *, src: Path | None = None, fo
     try:
         staging.mkdir()
         timings["ffcv_write"] = timings["dali_write"] = 0.0
+        with_ffcv = ffcv_installed()
+        if not with_ffcv:
+            print("ffcv is not installed: writing the DALI shards only (the ffcv backend cannot read this "
+                  "dataset; `make install` installs ffcv)", file=sys.stderr)
         for split_name, split in prepared.splits.items():
             t = time.perf_counter()
-            write_ffcv(split, staging / f"{split_name}.beton", num_workers=workers, progress=progress)
+            if with_ffcv:
+                write_ffcv(split, staging / f"{split_name}.beton", num_workers=workers, progress=progress)
             timings["ffcv_write"] += time.perf_counter() - t
             t = time.perf_counter()
             write_dali(split, staging / split_name, shard_size=shard_size, num_workers=workers,

@@ -1,8 +1,19 @@
-"""Shared fixtures: a tiny synthetic dataset written once per session by the real preprocessor."""
+"""Shared fixtures: a tiny synthetic dataset written once per session by the real preprocessor; tests
+marked `gpu` are skipped where torch sees no CUDA device."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

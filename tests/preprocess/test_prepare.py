@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import pickle
 import tarfile
@@ -173,3 +174,23 @@ def test_fresh_dataset_is_not_rehashed_on_open(dataset: Path, monkeypatch) -> No
     monkeypatch.setattr(schema, "sha256_file", lambda p, *a: hashed.append(str(p)) or real(p, *a))
     read_manifest(dataset)
     assert hashed == []          # preprocess stamped the checksums it computed while writing
+
+
+def test_without_ffcv_the_dali_files_are_written_and_ffcv_refuses_with_the_fix(tmp_path: Path, monkeypatch,
+                                                                              capsys) -> None:
+    """A machine without FFCV (the GPU machine reads with DALI): the DALI shards and the manifest are
+    written, the manifest lists DALI only, the DALI loader reads it and the ffcv backend names the fix."""
+    from pipelines.loader import LoaderSpec, build_loader
+    from pipelines.views import load_recipe
+
+    monkeypatch.setattr(prepare, "ffcv_installed", lambda: False)
+    out = prepare.prepare_dataset("synthetic", tmp_path, workers=1, train_size=16, val_size=8, image_px=16)
+    assert "writing the DALI shards only" in capsys.readouterr().err
+    m = read_manifest(out)
+    assert set(m.formats) == {"dali"} and not list(out.glob("*.beton"))
+    spec = LoaderSpec(root=str(tmp_path), dataset="synthetic", split="train", recipe=load_recipe("plain", 16, 8),
+                      batch_size=8)
+    assert next(iter(build_loader("dali", spec))).global_views.shape[1:] == (8, 3, 16, 16)
+    if importlib.util.find_spec("ffcv") is not None:
+        with pytest.raises(DatasetError, match="without ffcv installed.*--force"):
+            build_loader("ffcv", spec)
