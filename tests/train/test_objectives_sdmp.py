@@ -111,3 +111,79 @@ def test_sdmp_loss_decreases_over_20_sgd_steps():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.1
+
+
+# ---- the wiring of the module: what the online network sees, and the plain term -----------------
+
+
+def _wiring(version: str):
+    from models.ema import make_target
+    from models.multicrop import build_model
+    from pipelines.batch import Batch
+    from train.objectives.base import StepValues
+    from train.objectives.sdmp import SDMP, SDMPConfig
+
+    torch.manual_seed(0)
+    online = build_model("resnet18", 16, proj_hidden=32, proj_out=16, pred_hidden=32).eval()   # eval: BN per view
+    target = make_target(online).eval()
+    g = torch.Generator().manual_seed(0)
+    batch = Batch(global_views=torch.randn(2, 4, 3, 16, 16, generator=g), local_views=None, weak_views=None,
+                  mixed=torch.randn(2, 4, 3, 16, 16, generator=g), mix_lam=torch.rand(2, 4, generator=g),
+                  mix_partner=torch.arange(3, -1, -1).expand(2, 4), index=torch.arange(4))
+    seen = []
+    real_forward = online.forward
+
+    def spy(groups):
+        seen.append([x for grp in groups for x in grp])           # every (B, 3, H, W) view the online net embeds
+        return real_forward(groups)
+
+    online.forward = spy
+    objective = SDMP(SDMPConfig(version=version))
+
+    def step(k: int):
+        s = StepValues(step=k, total_steps=10, epoch=0.0, lr=0.1, weight_decay=0.0, ema=0.99)
+        return objective(online, target, batch, s)
+    return batch, online, target, seen, step, real_forward
+
+
+def _which(x: torch.Tensor, batch) -> str:
+    for name in ("global_views", "mixed"):
+        for v in range(2):
+            if torch.equal(x, getattr(batch, name)[v]):
+                return f"{name}[{v}]"
+    return "?"
+
+
+def test_replace_version_online_sees_one_clean_and_one_mixed_view_every_step() -> None:
+    """Sec. 4.1.1: one of the symmetric views is replaced by the mix, at random: the online network
+    embeds a clean view and the mix of the other view in every step, and both views get replaced."""
+    batch, _, _, seen, step, _ = _wiring("replace")
+    clean = set()
+    for k in range(12):
+        step(k)
+        views = sorted(_which(x, batch) for x in seen[-1])
+        assert len(views) == 2 and views[0].startswith("global_views") and views[1].startswith("mixed"), views
+        assert views[0][-2] != views[1][-2], views                # the mix replaces the *other* view
+        clean.add(views[0])
+    assert clean == {"global_views[0]", "global_views[1]"}
+
+
+def test_replace_version_plain_term_is_moco_v3_on_the_clean_view() -> None:
+    """The clean direction equals MoCo v3's ctr on the same views, divided by 2 tau (Eq. 5's first term)."""
+    from train.objectives.sdmp import clean_view
+
+    batch, online, target, _, step, forward = _wiring("replace")
+    for k in range(4):
+        out = step(k)
+        v = clean_view(k)
+        with torch.no_grad():
+            (emb,) = forward([batch.global_views[v:v + 1]])
+            (tgt,) = target([batch.global_views[1 - v:2 - v]])
+        want = moco_ctr(emb.p[0], tgt.z[0], 0.2) / (2 * 0.2)
+        torch.testing.assert_close(out.logs["loss/sdmp_plain"], want, rtol=1e-5, atol=1e-6)
+
+
+def test_extra_view_version_keeps_both_clean_directions() -> None:
+    batch, _, _, seen, step, _ = _wiring("extra")
+    step(0)
+    assert sorted(_which(x, batch) for x in seen[-1]) == ["global_views[0]", "global_views[1]", "mixed[0]"]

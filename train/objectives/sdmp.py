@@ -4,20 +4,32 @@ Paper: "A Simple Data Mixing Prior for Improving Self-Supervised Learning", Ren 
 arXiv:2206.07692 (the version is not printed in the paper text the project follows; equation
 numbers below are those of that text).
 Implemented: Algorithm 1 (Fig. 2) with the source loss Eq. (3), the mixing coefficient
-lambda^c and mixing loss Eq. (4), summed as in the replace version Eq. (5); intra-batch partner
-n-1-i (Sec. 3.1).
+lambda^c and mixing loss Eq. (4), in the replace version of Eq. (5) (the default, Sec. 4.1.1: "we
+randomly replace one of the symmetric views with the mixed data") or the extra-view version of
+Sec. 4.3.3 / Table 9 (`objective.version=extra`); intra-batch partner n-1-i (Sec. 3.1).
 Reference code: https://github.com/OliverRensu/SDMP (commit unknown).
 
+Replace version, per step: one global view v is drawn (a fair coin seeded by the step, so a resumed
+run draws the same); the online network embeds the clean view v and the mix of the other view.
+Direction 1 is plain MoCo, clean query v against the clean key of the other view (the first term of
+Eq. 5, L^s with lambda = 1); direction 2 is the replaced one, the mixed query against the clean key
+of view v (Eq. 3) and the key of view v mixed with the same lambda and box (Eq. 4). So the online
+network sees one clean and one mixed view every step, as many as MoCo v3 sees, and its BatchNorm
+statistics are never those of mixed images alone. Extra-view version: both plain MoCo directions
+plus the mixed query of view 0 against view 1's clean and mixed keys (three online views per step).
+
 Deviations:
-- Algorithm 1 writes one direction (mixed view a as query, view b as key). Like MoCo v3 we
-  symmetrise: the mixes of both global views serve as queries, each against the clean and the
-  mixed keys of the other view, and the two directions are summed.
-- No 2*tau factor on the loss (Algorithm 1 has none; MoCo v3's own ctr() has it).
+- The view replaced is drawn once per step for the whole batch (the text does not say per step or
+  per sample; per step keeps each backbone call to one kind of image).
+- No 2*tau factor on the loss (Algorithm 1 has none; MoCo v3's own ctr() has it): the plain term is
+  MoCo v3's ctr / (2 tau), on the same scale as Eqs. (3)-(4).
 """
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -76,16 +88,38 @@ def sdmp_loss(q_mix: Tensor, k_src: Tensor, k_mix: Tensor, lam: Tensor, tau: flo
     return soft_info_nce(q, k_src, w_src, tau) + soft_info_nce(q, k_mix, w_mix, tau)
 
 
+SDMPVersion = Literal["replace", "extra"]
+
+
 @dataclass(frozen=True)
 class SDMPConfig:
-    tau: float = 0.2            # softmax temperature of Eqs. (3)-(4)
+    tau: float = 0.2                    # softmax temperature of Eqs. (3)-(4)
+    version: SDMPVersion = "replace"    # Eq. (5)'s replace version, or Table 9's extra view
 
     def __post_init__(self) -> None:
         check_positive(self, "tau")
+        if self.version not in typing.get_args(SDMPVersion):
+            raise ValueError(f"objective.version must be one of {', '.join(typing.get_args(SDMPVersion))}, "
+                             f"got {self.version!r}; set objective.version=replace")
+
+
+def clean_view(step: int) -> int:
+    """The global view (0 or 1) the online network sees clean at `step` in the replace version: a
+    fair coin seeded by the step alone (the same in every rank and after a resume)."""
+    return int(torch.randint(2, (), generator=torch.Generator().manual_seed(step)))
+
+
+def plain_term(q: Tensor, k: Tensor, tau: float) -> Tensor:
+    """The clean MoCo direction of Eq. (5): Eq. (3) with lambda = 1, i.e. InfoNCE of normalised q
+    against the gathered keys k with the positive on the diagonal (= MoCo v3's ctr / (2 tau))."""
+    b, m = q.shape[0], k.shape[0]
+    own = F.one_hot(torch.arange(b, device=q.device), m).to(q.dtype)
+    return soft_info_nce(F.normalize(q, dim=1), F.normalize(k.detach(), dim=1), own, tau)
 
 
 class SDMP(Objective):
-    """SDMP in MoCo v3 form: online queries on mixed views, target keys of clean and mixed views.
+    """SDMP in MoCo v3 form: online queries on a clean view and on a mixed view (replace version),
+    target keys of clean and mixed views.
 
     Reads `batch.global_views` (2, B, ...), `batch.mixed` (2, B, ...) where mixed[v] mixes
     global view v with partner B-1-i and `batch.mix_lam` (2, B). Keys are gathered across ranks.
@@ -98,14 +132,20 @@ class SDMP(Objective):
         """Loss of one step from the views in `batch`; reads no state, changes none."""
         if batch.mixed is None or batch.mix_lam is None:
             raise ValueError("sdmp needs batch.mixed and batch.mix_lam; set data.mix.kind=sdmp")
-        (emb_mix,) = online([batch.mixed[:2]])
-        q = emb_mix.p                                                      # (2, B, D)
+        tau, lam = self.cfg.tau, batch.mix_lam
         with torch.no_grad():
             tgt_clean, tgt_mix = target([batch.global_views[:2], batch.mixed[:2]])
-        k_src = [gather_nograd_local_first(tgt_clean.z[v]) for v in range(2)]  # 2 x (M, D)
-        k_mix = [gather_nograd_local_first(tgt_mix.z[v]) for v in range(2)]    # 2 x (M, D)
-        lam = batch.mix_lam
-        d0 = sdmp_loss(q[0], k_src[1], k_mix[1], lam[0], self.cfg.tau)
-        d1 = sdmp_loss(q[1], k_src[0], k_mix[0], lam[1], self.cfg.tau)
-        loss = d0 + d1
-        return LossOut(loss=loss, logs={"loss/sdmp": loss.detach()})
+        k = [gather_nograd_local_first(tgt_clean.z[v]) for v in range(2)]      # 2 x (M, D) clean keys
+        k_mix = [gather_nograd_local_first(tgt_mix.z[v]) for v in range(2)]   # 2 x (M, D) mixed keys
+        if self.cfg.version == "replace":
+            v = clean_view(s.step)
+            o = 1 - v                                                          # the view replaced by its mix
+            emb_clean, emb_mix = online([batch.global_views[v:v + 1], batch.mixed[o:o + 1]])
+            plain = plain_term(emb_clean.p[0], k[o], tau)
+            mixed = sdmp_loss(emb_mix.p[0], k[v], k_mix[v], lam[o], tau)
+        else:
+            emb_clean, emb_mix = online([batch.global_views[:2], batch.mixed[:1]])
+            plain = plain_term(emb_clean.p[0], k[1], tau) + plain_term(emb_clean.p[1], k[0], tau)
+            mixed = sdmp_loss(emb_mix.p[0], k[1], k_mix[1], lam[0], tau)
+        loss = plain + mixed
+        return LossOut(loss=loss, logs={"loss/sdmp_plain": plain.detach(), "loss/sdmp_mixed": mixed.detach()})
