@@ -151,7 +151,10 @@ def colour_ops(x, g: ViewGroup, debug: dict, tag: str, sd: Seeds):
             mu = fn.reductions.mean(x, axes=[0, 1])                        # (3,) mean RGB of the view
             mean_gray = fn.reductions.sum(mu * types.Constant(_GRAY_W))
             t = (b * (1.0 - c) * mean_gray) * types.Constant(np.ones(3, dtype=np.float32))
-            x = fn.coord_transform(x, M=m, T=t, dtype=types.UINT8)
+            if x.device == "gpu":      # T computed on the GPU cannot be an argument input (CPU only)
+                x = fn.cast(fn.coord_transform(x, M=m, dtype=types.FLOAT) + t, dtype=types.UINT8)  # rounds, saturates
+            else:
+                x = fn.coord_transform(x, M=m, T=t, dtype=types.UINT8)
         else:
             x = fn.coord_transform(x, M=m, dtype=types.UINT8)
     if g.blur_p > 0:
@@ -274,7 +277,7 @@ def mixes(sources: list, mix: MixSpec, batch_size: int, size: int, debug: dict, 
                 else:
                     u = fn.random.uniform(range=[0.0, 1.0], shape=fn.cast(x.shape(), dtype=types.INT32),
                                           seed=sd(f"mix/{v}/binary"))
-                    keep = fn.cast(u < lam, dtype=types.FLOAT)
+                    keep = fn.cast(u < (lam if mix.binary_rho == 0 else mix.binary_rho), dtype=types.FLOAT)
                     debug[f"mix/{v}/binary_mask"] = keep
                     parts.append(keep * xf + (1.0 - keep) * xpf)
             out.append(fn.cast(dmath.floor(_select(noise, parts) + 0.5), dtype=types.UINT8))

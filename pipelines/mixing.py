@@ -20,9 +20,12 @@ Laws (one home; DESIGN §4):
   Sec. 3.1: each positive (mixed view) draws its own partner, uniformly among the other samples,
   and its own lam ~ U(alpha, 1); Linear Mixup Eq. (3) x+ = lam x + (1 - lam) x~; Geometric Mixup Eq. (5)
   x+ = x^lam * x~^(1 - lam) on [0, 1] pixels; Binary Mixup Eq. (6) x+ = x * m + x~ * (1 - m),
-  m ~ Bernoulli(rho) per pixel and channel, with rho = lam (the paper searches rho separately).
-  DACL+ draws one noise function per sample and uses it for both of the sample's positives
-  ("apply this function to create both of the positive samples").
+  m ~ Bernoulli(rho) per pixel and channel. rho is `MixSpec.binary_rho` when set (Sec. 5 searches it
+  in {0.1, 0.3, 0.5}, while Sec. 3.1 asks for "a high rho"; we read rho as Eq. (6) writes it, the
+  probability of keeping x's own element), else rho = lam (high, as Sec. 3.1 asks, with no search).
+  Plain DACL (Algorithm 1) is Linear Mixup alone, the default `dacl_noises`. DACL+ (Sec. 3.1) lists
+  several and draws one noise function per sample, used for both of the sample's positives ("apply
+  this function to create both of the positive samples").
 
 Sources (`MixSpec.source`): "global" mixes every global view of the batch (view v of the mix is
 global view v mixed); "image" mixes the whole image resized to the global size with no other op,
@@ -60,7 +63,8 @@ class MixSpec:
     kind: MixKind = "none"             # "none" | "sdmp" | "dacl"
     alpha: float = 1.0                 # SDMP: lam ~ Beta(alpha, alpha); DACL: lam ~ U(alpha, 1)
     sdmp_mixers: tuple[str, ...] = SDMP_MIXERS    # one drawn uniformly per batch
-    dacl_noises: tuple[str, ...] = DACL_NOISES    # DACL+: one drawn per sample
+    dacl_noises: tuple[str, ...] = ("linear",)    # plain DACL (Algorithm 1); several: DACL+, one drawn per sample
+    binary_rho: float = 0.0            # Binary Mixup: P(keep own element); 0: rho = lam
     source: MixSource = "global"       # "global": mix every global view; "image": the whole image,
                                        # resized to the global size without ops, mixed twice
 
@@ -173,6 +177,8 @@ def check_mix(mix: MixSpec) -> None:
             raise ValueError(f"unknown DACL noise(s) {bad}; use some of {', '.join(DACL_NOISES)}")
         if not 0.0 <= mix.alpha < 1.0:
             raise ValueError(f"DACL draws lam ~ U(alpha, 1): mix.alpha must be in [0, 1), got {mix.alpha}")
+        if not 0.0 <= mix.binary_rho <= 1.0:
+            raise ValueError(f"mix.binary_rho is a probability, got {mix.binary_rho}; use 0 (rho = lam) or a value in (0, 1]")
 
 
 def with_mix_source(recipe: Recipe, mix: MixSpec) -> Recipe:
@@ -297,7 +303,8 @@ def sample_dacl(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generat
         # The masks are the only large draw: drawn where they are used, from a generator seeded here.
         dev_gen = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
         u = torch.rand((v, b, 3, h, w), generator=dev_gen, device=device)
-        keep = u < lam.to(device).view(v, b, 1, 1, 1)                                  # (V, B, 3, H, W)
+        rho = lam.to(device).view(v, b, 1, 1, 1) if mix.binary_rho == 0 else mix.binary_rho
+        keep = u < rho                                                                 # (V, B, 3, H, W)
     return MixDraw(partner=partner.to(device), lam=lam.to(device), noise=noise.to(device), keep=keep)
 
 

@@ -1,7 +1,9 @@
 """The trainer's configuration: one tree of frozen dataclasses, the only place defaults live.
 
 Merge order (STYLE §4): dataclass defaults → `configs/base.yaml` → `configs/data/<DATASET>.yaml`
-→ `configs/method/<METHOD>.yaml` → dotted `key=value` CLI overrides. Unknown keys and values that do
+→ `configs/method/<METHOD>.yaml` → the data preset's `per_method: {<METHOD>: ...}` section (a paper's
+setting for one method on that data, e.g. RSA's beta_base 0.3 on CIFAR) → dotted `key=value` CLI
+overrides. Unknown keys and values that do
 not parse to the field's type are `ConfigError`s with a one-line message; so is a value outside the
 choices of an enumerated (`typing.Literal`) field, whichever source it comes from (a preset, a CLI
 override, a checkpoint's config), so that a typo stops the run before anything is written. The
@@ -44,6 +46,9 @@ class MixConfig:
     kind: MixKind = "none"          # intra-batch mix: "none" | "sdmp" | "dacl"
     alpha: float = 1.0              # SDMP: lam ~ Beta(alpha, alpha); DACL: lam ~ U(alpha, 1)
     source: MixSource = "global"    # what is mixed: "global" views or the whole "image" (DACL)
+    sdmp_mixers: tuple[str, ...] = ("mixup", "cutmix", "resizemix")  # SDMP: one drawn per batch
+    dacl_noises: tuple[str, ...] = ("linear",)  # DACL: linear alone is Algorithm 1; several: DACL+
+    binary_rho: float = 0.0         # DACL Binary Mixup keep probability; 0: rho = lam
 
 
 @dataclass(frozen=True)
@@ -264,13 +269,16 @@ def load_config(args: list[str], config_dir: Path = CONFIG_DIR) -> Config:
     tree: dict = {}
     _merge(tree, _load_yaml(config_dir / "base.yaml"), Config)
     data_name = picks.get("data", tree.get("data", {}).get("name", DataConfig.name))
-    _merge(tree, _load_yaml(config_dir / "data" / f"{data_name}.yaml"), Config)
+    data_preset = _load_yaml(config_dir / "data" / f"{data_name}.yaml")
+    per_method = data_preset.pop("per_method", None) or {}
+    _merge(tree, data_preset, Config)
     tree.setdefault("data", {}).setdefault("name", data_name)
     method = picks.get("method", tree.get("method", Config.method))
     method_file = config_dir / "method" / f"{method}.yaml"
     if not method_file.is_file():
         raise _unknown_method(method, sorted(p.stem for p in (config_dir / "method").glob("*.yaml")))
     _merge(tree, _load_yaml(method_file), Config)
+    _merge(tree, per_method.get(method) or {}, Config)
     tree["method"] = method
     for key, value in pairs:
         if key in ("method", "data"):

@@ -6,6 +6,7 @@ same networks.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,11 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "dali" if device.type == "cuda" else "torch"
 
 
+def mix_spec(cfg: Config) -> MixSpec:
+    """The pipelines' `MixSpec` of `data.mix` (every field passed through)."""
+    return MixSpec(**dataclasses.asdict(cfg.data.mix))
+
+
 def build_train_loader(cfg: Config, recipe: Recipe, backend: str, device: torch.device) -> Loader:
     """This rank's training loader: its share of `data.batch_size`, shuffled, drop-last, with the mixes.
 
@@ -54,10 +60,9 @@ def build_train_loader(cfg: Config, recipe: Recipe, backend: str, device: torch.
     if cfg.data.batch_size % (2 * world):
         raise ConfigError(f"data.batch_size={cfg.data.batch_size} must split into even per-rank batches "
                           f"over {world} ranks; use a multiple of {2 * world}")
-    mix = MixSpec(kind=cfg.data.mix.kind, alpha=cfg.data.mix.alpha, source=cfg.data.mix.source)
     return build_loader(backend, LoaderSpec(
         root=cfg.data.root, dataset=cfg.data.name, split="train", recipe=recipe,
-        batch_size=cfg.data.batch_size // world, mix=mix, rank=dist.rank(), world_size=world,
+        batch_size=cfg.data.batch_size // world, mix=mix_spec(cfg), rank=dist.rank(), world_size=world,
         seed=cfg.run.seed, device=str(device), num_workers=cfg.data.num_workers))
 
 

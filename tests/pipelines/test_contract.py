@@ -10,21 +10,26 @@ remaining batches; the next epoch reshuffled. Then the evaluation path (index or
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from pipelines.loader import BACKENDS, LoaderSpec, build_loader
-from pipelines.mixing import MixSpec
+from pipelines.mixing import DACL_NOISES, MixSpec
 from pipelines.schema import read_manifest
 from pipelines.views import PRESETS, Recipe, ViewGroup, load_recipe
+from tests.devices import on_host
 
 N_TRAIN, N_VAL, B, PX = 48, 20, 8, 32
 _PACKAGE = {"ffcv": "ffcv", "dali": "nvidia.dali"}
 INSTALLED = [b for b in BACKENDS if b not in _PACKAGE or importlib.util.find_spec(_PACKAGE[b]) is not None]
 EVERY_BACKEND = [pytest.param(b, marks=pytest.mark.skipif(b not in INSTALLED, reason=f"{_PACKAGE.get(b)} not installed"))
                  for b in BACKENDS]
+# ... and the DALI graph on the GPU (nvJPEG decode, GPU ops), where there is one.
+EVERY_BACKEND.append(pytest.param("dali@cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    "dali" not in INSTALLED, reason="nvidia.dali not installed")]))
 
 
 ODD = Recipe("odd", (
@@ -35,7 +40,8 @@ ODD = Recipe("odd", (
 ))
 CASES = {name: (load_recipe(name, PX, PX // 2), MixSpec()) for name in PRESETS}
 CASES["byol+sdmp"] = (load_recipe("byol", PX, PX // 2), MixSpec("sdmp"))
-CASES["plain+dacl"] = (load_recipe("plain", PX, PX // 2), MixSpec("dacl", alpha=0.5, source="image"))
+CASES["plain+dacl"] = (load_recipe("plain", PX, PX // 2), MixSpec("dacl", alpha=0.5, source="image",
+                                                                  dacl_noises=DACL_NOISES))     # DACL+
 CASES["odd"] = (ODD, MixSpec())
 
 
@@ -54,6 +60,27 @@ def root(tmp_path_factory) -> Path:
 def _spec(root: Path, recipe: Recipe, mix: MixSpec, **kw) -> LoaderSpec:
     return LoaderSpec(root=str(root), dataset="synthetic", recipe=recipe, mix=mix,
                       **{"split": "train", "batch_size": B, "num_workers": 1, "seed": 1, **kw})
+
+
+def _loader(target: str, spec: LoaderSpec):
+    """Batches on the host from `target` ("<backend>" on the CPU, "<backend>@cuda" on the GPU), after
+    checking that they landed on its device."""
+    backend, _, device = target.partition("@")
+    return _OnDevice(build_loader(backend, replace(spec, device=device or "cpu")), device or "cpu")
+
+
+class _OnDevice:
+    def __init__(self, loader, device: str) -> None:
+        self.loader, self.device = loader, device
+
+    def __iter__(self):
+        return on_host(self.loader, self.device)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name):           # state_dict, load_state_dict, set_epoch
+        return getattr(self.loader, name)
 
 
 def _pixels(x: torch.Tensor, root: Path) -> torch.Tensor:
@@ -115,7 +142,7 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("backend", EVERY_BACKEND)
 def test_contract(root: Path, backend: str, case: str) -> None:
     recipe, mix = CASES[case]
-    ranks = [build_loader(backend, _spec(root, recipe, mix, rank=r, world_size=2)) for r in range(2)]
+    ranks = [_loader(backend, _spec(root, recipe, mix, rank=r, world_size=2)) for r in range(2)]
     n_batches = N_TRAIN // (2 * B)
     assert [len(ld) for ld in ranks] == [n_batches, n_batches]
     first, state = [], None
@@ -138,12 +165,12 @@ def test_contract(root: Path, backend: str, case: str) -> None:
     assert ranks[0].state_dict()["epoch"] == 1 and ranks[0].state_dict()["batches_done"] == 0
     assert not torch.equal(next(iter(ranks[0])).index, first[0].index)
     # Same seed, new loader, resumed after batch 0: exactly batches 1.. of the first run.
-    resumed = build_loader(backend, _spec(root, recipe, mix, rank=0, world_size=2))
+    resumed = _loader(backend, _spec(root, recipe, mix, rank=0, world_size=2))
     resumed.load_state_dict(state)
     rest = list(resumed)
     assert len(rest) == n_batches - 1 and all(_same(x, y) for x, y in zip(rest, first[1:]))
     # Another seed: other views.
-    other = next(iter(build_loader(backend, _spec(root, recipe, mix, rank=0, world_size=2, seed=2))))
+    other = next(iter(_loader(backend, _spec(root, recipe, mix, rank=0, world_size=2, seed=2))))
     assert not torch.equal(other.global_views, first[0].global_views)
 
 

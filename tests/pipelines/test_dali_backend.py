@@ -20,6 +20,7 @@ from pipelines.mixing import MixSpec, with_mix_source  # noqa: E402
 from pipelines.views import Recipe, ViewGroup  # noqa: E402
 from preprocess.records import Record  # noqa: E402
 from preprocess.write_dali import write_dali  # noqa: E402
+from tests.devices import DEVICES, on_host  # noqa: E402
 from tests.pipelines import mix_laws  # noqa: E402
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
@@ -53,9 +54,30 @@ def shards(tmp_path_factory):
     return DatasetInfo(dir=root, split="train", count=N, mean=MEAN, std=STD, has_masks=True)
 
 
-def _loader(shards, recipe, **kw):
-    spec = LoaderSpec(root="", dataset="", split="train", recipe=recipe, batch_size=8, **kw)
-    return dali_backend.DaliLoader(replace(spec, recipe=with_mix_source(recipe, spec.mix)), shards, debug=True)
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """Where the graph runs: every test below runs on the CPU graph and, on a GPU machine, the GPU graph."""
+    return request.param
+
+
+class _Loader:
+    """A debug `DaliLoader` whose batches are checked to be on the graph's device, handed over on the host."""
+
+    def __init__(self, spec: LoaderSpec, info: DatasetInfo) -> None:
+        self.inner = dali_backend.DaliLoader(replace(spec, recipe=with_mix_source(spec.recipe, spec.mix)), info,
+                                             debug=True)
+
+    def __iter__(self):
+        return on_host(self.inner, self.inner.spec.device.split(":")[0])
+
+    @property
+    def last_debug(self) -> dict:
+        return self.inner.last_debug
+
+
+def _loader(shards, recipe, device: str = "cpu", **kw) -> _Loader:
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=recipe, batch_size=8, device=device, **kw)
+    return _Loader(spec, shards)
 
 
 RELIC = Recipe("relic", (
@@ -68,16 +90,16 @@ RSA = Recipe("rsa", (
               hue=0.1, gray_p=0.2, blur_p=0.5)))
 
 
-def test_staged_view_is_weak_view_when_ops_off(shards) -> None:
+def test_staged_view_is_weak_view_when_ops_off(shards, device) -> None:
     recipe = Recipe("staged", (ViewGroup("weak", 2, 16, area=(0.2, 1.0)),
                                ViewGroup("aggressive", 2, 16, parent="weak")))
-    for b in _loader(shards, recipe, seed=2):
+    for b in _loader(shards, recipe, device, seed=2):
         assert torch.equal(b.global_views, b.weak_views)
 
 
-def test_saliency_never_grays_foreground(shards) -> None:
+def test_saliency_never_grays_foreground(shards, device) -> None:
     recipe = Recipe("sal", (ViewGroup("large", 1, 16, area=(0.14, 1.0), flip_p=0.0, saliency_p=1.0),))
-    loader = _loader(shards, recipe, seed=4, shuffle=False)
+    loader = _loader(shards, recipe, device, seed=4, shuffle=False)
     grayed = 0
     for b in loader:
         win = loader.last_debug["large/0/window"]                        # (B, 6) y0, x0, h, w, H, W
@@ -98,12 +120,12 @@ def test_saliency_never_grays_foreground(shards) -> None:
     assert grayed > 10
 
 
-def test_crop_area_and_ratio_laws(shards) -> None:
+def test_crop_area_and_ratio_laws(shards, device) -> None:
     # area <= 0.5 and ratio within [3/4, 4/3] on a square image: every first try fits, so the
     # window follows the law exactly: area ~ U(0.08, 0.5), log(ratio) ~ U(log 3/4, log 4/3).
     recipe = Recipe("laws", (ViewGroup("v", 8, 8, area=(0.08, 0.5), flip_p=0.5, gray_p=0.3, blur_p=0.4,
                                        solarize_p=0.2),))
-    loader = _loader(shards, recipe, seed=9)
+    loader = _loader(shards, recipe, device, seed=9)
     areas, ratios, flips, grays, blurs, sols = [], [], [], [], [], []
     pair_areas, pair_flips = [], []                                      # views 2k, 2k + 1 of a sample
     for _ in range(6):
@@ -144,19 +166,19 @@ def _pixels(x: torch.Tensor) -> torch.Tensor:
     return (x * 0.25 + 0.5) * 255
 
 
-def _first_batch(shards, mix):
-    loader = _loader(shards, MIX_RECIPE, seed=11, mix=mix)
+def _first_batch(shards, mix, device):
+    loader = _loader(shards, MIX_RECIPE, device, seed=11, mix=mix)
     b = next(iter(loader))
     return b, loader.last_debug
 
 
-@pytest.fixture(scope="module")
-def mixed_batches(shards):
+@pytest.fixture(scope="module", params=DEVICES)
+def mixed_batches(shards, request):
     out = {}
     for m in ("mixup", "cutmix", "resizemix"):
-        out[m] = _first_batch(shards, MixSpec("sdmp", alpha=1.0, sdmp_mixers=(m,)))
+        out[m] = _first_batch(shards, MixSpec("sdmp", alpha=1.0, sdmp_mixers=(m,)), request.param)
     for m in ("linear", "geometric", "binary"):
-        out[m] = _first_batch(shards, MixSpec("dacl", alpha=0.5, dacl_noises=(m,)))
+        out[m] = _first_batch(shards, MixSpec("dacl", alpha=0.5, dacl_noises=(m,)), request.param)
     return out
 
 
@@ -264,7 +286,7 @@ def test_read_records_round_trip_through_manifest(synthetic_root) -> None:
     assert all(im.shape == (32, 32, 3) and im.dtype == np.uint8 for im, _ in got.values())
 
 
-def test_saliency_composite_respects_gt_mask(synthetic_root) -> None:
+def test_saliency_composite_respects_gt_mask(synthetic_root, device) -> None:
     from pipelines.loader import build_loader
 
     gt = np.load(synthetic_root / "synthetic" / "gt_masks" / "train.npy")     # (N, 32, 32) {0, 255}
@@ -272,10 +294,10 @@ def test_saliency_composite_respects_gt_mask(synthetic_root) -> None:
 
     def spec(p):
         return LoaderSpec(root=str(synthetic_root), dataset="synthetic", split="train", shuffle=False,
-                          recipe=Recipe("s", (replace(group, saliency_p=p),)), batch_size=8, seed=3)
+                          recipe=Recipe("s", (replace(group, saliency_p=p),)), batch_size=8, seed=3, device=device)
 
-    plain = list(build_loader("dali", spec(0.0)))
-    loader = dali_backend.build(spec(1.0), DatasetInfo.read(synthetic_root, "synthetic", "train"), debug=True)
+    plain = list(on_host(build_loader("dali", spec(0.0)), device))
+    loader = _Loader(spec(1.0), DatasetInfo.read(synthetic_root, "synthetic", "train"))
     changed = 0
     for b0, b1 in zip(plain, loader):
         win = loader.last_debug["large/0/window"]
@@ -295,7 +317,7 @@ def test_saliency_composite_respects_gt_mask(synthetic_root) -> None:
     assert changed > 0
 
 
-def test_fused_jitter_matches_torchvision_sequence(shards) -> None:
+def test_fused_jitter_matches_torchvision_sequence(shards, device) -> None:
     # Constant-colour images, so every crop is the colour itself: the fused pass must give
     # torchvision's brightness -> contrast -> saturation sequence (float, clamped per op) wherever no
     # intermediate value clips, and grayscale must give R = G = B.
@@ -303,7 +325,7 @@ def test_fused_jitter_matches_torchvision_sequence(shards) -> None:
 
     recipe = Recipe("jit", (ViewGroup("v", 2, 8, area=(0.3, 1.0), jitter_p=1.0, brightness=0.4, contrast=0.4,
                                       saturation=0.4, gray_p=0.3),))
-    loader = _loader(shards, recipe, seed=5, shuffle=False)
+    loader = _loader(shards, recipe, device, seed=5, shuffle=False)
     checked = grays = 0
     for b in loader:
         px = _pixels(b.global_views).round()                            # (2, B, 3, 8, 8)
@@ -332,11 +354,11 @@ def test_fused_jitter_matches_torchvision_sequence(shards) -> None:
 
 
 @pytest.mark.parametrize("mixer", ["mixup", "cutmix", "resizemix"])
-def test_sdmp_laws_of_the_graph(shards, mixer: str) -> None:
+def test_sdmp_laws_of_the_graph(shards, device, mixer: str) -> None:
     """The laws of pipelines/mixing.py, read back from the graph's mixes of constant-colour views
     (the same checks as for the torch reference in test_mixing.py)."""
     recipe = Recipe("mix", (ViewGroup("g", 2, 16, area=(0.3, 1.0)),))
-    loader = _loader(shards, recipe, seed=13, mix=MixSpec("sdmp", alpha=1.0, sdmp_mixers=(mixer,)))
+    loader = _loader(shards, recipe, device, seed=13, mix=MixSpec("sdmp", alpha=1.0, sdmp_mixers=(mixer,)))
     clipped = 0
     for _ in range(2):
         for b in loader:
@@ -346,10 +368,48 @@ def test_sdmp_laws_of_the_graph(shards, mixer: str) -> None:
     assert mixer != "cutmix" or clipped > 0
 
 
-def test_dacl_laws_of_the_graph(shards) -> None:
+def test_dacl_laws_of_the_graph(shards, device) -> None:
     recipe = Recipe("mix", (ViewGroup("g", 2, 16, area=(0.3, 1.0)),))
-    loader = _loader(shards, recipe, seed=14, mix=MixSpec("dacl", alpha=0.5, dacl_noises=("linear", "binary")))
+    loader = _loader(shards, recipe, device, seed=14, mix=MixSpec("dacl", alpha=0.5, dacl_noises=("linear", "binary")))
     batches = [b for _ in range(2) for b in loader]
     kinds = torch.cat([mix_laws.noise_kinds(_pixels(b.mixed), _pixels(b.global_views), tol=0.6) for b in batches], 1)
     mix_laws.check_dacl_laws(torch.cat([b.mix_partner for b in batches], 1), torch.cat([b.mix_lam for b in batches], 1),
                              kinds, 0.5, own=torch.arange(8).repeat(len(batches)))
+
+
+@pytest.mark.gpu
+def test_gpu_graph_views_stay_on_the_device(shards, monkeypatch) -> None:
+    """The GPU graph's views reach the Batch device to device: every view output is a GPU tensor list
+    fed into CUDA tensors, and only the graph's CPU outputs (record, lam, partner) are read on the host."""
+    from nvidia.dali.backend import TensorListGPU
+
+    fed, host = [], []
+    real_feed, real_to_torch = dali_backend._feed, dali_backend._to_torch
+
+    def feed(tls, dev, buffers, k):
+        fed.extend(isinstance(t, TensorListGPU) for t in tls)
+        return real_feed(tls, dev, buffers, k)
+
+    def to_torch(tl):
+        host.append(isinstance(tl, TensorListGPU))
+        return real_to_torch(tl)
+
+    monkeypatch.setattr(dali_backend, "_feed", feed)
+    monkeypatch.setattr(dali_backend, "_to_torch", to_torch)
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=RELIC, batch_size=8, device="cuda",
+                      mix=MixSpec("sdmp"))
+    loader = dali_backend.DaliLoader(replace(spec, recipe=with_mix_source(RELIC, spec.mix)), shards)
+    batches = list(loader)
+    assert len(batches) == N // 8 and all(b.global_views.is_cuda and b.local_views.is_cuda and b.mixed.is_cuda
+                                          and b.mix_lam.is_cuda for b in batches)
+    assert fed and all(fed)                                   # 2 + 2 views and 2 mixes per batch, all on the GPU
+    assert host and not any(host)                             # no GPU output copied to the host
+
+
+def test_plain_dacl_is_linear_mixup_alone(shards, device) -> None:
+    """The default DACL noises (Algorithm 1): the graph's positives are linear mixes only."""
+    b, _ = _first_batch(shards, MixSpec("dacl", alpha=0.5), device)
+    for v in range(2):
+        x = _pixels(b.global_views[v])
+        want = _expected("linear", x, x[b.mix_partner[v]], b.mix_lam[v], None, None)
+        assert (_pixels(b.mixed[v]) - want).abs().max() <= 0.5 + 1e-3

@@ -126,7 +126,7 @@ def test_dacl_laws_of_the_reference():
     mix_laws.check_dacl_laws(out.partner, out.lam, mix_laws.noise_kinds(out.mixed * 255, x, tol=1e-3), 0.5,
                              own=torch.arange(b))
     g = torch.Generator().manual_seed(1)
-    d = mixing.sample_dacl(2, 4000, 4, 4, mixing.MixSpec("dacl", alpha=0.6), g, "cpu")
+    d = mixing.sample_dacl(2, 4000, 4, 4, mixing.MixSpec("dacl", alpha=0.6, dacl_noises=mixing.DACL_NOISES), g, "cpu")
     assert not (d.partner == torch.arange(4000)).any()
     assert stats.kstest(d.lam[0].numpy(), stats.uniform(0.6, 0.4).cdf).pvalue > 1e-3
     assert set(d.noise.tolist()) == {0, 1, 2}
@@ -141,3 +141,24 @@ def test_binary_mixup_keeps_its_own_pixels_at_rate_lam():
     y, _ = mixing.apply_dacl(x, d, mixing.MixSpec("dacl", dacl_noises=("binary",)))
     kept = (y[0, ::2] == 1.0).float().mean().item()                # even samples keep their own 1s at rate rho = lam
     assert abs(kept - 0.7) < 0.03
+
+
+def test_plain_dacl_is_linear_mixup_alone():
+    """Algorithm 1 (plain DACL, the default noises): every positive is lam x + (1 - lam) x~, never a
+    geometric or binary mix."""
+    b, s = 16, 8
+    x = _constant_colour_views(b, s)
+    spec = mixing.MixSpec("dacl", alpha=0.5)
+    assert spec.dacl_noises == ("linear",)
+    out = mixing.mix_views(x / 255, spec, torch.Generator().manual_seed(7))
+    lam = out.lam.view(2, b, 1, 1, 1)
+    want = lam * x / 255 + (1 - lam) * torch.stack([x[v][out.partner[v]] for v in range(2)]) / 255
+    torch.testing.assert_close(out.mixed, want, atol=1e-6, rtol=0)
+
+
+def test_binary_mixup_rho_when_set_replaces_lam():
+    spec = mixing.MixSpec("dacl", alpha=0.9, dacl_noises=("binary",), binary_rho=0.3)
+    d = mixing.sample_dacl(2, 64, 16, 16, spec, torch.Generator().manual_seed(8), "cpu")
+    assert float(d.lam.min()) >= 0.9 and abs(d.keep.float().mean().item() - 0.3) < 0.01
+    with pytest.raises(ValueError, match="binary_rho is a probability"):
+        mixing.check_mix(mixing.MixSpec("dacl", alpha=0.5, binary_rho=1.5))

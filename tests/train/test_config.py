@@ -144,3 +144,33 @@ def test_needs_check_counts_the_roles_the_recipe_resolved() -> None:
     check_needs("rsa", ViewNeeds(global_views=3, weak=True), staged, "none")
     with pytest.raises(ConfigError, match=r"4 global views \(recipe has 3\)"):
         check_needs("rsa", ViewNeeds(global_views=4, weak=True), staged, "none")
+
+
+def test_dacl_preset_is_plain_dacl_and_dacl_plus_reaches_the_loader() -> None:
+    """Algorithm 1 (linear mixup) by default; the noise list and rho of `data.mix` reach the MixSpec."""
+    from train.setup import mix_spec
+
+    plain = mix_spec(load_config(["method=dacl"]))
+    assert plain.kind == "dacl" and plain.dacl_noises == ("linear",) and plain.binary_rho == 0.0
+    plus = mix_spec(load_config(["method=dacl", "data.mix.dacl_noises=[linear,geometric,binary]",
+                                 "data.mix.binary_rho=0.3"]))
+    assert plus.dacl_noises == ("linear", "geometric", "binary") and plus.binary_rho == 0.3
+
+
+@pytest.mark.parametrize("data", ["synthetic", "cifar10", "cifar100", "imagenet"])
+def test_relicv2_online_and_target_have_the_same_form_on_every_data_preset(data: str) -> None:
+    """Listing 1 of RELICv2: no predictor on the online side, whatever the data preset's width."""
+    assert load_config(["method=relicv2", f"data={data}"]).model.pred_hidden == 0
+
+
+@pytest.mark.parametrize("data", ["cifar10", "cifar100"])
+def test_cifar_rsa_preset_is_the_papers_small_dataset_setting(data: str) -> None:
+    """RSA Sec. 4.1: beta_base 0.3 on CIFAR-10/100 with SGD lr 0.1, wd 5e-4, batch 256, 1024/128 heads;
+    other methods on CIFAR keep the data preset's values, and a CLI override still wins."""
+    cfg = load_config(["method=rsa", f"data={data}"])
+    assert cfg.objective.beta_base == 0.3 and cfg.data.batch_size == 256
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay) == ("sgd", 0.1, 5e-4)
+    assert (cfg.model.proj_hidden, cfg.model.proj_out, cfg.model.pred_hidden) == (1024, 128, 1024)
+    assert load_config(["method=rsa", "data=synthetic"]).objective.beta_base == 0.4
+    assert load_config(["method=byol", f"data={data}"]).optim.name == "lars"
+    assert load_config(["method=rsa", f"data={data}", "objective.beta_base=0.5"]).objective.beta_base == 0.5

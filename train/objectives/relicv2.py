@@ -9,6 +9,10 @@ combination with alpha, beta, and the multi-crop pairing of Listing 1 (every onl
 and small, against every large target crop, divided by (n_large + n_small) * n_large).
 Reference code: none published with the paper (unknown).
 
+Online and target networks have the same form (encoder + comparison network, Listing 1): the method
+preset sets no predictor (`model.pred_hidden: 0`); a predictor, if one is configured, is a
+deviation and is used on the online side.
+
 Deviations:
 - Embeddings are L2-normalised before the inner product of phi_tau (the paper leaves it implicit;
   RELIC and BYOL normalise).
