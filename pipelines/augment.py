@@ -12,7 +12,8 @@ Laws (DESIGN §4; torchvision's transforms where the papers name them):
   hue shift ~ U(-a, a) turns, applied in a random order per view, each clamped to [0, 1]
   (torchvision's ColorJitter; contrast blends with the mean gray of the current image, hue rotates
   in HSV); then grayscale (p gray_p, `GRAY_WEIGHTS`); Gaussian blur (p blur_p, sigma ~ U(blur_sigma)
-  px at `BLUR_REFERENCE_PX` scaled to the view size, window `blur_kernel_px`, reflect padding);
+  px at `BLUR_REFERENCE_PX` scaled to the view size, or px of the view itself with
+  `blur_sigma_at: view`; window `blur_kernel_px`, reflect padding);
   solarize (p solarize_p, pixels >= 0.5 inverted).
 - saliency background removal (RELICv2 App. A.2, global crops): with p saliency_p, and only when
   the sample's mask covers at least `SALIENCY_MIN_COVERAGE` of the image, pixels whose mask (cropped
@@ -44,15 +45,20 @@ BLUR_KERNEL_FRACTION = 0.1                 # blur window side: 10 % of the view 
 JITTER_OPS = ("brightness", "contrast", "saturation", "hue")
 
 
-def blur_kernel_px(size_px: int) -> int:
-    """Odd Gaussian window side for a view of `size_px`: 10 % of the side, 23 px at 224."""
-    k = int(round(BLUR_KERNEL_FRACTION * size_px))
+def blur_kernel_px(group: ViewGroup) -> int:
+    """Odd Gaussian window side of the group's views: 10 % of the side (23 px at 224, BYOL / SimCLR's
+    rule) when sigma scales with the view; with `blur_sigma_at: view` at least 2·ceil(3·sigma_max)+1
+    (MoCo v2's sigma of up to 2 px on a 32-px view needs 13 px, not 10 % of 32), at most the side."""
+    k = int(round(BLUR_KERNEL_FRACTION * group.size_px))
+    if group.blur_sigma_at == "view":
+        k = min(max(k, 2 * math.ceil(3 * group.blur_sigma[1]) + 1), group.size_px)
     return k if k % 2 == 1 else k + 1
 
 
 def blur_sigma_px(group: ViewGroup) -> tuple[float, float]:
-    """The group's blur sigma range in px at its own size (`blur_sigma` is given at 224 px)."""
-    scale = group.size_px / BLUR_REFERENCE_PX
+    """The group's blur sigma range in px of its own views: `blur_sigma` scaled from
+    `BLUR_REFERENCE_PX` to the view size, or as given with `blur_sigma_at: view`."""
+    scale = 1.0 if group.blur_sigma_at == "view" else group.size_px / BLUR_REFERENCE_PX
     return group.blur_sigma[0] * scale, group.blur_sigma[1] * scale
 
 
@@ -277,7 +283,7 @@ def apply_color_ops(x: Tensor, params: ViewParams, group: ViewGroup) -> Tensor:
     sel = torch.nonzero(params.blur.to(dev)).squeeze(1)
     if sel.numel():
         x = x.clone()
-        x[sel] = gaussian_blur(x[sel], params.sigma.to(dev)[sel], blur_kernel_px(group.size_px))
+        x[sel] = gaussian_blur(x[sel], params.sigma.to(dev)[sel], blur_kernel_px(group))
     if bool(params.solarize.any()):
         sol = params.solarize.to(dev).view(-1, 1, 1, 1) & (x >= 0.5)
         x = torch.where(sol, 1.0 - x, x)

@@ -58,7 +58,7 @@ def group_table(groups: tuple[ViewGroup, ...], saliency: bool = True) -> np.ndar
     """
     rows = [(g.flip_p, g.jitter_p, g.brightness, g.contrast, g.saturation, g.hue, g.gray_p, g.blur_p,
              *blur_sigma_px(g), g.solarize_p, g.saliency_p if saliency else 0.0, g.size_px,
-             blur_kernel_px(g.size_px), float(g.role == "staged")) for g in groups]
+             blur_kernel_px(g), float(g.role == "staged")) for g in groups]
     return np.array(rows, np.float64).reshape(len(groups), len(GROUP_FIELDS))
 
 

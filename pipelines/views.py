@@ -55,7 +55,9 @@ class ViewGroup:
     hue: float = 0.0                            # hue shift drawn in [-a, a], a <= 0.5 (turns)
     gray_p: float = 0.0                         # grayscale probability (augment.GRAY_WEIGHTS)
     blur_p: float = 0.0                         # Gaussian-blur probability
-    blur_sigma: tuple[float, float] = (0.1, 2.0)  # sigma range in px at augment.BLUR_REFERENCE_PX, drawn uniformly
+    blur_sigma: tuple[float, float] = (0.1, 2.0)  # sigma range in px, drawn uniformly; px of what: blur_sigma_at
+    blur_sigma_at: str = "reference"            # "reference": px at augment.BLUR_REFERENCE_PX, scaled to the
+                                                # view; "view": px of the view itself, whatever its size
     solarize_p: float = 0.0                     # solarize probability, threshold at half range
     saliency_p: float = 0.0                     # background-removal probability (global crops only)
     parent: str | None = None                   # staged group: name of the weak group it builds on
@@ -114,6 +116,7 @@ class Recipe:
 RECIPE_DIR = Path(__file__).resolve().parent / "recipes"
 PRESETS = ("byol", "relicv2", "rsa", "multicrop8", "plain")
 INTERPOLATIONS = ("bilinear", "bicubic")
+BLUR_SIGMA_AT = ("reference", "view")
 _GROUP_KEYS = tuple(f.name for f in _fields(ViewGroup))
 _CROP_KEYS = ("size_px", "crop_p", "area", "ratio", "interpolation", "flip_p", "saliency_p")
 _PROB_KEYS = ("crop_p", "flip_p", "jitter_p", "gray_p", "blur_p", "solarize_p", "saliency_p")
@@ -189,6 +192,8 @@ def validate_recipe(recipe: Recipe) -> Recipe:
             raise RecipeError(f"{where}: ratio {list(g.ratio)} must satisfy 0 < min <= max")
         if not (0 < g.blur_sigma[0] <= g.blur_sigma[1]):
             raise RecipeError(f"{where}: blur_sigma {list(g.blur_sigma)} must satisfy 0 < min <= max")
+        if g.blur_sigma_at not in BLUR_SIGMA_AT:
+            raise RecipeError(f"{where}: blur_sigma_at {g.blur_sigma_at!r}; use one of {', '.join(BLUR_SIGMA_AT)}")
         if g.interpolation not in INTERPOLATIONS:
             raise RecipeError(f"{where}: interpolation {g.interpolation!r}; use one of {', '.join(INTERPOLATIONS)}")
         if g.parent is not None:

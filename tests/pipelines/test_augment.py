@@ -158,3 +158,19 @@ def test_saliency_background_goes_before_the_colour_ops():
     corner = out[:, :, 0, 0]                                                      # background pixel
     assert torch.allclose(corner, want.view(-1, 1).expand(-1, 3))
     assert not torch.allclose(corner, level.view(-1, 1).expand(-1, 3))
+
+
+def test_rsa_blur_is_mocov2s_sigma_in_view_px_and_not_the_identity_at_32_px():
+    """RSA takes MoCo v2's blur (sigma in [0.1, 2] px) at every view size; presets that scale sigma
+    from 224 px (BYOL) keep doing so. At 32 px the RSA blur visibly changes a view."""
+    from pipelines.views import load_recipe
+
+    aggressive = load_recipe("rsa", 32, 16).groups[1]
+    assert augment.blur_sigma_px(aggressive) == (0.1, 2.0) and augment.blur_kernel_px(aggressive) == 13
+    byol = load_recipe("byol", 32, 16).groups[0]
+    assert augment.blur_sigma_px(byol)[1] == pytest.approx(2.0 * 32 / 224) and augment.blur_kernel_px(byol) == 3
+    assert augment.blur_sigma_px(load_recipe("rsa", 224, 96).groups[1]) == augment.blur_sigma_px(
+        load_recipe("byol", 224, 96).groups[0])                            # the two readings agree at 224
+    x = (torch.arange(32).view(1, 32) + torch.arange(32).view(32, 1)) % 2 * torch.ones(1, 3, 1, 1)   # checkerboard
+    y = augment.gaussian_blur(x, torch.tensor([1.0]), augment.blur_kernel_px(aggressive))
+    assert float((y - x).abs().mean()) > 0.3
