@@ -121,7 +121,7 @@ def train_step(parts: Parts, batch: Batch, s: StepValues) -> LossOut:
     clip_and_step(parts.optimizer, parts.scaler, parts.clip)
     parts.optimizer.zero_grad(set_to_none=True)
     if parts.target is not None:
-        parts.target.update_from(dist.unwrap(parts.online), momentum=s.ema)
+        parts.target.update_from(dist.unwrap(parts.online), momentum=parts.objective.target_momentum(s))
     parts.objective.after_step(out)
     return out
 

@@ -269,3 +269,25 @@ def test_two_rank_gloo_equals_one_process_on_the_concatenated_batch(tmp_path) ->
             torch.testing.assert_close(g2, g1, rtol=1e-9, atol=1e-12, msg=name)
         for k in state:
             torch.testing.assert_close(state2[k], state[k], msg=name)
+
+
+def test_uota_mocov2star_is_moco_v2_without_predictor_and_with_a_fixed_key_momentum():
+    """Supplement Sec. S.5: MoCo-v2* queries are projector outputs (MoCo v2 has no predictor), its key
+    encoder moves with MoCo v2's fixed momentum, and it reads SwAV's 2 + 6 multi-crop views; the BYOL
+    base keeps the predictor and BYOL's scheduled momentum."""
+    online, target = tiny_model()
+    moco = UOTA(UOTA.Config(base="mocov2star", queue_size=24, dim=DIM, warmup_epochs=0.0))
+    assert moco.needs.local == 6 and UOTA(UOTA.Config()).needs.local == 0
+    out = moco(online, target, make_batch(moco.needs), step_values(epoch=1.0))
+    out.loss.backward()
+    assert all(p.grad is None for p in online.predictor.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in online.projector.parameters())
+    s = step_values()
+    assert moco.target_momentum(s) == 0.999 and UOTA(UOTA.Config()).target_momentum(s) == s.ema
+
+
+def test_uota_preset_is_byol_with_its_own_two_views():
+    from train.config import load_config
+
+    cfg = load_config(["method=uota", "data=synthetic"])
+    assert cfg.objective.base == "byol" and cfg.views.recipe == "byol" and cfg.model.pred_hidden > 0

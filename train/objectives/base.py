@@ -85,6 +85,11 @@ class Objective(nn.Module):
         """Loss of one step from the views in `batch` (target: None when `needs.target` is False)."""
         raise NotImplementedError(f"{type(self).__name__} must implement forward")
 
+    def target_momentum(self, s: StepValues) -> float:
+        """EMA momentum of the target at this step: the schedule's (`s.ema`, BYOL's cosine from
+        `optim.ema_start` to `optim.ema_end`) unless the objective's paper fixes its own."""
+        return s.ema
+
     def after_step(self, out: LossOut) -> None:
         """Update the objective's own state after the optimiser step; by default it has none (the
         EMA target is not objective state: the loop updates it)."""

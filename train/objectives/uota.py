@@ -10,6 +10,14 @@ expanded for MoCo-v2* (Eq. S.5) and BYOL (Eq. S.6); the base objective alone for
 `warmup_epochs` (N_warm, Sec. S.5).
 Reference code: https://github.com/ssl-codelab/uota (commit unknown).
 
+Setups (Sec. S.5: "exactly the same augmentation policy as what the baseline model X published"):
+- BYOL+UOTA (the default, `uota.yaml`): BYOL's own two views (`views.recipe: byol`), its predictor and
+  cosine EMA target; M = 2 trainable features per sample.
+- MoCo-v2*+UOTA (`objective.base=mocov2star views.recipe=multicrop8 model.pred_hidden=0`): SwAV's
+  multi-crop, 2 + 6 views with SwAV's colour law (`multicrop8`), M = 8; the queries are the projector
+  outputs (MoCo v2 has no predictor: `emb.z`, whatever `model.pred_hidden` says) and the key encoder
+  follows MoCo v2's fixed momentum `objective.key_momentum` (0.999), not BYOL's cosine schedule.
+
 Deviations:
 - Sigma^-1 is computed as a pseudo-inverse, equal to the inverse when Sigma is invertible, so
   that a rank-deficient Sigma (D > (M-1) N: small batches) still gives finite weights.
@@ -71,6 +79,7 @@ class UOTAConfig:
     queue_size: int = 65536     # MoCo-v2* negatives kept in the queue
     dim: int = 128              # projector output size; must equal model.proj_out (queue width)
     seed: int = 0               # seed of the random initial queue
+    key_momentum: float = 0.999 # MoCo-v2* key encoder: MoCo v2's fixed EMA momentum
 
     def __post_init__(self) -> None:
         if self.base not in BASES:
@@ -78,6 +87,9 @@ class UOTAConfig:
         check_positive(self, "tau", "moco_tau")
         if self.queue_size < 1 or self.dim < 1:
             raise ValueError("objective.queue_size and objective.dim must be >= 1")
+        if not 0.0 <= self.key_momentum <= 1.0:
+            raise ValueError(f"objective.key_momentum must be in [0, 1], got {self.key_momentum}; "
+                             "set objective.key_momentum=0.999")
 
 
 class UOTA(Objective):
@@ -95,6 +107,8 @@ class UOTA(Objective):
 
     def __init__(self, cfg: UOTAConfig) -> None:
         super().__init__(cfg)
+        if cfg.base == "mocov2star":      # MoCo-v2*: SwAV's multi-crop, 2 global + 6 local views
+            self.needs = ViewNeeds(global_views=2, local=6, target=True)
         k = cfg.queue_size if cfg.base == "mocov2star" else 0
         gen = torch.Generator().manual_seed(cfg.seed)
         self.register_buffer("queue", F.normalize(torch.randn(k, cfg.dim, generator=gen), dim=1))
@@ -134,7 +148,8 @@ class UOTA(Objective):
         groups = [batch.global_views] if batch.local_views is None else [batch.global_views,
                                                                          batch.local_views]
         embs = online(groups)
-        p = torch.cat([e.p for e in embs], dim=0)                          # (V, B, D)
+        # BYOL's trainable features are the predictor outputs; MoCo v2's queries the projector outputs.
+        p = torch.cat([e.p if self.cfg.base == "byol" else e.z for e in embs], dim=0)   # (V, B, D)
         with torch.no_grad():
             (tgt,) = target([batch.global_views])
         per_view, keys = self._per_view_losses(p, tgt.z)                   # (V, B)
@@ -150,6 +165,10 @@ class UOTA(Objective):
         logs["loss/uota"] = loss.detach()
         logs["uota/w_min"] = w.min()
         return LossOut(loss=loss, logs=logs, state=state)
+
+    def target_momentum(self, s: StepValues) -> float:
+        """BYOL base: the cosine schedule; MoCo-v2*: MoCo v2's fixed key-encoder momentum."""
+        return s.ema if self.cfg.base == "byol" else self.cfg.key_momentum
 
     @torch.no_grad()
     def after_step(self, out: LossOut) -> None:
