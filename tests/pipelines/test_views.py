@@ -14,7 +14,8 @@ def test_presets_resolve_sizes_and_parameters():
     large = [g for g in rel.groups if g.size_px == 224]
     small = [g for g in rel.groups if g.size_px == 96]
     assert [g.blur_p for g in large] == [0.1, 1.0, 0.1, 1.0] and [g.blur_p for g in small] == [0.1, 1.0]
-    assert all(g.area == (0.14, 1.0) and g.saliency_p == 0.1 for g in large)
+    assert [g.area for g in large] == [(0.14, 1.0), (0.08, 1.0)] * 2       # Table 4: even column 8 %
+    assert all(g.saliency_p == 0.1 for g in large)
     assert all(g.area == (0.05, 0.14) and g.saliency_p == 0 for g in small)
     rsa = load_recipe("rsa", 32, 16)
     weak, agg = rsa.groups
@@ -22,6 +23,8 @@ def test_presets_resolve_sizes_and_parameters():
     assert (agg.brightness, agg.contrast, agg.saturation, agg.hue, agg.jitter_p) == (0.4, 0.4, 0.4, 0.1, 0.8)
     mc = load_recipe("multicrop8", 32, 16)
     assert [(g.count, g.size_px) for g in mc.groups] == [(2, 32), (6, 16)]
+    assert all((g.brightness, g.contrast, g.saturation, g.hue, g.solarize_p, g.blur_sigma_at) ==
+               (0.8, 0.8, 0.8, 0.2, 0.0, "view") for g in mc.groups)             # SwAV's colour law
     plain = load_recipe("plain", 32, 16).groups[0]
     assert (plain.crop_p, plain.flip_p, plain.jitter_p, plain.blur_p) == (0.0, 0.0, 0.0, 0.0)
     assert set(PRESETS) == {"byol", "relicv2", "rsa", "multicrop8", "plain"}
