@@ -1,7 +1,8 @@
 """Loader throughput benchmark: `python -m pipelines.bench`.
 
 For every recipe × dataset × backend it measures source images/s and views/s of the loader alone
-(batches normalised on `--device`), with the same number of CPU cores for every backend (`--cores`:
+(batches normalised on `--device`; a backend written `name@cpu` or `name@cuda` runs there instead, so
+that `dali,dali@cpu` compares the DALI GPU and CPU graphs in one run), with the same number of CPU cores for every backend (`--cores`:
 DataLoader workers / DALI threads, and torch's intra-op threads), as the median of `--repeats` runs,
 each timed after `--warmup-batches` batches. The runs go in rounds: each round times the
 decode + crops ceiling and every backend once, back to back, so that a slow spell of a shared

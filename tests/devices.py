@@ -19,3 +19,20 @@ def on_host(batches: Iterable[Batch], device: str) -> Iterator[Batch]:
             if x is not None:
                 assert x.device.type == device, f"{name} on {x.device}, expected {device}"
         yield b.to("cpu")
+
+
+class OnHost:
+    """A loader whose batches are checked to be on `device` and handed over on the host; everything
+    else (len, state_dict, set_epoch, last_debug, ...) is the loader's own."""
+
+    def __init__(self, loader, device: str) -> None:
+        self.loader, self.device = loader, device
+
+    def __iter__(self) -> Iterator[Batch]:
+        return on_host(self.loader, self.device)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)

@@ -20,7 +20,7 @@ from pipelines.loader import BACKENDS, LoaderSpec, build_loader
 from pipelines.mixing import DACL_NOISES, MixSpec
 from pipelines.schema import read_manifest
 from pipelines.views import PRESETS, Recipe, ViewGroup, load_recipe
-from tests.devices import on_host
+from tests.devices import OnHost
 
 N_TRAIN, N_VAL, B, PX = 48, 20, 8, 32
 _PACKAGE = {"ffcv": "ffcv", "dali": "nvidia.dali"}
@@ -62,25 +62,11 @@ def _spec(root: Path, recipe: Recipe, mix: MixSpec, **kw) -> LoaderSpec:
                       **{"split": "train", "batch_size": B, "num_workers": 1, "seed": 1, **kw})
 
 
-def _loader(target: str, spec: LoaderSpec):
-    """Batches on the host from `target` ("<backend>" on the CPU, "<backend>@cuda" on the GPU), after
-    checking that they landed on its device."""
+def _loader(target: str, spec: LoaderSpec) -> OnHost:
+    """The loader of `target` ("<backend>" on the CPU, "<backend>@cuda" on the GPU), its batches
+    checked to land on that device and handed over on the host."""
     backend, _, device = target.partition("@")
-    return _OnDevice(build_loader(backend, replace(spec, device=device or "cpu")), device or "cpu")
-
-
-class _OnDevice:
-    def __init__(self, loader, device: str) -> None:
-        self.loader, self.device = loader, device
-
-    def __iter__(self):
-        return on_host(self.loader, self.device)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name):           # state_dict, load_state_dict, set_epoch
-        return getattr(self.loader, name)
+    return OnHost(build_loader(backend, replace(spec, device=device or "cpu")), device or "cpu")
 
 
 def _pixels(x: torch.Tensor, root: Path) -> torch.Tensor:

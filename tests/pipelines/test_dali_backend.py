@@ -20,7 +20,7 @@ from pipelines.mixing import MixSpec, with_mix_source  # noqa: E402
 from pipelines.views import Recipe, ViewGroup  # noqa: E402
 from preprocess.records import Record  # noqa: E402
 from preprocess.write_dali import write_dali  # noqa: E402
-from tests.devices import DEVICES, on_host  # noqa: E402
+from tests.devices import DEVICES, OnHost, on_host  # noqa: E402
 from tests.pipelines import mix_laws  # noqa: E402
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
@@ -60,24 +60,15 @@ def device(request) -> str:
     return request.param
 
 
-class _Loader:
-    """A debug `DaliLoader` whose batches are checked to be on the graph's device, handed over on the host."""
-
-    def __init__(self, spec: LoaderSpec, info: DatasetInfo) -> None:
-        self.inner = dali_backend.DaliLoader(replace(spec, recipe=with_mix_source(spec.recipe, spec.mix)), info,
-                                             debug=True)
-
-    def __iter__(self):
-        return on_host(self.inner, self.inner.spec.device.split(":")[0])
-
-    @property
-    def last_debug(self) -> dict:
-        return self.inner.last_debug
+def _debug_loader(spec: LoaderSpec, info: DatasetInfo) -> OnHost:
+    """A debug `DaliLoader` (drawn parameters in `last_debug`), batches checked and on the host."""
+    loader = dali_backend.DaliLoader(replace(spec, recipe=with_mix_source(spec.recipe, spec.mix)), info, debug=True)
+    return OnHost(loader, spec.device.split(":")[0])
 
 
-def _loader(shards, recipe, device: str = "cpu", **kw) -> _Loader:
+def _loader(shards, recipe, device: str = "cpu", **kw) -> OnHost:
     spec = LoaderSpec(root="", dataset="", split="train", recipe=recipe, batch_size=8, device=device, **kw)
-    return _Loader(spec, shards)
+    return _debug_loader(spec, shards)
 
 
 RELIC = Recipe("relic", (
@@ -297,7 +288,7 @@ def test_saliency_composite_respects_gt_mask(synthetic_root, device) -> None:
                           recipe=Recipe("s", (replace(group, saliency_p=p),)), batch_size=8, seed=3, device=device)
 
     plain = list(on_host(build_loader("dali", spec(0.0)), device))
-    loader = _Loader(spec(1.0), DatasetInfo.read(synthetic_root, "synthetic", "train"))
+    loader = _debug_loader(spec(1.0), DatasetInfo.read(synthetic_root, "synthetic", "train"))
     changed = 0
     for b0, b1 in zip(plain, loader):
         win = loader.last_debug["large/0/window"]
