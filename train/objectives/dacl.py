@@ -4,9 +4,10 @@ Paper: "Towards Domain-Agnostic Contrastive Learning", Verma et al., ICML 2021,
 arXiv:2011.04419 (the version is not printed in the paper text the project follows; equation
 numbers below are those of that text).
 Implemented: Algorithm 1 (two Mixup-noise positives per sample, Eq. 3, lam ~ U(alpha, 1);
-NT-Xent with the anchor excluded from its own denominator, lines 17-21); DACL+ noises (Eqs. 5-6)
-arrive already mixed in `batch.mixed` from the pipeline; SimCLR+DACL as the sum of the SimCLR
-and DACL losses (Sec. 5.1).
+NT-Xent with the anchor excluded from its own denominator, lines 17-21); the positives arrive
+already mixed in `batch.mixed` from the pipeline: Linear Mixup alone by default (Algorithm 1), the
+DACL+ noises (Eqs. 5-6, one per sample for both positives) with `data.mix.dacl_noises`; SimCLR+DACL
+as the sum of the SimCLR and DACL losses (Sec. 5.1).
 Reference code: none published with the paper (unknown).
 
 Deviations: none.
