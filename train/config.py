@@ -77,6 +77,7 @@ class ModelConfig:
     proj_layers: int = 2            # projector Linear layers
     pred_hidden: int = 2048         # predictor hidden width; 0: no predictor
     channels_last: bool = True      # channels-last memory format (GPU only)
+    bn_per_view: bool = False       # one backbone call (BatchNorm batch) per view, not per resolution
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ def build_online(cfg: Config, device: torch.device) -> nn.Module:
     """The online `SSLModel` of `cfg.model` on `device` (channels-last on a GPU), randomly initialised."""
     m = cfg.model
     online = build_model(m.backbone, cfg.views.global_px, m.proj_hidden, m.proj_out, m.pred_hidden,
-                         m.proj_layers).to(device)
+                         m.proj_layers, m.bn_per_view).to(device)
     if device.type == "cuda" and m.channels_last:
         online = online.to(memory_format=torch.channels_last)
     return online

@@ -95,3 +95,24 @@ def test_a_group_that_is_not_five_dimensional_is_a_value_error() -> None:
         model([torch.randn(2, 2, 3, 16, 16), torch.randn(2, 3, 16, 16)])
     with pytest.raises(ValueError, match="skip None"):
         model([torch.randn(2, 2, 3, 16, 16), None])
+
+
+def test_bn_per_view_normalises_each_view_with_its_own_statistics() -> None:
+    """In train mode the shared forward mixes the views' BatchNorm statistics; `bn_per_view` gives
+    exactly one forward per view (what the official BYOL / MoCo v3 / SDMP code runs)."""
+    from models.multicrop import build_model
+
+    torch.manual_seed(0)
+    shared = build_model("resnet18", 16, 32, 16, 32).train()
+    per_view = build_model("resnet18", 16, 32, 16, 32, bn_per_view=True).train()
+    per_view.load_state_dict(shared.state_dict())
+    g = torch.Generator().manual_seed(1)
+    clean, mixed = torch.randn(2, 4, 3, 16, 16, generator=g), 3 + torch.randn(1, 4, 3, 16, 16, generator=g)
+    got = per_view([clean, mixed])
+    for v, x in ((0, clean[0]), (1, clean[1])):
+        (alone,) = shared([x[None]])
+        torch.testing.assert_close(got[0].p[v], alone.p[0])
+    (alone,) = shared([mixed])
+    torch.testing.assert_close(got[1].z[0], alone.z[0])
+    (together,) = shared([torch.cat([clean, mixed])])
+    assert not torch.allclose(together.z[0], got[0].z[0], atol=1e-3)
