@@ -10,7 +10,11 @@ DACL+ noises (Eqs. 5-6, one per sample for both positives) with `data.mix.dacl_n
 as the sum of the SimCLR and DACL losses (Sec. 5.1).
 Reference code: none published with the paper (unknown).
 
-Deviations: none.
+Deviations:
+- Projection head: the project's projector (`model.proj_layers`, `model.proj_out`: 2 layers, 256-d by
+  default). The paper says it follows SimCLR's head; the text we follow gives no depth or width, so
+  no other head is claimed as the paper's.
+- SimCLR+DACL's two views use the `byol` recipe (see `simclr.py`).
 """
 
 from __future__ import annotations

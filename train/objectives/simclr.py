@@ -4,7 +4,10 @@ Paper: "A Simple Framework for Contrastive Learning of Visual Representations", 
 arXiv:2002.05709v3. Implemented: Eq. (1) NT-Xent, Algorithm 1 (2N samples, anchor excluded from
 its own denominator). Reference code: https://github.com/google-research/simclr (commit unknown).
 
-Deviations: none.
+Deviations:
+- Views: the `byol` recipe (BYOL Table 6: asymmetric blur, solarize 0.2 on one view) rather than
+  SimCLR's own augmentation (symmetric blur 0.5, no solarize), so that the three baselines BYOL,
+  MoCo v3 and SimCLR differ only in their loss.
 """
 
 from __future__ import annotations
