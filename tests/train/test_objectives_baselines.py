@@ -86,6 +86,11 @@ def test_simclr_module_is_nt_xent_of_projections():
 
 
 def test_sdmp_without_mixing_is_mocov3_without_its_2tau_factor():
+    """lam = 1 and mixes equal to the clean views: the replace version's plain direction is MoCo v3's
+    ctr(q_v, k_o) / 2 tau, and its source and mixing terms are both ctr(q_o, k_v) / 2 tau."""
+    from train.objectives.sdmp import clean_view
+    from train.objectives.terms import gather_nograd_local_first, moco_ctr
+
     online, target = tiny()
     batch = two_views()
     lam = torch.ones(2, 6)
@@ -93,7 +98,13 @@ def test_sdmp_without_mixing_is_mocov3_without_its_2tau_factor():
                   mixed=batch.global_views.clone(), mix_lam=lam,
                   mix_partner=torch.arange(5, -1, -1).expand(2, 6), index=batch.index)
     tau = 0.2
-    sdmp = SDMP(SDMP.Config(tau=tau))(online, target, mixed, S).loss
-    moco = MoCoV3(MoCoV3.Config(tau=tau))(online, target, batch, S).loss
-    # lam = 1: source and mixing terms are both plain InfoNCE, each direction counted twice.
-    torch.testing.assert_close(sdmp, 2 * moco / (2 * tau), rtol=1e-5, atol=1e-6)
+    for step in range(4):
+        s = StepValues(step=step, total_steps=10, epoch=0.0, lr=0.1, weight_decay=0.0, ema=0.99)
+        sdmp = SDMP(SDMP.Config(tau=tau))(online, target, mixed, s).loss
+        v, o = clean_view(step), 1 - clean_view(step)
+        (emb,) = online([batch.global_views[[v, o]]])                   # one BN batch, as SDMP's forward
+        with torch.no_grad():
+            (tgt,) = target([batch.global_views[:2]])
+        k = [gather_nograd_local_first(tgt.z[i]) for i in range(2)]
+        want = (moco_ctr(emb.p[0], k[o], tau) + 2 * moco_ctr(emb.p[1], k[v], tau)) / (2 * tau)
+        torch.testing.assert_close(sdmp, want, rtol=1e-5, atol=1e-6)
