@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -99,8 +100,8 @@ def run_views(work: Path, batch_size: int, cores: int, repeats: int, quick: bool
             return loader
         runs = loader_bench.time_loader(make, batches, 2, repeats, device)
         views = loader_bench.views_per_sample(recipe)
-        out[recipe.name] = {"views": views, "runs": runs, "img_per_s": loader_bench._median(runs),
-                            "views_per_s": loader_bench._median(runs) * views}
+        out[recipe.name] = {"views": views, "runs": runs, "img_per_s": statistics.median(runs),
+                            "views_per_s": statistics.median(runs) * views}
     out["cost_6_vs_1"] = out["relicv2-1view"]["img_per_s"] / out["relicv2"]["img_per_s"]
     return out
 
@@ -126,31 +127,18 @@ def run_train(work: Path, batch_size: int, cores: int, steps: int, repeats: int,
 
 
 def table(report: dict) -> str:
-    """The report as Markdown: loader rows, the view cost, training, tests, targets."""
-    lines = ["| batch | recipe | loader | device | source img/s | views/s | × torchvision |",
-             "| ---: | --- | --- | --- | ---: | ---: | ---: |"]
+    """The report as Markdown: the loader tables (`pipelines.bench.format_table`), the view cost, training,
+    tests, targets."""
+    lines = []
     for key, rep in sorted(report.get("loader", {}).items()):
         if "error" in rep:
-            lines.append(f"| {key} | – | – | – | failed: {rep['error'][:120]} | | |")
+            lines += [f"loader {key} failed: {rep['error']}", ""]
             continue
-        bs = rep["settings"]["batch_size"]
-        for r in rep["results"]:
-            base = next((b["img_per_s"] for b in rep["results"] if b["recipe"] == r["recipe"]
-                         and b["backend"] == "torchvision" and b["status"] == "ok"), None)
-            if r["status"] != "ok":
-                lines.append(f"| {bs} | {r['recipe']} | {r['backend']} | – | failed: "
-                             f"{r['error'].splitlines()[0][:120]} | | |")
-                continue
-            name = {"dali": "DALI GPU graph", "dali@cpu": "DALI CPU graph"}.get(r["backend"], r["backend"])
-            ratio = f"{r['img_per_s'] / base:.1f}" if base else "–"
-            lines.append(f"| {bs} | {r['recipe']} | {name} | {r.get('device', '')} | {r['img_per_s']:.0f} | "
-                         f"{r['views_per_s']:.0f} | {ratio} |")
-        for c in rep["ceilings"]:
-            lines.append(f"| {bs} | {c['recipe']} | CPU ceiling: {c['kind']} ({c['decoder']}) | cpu | "
-                         f"{c['img_per_s']:.0f} | {c['views_per_s']:.0f} | |")
+        lines += [f"loader at batch {rep['settings']['batch_size']} (`dali`: the DALI GPU graph, `dali@cpu`: "
+                  "the DALI CPU graph; ceilings on the CPU):", loader_bench.format_table(rep), ""]
     v = report.get("views")
     if v and "error" not in v:
-        lines += ["", f"GPU graph, batch {v['batch_size']}: 6 views (relicv2) {v['relicv2']['img_per_s']:.0f} img/s, "
+        lines += [f"GPU graph, batch {v['batch_size']}: 6 views (relicv2) {v['relicv2']['img_per_s']:.0f} img/s, "
                   f"1 view {v['relicv2-1view']['img_per_s']:.0f} img/s: 6 views cost {v['cost_6_vs_1']:.2f}× one view"]
     t = report.get("train")
     if t and "error" not in t:
