@@ -9,6 +9,7 @@ SRC      ?=
 OUT      ?= data
 METHOD   ?= rsa
 GPUS     ?= 1
+PRESET   ?=
 ARGS     ?=
 CKPT     ?=
 RUNS     ?= runs
@@ -23,8 +24,8 @@ STAMP    := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/d
 help:  ## list targets and variables
 	@echo "viewmill make targets:"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-17s %s\n", $$1, $$2}'
-	@echo "variables: DATASET=$(DATASET) (synthetic|cifar10|cifar100|imagefolder)  SRC=$(SRC)  OUT=$(OUT)"
-	@echo "           METHOD=$(METHOD) (sdmp|relicv2|rsa|uota|dacl|byol|mocov3|simclr)  GPUS=$(GPUS)  ARGS=\"key=value ...\"  CKPT=<checkpoint>"
+	@echo "variables: DATASET=$(DATASET) (synthetic|cifar10|cifar100|imagefolder; train: any dataset under OUT)  SRC=$(SRC)  OUT=$(OUT)"
+	@echo "           METHOD=$(METHOD) (sdmp|relicv2|rsa|uota|dacl|byol|mocov3|simclr)  GPUS=$(GPUS)  PRESET=$(PRESET)  ARGS=\"key=value ...\"  CKPT=<checkpoint>"
 
 install: $(STAMP)  ## system packages FFCV needs, .venv, the project (editable); idempotent
 
@@ -49,8 +50,8 @@ test-fast: install  ## the test suite without tests marked slow or ddp
 preprocess: install  ## DATASET, SRC, OUT → FFCV + DALI files and manifest (ARGS: more options)
 	$(PY) -m preprocess --dataset $(DATASET) $(if $(SRC),--src $(SRC)) --out $(OUT) $(ARGS)
 
-train: install  ## pretrain METHOD on DATASET (GPUS>1: torchrun DDP), then kNN + linear probe
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(GPUS) -m train method=$(METHOD) data=$(DATASET) data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
+train: install  ## pretrain METHOD on DATASET (PRESET: data preset; GPUS>1: DDP processes), then kNN + linear probe
+	$(PY) -m train gpus=$(GPUS) method=$(METHOD) data=$(DATASET) $(if $(PRESET),preset=$(PRESET)) data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
 
 eval: install  ## kNN + linear probe of CKPT's backbone against random init
 	$(PY) -m train eval ckpt=$(CKPT) $(ARGS)

@@ -20,6 +20,12 @@ for ResNets (and for ViTs at their native size, e.g. 224 px), so plain
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
+import safetensors
+import safetensors.torch
 import timm
 from timm.models.resnet import ResNet
 from torch import Tensor, nn
@@ -132,3 +138,45 @@ def export_backbone_state(backbone: nn.Module) -> dict[str, Tensor]:
             key = key.removeprefix(prefix)
         out[key] = value.detach().cpu().contiguous().clone()
     return out
+
+
+def save_backbone(backbone: nn.Module, path: str | os.PathLike, name: str, image_px: int,
+                  metadata: dict[str, str] | None = None) -> Path:
+    """Write the backbone's weights (`export_backbone_state`) as a safetensors file, atomically.
+
+    The file's metadata records what rebuilds the network: `timm_model` (the timm name),
+    `image_px` (global-view side it was trained at), `small_stem` ("true" when the 3x3 stride-1
+    ResNet stem or the 8x8-token ViT of this module replaced timm's stem) and `timm_kwargs` (JSON
+    of `backbone_kwargs`), plus `metadata` (e.g. method, git commit).
+
+    Without the small stem the file loads with timm alone:
+    `timm.create_model(name, pretrained=True, num_classes=0, pretrained_cfg_overlay={"file": path},
+    **json.loads(timm_kwargs))`. With it, timm has no such stem: use `load_backbone(path)`.
+
+    Returns:
+        `path`.
+    """
+    path = Path(path)
+    meta = {"timm_model": name, "image_px": str(image_px),
+            "small_stem": str(image_px <= SMALL_IMAGE_PX).lower(),
+            "timm_kwargs": json.dumps(backbone_kwargs(name, image_px)), **(metadata or {})}
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    safetensors.torch.save_file(export_backbone_state(backbone), str(tmp), metadata=meta)
+    os.replace(tmp, path)
+    return path
+
+
+def load_backbone(path: str | os.PathLike) -> nn.Module:
+    """Rebuild the timm backbone a `save_backbone` file describes and load its weights (strict).
+
+    Raises:
+        ValueError: the file lacks the `timm_model` / `image_px` metadata of `save_backbone`.
+    """
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if "timm_model" not in meta or "image_px" not in meta:
+        raise ValueError(f"{path} has no timm_model / image_px metadata; pass a backbone.safetensors "
+                         "written by the trainer")
+    model, _ = build_backbone(meta["timm_model"], int(meta["image_px"]))
+    model.load_state_dict(safetensors.torch.load_file(str(path)))
+    return model

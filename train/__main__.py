@@ -1,16 +1,30 @@
-"""Command line: `python -m train method=rsa data=synthetic key=value ...` trains;
-`python -m train eval ckpt=PATH` evaluates a checkpoint's backbone against a random-init one.
+"""Command line: `python -m train [gpus=N] method=rsa data=synthetic key=value ...` trains;
+`python -m train eval ckpt=PATH [key=value ...]` evaluates a checkpoint's backbone against a
+random-init one.
 
-Under torchrun every rank runs the same command (`torchrun --standalone --nproc_per_node=N -m train ...`).
+`gpus=N` with N > 1 starts N processes with torch's elastic launcher (the launcher behind torchrun,
+`--standalone`), after the checks below passed here, once; `torchrun ... -m train ...` still works.
+
+Bad input ends in one line `error: ...` on stderr and exit status 2, before any file is written and
+without a launcher traceback: the config (method, dataset, preset, key, value), the dataset's
+manifest, `run.resume`'s or `ckpt=`'s checkpoint (missing, unreadable, another method or network),
+`gpus=N` beyond this machine's devices (or cores), a batch that does not split over N processes.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
+import uuid
 
 import torch
 
-from train.config import ConfigError, config_from_dict, load_config
+from pipelines.loader import LoaderError
+from pipelines.schema import DatasetError, read_manifest
+from train.config import Config, ConfigError, config_from_dict, load_config
+
+EXIT_BAD_INPUT = 2
 
 
 def evaluate_checkpoint(args: list[str]) -> dict[str, dict[str, float]]:
@@ -19,15 +33,17 @@ def evaluate_checkpoint(args: list[str]) -> dict[str, dict[str, float]]:
     (e.g. `data.root=...`, `run.max_eval_samples=...`)."""
     from train import checkpoint
     from train.evaluate import evaluate_backbone
-    from train.setup import build_online, resolve_backend, select_device
+    from train.setup import build_online, check_same_network, resolve_backend, select_device
 
     ckpt = [a.split("=", 1)[1] for a in args if a.startswith("ckpt=")]
     if not ckpt:
-        raise ConfigError("eval needs the checkpoint: python -m train eval ckpt=<run dir>/checkpoint.pt")
+        raise ConfigError("eval needs the checkpoint: make eval CKPT=<run dir>/checkpoint.pt")
     state = checkpoint.load(ckpt[-1])
     cfg = config_from_dict(state["config"], overrides=[a for a in args if not a.startswith("ckpt=")])
+    check_same_network(cfg, state["config"], ckpt[-1], "eval rebuilds that network: drop the override")
+    check_dataset(cfg)
     device = select_device(cfg.run.device)
-    backend = resolve_backend(cfg.data.backend, device)
+    backend = resolve_backend(cfg, device)
     trained = build_online(cfg, device)
     trained.load_state_dict(state["online"])
     torch.manual_seed(cfg.run.seed + 1)
@@ -39,19 +55,96 @@ def evaluate_checkpoint(args: list[str]) -> dict[str, dict[str, float]]:
     return results
 
 
-def main(argv: list[str]) -> int:
+def check_dataset(cfg: Config) -> None:
+    """The dataset folder has a complete manifest (file sizes checked; the loader verifies the rest).
+
+    Raises:
+        DatasetError: a missing, incomplete or damaged dataset, naming `make preprocess`.
+    """
+    read_manifest(os.path.join(cfg.data.root, cfg.data.name), verify="size")
+
+
+def preflight(cfg: Config, processes: int) -> None:
+    """Everything that can be checked before a process is launched or a file written.
+
+    Raises:
+        ConfigError, DatasetError, CheckpointError: one line each (see the module docstring).
+    """
+    from train import checkpoint
+    from train.setup import check_processes, check_same_network
+
+    check_processes(processes, cfg.run.device)
+    if cfg.data.batch_size % (2 * processes):
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size} must split into even per-process batches "
+                          f"over GPUS={processes}; use a multiple of {2 * processes}")
+    check_dataset(cfg)
+    if cfg.run.resume:
+        saved = checkpoint.load(cfg.run.resume).get("config")
+        if not isinstance(saved, dict):
+            raise ConfigError(f"{cfg.run.resume} is not a training checkpoint (no config); "
+                              "pass run.resume=<run dir>/checkpoint.pt")
+        check_same_network(cfg, saved, cfg.run.resume,
+                           "resume it with the same method and model, or drop run.resume to start a fresh run")
+
+
+def launch(processes: int, argv: list[str]) -> int:
+    """Run `python -m train argv` in `processes` local processes (torchrun --standalone); the exit
+    status is the first failed process's, and each process prints its own error line."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if not torch.cuda.is_available():       # torchrun's rule: one thread per process unless told
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)   # no launcher tracebacks
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=processes, run_id=uuid.uuid4().hex,
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
     try:
+        elastic_launch(config, sys.executable)("-m", "train", *argv)
+    except ChildFailedError as e:
+        first = min(e.failures.values(), key=lambda f: f.timestamp)
+        if first.exitcode != EXIT_BAD_INPUT:
+            print(f"error: process {first.local_rank} failed with exit status {first.exitcode}; "
+                  "its output is above", file=sys.stderr)
+        return first.exitcode if first.exitcode > 0 else 1
+    return 0
+
+
+def take_processes(argv: list[str]) -> tuple[int, list[str]]:
+    """(N of a `gpus=N` word, default 1; the other words)."""
+    words = [a for a in argv if a.startswith("gpus=")]
+    rest = [a for a in argv if not a.startswith("gpus=")]
+    if not words:
+        return 1, rest
+    try:
+        return int(words[-1].split("=", 1)[1]), rest
+    except ValueError:
+        raise ConfigError(f"{words[-1]!r}: GPUS must be a whole number of processes, e.g. GPUS=2") from None
+
+
+def main(argv: list[str]) -> int:
+    from train.loop import NonFiniteLossError
+
+    try:
+        processes, argv = take_processes(argv)
         if argv[:1] == ["eval"]:
             evaluate_checkpoint(argv[1:])
             return 0
         cfg = load_config(argv)
-        from train.loop import train       # after the config check: errors come before heavy imports
+        if "LOCAL_RANK" not in os.environ:  # checked once by the launching process
+            preflight(cfg, processes)
+            if processes > 1:
+                return launch(processes, argv)
+        from train.loop import train
 
         train(cfg)
         return 0
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, DatasetError, LoaderError, FileNotFoundError) as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 1
     finally:
         from train import dist
 

@@ -41,7 +41,7 @@ def time_steps(cfg: Config, device: torch.device, steps: int, repeats: int,
     Raises:
         NonFiniteLossError: a timed step had a non-finite loss (checked once, after the timing).
     """
-    parts = build_parts(cfg, device, resolve_backend(cfg.data.backend, device))
+    parts = build_parts(cfg, device, resolve_backend(cfg, device))
     batches = epochs_from(parts.loader, 0, len(parts.loader), None)
     cached = next(batches)
     done = 0

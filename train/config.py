@@ -1,7 +1,9 @@
 """The trainer's configuration: one tree of frozen dataclasses, the only place defaults live.
 
-Merge order (STYLE §4): dataclass defaults → `configs/base.yaml` → `configs/data/<DATASET>.yaml`
-→ `configs/method/<METHOD>.yaml` → the data preset's `per_method: {<METHOD>: ...}` section (a paper's
+Merge order (STYLE §4): dataclass defaults → `configs/base.yaml` → the values derived from the
+dataset's `manifest.json` (`derived_from_manifest`: classes, view sizes, batch and schedule; any
+dataset `make preprocess` wrote trains without a YAML) → `configs/data/<DATASET>.yaml` (or the one
+named by `preset=`, when it exists) → `configs/method/<METHOD>.yaml` → the data preset's `per_method: {<METHOD>: ...}` section (a paper's
 setting for one method on that data, e.g. RSA's beta_base 0.3 on CIFAR) → dotted `key=value` CLI
 overrides. Unknown keys and values that do
 not parse to the field's type are `ConfigError`s with a one-line message; so is a value outside the
@@ -24,7 +26,8 @@ import yaml
 
 from pipelines.loader import Backend
 from pipelines.mixing import MixKind, MixSource
-from pipelines.views import Recipe
+from pipelines.schema import DatasetError, Manifest, read_manifest
+from pipelines.views import Recipe, dataset_sizes
 
 if TYPE_CHECKING:
     from train.objectives.base import ViewNeeds
@@ -36,7 +39,7 @@ class ConfigError(ValueError):
     """A bad key or value in a config file or a CLI override."""
 
 
-BackendChoice = Literal["auto", Backend]        # "auto": dali on CUDA, torch on CPU (train.setup)
+BackendChoice = Literal["auto", Backend]        # "auto": dali on CUDA, the fastest on CPU (train.setup)
 OptimName = Literal["lars", "sgd", "adamw"]     # timm optimiser names
 DeviceName = Literal["auto", "cpu", "cuda"]     # no "cuda:N": torchrun's LOCAL_RANK picks the GPU
 
@@ -55,7 +58,7 @@ class MixConfig:
 class DataConfig:
     name: str = "synthetic"         # dataset folder under `root` (written by `python -m preprocess`)
     root: str = "data"              # data root folder
-    backend: BackendChoice = "auto"  # "torch" | "torchvision" | "ffcv" | "dali"; "auto": torch on CPU, dali on GPU
+    backend: BackendChoice = "auto"  # "torch" | "torchvision" | "ffcv" | "dali"; "auto": ffcv on CPU, dali on GPU
     batch_size: int = 256           # global batch (all ranks together), even per rank
     num_workers: int = 2            # decoding/augmentation workers per rank
     num_classes: int = 10           # classes, for kNN / linear-probe evaluation
@@ -252,28 +255,109 @@ def _unknown_method(method: str, valid: list[str]) -> ConfigError:
     return ConfigError(f"unknown method {method!r}{hint}; choose one of {', '.join(valid)}")
 
 
+# What a dataset's manifest decides when no data preset does (`derived_from_manifest`).
+DERIVED_EPOCHS = 100            # training length: short for SSL, long enough to learn on a small folder
+DERIVED_WARMUP_EPOCHS = 10      # linear warmup (BYOL, RELICv2: 10 epochs)
+DERIVED_MAX_BATCH = 256         # the batch every lr in the presets is quoted at
+DERIVED_MIN_STEPS_PER_EPOCH = 8  # a small folder still gets several steps (BatchNorm batches) per epoch
+
+
+def derived_from_manifest(manifest: Manifest) -> dict:
+    """The data-preset values a dataset's manifest decides, as a config tree.
+
+    Classes from `class_names`; view sizes from the stored image side (`dataset_sizes`: 224/96 for
+    ImageNet-size images, the image side and half of it below; global views of 64 px and less get the
+    small-image stem); the batch is the largest power of two up to 256 that still gives 8 steps per
+    epoch; `DERIVED_EPOCHS` epochs with a 10-epoch warmup; a checkpoint every 5 % of the run.
+
+    Raises:
+        ConfigError: a manifest without train images or without classes (name the fix).
+    """
+    n_train = int(manifest.counts.get("train", 0))
+    if n_train < 2 or manifest.num_classes < 1:
+        raise ConfigError(f"dataset {manifest.dataset!r} has {n_train} train images and {manifest.num_classes} "
+                          "classes in its manifest; the trainer needs a train split of 2 or more labelled images: "
+                          "re-run make preprocess on a folder with one sub-folder per class")
+    batch = 2
+    while batch * 2 <= min(DERIVED_MAX_BATCH, n_train // DERIVED_MIN_STEPS_PER_EPOCH):
+        batch *= 2
+    steps_per_epoch = n_train // batch
+    steps = DERIVED_EPOCHS * steps_per_epoch
+    global_px, local_px = dataset_sizes(manifest.image_px)
+    return {"data": {"name": manifest.dataset, "num_classes": manifest.num_classes, "batch_size": batch},
+            "views": {"global_px": global_px, "local_px": local_px},
+            "optim": {"steps": steps, "warmup_steps": DERIVED_WARMUP_EPOCHS * steps_per_epoch},
+            "run": {"ckpt_every": max(1, steps // 20), "eval_every_epochs": 0}}
+
+
+DERIVED_KEYS = ("data.name", "data.num_classes", "data.batch_size", "views.global_px", "views.local_px",
+                "optim.steps", "optim.warmup_steps", "run.ckpt_every", "run.eval_every_epochs")
+
+
+def dataset_manifest(root: str | Path, name: str) -> Manifest | None:
+    """The manifest of `<root>/<name>` (sizes checked, no hashing), None when the folder does not exist.
+
+    Raises:
+        ConfigError: the folder exists but its manifest is missing, damaged or incomplete.
+    """
+    folder = Path(root) / name
+    if not folder.is_dir():
+        return None
+    try:
+        return read_manifest(folder, verify="size")
+    except DatasetError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _presets(config_dir: Path) -> list[str]:
+    return sorted(p.stem for p in (config_dir / "data").glob("*.yaml"))
+
+
 def load_config(args: list[str], config_dir: Path = CONFIG_DIR) -> Config:
-    """Resolve the config from CLI words `method=... data=... key=value ...`.
+    """Resolve the config from CLI words `method=... data=... [preset=...] key=value ...`.
+
+    `data=NAME` names the dataset folder `<data.root>/NAME`. Its manifest, when the folder exists,
+    gives the derived values; the data preset `configs/data/<preset>.yaml` (`preset=` word, default
+    NAME when such a file exists) overrides them. A name with neither a dataset folder nor a preset
+    is an error.
 
     Args:
-        args: `key=value` strings; `method` and `data` pick the presets, the rest are dotted overrides.
+        args: `key=value` strings; `method`, `data` and `preset` pick the presets, the rest are
+            dotted overrides.
         config_dir: folder with base.yaml, data/ and method/.
 
     Returns:
         The frozen, validated Config.
 
     Raises:
-        ConfigError: a malformed word, an unknown key (with the closest valid keys) or a bad value.
+        ConfigError: a malformed word, an unknown key (with the closest valid keys), a bad value, an
+            unknown dataset or preset, or a dataset folder with a missing or damaged manifest.
     """
     pairs = _pairs(args)
-    picks = dict(p for p in pairs if p[0] in ("method", "data"))
+    picks = dict(p for p in pairs if p[0] in ("method", "data", "preset"))
+    cli = dict(pairs)
     tree: dict = {}
     _merge(tree, _load_yaml(config_dir / "base.yaml"), Config)
     data_name = picks.get("data", tree.get("data", {}).get("name", DataConfig.name))
-    data_preset = _load_yaml(config_dir / "data" / f"{data_name}.yaml")
+    preset_name = picks.get("preset", data_name)
+    preset_file = config_dir / "data" / f"{preset_name}.yaml"
+    if "preset" in picks and not preset_file.is_file():
+        raise ConfigError(f"no data preset {preset_name!r}; choose one of {', '.join(_presets(config_dir))}")
+    data_preset = _load_yaml(preset_file) if preset_file.is_file() else {}
+    root = cli.get("data.root", tree.get("data", {}).get("root", DataConfig.root))
+    folder = cli.get("data.name", data_name)
+    manifest = dataset_manifest(root, folder)
+    if manifest is None and not preset_file.is_file():
+        raise ConfigError(f"no dataset {folder!r}: {Path(root) / folder} does not exist and there is no data preset "
+                          f"of that name; write it with make preprocess DATASET=imagefolder SRC=<image folder> ARGS=\"--name {folder}\" (or point "
+                          f"data.root at its parent), or choose a preset: {', '.join(_presets(config_dir))}")
+    if manifest is not None:
+        _merge(tree, derived_from_manifest(manifest), Config)
     per_method = data_preset.pop("per_method", None) or {}
     _merge(tree, data_preset, Config)
-    tree.setdefault("data", {}).setdefault("name", data_name)
+    tree.setdefault("data", {})["name"] = folder
+    if manifest is not None:                # a fact of the data, whichever preset trains on it
+        tree["data"]["num_classes"] = manifest.num_classes
     method = picks.get("method", tree.get("method", Config.method))
     method_file = config_dir / "method" / f"{method}.yaml"
     if not method_file.is_file():
@@ -282,7 +366,7 @@ def load_config(args: list[str], config_dir: Path = CONFIG_DIR) -> Config:
     _merge(tree, per_method.get(method) or {}, Config)
     tree["method"] = method
     for key, value in pairs:
-        if key in ("method", "data"):
+        if key in ("method", "data", "preset"):
             continue
         _merge(tree, _dotted_to_nested(key, value), Config)
     objective = build_objective_config(method, tree.pop("objective", {}))

@@ -1,4 +1,7 @@
-"""Rank-0 logging: one fixed-order line per interval (STYLE §5) plus the same keys in metrics.jsonl."""
+"""Rank-0 logging: one fixed-order line per interval (STYLE §5), the same keys in metrics.jsonl, and
+TensorBoard event files beside it (`tensorboard --logdir runs`): every number of a log line under
+`train/`, every evaluation under `eval/` (with the random-init backbone's under `eval/random_init/`).
+"""
 
 from __future__ import annotations
 
@@ -23,26 +26,60 @@ class Meter:
         self.data_s += data_s
 
     def read_and_reset(self) -> dict[str, float]:
-        """Throughput since the last call: img/s, data wait and step time per step (ms)."""
+        """Throughput since the last call: img/s, data wait and step time per step (ms), steps."""
         elapsed = time.perf_counter() - self.start
         steps = max(self.steps, 1)
         out = {"img_per_s": self.images / max(elapsed, 1e-9), "data_ms": 1e3 * self.data_s / steps,
-               "step_ms": 1e3 * elapsed / steps}
+               "step_ms": 1e3 * elapsed / steps, "steps": self.steps}
         self.__init__()
         return out
 
 
+def format_duration(seconds: float) -> str:
+    """A duration as `1h02m`, `3m07s` or `42s`."""
+    s = int(round(max(seconds, 0.0)))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
 class Log:
-    """Writes log lines to stdout and JSON lines to `<run_dir>/metrics.jsonl` on rank 0 only."""
+    """Writes log lines to stdout, JSON lines to `<run_dir>/metrics.jsonl` and TensorBoard events to
+    `<run_dir>/events.out.tfevents.*`, on rank 0 only; `close` flushes the events."""
 
     def __init__(self, run_dir: Path, enabled: bool) -> None:
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.run_dir = Path(run_dir)
+        self.tb = None                          # SummaryWriter, opened at the first record
+        self.steps_timed, self.seconds = 0, 0.0  # for the ETA
+        self.warm = [0.0, 0.0]                   # data and step seconds after the first (warm-up) interval
 
     def write(self, record: dict) -> None:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+
+    def scalars(self, prefix: str, step: int, values: dict[str, float]) -> None:
+        """TensorBoard scalars `<prefix>/<key>` at `step`."""
+        if not self.enabled:
+            return
+        if self.tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(self.run_dir), flush_secs=30)
+        for key, value in values.items():
+            self.tb.add_scalar(f"{prefix}/{key}", value, step)
+
+    def stall_fraction(self) -> float:
+        """Share of the step time spent waiting for batches, after the first log interval (which holds
+        the loaders' start-up and compilation)."""
+        return self.warm[0] / max(self.warm[1], 1e-9)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
 
     def print(self, text: str) -> None:
         if self.enabled:
@@ -50,20 +87,33 @@ class Log:
 
     def step(self, step: int, total_steps: int, terms: dict[str, float], lr: float, ema: float,
              speed: dict[str, float]) -> None:
-        """One training line, e.g.
-        `step 1200/100000 | loss 4.183 | lr 0.288 | ema 0.9961 | 2840 img/s/rank | data 3.1 ms | step 88.4 ms`.
+        """One training line, e.g. `step 1200/100000 | loss 4.183 | lr 0.288 | ema 0.9961 |
+        2840 img/s/rank | data 3.1 ms | step 88.4 ms | eta 2h26m`; `speed` also has `steps`, the
+        steps it covers. The ETA is the remaining steps at the mean step time logged so far.
         """
+        if self.steps_timed:
+            self.warm[0] += speed["steps"] * speed["data_ms"] / 1e3
+            self.warm[1] += speed["steps"] * speed["step_ms"] / 1e3
+        self.steps_timed += speed["steps"]
+        self.seconds += speed["steps"] * speed["step_ms"] / 1e3
+        eta_s = (total_steps - step) * self.seconds / max(self.steps_timed, 1)
         others = " | ".join(f"{k.removeprefix('loss/')} {v:.3f}" for k, v in terms.items() if k != "loss")
         self.print(f"step {step}/{total_steps} | loss {terms['loss']:.3f} | "
                    + (f"{others} | " if others else "")
                    + f"lr {lr:.3g} | ema {ema:.4f} | {speed['img_per_s']:.0f} img/s/rank | "
-                   f"data {speed['data_ms']:.1f} ms | step {speed['step_ms']:.1f} ms")
-        self.write({"kind": "train", "step": step, **terms, "lr": lr, "ema": ema, **speed})
+                   f"data {speed['data_ms']:.1f} ms | step {speed['step_ms']:.1f} ms | eta {format_duration(eta_s)}")
+        numbers = {**terms, "lr": lr, "ema": ema, **{k: v for k, v in speed.items() if k != "steps"},
+                   "eta_s": eta_s}
+        self.write({"kind": "train", "step": step, **numbers})
+        self.scalars("train", step, numbers)
 
     def eval(self, step: int, epoch: float, result: dict[str, float], random_init: dict[str, float]) -> None:
         """Evaluation line: kNN and linear-probe top-1 of the backbone and of a random-init one."""
         self.print(f"eval step {step} (epoch {epoch:.1f}) | kNN {100 * result['knn_top1']:.1f}% "
                    f"(random init {100 * random_init['knn_top1']:.1f}%) | linear "
                    f"{100 * result['linear_top1']:.1f}% (random init {100 * random_init['linear_top1']:.1f}%)")
-        self.write({"kind": "eval", "step": step, "epoch": epoch, **result,
-                    **{f"random_init/{k}": v for k, v in random_init.items()}})
+        record = {**result, **{f"random_init/{k}": v for k, v in random_init.items()}}
+        self.write({"kind": "eval", "step": step, "epoch": epoch, **record})
+        self.scalars("eval", step, record)
+        if self.tb is not None:
+            self.tb.flush()

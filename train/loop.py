@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from models.backbone import export_backbone_state
+from models.backbone import export_backbone_state, save_backbone
 from pipelines.batch import Batch
 from pipelines.loader import Loader
 from train import checkpoint, dist, schedules
@@ -22,7 +22,7 @@ from train.evaluate import evaluate_backbone
 from train.log import Log, Meter
 from train.objectives.base import LossOut, StepValues
 from train.optim import apply_lr_wd, clip_and_step
-from train.setup import Parts, build_parts, resolve_backend, select_device
+from train.setup import Parts, build_parts, check_same_network, resolve_backend, select_device
 
 
 class NonFiniteLossError(RuntimeError):
@@ -30,13 +30,16 @@ class NonFiniteLossError(RuntimeError):
 
 
 def train(cfg: Config) -> Path:
-    """Train `cfg.method` on `cfg.data`; returns the run folder (config.yaml, metrics.jsonl,
-    checkpoint.pt, backbone.pt)."""
+    """Train `cfg.method` on `cfg.data`; returns the run folder (config.yaml, metrics.jsonl, TensorBoard
+    events, checkpoint.pt, backbone.pt, backbone.safetensors)."""
     device = select_device(cfg.run.device)
-    backend = resolve_backend(cfg.data.backend, device)
+    backend = resolve_backend(cfg, device)
     world, rank = dist.world_size(), dist.rank()
     parts = build_parts(cfg, device, backend)       # checks views against the objective: before any write
     online = dist.unwrap(parts.online)
+    state = checkpoint.load(cfg.run.resume) if cfg.run.resume else None
+    if state is not None:                            # also before any write
+        check_same_network(cfg, state["config"], cfg.run.resume, "resume it with the same method and model")
     run_dir = Path(cfg.run.resume).parent if cfg.run.resume else Path(cfg.run.out_dir) / dist.broadcast_object(
         cfg.run.name or f"{cfg.method}-{cfg.data.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     log = Log(run_dir, enabled=dist.is_main())
@@ -47,8 +50,7 @@ def train(cfg: Config) -> Path:
 
     start_step, random_init, position = 0, None, None
     steps_per_epoch = len(parts.loader)
-    if cfg.run.resume:
-        state = checkpoint.load(cfg.run.resume)
+    if state is not None:
         parts.load_state_dict(state)
         start_step, random_init, position = state["step"], state["random_init"], state["loader"][rank]
         checkpoint.set_rng_state(state["rng"][rank])
@@ -86,16 +88,22 @@ def train(cfg: Config) -> Path:
             log.eval(done, done / steps_per_epoch, result, random_init)
         if done % cfg.run.ckpt_every == 0 or done == stop:
             save_checkpoint(done)
+    log.print(f"data stall: {100 * log.stall_fraction():.1f}% of the step time waited for batches (after warm-up)")
     if stop < cfg.optim.steps:
+        log.close()
         log.print(f"stopped after step {stop}; resume with run.resume={run_dir / 'checkpoint.pt'}")
         return run_dir
 
     result = evaluate_backbone(cfg, online.backbone, backend, device)
     log.eval(cfg.optim.steps, cfg.optim.steps / steps_per_epoch, result, random_init)
+    log.close()
     if dist.is_main():
         torch.save(export_backbone_state(online.backbone), run_dir / "backbone.pt")
-        log.print(f"results in {run_dir}: metrics.jsonl, config.yaml, checkpoint.pt, "
-                  f"backbone.pt (timm {cfg.model.backbone}, num_classes=0)")
+        save_backbone(online.backbone, run_dir / "backbone.safetensors", cfg.model.backbone, cfg.views.global_px,
+                      {"method": cfg.method, "dataset": cfg.data.name, "git_commit": checkpoint.git_commit()})
+        log.print(f"results in {run_dir}: metrics.jsonl, TensorBoard events (tensorboard --logdir {run_dir.parent}), "
+                  f"config.yaml, checkpoint.pt, backbone.pt and backbone.safetensors "
+                  f"(timm {cfg.model.backbone}, num_classes=0; models.backbone.load_backbone reads it)")
     dist.barrier()
     return run_dir
 

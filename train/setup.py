@@ -7,6 +7,7 @@ same networks.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -15,11 +16,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from models.ema import make_target
 from models.multicrop import build_model
-from pipelines.loader import Loader, LoaderSpec, build_loader
+from pipelines.loader import Loader, LoaderSpec, auto_backend, build_loader
 from pipelines.mixing import MixSpec
 from pipelines.views import Recipe, load_recipe
 from train import dist
-from train.config import Config, ConfigError, check_needs
+from train.config import Config, ConfigError, check_needs, to_dict
 from train.objectives import OBJECTIVES
 from train.objectives.base import Objective
 from train.optim import build_optimizer
@@ -38,11 +39,55 @@ def select_device(name: str) -> torch.device:
     return dist.init_from_env(use_cuda=None if name == "auto" else name == "cuda")
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """`data.backend` with "auto" resolved: the DALI graphs on a GPU, the torch reference backend on CPU."""
-    if backend != "auto":
-        return backend
-    return "dali" if device.type == "cuda" else "torch"
+def resolve_backend(cfg: Config, device: torch.device) -> str:
+    """`data.backend` with "auto" resolved by `pipelines.loader.auto_backend`: the DALI graphs on a GPU,
+    the fastest backend the dataset has files for on a CPU (ffcv, else the torch reference)."""
+    if cfg.data.backend != "auto":
+        return cfg.data.backend
+    return auto_backend(device.type, cfg.data.root, cfg.data.name)
+
+
+# The parts of a saved config that fix the network's layout: a checkpoint only loads into a network
+# built with the same values (views.global_px decides the small-image stem).
+LAYOUT_KEYS = ("method", "model.backbone", "model.proj_hidden", "model.proj_out", "model.proj_layers",
+               "model.pred_hidden", "views.global_px")
+
+
+def check_same_network(cfg: Config, saved: dict, path: str, fix: str) -> None:
+    """Refuse a checkpoint whose saved config builds another network than `cfg`.
+
+    Args:
+        cfg: the config the network is built from.
+        saved: the checkpoint's `config` (plain dicts, as `to_dict` writes them).
+        path: the checkpoint file (for the message).
+        fix: how to proceed, the end of the message.
+
+    Raises:
+        ConfigError: naming each differing `LAYOUT_KEYS` value, saved and asked for.
+    """
+    def value(tree: dict, dotted: str):
+        for part in dotted.split("."):
+            tree = tree.get(part, {}) if isinstance(tree, dict) else {}
+        return tree
+
+    ours = to_dict(cfg)
+    diffs = [f"{k}={value(saved, k)} (asked for {value(ours, k)})" for k in LAYOUT_KEYS
+             if value(saved, k) != value(ours, k)]
+    if diffs:
+        raise ConfigError(f"checkpoint {path} was trained with {', '.join(diffs)}; {fix}")
+
+
+def check_processes(n: int, device_name: str) -> None:
+    """Refuse `gpus=N` beyond this machine: N CUDA devices on a GPU machine, N CPU cores without one.
+
+    Raises:
+        ConfigError: N < 1 or more processes than devices (or cores).
+    """
+    cuda = torch.cuda.is_available() and device_name != "cpu"
+    have = torch.cuda.device_count() if cuda else (os.cpu_count() or 1)
+    what = "CUDA devices" if cuda else "CPU cores and no CUDA device"
+    if not 1 <= n <= have:
+        raise ConfigError(f"GPUS={n} but this machine has {have} {what}; use GPUS between 1 and {have}")
 
 
 def mix_spec(cfg: Config) -> MixSpec:

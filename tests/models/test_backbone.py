@@ -7,7 +7,8 @@ import timm
 import torch
 from torch import nn
 
-from models.backbone import apply_small_stem, backbone_kwargs, build_backbone, export_backbone_state
+from models.backbone import (apply_small_stem, backbone_kwargs, build_backbone, export_backbone_state,
+                             load_backbone, save_backbone)
 
 
 def test_resnet_small_stem_keeps_full_resolution_and_large_inputs_keep_the_imagenet_stem() -> None:
@@ -103,3 +104,30 @@ def test_export_strips_wrapper_prefixes_and_returns_detached_cpu_copies() -> Non
     assert all(not v.requires_grad and v.device.type == "cpu" for v in state.values())
     state["conv1.weight"].zero_()
     assert net.conv1.weight.abs().sum() > 0                    # a copy, not a view
+
+
+def test_safetensors_export_loads_with_one_timm_call_and_records_the_small_stem(tmp_path) -> None:
+    """Above 64 px, timm alone rebuilds the backbone from the file (README's call); at 64 px and below
+    the file says small_stem and `load_backbone` rebuilds the 3x3 stem timm has no option for."""
+    import json
+
+    from safetensors import safe_open
+
+    x = torch.randn(2, 3, 96, 96)
+    big, _ = build_backbone("resnet18", 96)
+    path = save_backbone(big, tmp_path / "big.safetensors", "resnet18", 96, {"method": "byol"})
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    assert (meta["timm_model"], meta["small_stem"], meta["method"]) == ("resnet18", "false", "byol")
+    loaded = timm.create_model(meta["timm_model"], pretrained=True, num_classes=0,
+                               pretrained_cfg_overlay={"file": str(path)}, **json.loads(meta["timm_kwargs"]))
+    assert torch.allclose(loaded.eval()(x), big.eval()(x))
+
+    small, _ = build_backbone("resnet18", 32)
+    path = save_backbone(small, tmp_path / "small.safetensors", "resnet18", 32)
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata()["small_stem"] == "true"
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.allclose(load_backbone(path).eval()(x), small.eval()(x))
+    with pytest.raises(RuntimeError, match="size mismatch"):       # timm's 7x7 stem cannot take it
+        timm.create_model("resnet18", pretrained=True, num_classes=0, pretrained_cfg_overlay={"file": str(path)})

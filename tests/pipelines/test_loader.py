@@ -100,3 +100,19 @@ def test_dataset_info_reads_the_manifest_once(tmp_path):
     info = DatasetInfo.read(tmp_path, "synthetic", "val")
     m = schema.read_manifest(tmp_path / "synthetic")
     assert (info.count, info.mean, info.std, info.has_masks) == (8, m.mean, m.std, True)
+
+
+def test_auto_backend_is_the_fastest_the_dataset_has_files_for(tiny_data_root, tmp_path):
+    """GPU: the DALI graph; CPU: ffcv when the dataset has .beton files, else the torch reference on the shards."""
+    import json
+
+    from pipelines.loader import auto_backend
+
+    assert auto_backend("cuda", tiny_data_root, "synthetic") == "dali"
+    assert auto_backend("cpu", tiny_data_root, "synthetic") == "ffcv"
+    manifest = json.loads((tiny_data_root / "synthetic" / "manifest.json").read_text())
+    del manifest["formats"]["ffcv"]                     # as written where ffcv is not installed
+    manifest["files"] = {}
+    (tmp_path / "dali-only").mkdir()
+    (tmp_path / "dali-only" / "manifest.json").write_text(json.dumps(manifest))
+    assert auto_backend("cpu", tmp_path, "dali-only") == "torch"

@@ -174,3 +174,59 @@ def test_cifar_rsa_preset_is_the_papers_small_dataset_setting(data: str) -> None
     assert load_config(["method=rsa", "data=synthetic"]).objective.beta_base == 0.4
     assert load_config(["method=byol", f"data={data}"]).optim.name == "lars"
     assert load_config(["method=rsa", f"data={data}", "objective.beta_base=0.5"]).objective.beta_base == 0.5
+
+
+def write_manifest(root: Path, name: str, *, train: int, px: int, classes: int = 7) -> Path:
+    """A dataset folder holding only a manifest (no files listed): what the config reads."""
+    from pipelines.schema import SCHEMA_VERSION, Manifest
+
+    m = Manifest(schema_version=SCHEMA_VERSION, dataset=name, source="imagefolder", counts={"train": train, "val": 10},
+                 class_names=tuple(f"c{i}" for i in range(classes)), image_mode="jpg", image_px=px,
+                 has_masks=False, mean=(0.5,) * 3, std=(0.2,) * 3, files={})
+    (root / name).mkdir(parents=True)
+    (root / name / "manifest.json").write_bytes(m.to_json())
+    return root / name
+
+
+# (train images, stored side) -> (batch: the largest power of two <= 256 giving >= 8 steps per epoch,
+# (global, local) view sides: 224/96 from 224 px up, else the image side and half of it).
+@pytest.mark.parametrize("train, px, batch, views", [(1000, 500, 64, (224, 96)), (50_000, 32, 256, (32, 16)),
+                                                     (40, 48, 4, (48, 24)), (100_000, 96, 256, (96, 48))])
+def test_a_dataset_without_preset_trains_on_what_its_manifest_decides(tmp_path, train, px, batch, views) -> None:
+    write_manifest(tmp_path, "mine", train=train, px=px)
+    cfg = load_config(["method=byol", "data=mine", f"data.root={tmp_path}"])
+    assert cfg.data.name == "mine" and cfg.data.num_classes == 7
+    assert (cfg.views.global_px, cfg.views.local_px) == views
+    assert cfg.data.batch_size == batch
+    epoch = train // batch
+    assert (cfg.optim.steps, cfg.optim.warmup_steps) == (100 * epoch, 10 * epoch)
+    # A named preset overrides what was derived (not the class count: a fact of the data); the CLI beats both.
+    named = load_config(["method=byol", "data=mine", "preset=cifar10", f"data.root={tmp_path}", "optim.steps=5"])
+    assert (named.data.name, named.data.num_classes, named.data.batch_size) == ("mine", 7, 512)
+    assert named.model.backbone == "resnet18" and named.optim.steps == 5
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "train" / "configs" / "data").glob("*.yaml")))
+def test_every_data_preset_sets_every_derived_value(preset: str) -> None:
+    """So that a named preset trains the same whether or not its dataset folder exists yet."""
+    import yaml
+
+    from train.config import DERIVED_KEYS
+
+    tree = yaml.safe_load((ROOT / "train" / "configs" / "data" / f"{preset}.yaml").read_text())
+    for key in DERIVED_KEYS:
+        section, name = key.split(".")
+        assert name in tree.get(section, {}), key
+
+
+def test_unknown_or_unusable_datasets_are_one_line_errors(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"no dataset 'nope'.*--name nope.*cifar10, cifar100, imagenet, synthetic"):
+        load_config(["method=rsa", "data=nope", f"data.root={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"no data preset 'cifar11'; choose one of cifar10"):
+        load_config(["method=rsa", "data=synthetic", "preset=cifar11"])
+    (tmp_path / "half").mkdir()                         # interrupted preprocessing: no manifest
+    with pytest.raises(ConfigError, match=r"incomplete.*make preprocess"):
+        load_config(["method=rsa", "data=half", f"data.root={tmp_path}"])
+    write_manifest(tmp_path, "empty", train=1, px=64)
+    with pytest.raises(ConfigError, match=r"'empty' has 1 train images.*re-run make preprocess"):
+        load_config(["method=rsa", "data=empty", f"data.root={tmp_path}"])

@@ -52,6 +52,26 @@ def test_objective_smoke(method: str, tiny_args, tmp_path) -> None:
     evals = train_records(run_dir, "eval")
     assert evals and {"knn_top1", "random_init/knn_top1"} <= set(evals[-1])
 
+    from models.backbone import load_backbone       # the safetensors export rebuilds the same network
+    from safetensors import safe_open
+
+    with safe_open(str(run_dir / "backbone.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    assert (meta["timm_model"], meta["small_stem"], meta["method"]) == ("resnet18", "true", method)
+    assert torch.allclose(load_backbone(run_dir / "backbone.safetensors").eval()(x), model.backbone.eval()(x))
+    assert_tensorboard_has(run_dir, train_records(run_dir), evals)
+
+
+def assert_tensorboard_has(run_dir, steps: list[dict], evals: list[dict]) -> None:
+    """The event file beside metrics.jsonl holds each logged number at its step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir)).Reload()
+    for prefix, records in (("train", steps), ("eval", evals)):
+        for key in ("loss", "lr", "img_per_s", "eta_s") if prefix == "train" else ("knn_top1", "random_init/linear_top1"):
+            logged = {e.step: e.value for e in events.Scalars(f"{prefix}/{key}")}
+            assert logged == pytest.approx({r["step"]: r[key] for r in records}, rel=1e-6), key
+
 
 @pytest.mark.parametrize("backend, method", [("ffcv", "relicv2"), ("ffcv", "rsa"), ("dali", "sdmp")])
 def test_loop_trains_on_the_ffcv_and_dali_loaders(backend: str, method: str, tiny_args, tmp_path) -> None:

@@ -1,0 +1,61 @@
+"""`python -m train` on bad input: one line `error: ...` naming the fix, exit status 2, nothing
+written; with gpus=2 the same from inside the launched processes, without a launcher traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train import checkpoint
+from train.__main__ import main
+from train.config import load_config, to_dict
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fails_in_one_line(capsys, argv: list[str], *needles: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def saved_checkpoint(path: Path, words: list[str]) -> Path:
+    """A file with what the checks read from a checkpoint: the config of `words`."""
+    return checkpoint.save(path, {"config": to_dict(load_config(words)), "step": 1})
+
+
+def test_bad_input_ends_in_one_line_before_any_write(tiny_args, capsys, tmp_path) -> None:
+    out = tmp_path / "runs"
+    words = tiny_args("rsa", out)
+    fails_in_one_line(capsys, [*words, "data=nope"], "no dataset 'nope'", "make preprocess")
+    fails_in_one_line(capsys, [*words, "gpus=999"], "GPUS=999", "use GPUS between 1 and")
+    fails_in_one_line(capsys, [*words, "gpus=two"], "whole number")
+    byol = saved_checkpoint(tmp_path / "byol.pt", tiny_args("byol", out))
+    fails_in_one_line(capsys, [*words, f"run.resume={byol}"], "method=byol (asked for rsa)", "same method")
+    wide = saved_checkpoint(tmp_path / "wide.pt", [*words, "model.backbone=resnet34"])
+    fails_in_one_line(capsys, [*words, f"run.resume={wide}"], "model.backbone=resnet34 (asked for resnet18)")
+    fails_in_one_line(capsys, [*words, f"run.resume={tmp_path / 'gone.pt'}"], "not found")
+    assert not out.exists()
+    rsa = saved_checkpoint(tmp_path / "rsa.pt", words)
+    fails_in_one_line(capsys, ["eval", f"ckpt={rsa}", "model.backbone=resnet50"],
+                      "model.backbone=resnet18 (asked for resnet50)", "drop the override")
+    fails_in_one_line(capsys, ["eval"], "make eval CKPT=")
+
+
+@pytest.mark.ddp
+def test_an_error_inside_the_launched_processes_is_one_line(tiny_args, tmp_path) -> None:
+    """gpus=2 passes the launcher's checks; both processes then refuse views that cannot feed RSA."""
+    out = tmp_path / "runs"
+    done = subprocess.run([sys.executable, "-m", "train", "gpus=2", *tiny_args("rsa", out), "views.recipe=byol"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "staged weak views" in errors[0], done.stderr
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr
+    assert not out.exists()
