@@ -37,12 +37,12 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
-demo: install  ## preprocess synthetic, pretrain rsa for a few CPU minutes, evaluate vs random init
+demo: install  ## preprocess synthetic, pretrain dacl for a few CPU minutes, evaluate vs random init
 	$(PY) -m preprocess --dataset synthetic --out $(OUT)
-	$(PY) -m train method=rsa data=synthetic data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
+	$(PY) -m train method=dacl data=synthetic data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
 
-test: install  ## the whole test suite (what CI runs)
-	$(PY) -m pytest
+test: install  ## the whole test suite (what CI runs), with its 15 slowest tests
+	$(PY) -m pytest --durations=15
 
 test-fast: install  ## the test suite without tests marked slow or ddp
 	$(PY) -m pytest -m "not slow and not ddp"

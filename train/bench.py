@@ -1,14 +1,17 @@
-"""`python -m train.bench [methods=rsa,byol] [steps=20] [repeats=3] [key=value ...]`: full training
-steps per objective on the synthetic dataset.
+"""`python -m train.bench [methods=rsa,byol] [steps=20] [repeats=3] [minutes=M] [key=value ...]`: full
+training steps per objective on the synthetic dataset.
 
 Per objective: steps/s and images/s with the real loader and with one batch already on the device
-(their ratio gives the data-stall fraction), peak memory, and kNN / linear-probe top-1 after a short
-training run (`optim.steps`) next to a random-init backbone. Writes `bench_train.json` (resolved
+(their ratio gives the data-stall fraction), peak memory, and kNN / linear-probe top-1 after a
+training run next to a random-init backbone. The run is `optim.steps` long, or with `minutes=M`
+as many steps as the measured rate fits into M minutes of training (an equal time budget per
+objective: the fair comparison on one machine, whatever each objective costs per step). Writes `bench_train.json` (resolved
 configs, git commit, versions, numbers) into `run.out_dir` and prints a table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import platform
@@ -81,21 +84,27 @@ def accuracy_after(cfg) -> dict[str, float]:
     return {k: last[k] for k in ("knn_top1", "linear_top1", "random_init/knn_top1", "random_init/linear_top1")}
 
 
-def bench_one(method: str, rest: list[str], steps: int, repeats: int) -> tuple[dict, dict]:
-    """Timing, peak memory and accuracy of one objective; run in a fresh process (see `main`)."""
+def bench_one(method: str, rest: list[str], steps: int, repeats: int, minutes: float) -> tuple[dict, dict]:
+    """Timing, peak memory and accuracy of one objective; run in a fresh process (see `main`).
+    `minutes` > 0 sets `optim.steps` (and a warmup of 10 % of it) from the measured steps/s."""
     device = select_device("auto")
     cfg = load_config([f"method={method}", "data=synthetic", *rest, f"run.name=bench-{method}"])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    row = {**time_steps(cfg, device, steps, repeats), "peak_mem_mb": peak_memory_mb(device), **accuracy_after(cfg)}
+    timing = time_steps(cfg, device, steps, repeats)
+    if minutes > 0:
+        n = max(1, round(60 * minutes * timing["steps_per_s"]))
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, steps=n, warmup_steps=n // 10))
+    row = {**timing, "peak_mem_mb": peak_memory_mb(device), "train_steps": cfg.optim.steps, **accuracy_after(cfg)}
     return row, to_dict(cfg)
 
 
 def main(argv: list[str]) -> int:
-    opts = dict(a.split("=", 1) for a in argv if a.split("=", 1)[0] in ("methods", "steps", "repeats"))
-    rest = [a for a in argv if a.split("=", 1)[0] not in ("methods", "steps", "repeats")]
+    own = ("methods", "steps", "repeats", "minutes")
+    opts = dict(a.split("=", 1) for a in argv if a.split("=", 1)[0] in own)
+    rest = [a for a in argv if a.split("=", 1)[0] not in own]
     methods = opts.get("methods", ",".join(sorted(OBJECTIVES))).split(",")
-    steps, repeats = int(opts.get("steps", 10)), int(opts.get("repeats", 3))
+    steps, repeats, minutes = int(opts.get("steps", 10)), int(opts.get("repeats", 3)), float(opts.get("minutes", 0))
     device = select_device("auto")
     print(f"bench-train | {torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}"
           f" | torch {torch.__version__} | python {platform.python_version()} | {steps} steps x {repeats}")
@@ -104,20 +113,20 @@ def main(argv: list[str]) -> int:
         # One fresh process per objective: the CPU peak (ru_maxrss) is per process and never goes
         # down, so measuring every objective in one process would report the running maximum.
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            rows[method], configs[method] = pool.submit(bench_one, method, rest, steps, repeats).result()
+            rows[method], configs[method] = pool.submit(bench_one, method, rest, steps, repeats, minutes).result()
         print(f"{method}: done", flush=True)
     header = (f"{'method':<8} {'steps/s':>14} {'img/s':>8} {'cached steps/s':>15} {'stall':>6} {'peak MiB':>9}"
-              f" {'kNN':>6} {'kNN rnd':>7} {'linear':>6} {'lin rnd':>7}")
+              f" {'steps':>6} {'kNN':>6} {'kNN rnd':>7} {'linear':>6} {'lin rnd':>7}")
     print(header)
     for m, r in rows.items():
         print(f"{m:<8} {r['steps_per_s']:>7.2f} ± {r['steps_per_s_std']:<4.2f} {r['img_per_s']:>8.1f} "
               f"{r['cached_steps_per_s']:>8.2f} ± {r['cached_steps_per_s_std']:<4.2f} {r['data_stall_fraction']:>6.2f} "
-              f"{r['peak_mem_mb']:>9.0f} {100 * r['knn_top1']:>5.1f}% {100 * r['random_init/knn_top1']:>6.1f}% "
+              f"{r['peak_mem_mb']:>9.0f} {r['train_steps']:>6} {100 * r['knn_top1']:>5.1f}% {100 * r['random_init/knn_top1']:>6.1f}% "
               f"{100 * r['linear_top1']:>5.1f}% {100 * r['random_init/linear_top1']:>6.1f}%")
     out = Path(next(iter(configs.values()))["run"]["out_dir"]) / "bench_train.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"git_commit": checkpoint.git_commit(), "torch": torch.__version__,
-                               "device": str(device), "steps": steps, "repeats": repeats,
+                               "device": str(device), "steps": steps, "repeats": repeats, "minutes": minutes,
                                "results": rows, "configs": configs}, indent=1))
     print(f"wrote {out}")
     return 0

@@ -73,10 +73,11 @@ def assert_tensorboard_has(run_dir, steps: list[dict], evals: list[dict]) -> Non
             assert logged == pytest.approx({r["step"]: r[key] for r in records}, rel=1e-6), key
 
 
-@pytest.mark.parametrize("backend, method", [("ffcv", "relicv2"), ("ffcv", "rsa"), ("dali", "sdmp")])
+@pytest.mark.parametrize("backend, method", [("ffcv", "relicv2"), ("dali", "sdmp")])
 def test_loop_trains_on_the_ffcv_and_dali_loaders(backend: str, method: str, tiny_args, tmp_path) -> None:
-    """Multi-crop (relicv2: 4 + 2 views), staged views (rsa) and in-graph mixes (sdmp) from the real
-    loaders: 3 finite steps on new batches (the loss changes from step to step)."""
+    """Multi-crop (relicv2: 4 + 2 views) and in-graph mixes (sdmp) from the real loaders: 3 finite
+    steps on new batches (the loss changes from step to step). Staged views reach the same Batch
+    fields on every backend (tests/pipelines/test_contract.py); the demo test trains on ffcv."""
     cfg = load_config(tiny_args(method, tmp_path, f"data.backend={backend}"))
     assert cfg.data.backend == backend
     run_dir = train(cfg)
@@ -94,16 +95,17 @@ def test_non_finite_loss_stops_with_step_and_terms(tiny_args, tmp_path) -> None:
 
 @pytest.mark.slow
 def test_demo_run_beats_random_init(tmp_path_factory, tmp_path) -> None:
-    """`make demo` as it runs (rsa on the default synthetic dataset, data/synthetic.yaml, 300 steps,
-    about 3 minutes on 2 CPU cores): the pretrained backbone's kNN top-1 is at least 1.5 points above
-    the random-init backbone's and its linear-probe top-1 is above it. Measured on 2,000 val images:
-    +3.4 and +2.9 kNN points in two runs of this preset (CPU threads make runs differ by ~0.5 point),
-    +1.3 to +2.5 linear; a 150-step run on 2,000 images gained only +1.8 kNN."""
+    """`make demo` as it runs (dacl on the default synthetic dataset, data/synthetic.yaml: 600 steps,
+    about 6 minutes on 2 CPU cores) visibly learns: the README's target is kNN top-1 10 points and
+    the linear probe 5 points above the random-init backbone; measured +11.3 / +6.0 (README). The
+    test asserts 8 and 4 points: runs of one config differ by about a point (CPU threads), and the
+    former rsa demo (+2.9 / -0.7) fails both."""
     from preprocess.prepare import prepare_dataset
 
     root = tmp_path_factory.mktemp("demo-data")
     prepare_dataset("synthetic", root, workers=2, seed=0)
-    cfg = load_config(["method=rsa", "data=synthetic", f"data.root={root}", f"run.out_dir={tmp_path}", "run.name=run"])
+    cfg = load_config(["method=dacl", "data=synthetic", f"data.root={root}", f"run.out_dir={tmp_path}", "run.name=run"])
+    assert cfg.data.backend == "auto" and cfg.optim.steps == 600
     last = train_records(train(cfg), "eval")[-1]
-    assert last["knn_top1"] >= last["random_init/knn_top1"] + 0.015, last
-    assert last["linear_top1"] > last["random_init/linear_top1"], last
+    assert last["knn_top1"] >= last["random_init/knn_top1"] + 0.08, last
+    assert last["linear_top1"] >= last["random_init/linear_top1"] + 0.04, last
