@@ -71,12 +71,10 @@ def preflight(cfg: Config, processes: int) -> None:
         ConfigError, DatasetError, CheckpointError: one line each (see the module docstring).
     """
     from train import checkpoint
-    from train.setup import check_processes, check_same_network
+    from train.setup import check_batch_split, check_processes, check_same_network
 
     check_processes(processes, cfg.run.device)
-    if cfg.data.batch_size % (2 * processes):
-        raise ConfigError(f"data.batch_size={cfg.data.batch_size} must split into even per-process batches "
-                          f"over GPUS={processes}; use a multiple of {2 * processes}")
+    check_batch_split(cfg.data.batch_size, processes)
     check_dataset(cfg)
     if cfg.run.resume:
         saved = checkpoint.load(cfg.run.resume).get("config")

@@ -90,6 +90,17 @@ def check_processes(n: int, device_name: str) -> None:
         raise ConfigError(f"GPUS={n} but this machine has {have} {what}; use GPUS between 1 and {have}")
 
 
+def check_batch_split(batch_size: int, processes: int) -> None:
+    """The global batch splits into even per-process batches (the mixes and paired views need pairs).
+
+    Raises:
+        ConfigError: naming the multiple to use.
+    """
+    if batch_size % (2 * processes):
+        raise ConfigError(f"data.batch_size={batch_size} must split into even per-process batches over "
+                          f"{processes} processes (GPUS={processes}); use a multiple of {2 * processes}")
+
+
 def mix_spec(cfg: Config) -> MixSpec:
     """The pipelines' `MixSpec` of `data.mix` (every field passed through)."""
     return MixSpec(**dataclasses.asdict(cfg.data.mix))
@@ -102,9 +113,7 @@ def build_train_loader(cfg: Config, recipe: Recipe, backend: str, device: torch.
         ConfigError: a global batch that does not split into even per-rank batches.
     """
     world = dist.world_size()
-    if cfg.data.batch_size % (2 * world):
-        raise ConfigError(f"data.batch_size={cfg.data.batch_size} must split into even per-rank batches "
-                          f"over {world} ranks; use a multiple of {2 * world}")
+    check_batch_split(cfg.data.batch_size, world)
     return build_loader(backend, LoaderSpec(
         root=cfg.data.root, dataset=cfg.data.name, split="train", recipe=recipe,
         batch_size=cfg.data.batch_size // world, mix=mix_spec(cfg), rank=dist.rank(), world_size=world,

@@ -36,6 +36,7 @@ def test_bad_input_ends_in_one_line_before_any_write(tiny_args, capsys, tmp_path
     fails_in_one_line(capsys, [*words, "data=nope"], "no dataset 'nope'", "make preprocess")
     fails_in_one_line(capsys, [*words, "gpus=999"], "GPUS=999", "use GPUS between 1 and")
     fails_in_one_line(capsys, [*words, "gpus=two"], "whole number")
+    fails_in_one_line(capsys, [*words, "data.batch_size=5"], "data.batch_size=5", "use a multiple of 2")
     byol = saved_checkpoint(tmp_path / "byol.pt", tiny_args("byol", out))
     fails_in_one_line(capsys, [*words, f"run.resume={byol}"], "method=byol (asked for rsa)", "same method")
     wide = saved_checkpoint(tmp_path / "wide.pt", [*words, "model.backbone=resnet34"])
