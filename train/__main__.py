@@ -38,7 +38,7 @@ def evaluate_checkpoint(args: list[str]) -> dict[str, dict[str, float]]:
     ckpt = [a.split("=", 1)[1] for a in args if a.startswith("ckpt=")]
     if not ckpt:
         raise ConfigError("eval needs the checkpoint: make eval CKPT=<run dir>/checkpoint.pt")
-    state = checkpoint.load(ckpt[-1])
+    state = checkpoint.load_training(ckpt[-1])
     cfg = config_from_dict(state["config"], overrides=[a for a in args if not a.startswith("ckpt=")])
     check_same_network(cfg, state["config"], ckpt[-1], "eval rebuilds that network: drop the override")
     check_dataset(cfg)
@@ -70,19 +70,13 @@ def preflight(cfg: Config, processes: int) -> None:
     Raises:
         ConfigError, DatasetError, CheckpointError: one line each (see the module docstring).
     """
-    from train import checkpoint
-    from train.setup import check_batch_split, check_processes, check_same_network
+    from train.setup import check_batch_split, check_processes, resume_state
 
     check_processes(processes, cfg.run.device)
     check_batch_split(cfg.data.batch_size, processes)
     check_dataset(cfg)
-    if cfg.run.resume:
-        saved = checkpoint.load(cfg.run.resume).get("config")
-        if not isinstance(saved, dict):
-            raise ConfigError(f"{cfg.run.resume} is not a training checkpoint (no config); "
-                              "pass run.resume=<run dir>/checkpoint.pt")
-        check_same_network(cfg, saved, cfg.run.resume,
-                           "resume it with the same method and model, or drop run.resume to start a fresh run")
+    if processes > 1:               # one process checks it in the loop, before any write
+        resume_state(cfg)
 
 
 def launch(processes: int, argv: list[str]) -> int:

@@ -87,3 +87,15 @@ def load(path: str | os.PathLike) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for a corrupt or foreign file
         raise CheckpointError(f"cannot read checkpoint {path}: {e}; pass a file written by the trainer") from e
+
+
+def load_training(path: str | os.PathLike) -> dict:
+    """`load`, and refuse a file that is not a training checkpoint (e.g. an exported backbone).
+
+    Raises:
+        CheckpointError: missing, unreadable, or without the saved config.
+    """
+    state = load(path)
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
+        raise CheckpointError(f"{path} is not a training checkpoint (no saved config); pass <run dir>/checkpoint.pt")
+    return state

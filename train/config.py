@@ -284,13 +284,13 @@ def derived_from_manifest(manifest: Manifest) -> dict:
     steps_per_epoch = n_train // batch
     steps = DERIVED_EPOCHS * steps_per_epoch
     global_px, local_px = dataset_sizes(manifest.image_px)
-    return {"data": {"name": manifest.dataset, "num_classes": manifest.num_classes, "batch_size": batch},
+    return {"data": {"num_classes": manifest.num_classes, "batch_size": batch},
             "views": {"global_px": global_px, "local_px": local_px},
             "optim": {"steps": steps, "warmup_steps": DERIVED_WARMUP_EPOCHS * steps_per_epoch},
             "run": {"ckpt_every": max(1, steps // 20), "eval_every_epochs": 0}}
 
 
-DERIVED_KEYS = ("data.name", "data.num_classes", "data.batch_size", "views.global_px", "views.local_px",
+DERIVED_KEYS = ("data.num_classes", "data.batch_size", "views.global_px", "views.local_px",
                 "optim.steps", "optim.warmup_steps", "run.ckpt_every", "run.eval_every_epochs")
 
 

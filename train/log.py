@@ -53,7 +53,7 @@ class Log:
         self.run_dir = Path(run_dir)
         self.tb = None                          # SummaryWriter, opened at the first record
         self.steps_timed, self.seconds = 0, 0.0  # for the ETA
-        self.warm = [0.0, 0.0]                   # data and step seconds after the first (warm-up) interval
+        self.warm_data_s = self.warm_step_s = 0.0  # after the first (warm-up) interval: the stall share
 
     def write(self, record: dict) -> None:
         if self.enabled:
@@ -74,7 +74,7 @@ class Log:
     def stall_fraction(self) -> float:
         """Share of the step time spent waiting for batches, after the first log interval (which holds
         the loaders' start-up and compilation)."""
-        return self.warm[0] / max(self.warm[1], 1e-9)
+        return self.warm_data_s / max(self.warm_step_s, 1e-9)
 
     def close(self) -> None:
         if self.tb is not None:
@@ -92,8 +92,8 @@ class Log:
         steps it covers. The ETA is the remaining steps at the mean step time logged so far.
         """
         if self.steps_timed:
-            self.warm[0] += speed["steps"] * speed["data_ms"] / 1e3
-            self.warm[1] += speed["steps"] * speed["step_ms"] / 1e3
+            self.warm_data_s += speed["steps"] * speed["data_ms"] / 1e3
+            self.warm_step_s += speed["steps"] * speed["step_ms"] / 1e3
         self.steps_timed += speed["steps"]
         self.seconds += speed["steps"] * speed["step_ms"] / 1e3
         eta_s = (total_steps - step) * self.seconds / max(self.steps_timed, 1)

@@ -22,7 +22,7 @@ from train.evaluate import evaluate_backbone
 from train.log import Log, Meter
 from train.objectives.base import LossOut, StepValues
 from train.optim import apply_lr_wd, clip_and_step
-from train.setup import Parts, build_parts, check_same_network, resolve_backend, select_device
+from train.setup import Parts, build_parts, resolve_backend, resume_state, select_device
 
 
 class NonFiniteLossError(RuntimeError):
@@ -35,11 +35,9 @@ def train(cfg: Config) -> Path:
     device = select_device(cfg.run.device)
     backend = resolve_backend(cfg, device)
     world, rank = dist.world_size(), dist.rank()
+    state = resume_state(cfg)                        # checked before any write
     parts = build_parts(cfg, device, backend)       # checks views against the objective: before any write
     online = dist.unwrap(parts.online)
-    state = checkpoint.load(cfg.run.resume) if cfg.run.resume else None
-    if state is not None:                            # also before any write
-        check_same_network(cfg, state["config"], cfg.run.resume, "resume it with the same method and model")
     run_dir = Path(cfg.run.resume).parent if cfg.run.resume else Path(cfg.run.out_dir) / dist.broadcast_object(
         cfg.run.name or f"{cfg.method}-{cfg.data.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     log = Log(run_dir, enabled=dist.is_main())

@@ -19,7 +19,7 @@ from models.multicrop import build_model
 from pipelines.loader import Loader, LoaderSpec, auto_backend, build_loader
 from pipelines.mixing import MixSpec
 from pipelines.views import Recipe, load_recipe
-from train import dist
+from train import checkpoint, dist
 from train.config import Config, ConfigError, check_needs, to_dict
 from train.objectives import OBJECTIVES
 from train.objectives.base import Objective
@@ -75,6 +75,21 @@ def check_same_network(cfg: Config, saved: dict, path: str, fix: str) -> None:
              if value(saved, k) != value(ours, k)]
     if diffs:
         raise ConfigError(f"checkpoint {path} was trained with {', '.join(diffs)}; {fix}")
+
+
+def resume_state(cfg: Config) -> dict | None:
+    """The checkpoint `run.resume` names (None for a fresh run), checked to build `cfg`'s network.
+
+    Raises:
+        CheckpointError: missing, unreadable or not a training checkpoint.
+        ConfigError: a checkpoint of another method or network (`check_same_network`).
+    """
+    if not cfg.run.resume:
+        return None
+    state = checkpoint.load_training(cfg.run.resume)
+    check_same_network(cfg, state["config"], cfg.run.resume,
+                       "resume it with the same method and model, or drop run.resume to start a fresh run")
+    return state
 
 
 def check_processes(n: int, device_name: str) -> None:

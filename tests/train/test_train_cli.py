@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from train import checkpoint
 from train.__main__ import main
@@ -42,6 +43,9 @@ def test_bad_input_ends_in_one_line_before_any_write(tiny_args, capsys, tmp_path
     wide = saved_checkpoint(tmp_path / "wide.pt", [*words, "model.backbone=resnet34"])
     fails_in_one_line(capsys, [*words, f"run.resume={wide}"], "model.backbone=resnet34 (asked for resnet18)")
     fails_in_one_line(capsys, [*words, f"run.resume={tmp_path / 'gone.pt'}"], "not found")
+    bare = checkpoint.save(tmp_path / "bare.pt", {"conv1.weight": torch.zeros(1)})    # an exported backbone
+    fails_in_one_line(capsys, [*words, f"run.resume={bare}"], "not a training checkpoint")
+    fails_in_one_line(capsys, ["eval", f"ckpt={bare}"], "not a training checkpoint")
     assert not out.exists()
     rsa = saved_checkpoint(tmp_path / "rsa.pt", words)
     fails_in_one_line(capsys, ["eval", f"ckpt={rsa}", "model.backbone=resnet50"],
