@@ -3,7 +3,7 @@ training steps per objective on the synthetic dataset.
 
 Per objective: steps/s and images/s with the real loader and with one batch already on the device
 (their ratio gives the data-stall fraction), peak memory, and kNN / linear-probe top-1 after a
-training run next to a random-init backbone. The run is `optim.steps` long, or with `minutes=M`
+training run next to a random-init backbone. Every objective is timed first; then each trains for `optim.steps`, or with `minutes=M`
 as many steps as the measured rate fits into M minutes of training (an equal time budget per
 objective: the fair comparison on one machine, whatever each objective costs per step). Writes `bench_train.json` (resolved
 configs, git commit, versions, numbers) into `run.out_dir` and prints a table.
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from train import checkpoint, schedules
-from train.config import Config, load_config, to_dict
+from train.config import Config, ConfigError, load_config, to_dict
 from train.loop import check_finite, epochs_from, train, train_step
 from train.objectives import OBJECTIVES
 from train.setup import build_parts, resolve_backend, select_device
@@ -84,19 +84,40 @@ def accuracy_after(cfg) -> dict[str, float]:
     return {k: last[k] for k in ("knn_top1", "linear_top1", "random_init/knn_top1", "random_init/linear_top1")}
 
 
-def bench_one(method: str, rest: list[str], steps: int, repeats: int, minutes: float) -> tuple[dict, dict]:
-    """Timing, peak memory and accuracy of one objective; run in a fresh process (see `main`).
-    `minutes` > 0 sets `optim.steps` (and a warmup of 10 % of it) from the measured steps/s."""
-    device = select_device("auto")
+def bench_config(method: str, rest: list[str], train_steps: int = 0) -> Config:
     cfg = load_config([f"method={method}", "data=synthetic", *rest, f"run.name=bench-{method}"])
+    if train_steps > 0:
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, steps=train_steps,
+                                                                 warmup_steps=train_steps // 10))
+    return cfg
+
+
+def time_one(method: str, rest: list[str], steps: int, repeats: int) -> dict:
+    """Step rates and peak memory of one objective; run in a fresh process (see `main`)."""
+    device = select_device("auto")
+    cfg = bench_config(method, rest)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    timing = time_steps(cfg, device, steps, repeats)
-    if minutes > 0:
-        n = max(1, round(60 * minutes * timing["steps_per_s"]))
-        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, steps=n, warmup_steps=n // 10))
-    row = {**timing, "peak_mem_mb": peak_memory_mb(device), "train_steps": cfg.optim.steps, **accuracy_after(cfg)}
-    return row, to_dict(cfg)
+    return {**time_steps(cfg, device, steps, repeats), "peak_mem_mb": peak_memory_mb(device)}
+
+
+def steps_in(minutes: float, steps_per_s: float) -> int:
+    """The equal time budget as a run length: the steps the measured rate fits into `minutes`."""
+    return max(1, round(60 * minutes * steps_per_s))
+
+
+def train_one(method: str, rest: list[str], train_steps: int) -> tuple[dict, dict]:
+    """Accuracy after a training run of `train_steps` (0: the config's `optim.steps`, else with a
+    warmup of 10 % of it), and the resolved config."""
+    cfg = bench_config(method, rest, train_steps)
+    return {"train_steps": cfg.optim.steps, **accuracy_after(cfg)}, to_dict(cfg)
+
+
+def in_fresh_process(fn, *args):
+    # One fresh process per measurement: the CPU peak (ru_maxrss) is per process and never goes
+    # down, so measuring every objective in one process would report the running maximum.
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def main(argv: list[str]) -> int:
@@ -105,16 +126,29 @@ def main(argv: list[str]) -> int:
     rest = [a for a in argv if a.split("=", 1)[0] not in own]
     methods = opts.get("methods", ",".join(sorted(OBJECTIVES))).split(",")
     steps, repeats, minutes = int(opts.get("steps", 10)), int(opts.get("repeats", 3)), float(opts.get("minutes", 0))
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
+    try:                                     # bad words fail here in one line, before any process starts
+        for method in methods:
+            bench_config(method, rest)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     device = select_device("auto")
     print(f"bench-train | {torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}"
           f" | torch {torch.__version__} | python {platform.python_version()} | {steps} steps x {repeats}")
-    rows, configs = {}, {}
+    # Two rounds: every objective is timed first, back to back, then trained for the steps its rate
+    # fits into the budget. The budgets are fixed before any long run starts, so a busy spell of the
+    # machine during training makes the bench slower but cannot give one objective fewer steps.
+    rows = {m: in_fresh_process(time_one, m, rest, steps, repeats) for m in methods}
+    print("timed: " + ", ".join(f"{m} {r['steps_per_s']:.2f} steps/s" for m, r in rows.items()), flush=True)
+    configs = {}
     for method in methods:
-        # One fresh process per objective: the CPU peak (ru_maxrss) is per process and never goes
-        # down, so measuring every objective in one process would report the running maximum.
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            rows[method], configs[method] = pool.submit(bench_one, method, rest, steps, repeats, minutes).result()
-        print(f"{method}: done", flush=True)
+        budget = steps_in(minutes, rows[method]["steps_per_s"]) if minutes > 0 else 0
+        accuracy, configs[method] = in_fresh_process(train_one, method, rest, budget)
+        rows[method].update(accuracy)
+        print(f"{method}: {accuracy['train_steps']} steps, kNN {100 * accuracy['knn_top1']:.1f}%", flush=True)
     header = (f"{'method':<8} {'steps/s':>14} {'img/s':>8} {'cached steps/s':>15} {'stall':>6} {'peak MiB':>9}"
               f" {'steps':>6} {'kNN':>6} {'kNN rnd':>7} {'linear':>6} {'lin rnd':>7}")
     print(header)

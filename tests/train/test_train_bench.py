@@ -1,23 +1,43 @@
-"""`python -m train.bench` measures one objective end to end: timings, peak memory, accuracy after a
-run of an equal time budget."""
+"""`python -m train.bench` measures each objective end to end: timings and peak memory first, then
+accuracy after a run of an equal time budget."""
 
 from __future__ import annotations
 
 import math
 
-from train.bench import bench_one
+from train.bench import steps_in, time_one, train_one
 
 
-def test_bench_one_objective_reports_rates_memory_and_accuracy(tiny_args, tmp_path) -> None:
+def test_bench_times_then_trains_one_objective_for_its_time_budget(tiny_args, tmp_path) -> None:
     rest = [w for w in tiny_args("simclr", tmp_path) if not w.startswith(("method=", "data=", "run.name="))]
-    row, config = bench_one("simclr", rest, steps=2, repeats=2, minutes=0.05)
+    timing = time_one("simclr", rest, steps=2, repeats=2)
+    assert timing["steps_per_s"] > 0 and timing["cached_steps_per_s"] > 0
+    assert math.isclose(timing["img_per_s"], timing["steps_per_s"] * 16)
+    assert 0.0 <= timing["data_stall_fraction"] < 1.0
+    assert timing["peak_mem_mb"] > 50                        # a process holding torch and a model
+
+    # The time budget becomes the run length: the steps the measured rate fits into 3 seconds.
+    budget = steps_in(0.05, timing["steps_per_s"])
+    assert budget == max(1, round(3 * timing["steps_per_s"]))
+    row, config = train_one("simclr", rest, budget)
     assert config["method"] == "simclr" and config["data"]["batch_size"] == 16
-    # The time budget became the run length: the steps the measured rate fits into 3 seconds.
-    assert row["train_steps"] == config["optim"]["steps"] == max(1, round(3 * row["steps_per_s"]))
-    assert row["steps_per_s"] > 0 and row["cached_steps_per_s"] > 0
-    assert math.isclose(row["img_per_s"], row["steps_per_s"] * 16)
-    assert 0.0 <= row["data_stall_fraction"] < 1.0
-    assert row["peak_mem_mb"] > 50                           # a process holding torch and a model
+    assert row["train_steps"] == config["optim"]["steps"] == budget
+    assert config["optim"]["warmup_steps"] == budget // 10
     for key in ("knn_top1", "linear_top1", "random_init/knn_top1", "random_init/linear_top1"):
         assert 0.0 <= row[key] <= 1.0
     assert (tmp_path / "bench-simclr" / "metrics.jsonl").exists()
+
+
+def test_without_a_budget_the_run_keeps_the_configured_steps(tiny_args, tmp_path) -> None:
+    rest = [w for w in tiny_args("byol", tmp_path) if not w.startswith(("method=", "data=", "run.name="))]
+    row, config = train_one("byol", rest, 0)
+    assert row["train_steps"] == config["optim"]["steps"]
+    assert config["optim"]["steps"] == next(int(w.split("=")[1]) for w in rest if w.startswith("optim.steps="))
+
+
+def test_a_bad_word_is_one_line_before_any_process_starts(capsys) -> None:
+    from train.bench import main
+
+    assert main(["methods=rsa,nosuch"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: unknown method 'nosuch'") and "\n" not in err
