@@ -19,7 +19,7 @@ SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 STAMP    := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/null | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-fast preprocess train eval profile bench-data bench-train bench-preprocess gpu-check
+.PHONY: help install demo test test-fast preprocess train eval profile profile-compare bench-data bench-train bench-preprocess gpu-check
 
 help:  ## list targets and variables
 	@echo "viewmill make targets:"
@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml requirements.lock
 	  || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq pkg-config libopencv-dev libturbojpeg0-dev; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c requirements.lock "setuptools>=64" wheel numpy torch torchvision
-	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test]'
+	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
 demo: install  ## preprocess synthetic, pretrain dacl for a few CPU minutes, evaluate vs random init
@@ -56,7 +56,13 @@ train: install  ## pretrain METHOD on DATASET (PRESET: data preset; GPUS>1: DDP 
 eval: install  ## kNN + linear probe of CKPT's backbone against random init
 	$(PY) -m train eval ckpt=$(CKPT) $(ARGS)
 
-profile: bench-data  ## throughput report (loaders, ceilings, baseline)
+profile: install  ## throughput report: loader stages vs baseline and ceilings, training steps, scaling
+	$(PY) -m train.profile $(if $(filter command line environment,$(origin DATASET)),--dataset $(DATASET)) \
+	  $(if $(RECIPES),--recipes $(RECIPES)) $(if $(METHODS),--methods $(METHODS)) \
+	  $(if $(BACKENDS),--backends $(BACKENDS)) $(if $(QUICK),--quick) $(if $(TRACE),--trace) $(ARGS)
+
+profile-compare: install  ## ratios between two profile reports: make profile-compare A=reports/profile-... B=...
+	$(PY) -m train.profile compare $(A) $(B) $(ARGS)
 
 bench-data: install  ## data pipelines alone: backends vs torchvision baseline and decode ceilings
 	$(PY) -m pipelines.bench $(ARGS)

@@ -163,6 +163,11 @@ def crops_only(recipe: Recipe) -> Recipe:
     return Recipe(name=f"{recipe.name}-crops", groups=tuple(dataclasses.replace(g, **off) for g in recipe.groups))
 
 
+def without_blur(recipe: Recipe) -> Recipe:
+    """The recipe with Gaussian blur switched off (everything else as it is)."""
+    return Recipe(name=f"{recipe.name}-noblur", groups=tuple(dataclasses.replace(g, blur_p=0.0) for g in recipe.groups))
+
+
 def views_per_sample(recipe: Recipe) -> int:
     """Views a sample yields: every group's count (weak parents of staged groups included)."""
     return sum(g.count for g in recipe.groups)
@@ -173,9 +178,27 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()  # sync: close the timed window on the device
 
 
-def time_loader(make, batches: int, warmup: int, repeats: int, device: str) -> list[float]:
+def cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all cores since boot, from /proc/stat (None where there is none)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)       # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def cpu_utilisation(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float | None:
+    """Share of the machine's cores busy between two `cpu_ticks()` readings (every process counts)."""
+    if start is None or end is None or end[1] <= start[1]:
+        return None
+    return (end[0] - start[0]) / (end[1] - start[1])
+
+
+def time_loader(make, batches: int, warmup: int, repeats: int, device: str,
+                utilisation: list | None = None) -> list[float]:
     """Images/s of `repeats` runs; each builds a fresh loader (`make(epoch)`), skips `warmup` batches,
-    then times `batches` batches."""
+    then times `batches` batches. With `utilisation`, appends each timed window's machine CPU share."""
     runs = []
     for r in range(repeats):
         loader = make(r)
@@ -183,12 +206,14 @@ def time_loader(make, batches: int, warmup: int, repeats: int, device: str) -> l
         for _ in range(warmup):
             next(it)
         _sync(device)
-        t0 = time.perf_counter()
+        ticks, t0 = cpu_ticks(), time.perf_counter()
         n = 0
         for _ in range(batches):
             n += next(it).batch_size
         _sync(device)
         runs.append(n / (time.perf_counter() - t0))
+        if utilisation is not None:
+            utilisation.append(cpu_utilisation(ticks, cpu_ticks()))
         del it, loader
     return runs
 
@@ -205,6 +230,8 @@ class _CeilingDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         import torchvision.transforms as T
         data = self.reader.image(i)
+        if self.decoder == "read":                    # the bytes alone: the read ceiling
+            return len(data)
         if self.decoder == "pil":
             from PIL import Image
             img = Image.open(io.BytesIO(data)).convert("RGB")
@@ -242,7 +269,8 @@ def _collate_views(items):
 def time_ceiling(entries, decoder: str, recipe: Recipe | None, batch_size: int, batches: int,
                  warmup: int, repeats: int, cores: int, first_seed: int = 0) -> list[float]:
     """Images/s of decode-only (`recipe` None) or decode + crops of `recipe`, in `cores` workers;
-    run r reads the records in the order seeded with `first_seed + r`."""
+    run r reads the records in the order seeded with `first_seed + r`. `decoder="read"` times
+    reading the bytes alone."""
     groups = None if recipe is None else list(recipe.crop_groups)
     ds = _CeilingDataset(ShardReader(entries), decoder, groups)
     need = (warmup + batches) * batch_size

@@ -1,7 +1,7 @@
 """`python -m train.bench [methods=rsa,byol] [steps=20] [repeats=3] [minutes=M] [key=value ...]`: full
 training steps per objective on the synthetic dataset.
 
-Per objective: steps/s and images/s with the real loader and with one batch already on the device
+Per objective: median steps/s and images/s with the real loader and with one batch already on the device
 (their ratio gives the data-stall fraction), peak memory, and kNN / linear-probe top-1 after a
 training run next to a random-init backbone. Every objective is timed first; then each trains for `optim.steps`, or with `minutes=M`
 as many steps as the measured rate fits into M minutes of training (an equal time budget per
@@ -28,7 +28,7 @@ from train import checkpoint, schedules
 from train.config import Config, ConfigError, load_config, to_dict
 from train.loop import check_finite, epochs_from, train, train_step
 from train.objectives import OBJECTIVES
-from train.setup import build_parts, resolve_backend, select_device
+from train.setup import Parts, build_parts, resolve_backend, select_device
 
 
 def sync(device: torch.device) -> None:
@@ -36,16 +36,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()  # sync: timing boundary of a benchmark
 
 
-def time_steps(cfg: Config, device: torch.device, steps: int, repeats: int,
-               warmup_steps: int = 2) -> dict[str, float]:
-    """Mean ± std steps/s of the loop's `train_step`, with the real loader and with one batch kept on
-    the device (no loader at all), after `warmup_steps` untimed steps.
+def time_steps(cfg: Config, device: torch.device, steps: int, repeats: int, warmup_steps: int = 2,
+               parts: Parts | None = None, batches=None) -> dict:
+    """Median steps/s of the loop's `train_step` with the real loader and with one batch kept on the
+    device (no loader at all), after `warmup_steps` untimed steps; on `parts` and its `batches`
+    iterator when given (built here otherwise). Timed in `repeats` rounds of one
+    real run then one on-device run, so that a slow spell of the machine falls on both.
+
+    Returns:
+        medians (`steps_per_s`, `cached_steps_per_s`, `img_per_s`), every run (`*_runs`) and the
+        data-stall fraction `1 - real / on-device`.
 
     Raises:
         NonFiniteLossError: a timed step had a non-finite loss (checked once, after the timing).
     """
-    parts = build_parts(cfg, device, resolve_backend(cfg, device))
-    batches = epochs_from(parts.loader, 0, len(parts.loader), None)
+    parts = parts or build_parts(cfg, device, resolve_backend(cfg, device))
+    batches = batches or epochs_from(parts.loader, 0, len(parts.loader), None)
     cached = next(batches)
     done = 0
 
@@ -60,14 +66,15 @@ def time_steps(cfg: Config, device: torch.device, steps: int, repeats: int,
         return n / (time.perf_counter() - start)
 
     run(warmup_steps, lambda: next(batches))
-    real = [run(steps, lambda: next(batches)) for _ in range(repeats)]
-    fed = [run(steps, lambda: cached) for _ in range(repeats)]
+    real, fed = [], []
+    for _ in range(repeats):
+        real.append(run(steps, lambda: next(batches)))
+        fed.append(run(steps, lambda: cached))
     check_finite(parts, cfg.method, done, {})
-    mean = statistics.mean
-    return {"steps_per_s": mean(real), "steps_per_s_std": statistics.pstdev(real),
-            "img_per_s": mean(real) * cfg.data.batch_size, "cached_steps_per_s": mean(fed),
-            "cached_steps_per_s_std": statistics.pstdev(fed),
-            "data_stall_fraction": max(0.0, 1.0 - mean(real) / mean(fed))}
+    median = statistics.median
+    return {"steps_per_s": median(real), "steps_per_s_runs": real, "img_per_s": median(real) * cfg.data.batch_size,
+            "cached_steps_per_s": median(fed), "cached_steps_per_s_runs": fed,
+            "data_stall_fraction": max(0.0, 1.0 - median(real) / median(fed))}
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -149,12 +156,13 @@ def main(argv: list[str]) -> int:
         accuracy, configs[method] = in_fresh_process(train_one, method, rest, budget)
         rows[method].update(accuracy)
         print(f"{method}: {accuracy['train_steps']} steps, kNN {100 * accuracy['knn_top1']:.1f}%", flush=True)
-    header = (f"{'method':<8} {'steps/s':>14} {'img/s':>8} {'cached steps/s':>15} {'stall':>6} {'peak MiB':>9}"
+    header = (f"{'method':<8} {'steps/s (min-max)':>18} {'img/s':>8} {'cached steps/s':>18} {'stall':>6} {'peak MiB':>9}"
               f" {'steps':>6} {'kNN':>6} {'kNN rnd':>7} {'linear':>6} {'lin rnd':>7}")
     print(header)
+    spread = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}"   # noqa: E731
     for m, r in rows.items():
-        print(f"{m:<8} {r['steps_per_s']:>7.2f} ± {r['steps_per_s_std']:<4.2f} {r['img_per_s']:>8.1f} "
-              f"{r['cached_steps_per_s']:>8.2f} ± {r['cached_steps_per_s_std']:<4.2f} {r['data_stall_fraction']:>6.2f} "
+        print(f"{m:<8} {r['steps_per_s']:>6.2f} ({spread(r['steps_per_s_runs']):>9}) {r['img_per_s']:>8.1f} "
+              f"{r['cached_steps_per_s']:>6.2f} ({spread(r['cached_steps_per_s_runs']):>9}) {r['data_stall_fraction']:>6.2f} "
               f"{r['peak_mem_mb']:>9.0f} {r['train_steps']:>6} {100 * r['knn_top1']:>5.1f}% {100 * r['random_init/knn_top1']:>6.1f}% "
               f"{100 * r['linear_top1']:>5.1f}% {100 * r['random_init/linear_top1']:>6.1f}%")
     out = Path(next(iter(configs.values()))["run"]["out_dir"]) / "bench_train.json"

@@ -1,0 +1,403 @@
+"""`python -m train.profile` (`make profile`): one throughput report, where the time goes, against the
+torchvision baseline and the decode ceilings; `python -m train.profile compare A B`
+(`make profile-compare`) compares two reports.
+
+Sections, each figure the median of `--repeats` timed runs after warm-up with its min and max:
+
+1. **loader**: per recipe × backend on `--dataset` (the loader alone, batches on `--device`): source
+   images/s, views/s, the machine's CPU utilisation while timed, the ratios to the torchvision
+   baseline and to the read / decode / decode + crops ceilings measured on the same shard files
+   (`pipelines.bench`), and the time per image split into stages by an ablation ladder: the
+   backend with the recipe's mix off, then blur off, then every colour op off (crops only).
+   A recipe may name an intra-batch mix: `byol+sdmp`, `plain+dacl`.
+2. **train**: per method, the loop's `train_step` with the real loader and with the same batch kept
+   on the device (`train.bench.time_steps`), the data-stall fraction `1 - real / on-device`, the
+   step split into data wait, forward, backward, optimiser and EMA (the `train.loop.phase` ranges,
+   read from one torch.profiler round; `--trace` also writes its Chrome trace) and peak memory.
+   Each method runs in a fresh process, so that the CPU peak (ru_maxrss) is its own.
+3. **scaling**: loader images/s against worker count (1, 2, 4, ... up to `--cores`) and on-device
+   trainer images/s against batch size.
+
+Loader cells are timed in rounds: each round times every ceiling and every backend once, back to
+back, so that a slow spell of the machine falls on all of them alike; a method's real and on-device
+runs alternate the same way. On a CPU the trainer runs the `synthetic` preset (the demo's network);
+on a GPU, ResNet-50 with bf16 and channels-last on the loader's dataset. The report states the
+device of every figure. Writes `<out>/profile-<UTC time>/` with `profile.json` (schema:
+`train/profile_schema.json`, version 1), `profile.md` and PNG charts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+from pipelines import bench as loader_bench
+from pipelines.loader import BACKENDS, LoaderSpec, build_loader
+from pipelines.mixing import MIX_KINDS, MixSpec
+from pipelines.shards import scan_shards
+from pipelines.views import Recipe, load_recipe
+from train import profile_report, schedules
+from train.bench import peak_memory_mb, sync, time_steps
+from train.config import ConfigError, load_config, to_dict
+from train.loop import STEP_PHASES, epochs_from, phase, train_step
+from train.objectives import OBJECTIVES
+from train.setup import build_parts, resolve_backend, select_device
+
+RECIPES = "relicv2,rsa,byol+sdmp"
+
+
+class ProfileError(ValueError):
+    """Bad profile arguments, with the fix."""
+
+
+def stat(runs: list[float]) -> dict:
+    """A timed figure: median, min, max and the runs."""
+    runs = [float(x) for x in runs]
+    return {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "runs": runs}
+
+
+def worker_counts(cores: int) -> list[int]:
+    """1, 2, 4, ... below `cores`, then `cores`."""
+    counts, k = [], 1
+    while k < cores:
+        counts.append(k)
+        k *= 2
+    return counts + [cores]
+
+
+def recipe_cell(name: str, gpx: int, lpx: int) -> tuple[Recipe, MixSpec]:
+    """`relicv2` or `byol+sdmp`: a recipe preset and an optional intra-batch mix kind."""
+    recipe, _, mix = name.partition("+")
+    if mix and mix not in MIX_KINDS:
+        raise ProfileError(f"unknown mix {mix!r} in recipe {name!r}; write <recipe>+<mix> with a mix from "
+                           f"{', '.join(k for k in MIX_KINDS if k != 'none')}")
+    return load_recipe(recipe, gpx, lpx), MixSpec(kind=mix or "none")
+
+
+# ----------------------------------------------------------------------------- 1. loader
+
+
+def _ladder(recipe: Recipe, mix: MixSpec) -> dict[str, tuple[Recipe, MixSpec]]:
+    """The runs whose differences give the stages: full, then mix off, blur off, colour off."""
+    no_mix = MixSpec()
+    runs = {"full": (recipe, mix)}
+    if mix.kind != "none":
+        runs["no_mix"] = (recipe, no_mix)
+    if any(g.blur_p > 0 for g in recipe.groups):
+        runs["no_blur"] = (loader_bench.without_blur(recipe), no_mix)
+    runs["crops_only"] = (loader_bench.crops_only(recipe), no_mix)
+    return runs
+
+
+def stages_ms(rates: dict[str, float], read: float, decode: float) -> dict[str, float | None]:
+    """Per-image ms of each stage from the ladder's img/s (`_ladder` names) and the ceilings'."""
+    ms = {k: 1000.0 / v for k, v in rates.items() if v}
+    nonneg = lambda x: max(0.0, x)   # noqa: E731
+    no_mix = ms.get("no_mix", ms["full"])
+    no_blur = ms.get("no_blur", no_mix)
+    return {"read": 1000.0 / read, "decode": nonneg(1000.0 / decode - 1000.0 / read),
+            "crops_resize_rest": nonneg(ms["crops_only"] - 1000.0 / decode),
+            "colour": nonneg(no_blur - ms["crops_only"]),
+            "blur": nonneg(no_mix - no_blur) if "no_blur" in ms else None,
+            "mix": nonneg(ms["full"] - no_mix) if "no_mix" in ms else None}
+
+
+def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[str], backends: list[str],
+                   sizes: tuple[int, int]) -> tuple[list[dict], list[dict], list[dict]]:
+    """Loader rows, ceilings and worker scaling on one dataset (see the module docstring)."""
+    entries = scan_shards(root / name / "train")
+    ceil_args = (a.batch_size, a.batches, a.warmup_batches)
+    # The ceiling decoder: the faster of two libjpeg-turbo decoders, from one probe run each.
+    probe = {d: loader_bench.time_ceiling(entries, d, None, *ceil_args, 1, a.cores)[0]
+             for d in ("pil", "torchvision.io")}
+    decoder = max(probe, key=probe.get)
+    cells = {rc: recipe_cell(rc, *sizes) for rc in recipes}
+
+    def make(be: str, recipe: Recipe, mix: MixSpec, workers: int, epoch: int):
+        backend, _, device = be.partition("@")
+        spec = LoaderSpec(root=str(root), dataset=name, split="train", recipe=recipe, mix=mix,
+                          batch_size=a.batch_size, seed=0, device=device or a.device, num_workers=workers)
+        loader = build_loader(backend, spec)
+        loader.set_epoch(epoch)
+        return loader
+
+    read_runs, decode_runs = [], []
+    crop_ceiling = {rc: [] for rc in recipes}
+    rows = {(rc, be): {"recipe": rc, "backend": be, "device": be.partition("@")[2] or a.device, "status": "ok",
+                       "ladder": {k: [] for k in _ladder(*cells[rc])}, "util": []}
+            for rc in recipes for be in backends}
+    for rnd in range(a.repeats):
+        read_runs += loader_bench.time_ceiling(entries, "read", None, *ceil_args, 1, a.cores, first_seed=rnd)
+        decode_runs += loader_bench.time_ceiling(entries, decoder, None, *ceil_args, 1, a.cores, first_seed=rnd)
+        for rc, (recipe, mix) in cells.items():
+            crop_ceiling[rc] += loader_bench.time_ceiling(entries, decoder, recipe, *ceil_args, 1, a.cores,
+                                                          first_seed=rnd)
+            for be in backends:
+                row = rows[(rc, be)]
+                if row["status"] != "ok":
+                    continue
+                try:
+                    for step, (r, m) in _ladder(recipe, mix).items():
+                        util = row["util"] if step == "full" else None
+                        row["ladder"][step] += loader_bench.time_loader(
+                            lambda e, r=r, m=m: make(be, r, m, a.cores, rnd + e), a.batches, a.warmup_batches,
+                            1, row["device"], utilisation=util)
+                except Exception as exc:   # a broken backend is reported, never skipped silently
+                    row.update(status="failed", error=f"{type(exc).__name__}: {exc}".splitlines()[0],
+                               traceback=traceback.format_exc(limit=4))
+        print(f"  loader round {rnd + 1}/{a.repeats} done", flush=True)
+
+    read, decode = stat(read_runs), stat(decode_runs)
+    ceilings = [{"recipe": None, "kind": "read", "decoder": "none", "img_per_s": read},
+                {"recipe": None, "kind": "decode", "decoder": decoder, "img_per_s": decode, "probe": probe}]
+    ceilings += [{"recipe": rc, "kind": "decode+crops", "decoder": decoder, "img_per_s": stat(runs)}
+                 for rc, runs in crop_ceiling.items()]
+    out = []
+    for (rc, be), row in rows.items():
+        ladder, util = row.pop("ladder"), [u for u in row.pop("util") if u is not None]
+        if row["status"] == "ok":
+            full = stat(ladder["full"])
+            row.update(img_per_s=full, views_per_s=full["median"] * loader_bench.views_per_sample(cells[rc][0]),
+                       cpu_utilisation=statistics.median(util) if util else None,
+                       vs_ceiling_decode=full["median"] / decode["median"],
+                       vs_ceiling_decode_crops=statistics.median(crop_ceiling[rc]) / full["median"],
+                       stages_ms=stages_ms({k: statistics.median(v) for k, v in ladder.items()},
+                                           read["median"], decode["median"]),
+                       ladder_img_per_s={k: stat(v) for k, v in ladder.items()})
+        out.append(row)
+    for row in out:                       # the baseline ratio, once every row has its rate
+        tv = rows.get((row["recipe"], "torchvision"))
+        if row["status"] == "ok":
+            row["vs_torchvision"] = (row["img_per_s"]["median"] / tv["img_per_s"]["median"]
+                                     if tv and tv["status"] == "ok" else None)
+
+    scaling = []
+    counts = [w for w in worker_counts(a.cores) if w != a.cores] if a.scaling else []
+    rc0, ok = recipes[0], [r for r in out if r["recipe"] == recipes[0] and r["status"] == "ok"]
+    runs = {(r["backend"], w): [] for r in ok for w in counts}
+    for rnd in range(a.repeats):
+        for (be, w) in runs:
+            runs[(be, w)] += loader_bench.time_loader(lambda e, be=be, w=w: make(be, *cells[rc0], w, rnd + e),
+                                                      a.batches, a.warmup_batches, 1,
+                                                      be.partition("@")[2] or a.device)
+    for (be, w), r in runs.items():
+        scaling.append({"recipe": rc0, "backend": be, "workers": w, "img_per_s": stat(r)})
+    if a.scaling:
+        scaling += [{"recipe": rc0, "backend": r["backend"], "workers": a.cores, "img_per_s": r["img_per_s"]}
+                    for r in ok]
+    return out, ceilings, sorted(scaling, key=lambda s: (s["backend"], s["workers"]))
+
+
+# ----------------------------------------------------------------------------- 2. train
+
+
+def step_split(cfg, parts, batches, device: torch.device, steps: int, trace: Path | None) -> dict[str, float]:
+    """Mean ms per step in each `STEP_PHASES` range, from one torch.profiler round of `steps` steps."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for i in range(steps):
+            with phase("data_wait"):
+                batch = next(batches)
+            train_step(parts, batch, schedules.at(cfg.optim, i, len(parts.loader), cfg.data.batch_size))
+        sync(device)
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    split = dict.fromkeys(STEP_PHASES, 0.0)
+    for event in prof.key_averages():
+        name = event.key.removeprefix("step/")
+        if event.key.startswith("step/") and name in split:
+            # On a GPU the ranges' device time where the profiler has one; else their wall time.
+            device_us = getattr(event, "device_time_total", 0) if device.type == "cuda" else 0
+            split[name] = (device_us or event.cpu_time_total) / 1000.0 / steps
+    return split
+
+
+def profile_method(method: str, words: list[str], steps: int, repeats: int, trace: str | None) -> dict:
+    """One method's train row (run in a fresh process, see the module docstring)."""
+    cfg = load_config([f"method={method}", *words])
+    device = select_device(cfg.run.device)
+    row: dict = {"method": method, "device": device.type, "status": "ok"}
+    try:
+        if device.type == "cuda":
+            torch.backends.cudnn.benchmark = True
+            torch.cuda.reset_peak_memory_stats()
+        parts = build_parts(cfg, device, resolve_backend(cfg, device))
+        batches = epochs_from(parts.loader, 0, len(parts.loader), None)    # one iterator for both
+        t = time_steps(cfg, device, steps, repeats, warmup_steps=2, parts=parts, batches=batches)
+        split = step_split(cfg, parts, batches, device, steps, Path(trace) if trace else None)
+        row.update(batch_size=cfg.data.batch_size, backend=resolve_backend(cfg, device),
+                   steps_per_s=stat(t["steps_per_s_runs"]), on_device_steps_per_s=stat(t["cached_steps_per_s_runs"]),
+                   img_per_s=t["img_per_s"], data_stall_fraction=t["data_stall_fraction"], split_ms=split,
+                   peak_mem_mb=peak_memory_mb(device), config=to_dict(cfg))
+    except Exception as exc:              # reported in the table, never skipped silently
+        row.update(status="failed", error=f"{type(exc).__name__}: {exc}".splitlines()[0],
+                   traceback=traceback.format_exc(limit=4))
+    return row
+
+
+def profile_batches(method: str, words: list[str], sizes: list[int], steps: int, repeats: int) -> list[dict]:
+    """On-device trainer images/s of `method` at each batch size (fresh process)."""
+    out = []
+    for b in sizes:
+        cfg = load_config([f"method={method}", *words, f"data.batch_size={b}"])
+        device = select_device(cfg.run.device)
+        t = time_steps(cfg, device, steps, repeats, warmup_steps=2)
+        out.append({"method": method, "batch_size": b, "img_per_s": stat([r * b for r in t["cached_steps_per_s_runs"]])})
+    return out
+
+
+def in_fresh_process(fn, *args):
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def train_words(a: argparse.Namespace, work: Path) -> list[str]:
+    """The trainer's config words: the demo preset on a CPU, ResNet-50 on the loader's data on a GPU."""
+    if a.device == "cuda":
+        root, name = loader_bench.prepare(a.dataset, work, a.n, a.quick, a.cores)
+        gpx, lpx = loader_bench.QUICK_SIZES_PX if a.quick else loader_bench.SIZES_PX[a.dataset]
+        words = ["data=imagenet", f"data.name={name}", f"data.root={root}", "data.backend=dali",
+                 f"views.global_px={gpx}", f"views.local_px={lpx}", "model.backbone=resnet50",
+                 "run.amp=true", "model.channels_last=true", "run.device=cuda", "data.batch_size=128"]
+    else:
+        root, name = loader_bench.prepare("synthetic", work, a.n, a.quick, a.cores)
+        words = ["data=synthetic", f"data.root={root}", "run.device=cpu"]
+    words += [f"data.num_workers={a.cores}"] + (["data.batch_size=8"] if a.quick else [])
+    return words + a.train_args
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _csv(value: str, allowed, what: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v.partition("@")[0].partition("+")[0] not in allowed]
+    if bad or not items:
+        raise ProfileError(f"unknown {what} {', '.join(bad) or repr(value)}; choose from {', '.join(allowed)}")
+    return items
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m train.profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dataset", default="imagenet-like", choices=loader_bench.DATASETS,
+                   help="the loader's data (generated, cached under <out>/bench-data)")
+    p.add_argument("--recipes", default=RECIPES, help="view recipes, each optionally +sdmp or +dacl")
+    p.add_argument("--backends", default="dali,ffcv,torchvision,torch", help="from " + ", ".join(BACKENDS))
+    p.add_argument("--methods", default=",".join(sorted(OBJECTIVES)), help="objectives to time")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per figure (default 3; quick 1)")
+    p.add_argument("--n", type=int, default=None, help="train images per generated dataset (default 2000; quick 48)")
+    p.add_argument("--batch-size", type=int, default=None, help="loader batch (default 32; quick 8)")
+    p.add_argument("--batches", type=int, default=None, help="timed loader batches per run (default 16; quick 2)")
+    p.add_argument("--warmup-batches", type=int, default=None, help="untimed batches per run (default 3; quick 1)")
+    p.add_argument("--train-steps", type=int, default=None, help="timed training steps per run (default 10; quick 2)")
+    p.add_argument("--train-args", default="", help="extra trainer key=value words, space-separated")
+    p.add_argument("--cores", type=int, default=os.cpu_count(), help="workers / threads of every loader")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    p.add_argument("--no-scaling", dest="scaling", action="store_false", help="skip the scaling section")
+    p.add_argument("--trace", action="store_true", help="write a torch.profiler Chrome trace per method")
+    p.add_argument("--quick", action="store_true", help="tiny data and runs (seconds: tests, smoke checks)")
+    p.add_argument("--out", default="reports", help="the report folder goes here")
+    a = p.parse_args(argv)
+    q = a.quick
+    a.repeats = a.repeats or (1 if q else 3)
+    a.n = a.n or (48 if q else 2000)
+    a.batch_size = a.batch_size or (8 if q else 32)
+    a.batches = a.batches or (2 if q else 16)
+    a.warmup_batches = a.warmup_batches if a.warmup_batches is not None else 1 if q else 3
+    a.train_steps = a.train_steps or (2 if q else 10)
+    a.train_args = a.train_args.split()
+    a.recipes = _csv(a.recipes, ("relicv2", "rsa", "byol", "multicrop8", "plain"), "recipe")
+    a.backends = _csv(a.backends, BACKENDS, "backend")
+    a.methods = _csv(a.methods, sorted(OBJECTIVES), "method")
+    for rc in a.recipes:
+        recipe_cell(rc, 32, 16)
+    if a.batch_size % 2 or a.n < a.batch_size * (a.batches + a.warmup_batches):
+        raise ProfileError(f"--batch-size {a.batch_size} must be even and --n {a.n} at least "
+                           "(batches + warmup) × batch size")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise ProfileError("--device cuda on a machine without CUDA; drop it (the default follows the machine)")
+    return a
+
+
+def run(a: argparse.Namespace) -> tuple[dict, Path]:
+    """Measure everything; returns the report and its folder (written by `profile_report.write`)."""
+    created = datetime.datetime.now(datetime.timezone.utc)
+    out = Path(a.out) / f"profile-{created:%Y%m%d-%H%M%S}"
+    work = Path(a.out) / "bench-data"
+    work.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(a.cores)
+    words = train_words(a, work)
+    for method in a.methods:                       # bad trainer words fail here, before any timing
+        load_config([f"method={method}", *words])
+    out.mkdir(parents=True)
+    sizes = loader_bench.QUICK_SIZES_PX if a.quick else loader_bench.SIZES_PX[a.dataset]
+    print(f"profile → {out}: loader on {a.dataset} ({', '.join(a.recipes)}; {', '.join(a.backends)}), "
+          f"{a.repeats} rounds", flush=True)
+    root, name = loader_bench.prepare(a.dataset, work, a.n, a.quick, a.cores)
+    t0 = time.perf_counter()
+    rows, ceilings, loader_scaling = profile_loader(a, root, name, a.recipes, a.backends, sizes)
+    print(f"  loader: {time.perf_counter() - t0:.0f} s", flush=True)
+    train_rows = []
+    for method in a.methods:
+        trace = str(out / f"trace-{method}.json") if a.trace else None
+        train_rows.append(in_fresh_process(profile_method, method, words, a.train_steps, a.repeats, trace))
+        r = train_rows[-1]
+        print(f"  train {method}: " + (f"{r['steps_per_s']['median']:.2f} steps/s, stall "
+                                      f"{100 * r['data_stall_fraction']:.1f}%" if r["status"] == "ok" else r["error"]),
+              flush=True)
+    batch_scaling = []
+    first_ok = next((r for r in train_rows if r["status"] == "ok"), None)
+    if a.scaling and first_ok:
+        b = first_ok["batch_size"]
+        sizes_b = sorted({max(2, b // 4 // 2 * 2), max(2, b // 2 // 2 * 2), b, 2 * b})
+        batch_scaling = in_fresh_process(profile_batches, first_ok["method"], words, sizes_b,
+                                         a.train_steps, a.repeats)
+    configs = {r["method"]: r.pop("config") for r in train_rows if "config" in r}
+    report = {
+        "schema_version": profile_report.SCHEMA_VERSION, "created": created.isoformat(timespec="seconds"),
+        "machine": loader_bench.machine(), "versions": loader_bench.versions(),
+        "config": {"git": loader_bench.git_commit(), "dataset": a.dataset, "recipes": a.recipes,
+                   "backends": a.backends, "methods": a.methods, "repeats": a.repeats,
+                   "warmup_batches": a.warmup_batches, "warmup_steps": 2, "batch_size": a.batch_size,
+                   "batches": a.batches, "train_steps": a.train_steps, "cores": a.cores, "device": a.device,
+                   "quick": a.quick, "sizes_px": list(sizes), "n_images": a.n, "train_overrides": words,
+                   "train_config": configs},
+        "loader": {"rows": rows, "ceilings": ceilings},
+        "train": {"rows": train_rows},
+        "scaling": {"loader": loader_scaling, "batch": batch_scaling},
+    }
+    return report, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv[:1] == ["compare"]:
+            return profile_report.compare_main(argv[1:])
+        a = parse_args(argv)
+        report, out = run(a)
+    except (ProfileError, ConfigError, profile_report.ReportError, loader_bench.BenchError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    profile_report.write(report, out)
+    print(profile_report.markdown(report, charts=False))
+    print(f"wrote {out / 'profile.json'}, {out / 'profile.md'} and {len(report['charts'])} charts")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
