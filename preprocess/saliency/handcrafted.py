@@ -1,0 +1,283 @@
+"""Handcrafted saliency maps over SLIC superpixels: Robust Background Detection (RBD; Zhu, Liang, Wei
+and Sun, CVPR 2014) and graph-based Manifold Ranking (MR; Yang, Zhang, Lu, Ruan and Yang, CVPR 2013),
+the pseudo-labels DeepUSPS refines (RELICv2 App. A.2 uses RBD, MR, DSR and MC).
+
+Both work on one graph of superpixels: SLIC with `sigma=1, compactness=20` (without smoothing SLIC
+merges a noisy image into a handful of segments), the actual count checked against the target; per
+superpixel its mean CIE-Lab colour, mean normalised position, its 4-connected neighbours and the image
+sides it touches. Implemented from the papers' equations (the repository's design notes on saliency
+list them with the reference parameters); every map is min-max normalised to [0, 1] and filled back
+to pixels. Images smaller than `work_px` are upsampled first (bicubic), and the map is resized back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import shortest_path
+
+SIDES = ("top", "bottom", "left", "right")
+METHODS = ("rbd", "mr")
+
+
+class SaliencyError(ValueError):
+    """Bad saliency input or parameters, with the fix."""
+
+
+@dataclass(frozen=True)
+class SlicParams:
+    """SLIC settings: `segments` is the target count at the working size (the reference RBD code uses
+    H·W/600 at ≥ 224 px; ~80 at 64 px); a result under `min_fraction` of it is an error."""
+
+    segments: int = 80
+    compactness: float = 20.0
+    sigma: float = 1.0
+    min_fraction: float = 0.5
+
+
+@dataclass(frozen=True)
+class Graph:
+    """The superpixel graph of one image."""
+
+    labels: np.ndarray      # (H, W) int, superpixel of each pixel, 0..n-1
+    lab: np.ndarray         # (n, 3) mean CIE-Lab colour
+    pos: np.ndarray         # (n, 2) mean (row, col) position / (H, W)
+    adj: np.ndarray         # (n, n) bool, 4-connected neighbours (no self-loops)
+    sides: dict             # side name -> (n,) bool, superpixels touching that image side
+
+    @property
+    def n(self) -> int:
+        return len(self.lab)
+
+    @property
+    def boundary(self) -> np.ndarray:
+        return np.logical_or.reduce([self.sides[s] for s in SIDES])
+
+    def colour_distance(self) -> np.ndarray:
+        """(n, n) Euclidean distance of the mean Lab colours, d_ij."""
+        return np.linalg.norm(self.lab[:, None, :] - self.lab[None, :, :], axis=-1)
+
+
+def _two_ring(adj: np.ndarray) -> np.ndarray:
+    """Neighbours and neighbours of neighbours, without self-loops."""
+    a = adj.astype(np.int32)
+    ring = adj | ((a @ a) > 0)
+    np.fill_diagonal(ring, False)
+    return ring
+
+
+def _minmax(x: np.ndarray) -> np.ndarray:
+    lo, hi = float(x.min()), float(x.max())
+    return (x - lo) / (hi - lo) if hi > lo else np.zeros_like(x, dtype=np.float64)
+
+
+def build_graph(image: np.ndarray, slic: SlicParams = SlicParams()) -> Graph:
+    """SLIC superpixels of an (H, W, 3) uint8 image and their graph.
+
+    Raises:
+        SaliencyError: SLIC returned fewer than `slic.min_fraction` of `slic.segments` superpixels.
+    """
+    from skimage.color import rgb2lab
+    from skimage.segmentation import slic as skimage_slic
+
+    if image.ndim != 3 or image.shape[2] != 3:
+        raise SaliencyError(f"saliency needs (H, W, 3) RGB images, got shape {image.shape}")
+    h, w = image.shape[:2]
+    raw = skimage_slic(image, n_segments=slic.segments, compactness=slic.compactness, sigma=slic.sigma,
+                       start_label=0, channel_axis=-1)
+    _, labels = np.unique(raw, return_inverse=True)
+    labels = labels.reshape(h, w)
+    n = int(labels.max()) + 1
+    if n < slic.min_fraction * slic.segments:
+        raise SaliencyError(f"SLIC made {n} superpixels for a target of {slic.segments} on a {w}x{h} image; "
+                            "raise the working size or lower the superpixel count")
+    lab = rgb2lab(image)
+    flat = labels.ravel()
+    count = np.bincount(flat, minlength=n).astype(np.float64)
+    mean = lambda v: np.bincount(flat, weights=v.ravel(), minlength=n) / count   # noqa: E731
+    lab_mean = np.stack([mean(lab[..., c]) for c in range(3)], axis=1)
+    rows, cols = np.mgrid[0:h, 0:w]
+    pos = np.stack([mean(rows + 0.5) / h, mean(cols + 0.5) / w], axis=1)
+    adj = np.zeros((n, n), dtype=bool)
+    for a, b in ((labels[:-1], labels[1:]), (labels[:, :-1], labels[:, 1:])):
+        diff = a != b
+        adj[a[diff], b[diff]] = True
+    adj |= adj.T
+    np.fill_diagonal(adj, False)
+    sides = {s: np.zeros(n, dtype=bool) for s in SIDES}
+    for s, edge in (("top", labels[0]), ("bottom", labels[-1]), ("left", labels[:, 0]), ("right", labels[:, -1])):
+        sides[s][np.unique(edge)] = True
+    return Graph(labels=labels, lab=lab_mean, pos=pos, adj=adj, sides=sides)
+
+
+# ----------------------------------------------------------------------------- RBD
+
+
+@dataclass(frozen=True)
+class RbdParams:
+    """Reference parameters of Zhu et al. (their demo): σ_bndcon, σ_spa, μ, λ_bg."""
+
+    sigma_bndcon: float = 1.0
+    sigma_spa: float = 0.4
+    mu: float = 0.1
+    lambda_bg: float = 5.0
+
+
+def rbd(g: Graph, p: RbdParams = RbdParams()) -> np.ndarray:
+    """Saliency per superpixel, in [0, 1], by robust background detection.
+
+    1. Geodesic distances on the graph of neighbours plus the boundary clique, edge weight
+       max(0, d_ij − clip); soft area S(i, j) = exp(−d_geo²/(2σ_geo²)) (0 beyond 3σ_geo).
+    2. Boundary connectivity BndCon(i) = Σ_{j∈B} S(i, j) / √(Σ_j S(i, j)); background probability
+       w_bg(i) = 1 − exp(−BndCon²/(2σ_bndcon²)).
+    3. Background-weighted contrast wCtr(i) = Σ_j d_ij · w_spa(i, j) · w_bg(j), zeroed below Otsu's
+       threshold: the foreground weight.
+    4. The optimisation of Eq. 9, min Σ w_bg s² + Σ w_fg (s − 1)² + Σ w_ij (s_i − s_j)², solved in
+       closed form: (L + λ_bg·diag(w_bg) + diag(w_fg)) s = w_fg, with w_ij = exp(−d_ij²/(2σ_nei²))
+       (+ μ between direct neighbours) on the 2-ring and boundary-clique edges.
+    """
+    from skimage.filters import threshold_otsu
+
+    n, d, adj, bnd = g.n, g.colour_distance(), g.adj, g.boundary
+    if n < 2:
+        return np.zeros(n)
+    ring = _two_ring(adj)
+    big = np.inf
+    m1 = float(np.mean(np.where(adj, d, big).min(axis=1, initial=big)[adj.any(axis=1)]))
+    m2 = float(np.mean(np.where(ring, d, big).min(axis=1, initial=big)[ring.any(axis=1)]))
+    pair = d[np.triu(adj, 1)]
+    top = float(np.mean(np.sort(pair)[-max(1, len(pair) // 100):])) if len(pair) else 0.0
+    clip = m2
+    sigma_geo = max(min(10.0, 3 * m1, top / 10), 5.0)
+    sigma_nei = max(min(3 * m1, 0.2 * top, 20.0), 1e-6)
+
+    clique = np.outer(bnd, bnd)
+    np.fill_diagonal(clique, False)
+    edges = adj | clique
+    weight = np.where(edges, np.maximum(d - clip, 0.0) + 1e-10, 0.0)     # sparse graphs drop exact zeros
+    geo = shortest_path(csr_matrix(weight), directed=False)
+    soft = np.exp(-geo ** 2 / (2 * sigma_geo ** 2))
+    soft[geo > 3 * sigma_geo] = 0.0
+    bndcon = soft[:, bnd].sum(axis=1) / np.sqrt(soft.sum(axis=1))
+    w_bg = 1.0 - np.exp(-bndcon ** 2 / (2 * p.sigma_bndcon ** 2))
+
+    dpos2 = ((g.pos[:, None, :] - g.pos[None, :, :]) ** 2).sum(axis=-1)
+    w_spa = np.exp(-dpos2 / (2 * p.sigma_spa ** 2))
+    w_spa[dpos2 > (3 * p.sigma_spa) ** 2] = 0.0
+    w_fg = _minmax((d * w_spa * w_bg[None, :]).sum(axis=1))
+    if w_fg.max() > w_fg.min():
+        w_fg[w_fg < threshold_otsu(w_fg)] = 0.0
+
+    smooth_edges = ring | clique
+    w = np.where(smooth_edges, np.exp(-d ** 2 / (2 * sigma_nei ** 2)), 0.0) + np.where(adj, p.mu, 0.0)
+    laplacian = np.diag(w.sum(axis=1)) - w
+    bg = p.lambda_bg * w_bg
+    bg[bndcon > 3] = 1000.0                       # the reference code: certain background
+    s = np.linalg.solve(laplacian + np.diag(bg) + np.diag(w_fg), w_fg)
+    return _minmax(s)
+
+
+# ----------------------------------------------------------------------------- MR
+
+
+@dataclass(frozen=True)
+class MrParams:
+    """α of the ranking and θ of the edge weights exp(−θ·d̂) (d̂: colour distance min-max normalised
+    over the graph's edges)."""
+
+    alpha: float = 0.99
+    theta: float = 10.0
+
+
+def mr(g: Graph, p: MrParams = MrParams()) -> np.ndarray:
+    """Saliency per superpixel, in [0, 1], by manifold ranking on a close-loop graph.
+
+    Graph: neighbours plus the boundary clique, then each node linked to its 2-ring on that graph;
+    w_ij = exp(−θ·d̂_ij). Ranking f* = (D − αW)⁻¹ y (paper Eq. 3, unnormalised Laplacian), with the
+    diagonal of the inverse set to 0. Stage 1 ranks against each side's superpixels as background
+    queries: S_bq = Π_side (1 − minmax(A·y_side)); stage 2 ranks against the foreground queries
+    S_bq ≥ mean(S_bq): S = minmax(A·y_fg).
+    """
+    n, d = g.n, g.colour_distance()
+    if n < 2:
+        return np.zeros(n)
+    clique = np.outer(g.boundary, g.boundary)
+    base = g.adj | clique
+    np.fill_diagonal(base, False)
+    edges = _two_ring(base)
+    de = d[edges]
+    lo, hi = float(de.min()), float(de.max())
+    dn = (d - lo) / (hi - lo) if hi > lo else np.zeros_like(d)
+    w = np.where(edges, np.exp(-p.theta * dn), 0.0)
+    rank = np.linalg.inv(np.diag(w.sum(axis=1)) - p.alpha * w)
+    np.fill_diagonal(rank, 0.0)
+    s_bq = np.ones(n)
+    for side in SIDES:
+        s_bq *= 1.0 - _minmax(rank @ g.sides[side].astype(np.float64))
+    s_bq = _minmax(s_bq)
+    return _minmax(rank @ (s_bq >= s_bq.mean()).astype(np.float64))
+
+
+# ----------------------------------------------------------------------------- images
+
+
+def working_size(px: int, work_px: int) -> int:
+    """The side the maps are computed at: the image's own, or `work_px` when the image is smaller."""
+    return max(px, work_px)
+
+
+def segments_for(side: int) -> int:
+    """Target superpixels at a working side: 150 up to 300 px, H·W/600 above (the reference RBD
+    count). On synthetic 64-px images upsampled to 128 px, 150 superpixels scored IoU 0.56 for the
+    fusion against 0.47 with 80 at 64 px (40 images)."""
+    return max(150, round(side * side / 600))
+
+
+WORK_PX = 128
+
+
+def maps(image: np.ndarray, methods: tuple[str, ...] = METHODS, work_px: int = WORK_PX) -> dict[str, np.ndarray]:
+    """Each method's saliency map of an (H, W, 3) uint8 image: float32 (H, W) in [0, 1].
+
+    The image is resized to a square of side `working_size(max(H, W), work_px)` (bicubic); the maps
+    are computed there, once on the image and once on its mirror image (flipped back), averaged, and
+    resized back (bilinear). SLIC's seed grid is not mirror-symmetric, so a single pass differs from
+    its mirror by ~0.03-0.05 MAE on synthetic images; the average is exactly flip-equivariant.
+
+    Raises:
+        SaliencyError: an unknown method, or SLIC failed to make enough superpixels.
+    """
+    from skimage.transform import resize
+
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise SaliencyError(f"unknown saliency method {bad[0]!r}; choose from {', '.join(METHODS)}")
+    h, w = image.shape[:2]
+    side = working_size(max(h, w), work_px)
+    work = image
+    if (h, w) != (side, side):
+        work = (resize(image, (side, side, 3), order=3, anti_aliasing=side < max(h, w)) * 255).clip(0, 255)
+        work = work.round().astype(np.uint8)
+    views = [_per_pixel(work, methods), {m: v[:, ::-1] for m, v in _per_pixel(work[:, ::-1], methods).items()}]
+    out = {}
+    for m in methods:
+        full = ((views[0][m] + views[1][m]) / 2).astype(np.float32)
+        if (h, w) != (side, side):
+            full = resize(full, (h, w), order=1, anti_aliasing=False).astype(np.float32)
+        out[m] = np.clip(full, 0.0, 1.0)
+    return out
+
+
+def _per_pixel(work: np.ndarray, methods: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """One pass: every method on one superpixel graph, filled back to the working image's pixels."""
+    g = build_graph(np.ascontiguousarray(work), SlicParams(segments=segments_for(work.shape[0])))
+    if float(np.ptp(g.lab, axis=0).max()) < 1e-3:      # one colour everywhere: nothing stands out
+        return {m: np.zeros(work.shape[:2]) for m in methods}
+    return {m: (rbd(g) if m == "rbd" else mr(g))[g.labels] for m in methods}
+
+
+def fuse(per_method: dict[str, np.ndarray]) -> np.ndarray:
+    """The handcrafted fusion: the mean of the methods' maps."""
+    return np.mean(np.stack(list(per_method.values())), axis=0).astype(np.float32)

@@ -1,0 +1,87 @@
+"""The handcrafted saliency maps (RBD, MR over SLIC superpixels) and the quality scores."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from preprocess.saliency import handcrafted as hc
+from preprocess.saliency import quality
+
+
+def disc_image(h: int = 64, w: int = 64, centre=(30, 24), radius: int = 14):
+    """A blue disc on a flat light background, and its mask."""
+    img = np.full((h, w, 3), (200, 200, 190), np.uint8)
+    yy, xx = np.mgrid[0:h, 0:w]
+    disc = (yy - centre[0]) ** 2 + (xx - centre[1]) ** 2 < radius ** 2
+    img[disc] = (30, 90, 200)
+    return img, disc.astype(np.uint8) * 255
+
+
+@pytest.mark.parametrize("method", hc.METHODS)
+def test_each_method_finds_a_disc_on_a_flat_background(method) -> None:
+    img, gt = disc_image()
+    sal = hc.maps(img, methods=(method,))[method]
+    assert sal.dtype == np.float32 and sal.shape == (64, 64)
+    assert sal.min() >= 0.0 and sal.max() <= 1.0
+    assert quality.iou(sal, gt) >= 0.9
+
+
+def test_maps_keep_the_image_shape_of_a_non_square_image() -> None:
+    img, gt = disc_image(48, 80, centre=(24, 50), radius=12)
+    out = hc.maps(img)
+    assert set(out) == set(hc.METHODS)
+    for sal in out.values():
+        assert sal.shape == (48, 80) and 0.0 <= sal.min() and sal.max() <= 1.0
+        assert quality.iou(sal, gt) >= 0.8
+
+
+def test_maps_are_deterministic_and_flip_equivariant() -> None:
+    from preprocess.synthetic import SyntheticSplit
+
+    img = SyntheticSplit(4, seed=3)[2].image           # clutter, distractors, texture
+    a, b = hc.maps(img), hc.maps(img)
+    mirrored = hc.maps(img[:, ::-1].copy())
+    for m in hc.METHODS:
+        assert np.array_equal(a[m], b[m])
+        np.testing.assert_allclose(mirrored[m], a[m][:, ::-1], atol=1e-6)
+
+
+def test_a_uniform_image_has_no_salient_pixel() -> None:
+    out = hc.maps(np.full((64, 64, 3), 120, np.uint8))
+    assert all(np.array_equal(v, np.zeros((64, 64), np.float32)) for v in out.values())
+
+
+def test_too_few_superpixels_and_unknown_methods_are_errors() -> None:
+    img, _ = disc_image(16, 16, centre=(8, 8), radius=5)
+    with pytest.raises(hc.SaliencyError, match="SLIC made .* superpixels for a target of 2000"):
+        hc.build_graph(img, hc.SlicParams(segments=2000))
+    with pytest.raises(hc.SaliencyError, match="unknown saliency method 'dsr'; choose from rbd, mr"):
+        hc.maps(img, methods=("dsr",))
+
+
+def test_the_graph_records_neighbours_and_image_sides() -> None:
+    img, _ = disc_image()
+    g = hc.build_graph(img, hc.SlicParams(segments=150))
+    labels = g.labels
+    assert g.n == labels.max() + 1 and np.array_equal(g.adj, g.adj.T) and not g.adj.diagonal().any()
+    # Two superpixels that share a horizontal pixel edge are neighbours.
+    a, b = labels[:, :-1].ravel(), labels[:, 1:].ravel()
+    assert all(g.adj[i, j] for i, j in zip(a, b) if i != j)
+    assert np.array_equal(np.flatnonzero(g.sides["top"]), np.unique(labels[0]))
+    assert np.array_equal(np.flatnonzero(g.boundary), np.unique(np.concatenate(
+        [labels[0], labels[-1], labels[:, 0], labels[:, -1]])))
+
+
+def test_quality_scores_follow_their_definitions() -> None:
+    gt = np.zeros((4, 4), np.uint8)
+    gt[:2, :2] = 255                                      # 4 positives
+    pred = np.zeros((4, 4), np.float32)
+    pred[:2, :3] = 0.8                                    # 6 predicted: 4 true, 2 false
+    precision, recall = 4 / 6, 4 / 4
+    assert quality.f_beta(pred, gt) == pytest.approx(1.3 * precision * recall / (0.3 * precision + recall))
+    assert quality.iou(pred, gt) == pytest.approx(4 / 6)
+    assert quality.mae(pred, gt) == pytest.approx((4 * 0.2 + 2 * 0.8) / 16)
+    assert quality.max_f(pred, gt) == pytest.approx(quality.f_beta(pred, gt, 0.5))
+    # Nothing predicted: precision counts as 1, recall 0, F = 0.
+    assert quality.f_beta(np.zeros((4, 4)), gt) == 0.0
