@@ -106,6 +106,7 @@ class Manifest:
     jpeg_quality: int | None = None                   # JPEG quality when image_mode is "jpg"
     size_policy: dict | None = None                   # {"side", "max_side_px"} of image folders
     mask_source: str | None = None                    # where the masks came from, None without masks
+    saliency: dict = field(default_factory=dict)      # computed masks: methods, parameters, stage scores
     gt_masks: dict[str, str] = field(default_factory=dict)   # split -> relpath of exact masks (synthetic)
     formats: dict = field(default_factory=dict)       # {"ffcv": {split: file}, "dali": {split: [tars]}}
     shard_size: int | None = None                     # records per DALI shard

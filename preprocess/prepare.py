@@ -56,7 +56,7 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _hash_files(root: Path) -> dict[str, dict]:
+def hash_files(root: Path) -> dict[str, dict]:
     files = {}
     for f in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = f.relative_to(root).as_posix()
@@ -66,7 +66,7 @@ def _hash_files(root: Path) -> dict[str, dict]:
     return files
 
 
-def _write_manifest(staging: Path, manifest: Manifest) -> None:
+def write_manifest(staging: Path, manifest: Manifest) -> None:
     """Write the verification stamp, then manifest.json (temporary name + os.replace), last."""
     raw = manifest.to_json()
     stamp = {rel: schema.file_stat_key(staging / rel) for rel in manifest.files}
@@ -115,7 +115,7 @@ def _manifest(name: str, dataset: str, prepared: PreparedSource, files: dict[str
     )
 
 
-def _swap_in(staging: Path, final: Path) -> None:
+def swap_in(staging: Path, final: Path) -> None:
     """Rename the complete staging folder to `final`, moving a previous dataset aside first."""
     old = final.with_name(f".{final.name}.old")
     _remove(old)
@@ -214,24 +214,24 @@ def prepare_dataset(dataset: str, out_root: Path, *, src: Path | None = None, fo
             (staging / "gt_masks").mkdir(exist_ok=True)
             np.save(staging / "gt_masks" / f"{split_name}.npy", masks)
         t = time.perf_counter()
-        files = _hash_files(staging)
+        files = hash_files(staging)
         timings["checksum"] = time.perf_counter() - t
         timings["total"] = time.perf_counter() - t_start
         manifest = _manifest(name, dataset, prepared, files, shard_size, workers, timings)
-        _write_manifest(staging, manifest)
-        _swap_in(staging, final)
+        write_manifest(staging, manifest)
+        swap_in(staging, final)
     except OSError as e:
-        _remove_quietly(staging)
+        remove_quietly(staging)
         what = "disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
         raise PreprocessError(f"writing {name} into {out_root} failed ({what}); nothing was replaced: "
                               "free space or choose another --out, then re-run") from None
     except BaseException:
-        _remove_quietly(staging)
+        remove_quietly(staging)
         raise
     return final
 
 
-def _remove_quietly(path: Path) -> None:
+def remove_quietly(path: Path) -> None:
     try:
         _remove(path)
     except OSError:

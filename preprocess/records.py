@@ -25,6 +25,8 @@ class Record:
     label: int                     # 0 <= label < num_classes
     index: int                     # 0 <= index < len(split), unique within the split
     mask: np.ndarray | None = None # (H, W) uint8 {0, 255} saliency mask, same geometry, or None
+    encoded: bytes | None = None   # mode "jpg" only: the image's JPEG bytes, stored as they are
+                                   # (no re-encode); `image` must be their decoded pixels
 
 
 class PreparedSplit(Protocol):
@@ -86,6 +88,9 @@ def check_record(split: PreparedSplit, i: int) -> Record:
     img = rec.image
     if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
         raise ValueError(f"record {i}: image must be uint8 (H, W, 3), got {img.dtype} {img.shape}")
+    if rec.encoded is not None and split.mode != "jpg":
+        raise ValueError(f"record {i} carries encoded bytes but the split's mode is {split.mode!r}; "
+                         "only JPEG (mode 'jpg') is stored as given")
     if not split.has_masks:
         return rec if rec.mask is None else replace(rec, mask=None)
     if rec.mask is None:

@@ -59,7 +59,8 @@ def _record_members(split: PreparedSplit, i: int) -> list[tuple[str, bytes]]:
     """The tar members of record i: (name, data), in storage order."""
     rec = check_record(split, i)
     key = schema.record_key(i)
-    ext, data = _encode_image(rec.image, split.mode, split.jpeg_quality)
+    ext, data = ("jpg", rec.encoded) if rec.encoded is not None else _encode_image(rec.image, split.mode,
+                                                                                  split.jpeg_quality)
     rec_bytes = np.array([rec.label, i, _coverage_ppm(mask_coverage(rec.mask))], dtype="<i8").tobytes()
     members = [
         (f"{key}.{schema.DALI_LABEL_EXT}", str(int(rec.label)).encode("ascii")),

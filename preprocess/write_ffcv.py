@@ -2,7 +2,7 @@
 
 Fields, in storage order: image (`RGBImageField`, raw bytes for mode "raw" so that pixels are
 bit-exact, JPEG at `split.jpeg_quality` for mode "jpg"; never resized here, the size policy was
-applied when the records were made), label and index (`IntField`), mask (`BytesField` holding a
+applied when the records were made; a record's `encoded` JPEG is stored byte for byte), label and index (`IntField`), mask (`BytesField` holding a
 grayscale PNG; one zero byte when the split has no masks, see `_NO_MASK`) and coverage (`FloatField`, fraction of mask
 pixels >= 128, `schema.NO_MASK_COVERAGE` without a mask).
 
@@ -16,6 +16,7 @@ import functools
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
@@ -37,6 +38,32 @@ def encode_mask_png(mask: np.ndarray) -> np.ndarray:
     if not ok:
         raise ValueError("could not PNG-encode a mask; masks must be (H, W) uint8")
     return buf.reshape(-1)
+
+
+@dataclass(frozen=True)
+class _Jpeg:
+    """A JPEG to store byte for byte (`Record.encoded`), with its decoded size."""
+
+    data: bytes
+    height: int
+    width: int
+
+
+def _encode_passing_jpegs_through(field, destination, image, malloc) -> None:
+    """`RGBImageField.encode`, except that a `_Jpeg` is stored as it is instead of re-encoded.
+
+    Set on the field instance: FFCV records a field's type by `type(field)`, so a subclass would be
+    written as an unknown type that readers cannot decode.
+    """
+    from ffcv.fields.rgb_image import IMAGE_MODES, RGBImageField
+
+    if not isinstance(image, _Jpeg):
+        RGBImageField.encode(field, destination, image, malloc)
+        return
+    destination["mode"] = IMAGE_MODES["jpg"]
+    destination["height"], destination["width"] = image.height, image.width
+    destination["data_ptr"], storage = malloc(len(image.data))
+    storage[:] = np.frombuffer(image.data, dtype=np.uint8)
 
 
 class _FFCVRecords:
@@ -69,7 +96,9 @@ class _FFCVRecords:
             raise ValueError(f"record {i}: image side {max(img.shape[:2])} px exceeds FFCV's 65535 px; "
                              "apply a max-side size policy")
         mask_bytes = _NO_MASK if mask is None else encode_mask_png(mask)
-        return (np.ascontiguousarray(img), int(rec.label), i, mask_bytes, mask_coverage(mask))
+        image = (np.ascontiguousarray(img) if rec.encoded is None
+                 else _Jpeg(rec.encoded, img.shape[0], img.shape[1]))
+        return (image, int(rec.label), i, mask_bytes, mask_coverage(mask))
 
 
 def write_ffcv(split: PreparedSplit, path: Path, *, num_workers: int = 1, progress: bool = False) -> None:
@@ -102,6 +131,7 @@ def write_ffcv(split: PreparedSplit, path: Path, *, num_workers: int = 1, progre
 
     image = (RGBImageField(write_mode="raw") if split.mode == "raw"
              else RGBImageField(write_mode="jpg", jpeg_quality=int(split.jpeg_quality)))
+    image.encode = functools.partial(_encode_passing_jpegs_through, image)
     by_name = {schema.IMAGE: image, schema.LABEL: IntField(), schema.INDEX: IntField(),
                schema.MASK: BytesField(), schema.COVERAGE: FloatField()}
     fields = {name: by_name[name] for name in schema.FFCV_FIELDS}

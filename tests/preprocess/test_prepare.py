@@ -99,7 +99,7 @@ def test_disk_failure_keeps_previous_dataset(tmp_path: Path, monkeypatch) -> Non
 def test_killed_run_leaves_nothing_accepted_and_next_run_cleans_up(tmp_path: Path, monkeypatch) -> None:
     root = tmp_path / "data"
     monkeypatch.setattr(prepare, "write_dali", _partial_writer(KeyboardInterrupt()))
-    monkeypatch.setattr(prepare, "_remove_quietly", lambda path: None)  # a kill runs no cleanup
+    monkeypatch.setattr(prepare, "remove_quietly", lambda path: None)  # a kill runs no cleanup
     with pytest.raises(KeyboardInterrupt):
         prepare_dataset("synthetic", root, workers=1, **TINY)
     staging = root / ".synthetic.staging"
@@ -128,7 +128,7 @@ def test_force_rewrites_and_swap_never_exposes_a_mixed_folder(tmp_path: Path, mo
         return real_replace(a, b)
 
     monkeypatch.setattr(prepare.os, "replace", dying_replace)
-    monkeypatch.setattr(prepare, "_remove_quietly", lambda path: None)
+    monkeypatch.setattr(prepare, "remove_quietly", lambda path: None)
     with pytest.raises(KeyboardInterrupt):
         prepare_dataset("synthetic", root, force=True, workers=1, seed=5, **TINY)
     monkeypatch.undo()

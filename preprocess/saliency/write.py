@@ -1,0 +1,127 @@
+"""Write saliency masks into a dataset folder `make preprocess` wrote: the FFCV `mask` and `coverage`
+fields and `<key>.mask.png` with the coverage in each record's `.rec` of the DALI shards.
+
+The dataset is rewritten through the same writers and the same staging, manifest-last and swap
+steps as `preprocess/prepare.py`, so an interrupted run leaves the previous dataset and its manifest
+valid. Records are read back from the DALI shards: JPEG images are stored again byte for byte
+(`Record.encoded`), lossless ones decoded and re-encoded losslessly; labels, indices and the
+ground-truth masks of `synthetic` are kept. Masks arrive as probability maps (uint8, 0-255) of any
+size per record; each is resized bilinearly to its stored image and binarised at 0.5 (the DeepUSPS
+convention), so the mask has exactly the image's geometry.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import shutil
+import time
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from PIL import Image
+
+from pipelines import schema
+from pipelines.shards import ShardReader, scan_shards
+from preprocess.prepare import (PreprocessError, ffcv_installed, hash_files, remove_quietly, swap_in,
+                                write_manifest)
+from preprocess.records import Record
+from preprocess.write_dali import write_dali
+from preprocess.write_ffcv import write_ffcv
+
+
+def binarise(prob: np.ndarray, height: int, width: int) -> np.ndarray:
+    """A probability map (uint8 0-255 or float [0, 1], any size) as a {0, 255} mask of (height, width):
+    bilinear resize of the probabilities, then >= 0.5."""
+    import cv2
+
+    p = prob.astype(np.float32) / (255.0 if prob.dtype == np.uint8 else 1.0)
+    if p.shape != (height, width):
+        p = cv2.resize(p, (width, height), interpolation=cv2.INTER_LINEAR)
+    return np.where(p >= 0.5, 255, 0).astype(np.uint8)
+
+
+@dataclass
+class StoredSplit:
+    """A `PreparedSplit` over one split of a written dataset, with new masks: record i is read from
+    the DALI shards and gets `binarise(masks(i))`."""
+
+    split_dir: Path
+    count: int
+    mode: str
+    masks: Callable[[int], np.ndarray]
+    jpeg_quality: int = schema.JPEG_QUALITY
+    has_masks: bool = True
+
+    def __post_init__(self) -> None:
+        self._reader = ShardReader(scan_shards(self.split_dir, self.count))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> Record:
+        i = int(i)
+        data = self._reader.image(i)
+        image = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+        label = self._reader.records[i].label
+        rec = Record(image=image, label=label, index=i,
+                     encoded=data if self.mode == "jpg" else None)
+        return replace(rec, mask=binarise(self.masks(i), *image.shape[:2]))
+
+
+def write_masks(dataset_dir: Path, masks: dict[str, Callable[[int], np.ndarray]], saliency: dict, *,
+                workers: int = 1, progress: bool = False) -> schema.Manifest:
+    """Rewrite `dataset_dir` with a mask for every record of every split.
+
+    Args:
+        dataset_dir: a complete dataset folder.
+        masks: split -> (record index -> probability map); every split of the dataset.
+        saliency: what made the masks (methods, parameters, scores), recorded in the manifest.
+        workers: writer processes.
+        progress: writer progress bars on a terminal.
+
+    Returns:
+        The new manifest.
+
+    Raises:
+        PreprocessError: a split without masks, or a failed write (the dataset is then unchanged).
+    """
+    dataset_dir = Path(dataset_dir)
+    old = schema.read_manifest(dataset_dir, verify="size")
+    missing = sorted(set(old.counts) - set(masks))
+    if missing:
+        raise PreprocessError(f"no masks for split(s) {', '.join(missing)} of {dataset_dir.name}; "
+                              "compute masks for every split")
+    staging = dataset_dir.with_name(f".{dataset_dir.name}.staging")
+    remove_quietly(staging)
+    t0 = time.perf_counter()
+    try:
+        staging.mkdir()
+        for split, count in old.counts.items():
+            stored = StoredSplit(dataset_dir / split, count, old.image_mode, masks[split],
+                                 jpeg_quality=old.jpeg_quality or schema.JPEG_QUALITY)
+            if ffcv_installed() and "ffcv" in old.formats:
+                write_ffcv(stored, staging / f"{split}.beton", num_workers=workers, progress=progress)
+            write_dali(stored, staging / split, shard_size=old.shard_size or count, num_workers=workers,
+                       progress=progress)
+        for rel in old.gt_masks.values():
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(dataset_dir / rel, staging / rel)
+        files = hash_files(staging)
+        build = {**old.build, "saliency_write_seconds": round(time.perf_counter() - t0, 3)}
+        manifest = replace(old, files=files, has_masks=True, mask_source="saliency", saliency=saliency,
+                           build=build, created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        write_manifest(staging, manifest)
+        swap_in(staging, dataset_dir)
+    except OSError as e:
+        remove_quietly(staging)
+        what = "disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        raise PreprocessError(f"writing masks into {dataset_dir} failed ({what}); the dataset is unchanged: "
+                              "free space and re-run make saliency") from None
+    except BaseException:
+        remove_quietly(staging)
+        raise
+    return manifest
