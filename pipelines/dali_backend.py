@@ -73,7 +73,7 @@ class DaliLoader:
     def __init__(self, spec: LoaderSpec, info: DatasetInfo, *, debug: bool = False) -> None:
         self.spec, self.info, self.debug = spec, info, debug
         self.tars, self.idxs = _shards(info, spec.split)
-        self.masks = info.has_masks and any(g.saliency_p > 0 for g in spec.recipe.groups)
+        self.masks = info.reads_masks(spec.recipe)
         self.order = EpochOrder(spec, info.count)
         lo, hi = rank_range(info.count, spec.rank, spec.world_size)
         self.rank_count = hi - lo                    # records DALI's reader gives this rank

@@ -98,7 +98,7 @@ class FFCVLoader:
         self.device = torch.device(spec.device)
         self.ops = self.device.type == "cpu" if ops is None else ops
         self.layout = CropLayout.of(spec.recipe, ops=self.ops)
-        self.masks = info.has_masks and any(g.saliency_p > 0 for g in spec.recipe.groups)
+        self.masks = info.reads_masks(spec.recipe)
         self.laws = ffcv_ops.group_table(self.layout.all_groups, saliency=self.masks)     # (G, F) float64
         if self.ops:
             ffcv_ops.compiled()                      # every kernel compiled now, before FFCV's threads

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -83,6 +84,14 @@ class DatasetInfo:
             raise LoaderError(f"dataset {d} has no split {split!r}; choose one of {', '.join(sorted(m.counts))}")
         return cls(dir=d, split=split, count=int(m.counts[split]), mean=tuple(m.mean), std=tuple(m.std),
                    has_masks=bool(m.has_masks))
+
+    def reads_masks(self, recipe: Recipe) -> bool:
+        """Whether a loader reads the masks: the recipe removes backgrounds and the dataset has masks."""
+        return self.has_masks and removes_backgrounds(recipe)
+
+
+def removes_backgrounds(recipe: Recipe) -> bool:
+    return any(g.saliency_p > 0 for g in recipe.groups)
 
 
 class Loader(Protocol):
@@ -234,6 +243,11 @@ def build_loader(backend: str, spec: LoaderSpec) -> Loader:
         raise LoaderError(f"unknown pipeline backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     info = DatasetInfo.read(spec.root, spec.dataset, spec.split)
     check_spec(spec, info)
+    if removes_backgrounds(spec.recipe) and not info.has_masks and spec.rank == 0:
+        # Not an error (the op needs masks, and runs without them as p = 0), but never silent.
+        print(f"note: recipe {spec.recipe.name} removes backgrounds (saliency_p > 0) but dataset "
+              f"{spec.dataset} has no saliency masks, so no view is masked; `make saliency "
+              f"DATASET={spec.dataset}` computes them", file=sys.stderr, flush=True)
     spec = replace(spec, recipe=with_mix_source(spec.recipe, spec.mix))
     module = importlib.import_module(f"pipelines.{backend}_backend")
     return module.build(spec, info)

@@ -38,7 +38,7 @@ class _BatchReader(torch.utils.data.Dataset):
 
     def __init__(self, spec: LoaderSpec, info: DatasetInfo, reader: ShardReader) -> None:
         self.spec, self.info, self.reader = spec, info, reader
-        self.masks = info.has_masks and any(g.saliency_p > 0 for g in spec.recipe.groups)
+        self.masks = info.reads_masks(spec.recipe)
 
     def __len__(self) -> int:
         return 1 << 62                    # indexed by (seed, indices) items, never by position

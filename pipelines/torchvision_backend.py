@@ -170,7 +170,7 @@ class TorchvisionLoader:
         self.spec, self.info = spec, info
         self.order = EpochOrder(spec, info.count)
         reader = ShardReader(scan_shards(info.dir / spec.split, info.count))
-        masks = info.has_masks and any(g.saliency_p > 0 for g in spec.recipe.groups)
+        masks = info.reads_masks(spec.recipe)
         self.device = torch.device(spec.device)
         self.loader = torch.utils.data.DataLoader(
             ShardDataset(reader, spec.recipe, masks), batch_sampler=_Batches(self.order),

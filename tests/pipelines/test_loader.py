@@ -116,3 +116,26 @@ def test_auto_backend_is_the_fastest_the_dataset_has_files_for(tiny_data_root, t
     (tmp_path / "dali-only").mkdir()
     (tmp_path / "dali-only" / "manifest.json").write_text(json.dumps(manifest))
     assert auto_backend("cpu", tmp_path, "dali-only") == "torch"
+
+
+def test_background_removal_without_masks_is_said_once_and_with_masks_nothing(tiny_data_root, tmp_path, capsys):
+    from preprocess.prepare import prepare_dataset
+
+    recipe = load_recipe("relicv2", 32, 16)                 # saliency_p 0.1 on the large views
+    spec = LoaderSpec(root=str(tiny_data_root), dataset="synthetic", split="train", recipe=recipe,
+                      batch_size=4, num_workers=1)
+    build_loader("torch", spec)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("note: recipe relicv2 removes backgrounds")
+    assert "make saliency DATASET=synthetic" in err[0]
+    build_loader("torch", replace(spec, rank=1, world_size=2))             # other ranks stay quiet
+    build_loader("torch", replace(spec, recipe=load_recipe("byol", 32, 16)))  # no background removal
+    assert capsys.readouterr().err == ""
+
+    masked = prepare_dataset("synthetic", tmp_path, workers=1, train_size=16, val_size=8, image_px=32,
+                             gt_masks_as_mask=True)
+    capsys.readouterr()
+    info = DatasetInfo.read(tmp_path, masked.name, "train")
+    assert info.reads_masks(recipe) and not info.reads_masks(load_recipe("byol", 32, 16))
+    build_loader("torch", replace(spec, root=str(tmp_path)))
+    assert capsys.readouterr().err == ""
