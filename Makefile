@@ -19,7 +19,7 @@ SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 STAMP    := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/null | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-fast preprocess train eval profile profile-compare bench-data bench-train bench-preprocess gpu-check
+.PHONY: help install demo test test-fast preprocess saliency train eval profile profile-compare bench-data bench-train bench-preprocess gpu-check
 
 help:  ## list targets and variables
 	@echo "viewmill make targets:"
@@ -52,6 +52,9 @@ preprocess: install  ## DATASET, SRC, OUT → FFCV + DALI files and manifest (AR
 
 train: install  ## pretrain METHOD on DATASET (PRESET: data preset; GPUS>1: DDP processes), then kNN + linear probe
 	$(PY) -m train gpus=$(GPUS) method=$(METHOD) data=$(DATASET) $(if $(PRESET),preset=$(PRESET)) data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
+
+saliency: install  ## saliency masks for a written dataset (both formats) + reports/saliency-<DATASET>/
+	$(PY) -m preprocess.saliency --dataset $(DATASET) --root $(OUT) $(ARGS)
 
 eval: install  ## kNN + linear probe of CKPT's backbone against random init
 	$(PY) -m train eval ckpt=$(CKPT) $(ARGS)

@@ -1,0 +1,100 @@
+"""The saliency report, `reports/saliency-<dataset>/`: `report.json` (the manifest's `saliency` entry),
+`report.md` (the quality table per stage, label-free statistics, timings) and `grid.png`, a grid of
+image / ground truth / each stage / the written mask / the composite RELICv2 trains on (background
+replaced by gray), for a few dataset images and for natural photos that ship with scikit-image."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from pipelines.shards import ShardReader, scan_shards
+from preprocess.saliency import handcrafted
+
+TILE = 96
+PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
+
+
+def markdown(name: str, saliency: dict) -> str:
+    scores = saliency["scores"]
+    with_gt = all("iou" in s for s in scores.values())
+    lines = [f"# Saliency masks of `{name}`", "",
+             f"Stage used: **{saliency['stage']}** (of {', '.join(saliency['stages_scored'])}); scored on "
+             f"{saliency['subset']} train images (seed {saliency['seed']}) against "
+             f"{saliency['scored_against']}; maps at {saliency['work_px']} px, binarised at "
+             f"{saliency['threshold']} at each image's size. Refinement: {saliency['refinement']}.", ""]
+    head = "| stage | " + ("MAE | F-β (β² 0.3) at 0.5 | max-F | IoU at 0.5 | " if with_gt else "") + \
+        "mean coverage | under the 5 % gate | touching ≥ 3 sides |"
+    lines += [head, "| --- " * (head.count("|") - 1) + "|"]
+    for stage, s in scores.items():
+        gt = f"{s['mae']:.3f} | {s['f_beta']:.3f} | {s['max_f']:.3f} | {s['iou']:.3f} | " if with_gt else ""
+        lines.append(f"| {stage} | {gt}{s['coverage_mean']:.2f} | {100 * s['under_5pct']:.1f} % | "
+                     f"{100 * s['three_sides']:.1f} % |")
+    secs = saliency["seconds"]
+    lines += ["", "Seconds: " + ", ".join(f"{k} {v}" for k, v in secs.items()) + ".", "", "![grid](grid.png)", ""]
+    return "\n".join(lines)
+
+
+def _tile(a: np.ndarray, label: str) -> Image.Image:
+    img = Image.fromarray(a if a.ndim == 3 else np.stack([a] * 3, axis=-1)).resize((TILE, TILE), Image.NEAREST)
+    ImageDraw.Draw(img).text((2, 1), label, fill=(255, 255, 0))
+    return img
+
+
+def _row(image: np.ndarray, gt: np.ndarray | None, stage: str, methods: tuple[str, ...],
+         truth_column: bool) -> list[Image.Image]:
+    per = handcrafted.maps(image, methods)
+    per["fusion"] = handcrafted.fuse(per)
+    mask = per[stage] >= 0.5
+    composite = np.where(mask[..., None], image, 128).astype(np.uint8)
+    tiles = [_tile(image, "image")]
+    if truth_column:
+        tiles.append(_tile(gt, "truth") if gt is not None else _tile(np.full((8, 8), 64, np.uint8), "no truth"))
+    tiles += [_tile((per[k] * 255).astype(np.uint8), k) for k in per]
+    tiles += [_tile(mask.astype(np.uint8) * 255, f"mask ({stage})"), _tile(composite, "composite")]
+    return tiles
+
+
+def photos() -> list[tuple[str, np.ndarray]]:
+    """scikit-image's bundled photos that load without a download."""
+    import skimage.data
+
+    out = []
+    for name in PHOTOS:
+        try:
+            img = getattr(skimage.data, name)()
+        except Exception:                  # noqa: BLE001 — a photo that needs a download is left out
+            continue
+        side = 224
+        out.append((name, np.asarray(Image.fromarray(img[..., :3]).resize((side, side * img.shape[0] // img.shape[1])))))
+    return out
+
+
+def grid(dataset_dir: Path, saliency: dict, subset: list[int], gt: np.ndarray | None, rows: int = 6) -> Image.Image:
+    reader = ShardReader(scan_shards(dataset_dir / "train"))
+    methods = tuple(saliency["methods"])
+    lines = []
+    for i in subset[:rows]:
+        image = np.asarray(Image.open(io.BytesIO(reader.image(i))).convert("RGB"))
+        lines.append(_row(image, None if gt is None else np.asarray(gt[i]), saliency["stage"], methods,
+                          gt is not None))
+    for _, image in photos():
+        lines.append(_row(image, None, saliency["stage"], methods, gt is not None))
+    width = max(len(r) for r in lines)
+    out = Image.new("RGB", (width * TILE, len(lines) * TILE), (0, 0, 0))
+    for y, r in enumerate(lines):
+        for x, t in enumerate(r):
+            out.paste(t, (x * TILE, y * TILE))
+    return out
+
+
+def write_report(report_dir: Path, dataset_dir: Path, saliency: dict, sub_maps: dict, gt: np.ndarray | None) -> None:
+    report_dir = Path(report_dir)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / "report.json").write_text(json.dumps({"dataset": dataset_dir.name, **saliency}, indent=1))
+    (report_dir / "report.md").write_text(markdown(dataset_dir.name, saliency))
+    grid(dataset_dir, saliency, sorted(sub_maps), gt).save(report_dir / "grid.png")
