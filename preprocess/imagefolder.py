@@ -10,13 +10,15 @@ Colour policy (any image PIL can read becomes uint8 RGB):
   viewer shows; dropping alpha would expose arbitrary colours stored under alpha = 0.
 Size policy: only downscale, so that the longer (default) or shorter side is at most `max_side` px;
 JPEG files are decoded at reduced scale (`Image.draft`) when that still leaves at least the target
-size, then resized with bicubic filtering. Corrupt, truncated and zero-byte files are skipped by the
+size, then resized with bicubic filtering. A JPEG that needs none of this (RGB, upright, within the
+size policy) is stored as its own bytes in both formats. Corrupt, truncated and zero-byte files are skipped by the
 check pass (`check_image`), counted and listed in the manifest; files whose extension is not an
 image extension are ignored.
 """
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from preprocess.records import Record
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm",
                     ".pbm", ".jfif")
 SIDES = ("longer", "shorter")
+_ORIENTATION = 0x0112              # the EXIF orientation tag
 
 
 class ImageFolderError(ValueError):
@@ -65,15 +68,20 @@ def target_size(w: int, h: int, max_side: int, side: str) -> tuple[int, int]:
     return max(1, round(w * s)), max(1, round(h * s))
 
 
-def load_image(path: str | Path, max_side: int, side: str) -> np.ndarray:
-    """Decode `path` to (H, W, 3) uint8 RGB, upright, after the size policy.
+def read_image(path: str | Path, max_side: int, side: str) -> tuple[np.ndarray, bytes | None]:
+    """Decode `path` to (H, W, 3) uint8 RGB, upright, after the size policy; with the file's bytes
+    when they can be stored as they are (a JPEG that decodes to RGB, needs no EXIF rotation and
+    already fits the size policy: no re-encode, no generational loss), else None.
 
     Raises:
         OSError, ValueError, SyntaxError, Image.DecompressionBombError: corrupt or truncated file.
     """
-    with Image.open(path) as img:
+    raw = Path(path).read_bytes()
+    with Image.open(io.BytesIO(raw)) as img:
         w, h = img.size                                  # stored orientation: the scale is the same
         tw, th = target_size(w, h, max_side, side)
+        as_is = (img.format == "JPEG" and img.mode == "RGB" and (tw, th) == (w, h)
+                 and img.getexif().get(_ORIENTATION, 1) == 1)
         if (tw, th) != (w, h) and img.format == "JPEG":
             # draft: libjpeg decodes at 1/2, 1/4 or 1/8 scale; a 500x375 JPEG capped to 256 px
             # decodes ~2x faster.
@@ -87,25 +95,31 @@ def load_image(path: str | Path, max_side: int, side: str) -> np.ndarray:
             tw, th = min(tw, th), max(tw, th)
         if img.size != (tw, th):
             img = img.resize((tw, th), Image.Resampling.BICUBIC)
-        return np.asarray(img, dtype=np.uint8).copy()
+        return np.asarray(img, dtype=np.uint8).copy(), raw if as_is else None
+
+
+def load_image(path: str | Path, max_side: int, side: str) -> np.ndarray:
+    """The pixels of `read_image`."""
+    return read_image(path, max_side, side)[0]
 
 
 def check_image(args: tuple[str, int, str, bool]) -> tuple[str, str | None, tuple[int, int] | None,
-                                                            np.ndarray | None]:
-    """Decode one file in a worker: (path, skip reason or None, (H, W), per-channel [sum, sumsq])."""
+                                                            np.ndarray | None, bool]:
+    """Decode one file in a worker: (path, skip reason or None, (H, W), per-channel [sum, sumsq],
+    whether its bytes are stored as they are)."""
     path, max_side, side, want_stats = args
     try:
         if Path(path).stat().st_size == 0:
-            return path, "zero-byte file", None, None
-        a = load_image(path, max_side, side)
+            return path, "zero-byte file", None, None, False
+        a, raw = read_image(path, max_side, side)
     except Exception as e:  # noqa: BLE001 — any decode failure is a counted skip
         msg = str(e).splitlines()[0] if str(e) else ""
-        return path, f"{type(e).__name__}: {msg}"[:200], None, None
+        return path, f"{type(e).__name__}: {msg}"[:200], None, None, False
     stats = None
     if want_stats:
         f = a.reshape(-1, 3).astype(np.float64) / 255.0           # (H*W, 3)
         stats = np.stack([f.sum(0), (f * f).sum(0), np.full(3, len(f))])   # (3, 3)
-    return path, None, a.shape[:2], stats
+    return path, None, a.shape[:2], stats, raw is not None
 
 
 def list_image_folder(src: Path, class_list: Path | None) -> tuple[list[str], dict[str, list[tuple[str, int]]]]:
@@ -182,5 +196,6 @@ class ImageFolderSplit:
 
     def __getitem__(self, i: int) -> Record:
         i = int(i)
-        return Record(image=load_image(self.files[i], self.max_side, self.side), label=self.labels[i], index=i)
+        image, raw = read_image(self.files[i], self.max_side, self.side)
+        return Record(image=image, label=self.labels[i], index=i, encoded=raw if self.mode == "jpg" else None)
 

@@ -110,7 +110,8 @@ def _manifest(name: str, dataset: str, prepared: PreparedSource, files: dict[str
                  "dali": {k: sorted(f for f in files if f.startswith(f"{k}/") and f.endswith(".tar"))
                           for k in splits}},
         shard_size=shard_size,
-        build={"workers": workers, "seconds": {k: round(v, 3) for k, v in timings.items()}},
+        build={"workers": workers, "seconds": {k: round(v, 3) for k, v in timings.items()},
+               **({"images": prepared.stored} if prepared.stored else {})},
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
 
@@ -259,6 +260,9 @@ def summary(dataset_dir: Path) -> str:
     lines.append(f"  total {len(m.files)} files, {size / 2**20:.1f} MiB in {dataset_dir}")
     if m.skipped:
         lines.append(f"  skipped {len(m.skipped)} unreadable files (listed in manifest.json)")
+    if m.build.get("images"):
+        lines.append("  JPEGs stored as they are / re-encoded: " + ", ".join(
+            f"{k} {v['as_is']} / {v['re_encoded']}" for k, v in m.build["images"].items()))
     if secs.get("total"):
         stages = ", ".join(f"{k} {v:.1f}s" for k, v in secs.items() if k != "total")
         lines.append(f"  {n / secs['total']:.0f} images/s on {m.build['workers']} workers "

@@ -65,6 +65,7 @@ class PreparedSource:
     skipped: tuple[dict, ...] = ()             # unreadable files: {"path" (relative to src), "reason"}
     gt_masks: dict[str, np.ndarray] = field(default_factory=dict)   # split -> (N, H, W) uint8 exact masks
     mask_source: str | None = None             # what the records' masks are, None without masks
+    stored: dict = field(default_factory=dict) # split -> {"as_is", "re_encoded"}: JPEGs kept byte for byte
 
 
 def _no_check(params: dict) -> None:
@@ -253,12 +254,13 @@ def _check_imagefolder(p: dict) -> None:
 
 def _check_files(files: list[tuple[str, int]], *, max_side: int, side: str, stats: bool, workers: int,
                  progress: bool, desc: str
-                 ) -> tuple[list[tuple[str, int]], list[dict], list[tuple[int, int]], np.ndarray]:
-    """Decode every file once in parallel: (good files, skipped [{path, reason}], shapes, stats (3, 3))."""
+                 ) -> tuple[list[tuple[str, int]], list[dict], list[tuple[int, int]], np.ndarray, int]:
+    """Decode every file once in parallel: (good files, skipped [{path, reason}], shapes, stats (3, 3),
+    how many are stored as their own bytes)."""
     args = [(p, max_side, side, stats) for p, _ in files]
     label = dict(files)
     good, skipped, shapes = [], [], []
-    acc = np.zeros((3, 3))
+    acc, kept = np.zeros((3, 3)), 0
     with _bar(len(files), desc, progress) as bar:
         if workers <= 1:
             results = map(imagefolder.check_image, args)
@@ -267,10 +269,11 @@ def _check_files(files: list[tuple[str, int]], *, max_side: int, side: str, stat
             pool = mp.get_context("fork").Pool(workers)
             results = pool.imap(imagefolder.check_image, args, chunksize=16)
         try:
-            for path, reason, shape, st in results:
+            for path, reason, shape, st, as_is in results:
                 if reason is None:
                     good.append((path, label[path]))
                     shapes.append(shape)
+                    kept += as_is
                     if st is not None:
                         acc += st
                 else:
@@ -279,16 +282,16 @@ def _check_files(files: list[tuple[str, int]], *, max_side: int, side: str, stat
         finally:
             if pool is not None:
                 pool.terminate()
-    return good, skipped, shapes, acc
+    return good, skipped, shapes, acc, kept
 
 
 def _read_imagefolder(src: Path, p: dict, *, workers: int, progress: bool) -> PreparedSource:
     max_side = int(p["max_side"])
     class_list = Path(p["class_list"]) if p["class_list"] else None
     names, files = imagefolder.list_image_folder(src, class_list)
-    splits, skipped, max_px, mean_std = {}, [], 0, None
+    splits, skipped, max_px, mean_std, stored = {}, [], 0, None, {}
     for split in schema.SPLITS:
-        good, bad, shapes, acc = _check_files(files[split], max_side=max_side, side=p["side"],
+        good, bad, shapes, acc, kept = _check_files(files[split], max_side=max_side, side=p["side"],
                                               stats=split == "train", workers=workers, progress=progress,
                                               desc=f"read/decode {split}")
         skipped += [{**s, "path": os.path.relpath(s["path"], src)} for s in bad]
@@ -298,6 +301,7 @@ def _read_imagefolder(src: Path, p: dict, *, workers: int, progress: bool) -> Pr
         if split == "train":
             mean_std = _from_sums(acc)
         max_px = max(max_px, max(max(s) for s in shapes))
+        stored[split] = {"as_is": kept, "re_encoded": len(good) - kept}
         splits[split] = imagefolder.ImageFolderSplit([f for f, _ in good], [lab for _, lab in good],
                                                      max_side=max_side, side=p["side"],
                                                      jpeg_quality=schema.JPEG_QUALITY)
@@ -305,7 +309,7 @@ def _read_imagefolder(src: Path, p: dict, *, workers: int, progress: bool) -> Pr
     params = {**p, "src": str(src.resolve()), "class_list": str(class_list.resolve()) if class_list else None}
     return PreparedSource(splits=splits, params=params, class_names=tuple(names), image_px=int(max_px),
                           mean=mean, std=std, size_policy={"side": p["side"], "max_side_px": max_side},
-                          skipped=tuple(skipped))
+                          skipped=tuple(skipped), stored=stored)
 
 
 # ------------------------------------------------------------------------------------------------

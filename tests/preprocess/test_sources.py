@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from pipelines import schema
 from preprocess import cifar, imagefolder
 from preprocess.synthetic import NUM_CLASSES, SyntheticSplit
 
@@ -141,8 +142,41 @@ def test_corrupt_truncated_and_zero_byte_files_are_reported(tmp_path: Path) -> N
     (tmp_path / "bad.jpg").write_bytes(b"this is not an image at all" * 10)
     (tmp_path / "zero.png").write_bytes(b"")
     check = lambda name: imagefolder.check_image((str(tmp_path / name), 512, "longer", True))  # noqa: E731
-    path, reason, shape, stats = check("ok.jpg")
-    assert reason is None and shape == (64, 64) and stats[2, 0] == 64 * 64
+    path, reason, shape, stats, as_is = check("ok.jpg")
+    assert reason is None and shape == (64, 64) and stats[2, 0] == 64 * 64 and as_is
     for name in ("trunc.jpg", "bad.jpg", "zero.png"):
         assert check(name)[1] is not None
     assert check("zero.png")[1] == "zero-byte file"
+
+
+def test_jpegs_that_need_no_work_are_stored_byte_for_byte_in_both_formats(tmp_path: Path) -> None:
+    from pipelines.shards import ShardReader, scan_shards
+    from preprocess.prepare import prepare_dataset, summary
+    from tests.readers import _Beton
+
+    rng = np.random.default_rng(0)
+    src = tmp_path / "src"
+    kept = {}
+    for split in ("train", "val"):
+        d = src / split / "a"
+        d.mkdir(parents=True)
+        pixels = Image.fromarray(rng.integers(0, 255, (24, 32, 3), dtype=np.uint8))
+        kept[split] = _save(pixels, d / "0_fits.jpg", quality=80).read_bytes()
+        _save(pixels.resize((128, 96)), d / "1_too_big.jpg", quality=80)       # needs a resize
+        _save(pixels, d / "2_lossless.png")                                     # needs a new container
+        _save(pixels.convert("L"), d / "3_gray.jpg", quality=80)                # needs a colour conversion
+        exif = pixels.getexif()
+        exif[0x0112] = 6
+        _save(pixels, d / "4_rotated.jpg", exif=exif, quality=80)               # needs a rotation
+    ds = prepare_dataset("imagefolder", tmp_path / "data", src=src, workers=1, max_side=64)
+    m = schema.read_manifest(ds)
+    assert m.build["images"] == {"train": {"as_is": 1, "re_encoded": 4}, "val": {"as_is": 1, "re_encoded": 4}}
+    assert "JPEGs stored as they are / re-encoded: train 1 / 4, val 1 / 4" in summary(ds)
+    for split in ("train", "val"):
+        shards = ShardReader(scan_shards(ds / split, 5))
+        beton = _Beton(ds / f"{split}.beton")
+        stored = [beton.bytes_at(beton.meta[schema.IMAGE][i]["data_ptr"]).tobytes() for i in range(5)]
+        assert shards.image(0) == kept[split] and stored[0] == kept[split]
+        assert all(shards.image(i) != (src / split / "a").joinpath(n).read_bytes()
+                   for i, n in ((1, "1_too_big.jpg"), (3, "3_gray.jpg"), (4, "4_rotated.jpg")))
+        assert shards.image(2)[:2] == b"\xff\xd8"                 # the PNG became a JPEG record
