@@ -28,13 +28,6 @@ def test_bench_times_then_trains_one_objective_for_its_time_budget(tiny_args, tm
     assert (tmp_path / "bench-simclr" / "metrics.jsonl").exists()
 
 
-def test_without_a_budget_the_run_keeps_the_configured_steps(tiny_args, tmp_path) -> None:
-    rest = [w for w in tiny_args("byol", tmp_path) if not w.startswith(("method=", "data=", "run.name="))]
-    row, config = train_one("byol", rest, 0)
-    assert row["train_steps"] == config["optim"]["steps"]
-    assert config["optim"]["steps"] == next(int(w.split("=")[1]) for w in rest if w.startswith("optim.steps="))
-
-
 def test_a_bad_word_is_one_line_before_any_process_starts(capsys) -> None:
     from train.bench import main
 
