@@ -412,6 +412,18 @@ def _csv(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
     return items
 
 
+def fill_sizes(a: argparse.Namespace) -> argparse.Namespace:
+    """The timing sizes left unset on a command line (`n`, `repeats`, `batch_size`, `batches`,
+    `warmup_batches`): the defaults, or tiny ones with `quick` (also used by `make profile`)."""
+    q = a.quick
+    a.n = a.n or (48 if q else 2000)
+    a.repeats = a.repeats or (1 if q else 3)
+    a.batch_size = a.batch_size or (8 if q else 32)
+    a.batches = a.batches or (2 if q else 16)
+    a.warmup_batches = a.warmup_batches if a.warmup_batches is not None else (1 if q else 3)
+    return a
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pipelines.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe presets")
@@ -428,13 +440,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip the crops-only runs that split each backend's time into stages")
     p.add_argument("--quick", action="store_true", help="tiny data and runs (tests)")
     p.add_argument("--out", default="bench/pipelines.json", help="JSON report; datasets are cached next to it")
-    a = p.parse_args(argv)
-    q = a.quick
-    a.n = a.n or (48 if q else 2000)
-    a.repeats = a.repeats or (1 if q else 3)
-    a.batch_size = a.batch_size or (8 if q else 32)
-    a.batches = a.batches or (2 if q else 16)
-    a.warmup_batches = a.warmup_batches if a.warmup_batches is not None else (1 if q else 3)
+    a = fill_sizes(p.parse_args(argv))
     if a.batch_size % 2 or a.batch_size < 2:
         raise BenchError(f"--batch-size must be even and >= 2, got {a.batch_size}")
     if a.n < a.batch_size * (a.batches + a.warmup_batches):

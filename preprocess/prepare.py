@@ -28,6 +28,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -195,8 +196,7 @@ def prepare_dataset(dataset: str, out_root: Path, *, src: Path | None = None, fo
         raise PreprocessError(f"cannot prepare output folder {out_root}: {e.strerror or e}; choose a "
                               "writable --out") from None
 
-    try:
-        staging.mkdir()
+    def fill(staging: Path) -> None:
         timings["ffcv_write"] = timings["dali_write"] = 0.0
         with_ffcv = ffcv_installed()
         if not with_ffcv:
@@ -214,22 +214,44 @@ def prepare_dataset(dataset: str, out_root: Path, *, src: Path | None = None, fo
         for split_name, masks in prepared.gt_masks.items():
             (staging / "gt_masks").mkdir(exist_ok=True)
             np.save(staging / "gt_masks" / f"{split_name}.npy", masks)
-        t = time.perf_counter()
-        files = hash_files(staging)
-        timings["checksum"] = time.perf_counter() - t
+        timings["checksum"] = time.perf_counter()          # made a duration once the files are hashed
+
+    def manifest_of(files: dict[str, dict]) -> Manifest:
+        timings["checksum"] = time.perf_counter() - timings["checksum"]
         timings["total"] = time.perf_counter() - t_start
-        manifest = _manifest(name, dataset, prepared, files, shard_size, workers, timings)
+        return _manifest(name, dataset, prepared, files, shard_size, workers, timings)
+
+    write_staged(staging, final, fill, manifest_of,
+                 f"writing {name} into {out_root} failed ({{what}}); nothing was replaced: free space or "
+                 "choose another --out, then re-run")
+    return final
+
+
+def write_staged(staging: Path, final: Path, fill: Callable[[Path], None],
+                 manifest_of: Callable[[dict[str, dict]], Manifest], failure: str) -> Manifest:
+    """The one way a dataset folder is written: `fill(staging)` writes every file into a fresh staging
+    folder; the files are hashed, `manifest_of(files)` is written last (`write_manifest`) and the
+    folder is swapped in for `final` (`swap_in`).
+
+    Raises:
+        PreprocessError: an OSError while writing: `failure` with `{what}` filled in (e.g. "disk is
+            full"); the staging folder is removed and `final` is left as it was. Any other error
+            also removes the staging folder and propagates.
+    """
+    try:
+        staging.mkdir()
+        fill(staging)
+        manifest = manifest_of(hash_files(staging))
         write_manifest(staging, manifest)
         swap_in(staging, final)
     except OSError as e:
         remove_quietly(staging)
         what = "disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        raise PreprocessError(f"writing {name} into {out_root} failed ({what}); nothing was replaced: "
-                              "free space or choose another --out, then re-run") from None
+        raise PreprocessError(failure.format(what=what)) from None
     except BaseException:
         remove_quietly(staging)
         raise
-    return final
+    return manifest
 
 
 def remove_quietly(path: Path) -> None:

@@ -311,14 +311,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--trace", action="store_true", help="write a torch.profiler Chrome trace per method")
     p.add_argument("--quick", action="store_true", help="tiny data and runs (seconds: tests, smoke checks)")
     p.add_argument("--out", default="reports", help="the report folder goes here")
-    a = p.parse_args(argv)
-    q = a.quick
-    a.repeats = a.repeats or (1 if q else 3)
-    a.n = a.n or (48 if q else 2000)
-    a.batch_size = a.batch_size or (8 if q else 32)
-    a.batches = a.batches or (2 if q else 16)
-    a.warmup_batches = a.warmup_batches if a.warmup_batches is not None else 1 if q else 3
-    a.train_steps = a.train_steps or (2 if q else 10)
+    a = loader_bench.fill_sizes(p.parse_args(argv))
+    a.train_steps = a.train_steps or (2 if a.quick else 10)
     a.train_args = a.train_args.split()
     a.recipes = _csv(a.recipes, ("relicv2", "rsa", "byol", "multicrop8", "plain"), "recipe")
     a.backends = _csv(a.backends, BACKENDS, "backend")

@@ -12,7 +12,6 @@ convention), so the mask has exactly the image's geometry.
 
 from __future__ import annotations
 
-import errno
 import io
 import shutil
 import time
@@ -26,8 +25,7 @@ from PIL import Image
 
 from pipelines import schema
 from pipelines.shards import ShardReader, scan_shards
-from preprocess.prepare import (PreprocessError, ffcv_installed, hash_files, remove_quietly, swap_in,
-                                write_manifest)
+from preprocess.prepare import PreprocessError, ffcv_installed, remove_quietly, write_staged
 from preprocess.records import Record
 from preprocess.write_dali import write_dali
 from preprocess.write_ffcv import write_ffcv
@@ -98,8 +96,8 @@ def write_masks(dataset_dir: Path, masks: dict[str, Callable[[int], np.ndarray]]
     staging = dataset_dir.with_name(f".{dataset_dir.name}.staging")
     remove_quietly(staging)
     t0 = time.perf_counter()
-    try:
-        staging.mkdir()
+
+    def fill(staging: Path) -> None:
         for split, count in old.counts.items():
             stored = StoredSplit(dataset_dir / split, count, old.image_mode, masks[split],
                                  jpeg_quality=old.jpeg_quality or schema.JPEG_QUALITY)
@@ -110,18 +108,13 @@ def write_masks(dataset_dir: Path, masks: dict[str, Callable[[int], np.ndarray]]
         for rel in old.gt_masks.values():
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(dataset_dir / rel, staging / rel)
-        files = hash_files(staging)
+
+    def manifest_of(files: dict[str, dict]) -> schema.Manifest:
         build = {**old.build, "saliency_write_seconds": round(time.perf_counter() - t0, 3)}
-        manifest = replace(old, files=files, has_masks=True, mask_source="saliency", saliency=saliency,
-                           build=build, created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-        write_manifest(staging, manifest)
-        swap_in(staging, dataset_dir)
-    except OSError as e:
-        remove_quietly(staging)
-        what = "disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        raise PreprocessError(f"writing masks into {dataset_dir} failed ({what}); the dataset is unchanged: "
-                              "free space and re-run make saliency") from None
-    except BaseException:
-        remove_quietly(staging)
-        raise
+        return replace(old, files=files, has_masks=True, mask_source="saliency", saliency=saliency,
+                       build=build, created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+    manifest = write_staged(staging, dataset_dir, fill, manifest_of,
+                            f"writing masks into {dataset_dir} failed ({{what}}); the dataset is unchanged: "
+                            "free space and re-run make saliency")
     return manifest
