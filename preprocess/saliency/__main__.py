@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-px", type=int, default=handcrafted.WORK_PX, help="working side of the maps, px")
     p.add_argument("--workers", type=int, default=default_workers(), help="processes (default: all cores)")
     p.add_argument("--report", type=Path, default=Path("reports"), help="reports/saliency-<dataset>/ goes here")
+    p.add_argument("--case-images", type=int, default=16, help="labelled test images per case in the report")
     a = p.parse_args(argv)
     try:
         methods = tuple(m.strip() for m in a.methods.split(",") if m.strip())
@@ -38,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
                                   f"{', '.join(handcrafted.METHODS)}")
         if a.subset < 1 or a.workers < 1 or a.work_px < 32:
             raise PreprocessError("--subset and --workers must be >= 1 and --work-px >= 32")
-        settings = Settings(methods=methods, subset=a.subset, seed=a.seed, work_px=a.work_px, workers=a.workers)
+        settings = Settings(methods=methods, subset=a.subset, seed=a.seed, work_px=a.work_px, workers=a.workers,
+                            case_images=a.case_images)
         report = a.report / f"saliency-{a.dataset}"
         saliency = compute(a.root / a.dataset, settings, report)
     except (PreprocessError, DatasetError, handcrafted.SaliencyError) as e:

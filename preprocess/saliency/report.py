@@ -1,5 +1,6 @@
 """The saliency report, `reports/saliency-<dataset>/`: `report.json` (the manifest's `saliency` entry),
-`report.md` (the quality table per stage, label-free statistics, timings) and `grid.png`, a grid of
+`report.md` (the quality table per stage, label-free statistics, each stage over clutter levels and
+hard cases (`cases.py`), timings) and `grid.png`, a grid of
 image / ground truth / each stage / the written mask / the composite RELICv2 trains on (background
 replaced by gray), for a few dataset images and for natural photos that ship with scikit-image."""
 
@@ -19,6 +20,28 @@ TILE = 96
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 
 
+def case_scores(methods: tuple[str, ...], per_case: int = 16, work_px: int = handcrafted.WORK_PX) -> dict:
+    """IoU at 0.5 and MAE of every handcrafted stage on `cases` images with exact masks: three clutter
+    levels and four hard cases, `per_case` images each (one BLAS thread: the maps are small)."""
+    from threadpoolctl import threadpool_limits
+
+    from preprocess.saliency import cases, quality
+
+    out = {}
+    with threadpool_limits(1):
+        for case in cases.CASES:
+            rows: dict[str, list] = {}
+            for i in range(per_case):
+                image, gt = cases.make(case, i)
+                per = handcrafted.maps(image, methods, work_px=work_px)
+                per["fusion"] = handcrafted.fuse(per)
+                for k, v in per.items():
+                    rows.setdefault(k, []).append((quality.iou(v, gt), quality.mae(v, gt)))
+            out[case] = {k: {"iou": float(np.mean([r[0] for r in v])), "mae": float(np.mean([r[1] for r in v]))}
+                         for k, v in rows.items()}
+    return out
+
+
 def markdown(name: str, saliency: dict) -> str:
     scores = saliency["scores"]
     with_gt = all("iou" in s for s in scores.values())
@@ -34,6 +57,12 @@ def markdown(name: str, saliency: dict) -> str:
         gt = f"{s['mae']:.3f} | {s['f_beta']:.3f} | {s['max_f']:.3f} | {s['iou']:.3f} | " if with_gt else ""
         lines.append(f"| {stage} | {gt}{s['coverage_mean']:.2f} | {100 * s['under_5pct']:.1f} % | "
                      f"{100 * s['three_sides']:.1f} % |")
+    if saliency.get("cases"):
+        stages = list(next(iter(saliency["cases"].values())))
+        lines += ["", "IoU at 0.5 on labelled test images (64 px, 16 per case, exact masks):", "",
+                  "| case | " + " | ".join(stages) + " |", "| --- " * (len(stages) + 1) + "|"]
+        lines += [f"| {case} | " + " | ".join(f"{v[k]['iou']:.3f}" for k in stages) + " |"
+                  for case, v in saliency["cases"].items()]
     secs = saliency["seconds"]
     lines += ["", "Seconds: " + ", ".join(f"{k} {v}" for k, v in secs.items()) + ".", "", "![grid](grid.png)", ""]
     return "\n".join(lines)

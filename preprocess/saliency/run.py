@@ -48,6 +48,7 @@ class Settings:
     work_px: int = handcrafted.WORK_PX
     workers: int = 1
     progress: bool = True
+    case_images: int = 16          # labelled test images per case in the report
 
 
 # ----------------------------------------------------------------------------- parallel maps
@@ -223,7 +224,10 @@ def compute(dataset_dir: Path, settings: Settings, report_dir: Path | None = Non
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if report_dir is not None:
-        from preprocess.saliency.report import write_report
+        from preprocess.saliency.report import case_scores, write_report
+        t = time.perf_counter()
+        saliency["cases"] = case_scores(settings.methods, per_case=settings.case_images, work_px=settings.work_px)
+        saliency["seconds"]["cases"] = round(time.perf_counter() - t, 2)
         write_report(report_dir, dataset_dir, saliency, sub_maps, gt)
     return saliency
 

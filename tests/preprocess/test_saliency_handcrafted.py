@@ -85,3 +85,20 @@ def test_quality_scores_follow_their_definitions() -> None:
     assert quality.max_f(pred, gt) == pytest.approx(quality.f_beta(pred, gt, 0.5))
     # Nothing predicted: precision counts as 1, recall 0, F = 0.
     assert quality.f_beta(np.zeros((4, 4)), gt) == 0.0
+
+
+def test_labelled_cases_are_deterministic_with_masks_that_match_the_drawn_object() -> None:
+    from preprocess.saliency import cases
+
+    for case in cases.CASES:
+        img, mask = cases.make(case, 3)
+        again, mask_again = cases.make(case, 3)
+        assert np.array_equal(img, again) and np.array_equal(mask, mask_again)
+        assert img.shape == (64, 64, 3) and set(np.unique(mask)) == {0, 255}
+        inside = img[mask == 255].astype(float).mean(0)
+        outside = img[mask == 0].astype(float).mean(0)
+        assert np.abs(inside - outside).max() > 10             # the object differs from the background
+    _, border = cases.make("border", 0)
+    assert border[0].any() or border[-1].any() or border[:, 0].any() or border[:, -1].any()
+    _, thin = cases.make("thin", 0)
+    assert thin.mean() / 255 < 0.08                            # a bar, not a blob

@@ -18,7 +18,7 @@ def test_make_saliency_writes_the_best_stage_into_both_formats_with_a_report(tmp
     root = tmp_path / "data"
     ds = prepare_dataset("synthetic", root, workers=1, train_size=24, val_size=8, image_px=32, seed=4)
     argv = ["--root", str(root), "--subset", "12", "--workers", "2", "--work-px", "64",
-            "--report", str(tmp_path / "reports")]
+            "--report", str(tmp_path / "reports"), "--case-images", "2"]
     assert main(argv) == 0
     m = schema.read_manifest(ds, verify="full")
     sal = m.saliency
@@ -38,7 +38,8 @@ def test_make_saliency_writes_the_best_stage_into_both_formats_with_a_report(tmp
     assert np.mean(ious) > 0.35
     report = tmp_path / "reports" / "saliency-synthetic"
     assert json.loads((report / "report.json").read_text())["stage"] == sal["stage"]
-    assert "| fusion |" in (report / "report.md").read_text()
+    md = (report / "report.md").read_text()
+    assert "| fusion |" in md and "| border |" in md and "| thin |" in md
     assert (report / "grid.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in root.iterdir()) == ["synthetic"]        # no work files left
 
