@@ -1,10 +1,11 @@
 """FFCV writer: one split → one `.beton` file with the fields of `pipelines.schema.FFCV_FIELDS`.
 
 Fields, in storage order: image (`RGBImageField`, raw bytes for mode "raw" so that pixels are
-bit-exact, JPEG at `split.jpeg_quality` for mode "jpg"; never resized here, the size policy was
-applied when the records were made; a record's `encoded` JPEG is stored byte for byte), label and index (`IntField`), mask (`BytesField` holding a
-grayscale PNG; one zero byte when the split has no masks, see `_NO_MASK`) and coverage (`FloatField`, fraction of mask
-pixels >= 128, `schema.NO_MASK_COVERAGE` without a mask).
+bit-exact, JPEG at `split.jpeg_quality` for mode "jpg", a record's `encoded` JPEG byte for byte;
+never resized here, the size policy was applied when the records were made), label and index
+(`IntField`), mask (`BytesField` holding a grayscale PNG; one zero byte when the split has no
+masks, see `_NO_MASK`) and coverage (`FloatField`, fraction of mask pixels >= 128,
+`schema.NO_MASK_COVERAGE` without a mask).
 
 The file is written under a temporary name and renamed into place; the caller
 (`preprocess/prepare.py`) also stages the dataset folder.

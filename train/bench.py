@@ -1,12 +1,13 @@
 """`python -m train.bench [methods=rsa,byol] [steps=20] [repeats=3] [minutes=M] [key=value ...]`: full
 training steps per objective on the synthetic dataset.
 
-Per objective: median steps/s and images/s with the real loader and with one batch already on the device
-(their ratio gives the data-stall fraction), peak memory, and kNN / linear-probe top-1 after a
-training run next to a random-init backbone. Every objective is timed first; then each trains for `optim.steps`, or with `minutes=M`
-as many steps as the measured rate fits into M minutes of training (an equal time budget per
-objective: the fair comparison on one machine, whatever each objective costs per step). Writes `bench_train.json` (resolved
-configs, git commit, versions, numbers) into `run.out_dir` and prints a table.
+Per objective: median steps/s and images/s with the real loader and with one batch already on the
+device (their ratio gives the data-stall fraction), peak memory, and kNN / linear-probe top-1 after
+a training run next to a random-init backbone. Every objective is timed first; then each trains for
+`optim.steps`, or with `minutes=M` for as many steps as its measured rate fits into M minutes (an
+equal time budget per objective: the fair comparison on one machine, whatever each objective costs
+per step). Writes `bench_train.json` (resolved configs, git commit, versions, numbers) into
+`run.out_dir` and prints a table.
 """
 
 from __future__ import annotations

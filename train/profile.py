@@ -31,13 +31,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import multiprocessing
 import os
 import statistics
 import sys
 import time
 import traceback
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -48,7 +46,7 @@ from pipelines.mixing import MIX_KINDS, MixSpec
 from pipelines.shards import scan_shards
 from pipelines.views import Recipe, load_recipe
 from train import profile_report, schedules
-from train.bench import peak_memory_mb, sync, time_steps
+from train.bench import in_fresh_process, peak_memory_mb, sync, time_steps
 from train.config import ConfigError, load_config, to_dict
 from train.loop import STEP_PHASES, epochs_from, phase, train_step
 from train.objectives import OBJECTIVES
@@ -258,11 +256,6 @@ def profile_batches(method: str, words: list[str], sizes: list[int], steps: int,
         t = time_steps(cfg, device, steps, repeats, warmup_steps=2)
         out.append({"method": method, "batch_size": b, "img_per_s": stat([r * b for r in t["cached_steps_per_s_runs"]])})
     return out
-
-
-def in_fresh_process(fn, *args):
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
 
 
 def train_words(a: argparse.Namespace, work: Path) -> list[str]:
