@@ -5,9 +5,8 @@ the pseudo-labels DeepUSPS refines (RELICv2 App. A.2 uses RBD, MR, DSR and MC).
 Both work on one graph of superpixels: SLIC with `sigma=1, compactness=20` (without smoothing SLIC
 merges a noisy image into a handful of segments), the actual count checked against the target; per
 superpixel its mean CIE-Lab colour, mean normalised position, its 4-connected neighbours and the image
-sides it touches. Implemented from the papers' equations (the repository's design notes on saliency
-list them with the reference parameters); every map is min-max normalised to [0, 1] and filled back
-to pixels. Images smaller than `work_px` are upsampled first (bicubic), and the map is resized back.
+sides it touches. Implemented from the papers' equations with the reference parameters of the
+authors' demos; every map is min-max normalised to [0, 1] and filled back to pixels. Images smaller than `work_px` are upsampled first (bicubic), and the map is resized back.
 """
 
 from __future__ import annotations

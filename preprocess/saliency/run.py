@@ -1,7 +1,8 @@
 """`make saliency`: compute saliency masks for a written dataset and write them into its files.
 
 Stages, each scored where the dataset has exact masks (`synthetic`'s ground truth) and the best one
-used (RELICv2 App. A.2 and the design notes: masks are switched on only with their quality known):
+used (RELICv2 App. D, Tables 14-15: poor masks cost more accuracy than no masks, so a mask's quality
+is measured before it is used):
 
 1. a seeded subset of the training split (default min(2,500, N), the paper's 2,500 images);
 2. the handcrafted maps on it, in parallel over cores: RBD and MR over SLIC superpixels
@@ -14,7 +15,8 @@ used (RELICv2 App. A.2 and the design notes: masks are switched on only with the
    scores and the stage used.
 
 The DeepUSPS refinement networks (stage I and II) are not part of this version: the stages are the
-handcrafted ones, so the masks are the best handcrafted map (the design notes' fallback).
+handcrafted ones, so the masks are the best handcrafted map (the fallback DeepUSPS-style
+refinement must beat to be used).
 """
 
 from __future__ import annotations
