@@ -1,5 +1,5 @@
 """Labelled images for the saliency report: one object (or two) with an exact mask on a smooth random
-background, over three clutter levels and four hard cases (the design notes' evaluation: object
+background, over three clutter levels and four hard cases for the handcrafted cues (object
 on the border, two objects, low contrast, thin shapes). Every image is a pure function of
 (case, seed, index)."""
 

@@ -1,7 +1,7 @@
 """`make saliency`: compute saliency masks for a written dataset and write them into its files.
 
 Stages, each scored where the dataset has exact masks (`synthetic`'s ground truth) and the best one
-used (RELICv2 App. D, Tables 14-15: poor masks cost more accuracy than no masks, so a mask's quality
+used (RELICv2 App. D.2, Tables 14-15: poor masks cost more accuracy than no masks, so a mask's quality
 is measured before it is used):
 
 1. a seeded subset of the training split (default min(2,500, N), the paper's 2,500 images);
