@@ -20,6 +20,7 @@ one deleted. An interrupted run leaves only the staging folder, which the next r
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -78,6 +79,42 @@ def write_manifest(staging: Path, manifest: Manifest) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, staging / schema.MANIFEST_NAME)
+
+
+class DatasetLock:
+    """An exclusive lock on writing `<out_root>/<name>` (`flock` on `.<name>.lock` beside it): two
+    runs on the same dataset would delete each other's staging folder. Released when the process
+    ends, however it ends."""
+
+    def __init__(self, out_root: Path, name: str) -> None:
+        self.path = Path(out_root) / f".{name}.lock"
+        self.name = name
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock (no-op when held).
+
+        Raises:
+            PreprocessError: another process holds it.
+        """
+        if self.fd is not None:
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise PreprocessError(f"another run (pid {holder}) is writing {self.name} into {self.path.parent}; "
+                                  "wait for it to finish or stop it, then re-run") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)                 # closing the descriptor drops the flock
+            self.fd = None
 
 
 def ffcv_installed() -> bool:
@@ -171,6 +208,18 @@ def prepare_dataset(dataset: str, out_root: Path, *, src: Path | None = None, fo
         raise PreprocessError(f"--shard-size must be >= 1, got {shard_size}")
     name = name or dataset
     out_root = Path(out_root)
+    lock = DatasetLock(out_root, name)
+    try:
+        return _prepare(source, dataset, src, source_params, out_root, name, force,
+                        workers, progress, shard_size, lock)
+    finally:
+        lock.release()
+
+
+def _prepare(source, dataset: str, src: Path | None, source_params: dict, out_root: Path, name: str,
+             force: bool, workers: int, progress: bool, shard_size: int, lock: DatasetLock) -> Path:
+    """`prepare_dataset` after its argument checks; takes `lock` before it reads when OUT exists (a
+    second run stops at once), else as soon as OUT is created."""
     final = out_root / name
     staging = out_root / f".{name}.staging"
     if not force and (done := _is_complete(final)) is not None:
@@ -183,12 +232,15 @@ def prepare_dataset(dataset: str, out_root: Path, *, src: Path | None = None, fo
     if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
         raise PreprocessError(f"output folder {out_root} cannot be created or written ({existing} is not a "
                               "writable folder): choose a writable --out")
+    if out_root.is_dir():
+        lock.acquire()
     # Sources are checked (and read) before anything is written under OUT.
     t = time.perf_counter()
     prepared = source.prepare(src, dict(source_params), workers=workers, progress=progress)
     timings["read_decode"] = time.perf_counter() - t
     try:
         out_root.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
         if staging.exists():
             print(f"removing {staging} left by an interrupted run", file=sys.stderr)
             _remove(staging)

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from pipelines import schema
 from pipelines.shards import ShardReader, scan_shards
+from preprocess.prepare import DatasetLock
 from preprocess.saliency import handcrafted, quality
 from preprocess.saliency.write import write_masks
 
@@ -177,6 +178,15 @@ def best_stage(scores: dict[str, dict]) -> str:
 def compute(dataset_dir: Path, settings: Settings, report_dir: Path | None = None) -> dict:
     """Run every stage on `dataset_dir` and write the masks; returns the `saliency` manifest entry."""
     dataset_dir = Path(dataset_dir)
+    lock = DatasetLock(dataset_dir.parent, dataset_dir.name)
+    lock.acquire()                 # before reading: `make preprocess --force` may not swap it meanwhile
+    try:
+        return _compute(dataset_dir, settings, report_dir)
+    finally:
+        lock.release()
+
+
+def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None) -> dict:
     m = schema.read_manifest(dataset_dir)
     n = m.counts["train"]
     rng = np.random.default_rng(settings.seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import importlib.util
 import json
+import os
 import pickle
 import tarfile
 from pathlib import Path
@@ -48,7 +49,7 @@ def test_complete_dataset_layout_and_manifest(dataset: Path) -> None:
     for rel, info in m.files.items():
         assert schema.sha256_file(dataset / rel) == info["sha256"]
         assert (dataset / rel).stat().st_size == info["bytes"]
-    assert not list(dataset.parent.glob(".*"))                  # no staging or old folder left
+    assert [p.name for p in dataset.parent.glob(".*")] == [".synthetic.lock"]   # no staging or old folder
 
 
 def test_gt_masks_and_mean_std_match_the_source(dataset: Path) -> None:
@@ -93,7 +94,7 @@ def test_disk_failure_keeps_previous_dataset(tmp_path: Path, monkeypatch) -> Non
     assert "\n" not in msg and "disk is full" in msg and "nothing was replaced" in msg
     assert (first / schema.MANIFEST_NAME).read_bytes() == manifest_before
     assert read_manifest(first, verify="full").params["seed"] == 0      # old dataset intact
-    assert sorted(p.name for p in root.iterdir()) == ["synthetic"]      # staging cleaned up
+    assert sorted(p.name for p in root.iterdir() if p.suffix != ".lock") == ["synthetic"]      # staging cleaned up
 
 
 def test_killed_run_leaves_nothing_accepted_and_next_run_cleans_up(tmp_path: Path, monkeypatch) -> None:
@@ -139,7 +140,7 @@ def test_force_rewrites_and_swap_never_exposes_a_mixed_folder(tmp_path: Path, mo
     again = prepare_dataset("synthetic", root, workers=1, seed=5, **TINY)  # incomplete → rewritten
     m = read_manifest(again, verify="full")
     assert m.params["seed"] == 5 and (again / "train.beton").read_bytes() != old_beton
-    assert sorted(p.name for p in root.iterdir()) == ["synthetic"]
+    assert sorted(p.name for p in root.iterdir() if p.suffix != ".lock") == ["synthetic"]
     forced = prepare_dataset("synthetic", root, force=True, workers=1, seed=6, **TINY)
     assert read_manifest(forced).params["seed"] == 6
 
@@ -194,3 +195,24 @@ def test_without_ffcv_the_dali_files_are_written_and_ffcv_refuses_with_the_fix(t
     if importlib.util.find_spec("ffcv") is not None:
         with pytest.raises(DatasetError, match="without ffcv installed.*--force"):
             build_loader("ffcv", spec)
+
+
+def test_a_second_run_on_the_same_dataset_refuses_in_one_line(tmp_path: Path) -> None:
+    from preprocess.prepare import DatasetLock
+    from preprocess.saliency.run import Settings, compute
+    from preprocess.sources import PreprocessError
+
+    ds = prepare_dataset("synthetic", tmp_path, workers=1, train_size=8, val_size=4, image_px=16)
+    before = (ds / schema.MANIFEST_NAME).read_bytes()
+    other = DatasetLock(tmp_path, "synthetic")          # what a first run still writing holds
+    other.acquire()
+    try:
+        for run in (lambda: prepare_dataset("synthetic", tmp_path, workers=1, force=True, train_size=8,
+                                            val_size=4, image_px=16),
+                    lambda: compute(ds, Settings(subset=4))):
+            with pytest.raises(PreprocessError, match=rf"another run \(pid {os.getpid()}\) is writing synthetic"):
+                run()
+        assert (ds / schema.MANIFEST_NAME).read_bytes() == before
+    finally:
+        other.release()
+    prepare_dataset("synthetic", tmp_path, workers=1, force=True, train_size=8, val_size=4, image_px=16)
