@@ -231,6 +231,9 @@ def auto_backend(device_type: str, root: str | Path, dataset: str) -> str:
     return "torch"
 
 
+_NOTED: set[Path] = set()          # datasets whose missing masks this process has mentioned
+
+
 def build_loader(backend: str, spec: LoaderSpec) -> Loader:
     """Build the loader of `backend` for `spec`: reads the manifest, checks the spec, adds the mix
     source group to the recipe (`mixing.with_mix_source`), then builds the backend.
@@ -243,8 +246,10 @@ def build_loader(backend: str, spec: LoaderSpec) -> Loader:
         raise LoaderError(f"unknown pipeline backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     info = DatasetInfo.read(spec.root, spec.dataset, spec.split)
     check_spec(spec, info)
-    if removes_backgrounds(spec.recipe) and not info.has_masks and spec.rank == 0:
-        # Not an error (the op needs masks, and runs without them as p = 0), but never silent.
+    if removes_backgrounds(spec.recipe) and not info.has_masks and spec.rank == 0 and info.dir not in _NOTED:
+        # Not an error (the op needs masks, and runs without them as p = 0), but never silent; once
+        # per dataset and process (benches build many loaders).
+        _NOTED.add(info.dir)
         print(f"note: recipe {spec.recipe.name} removes backgrounds (saliency_p > 0) but dataset "
               f"{spec.dataset} has no saliency masks, so no view is masked; `make saliency "
               f"DATASET={spec.dataset}` computes them", file=sys.stderr, flush=True)

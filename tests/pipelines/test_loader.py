@@ -121,6 +121,9 @@ def test_auto_backend_is_the_fastest_the_dataset_has_files_for(tiny_data_root, t
 def test_background_removal_without_masks_is_said_once_and_with_masks_nothing(tiny_data_root, tmp_path, capsys):
     from preprocess.prepare import prepare_dataset
 
+    from pipelines import loader
+
+    loader._NOTED.clear()
     recipe = load_recipe("relicv2", 32, 16)                 # saliency_p 0.1 on the large views
     spec = LoaderSpec(root=str(tiny_data_root), dataset="synthetic", split="train", recipe=recipe,
                       batch_size=4, num_workers=1)
@@ -128,6 +131,7 @@ def test_background_removal_without_masks_is_said_once_and_with_masks_nothing(ti
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("note: recipe relicv2 removes backgrounds")
     assert "make saliency DATASET=synthetic" in err[0]
+    build_loader("torch", spec)                                            # said once per process
     build_loader("torch", replace(spec, rank=1, world_size=2))             # other ranks stay quiet
     build_loader("torch", replace(spec, recipe=load_recipe("byol", 32, 16)))  # no background removal
     assert capsys.readouterr().err == ""
