@@ -12,6 +12,7 @@ GPUS     ?= 1
 PRESET   ?=
 ARGS     ?=
 CKPT     ?=
+INIT     ?=
 RUNS     ?= runs
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The install stamp changes whenever the dependency pins change, so `make install` reinstalls then
@@ -53,8 +54,8 @@ preprocess: install  ## DATASET, SRC, OUT → FFCV + DALI files and manifest (AR
 train: install  ## pretrain METHOD on DATASET (PRESET: data preset; GPUS>1: DDP processes), then kNN + linear probe
 	$(PY) -m train gpus=$(GPUS) method=$(METHOD) data=$(DATASET) $(if $(PRESET),preset=$(PRESET)) data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
 
-saliency: install  ## saliency masks for a written dataset (both formats) + reports/saliency-<DATASET>/
-	$(PY) -m preprocess.saliency --dataset $(DATASET) --root $(OUT) $(ARGS)
+saliency: install  ## saliency masks for a written dataset (both formats) + reports/saliency-<DATASET>/ (INIT: a run's backbone)
+	$(PY) -m preprocess.saliency --dataset $(DATASET) --root $(OUT) $(if $(INIT),--init $(INIT)) $(ARGS)
 
 eval: install  ## kNN + linear probe of CKPT's backbone against random init
 	$(PY) -m train eval ckpt=$(CKPT) $(ARGS)

@@ -70,7 +70,7 @@ def apply_small_stem(model: nn.Module, name: str, image_px: int) -> nn.Module:
     ViTs (whose small stem is chosen at construction, see `backbone_kwargs`).
 
     Args:
-        model: a fresh timm model built with num_classes=0.
+        model: a fresh timm model built with num_classes=0 (or features_only=True, for a ResNet).
         name: its timm name (for the error message).
         image_px: side of the square global views, in px.
 
@@ -82,7 +82,8 @@ def apply_small_stem(model: nn.Module, name: str, image_px: int) -> nn.Module:
     """
     if image_px > SMALL_IMAGE_PX:
         return model
-    if isinstance(model, ResNet):
+    # A timm ResNet, or its `features_only` pyramid (a FeatureListNet of the same named modules).
+    if isinstance(model, ResNet) or all(hasattr(model, k) for k in ("conv1", "bn1", "maxpool", "layer1")):
         width = model.bn1.num_features                 # conv1's output width, also for deep stems
         model.conv1 = nn.Conv2d(3, width, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()

@@ -3,6 +3,7 @@ wrote, into its FFCV and DALI files, with a quality report.
 
     python -m preprocess.saliency --dataset synthetic --root data
     python -m preprocess.saliency --dataset mine --root data --subset 1000 --workers 8
+    python -m preprocess.saliency --dataset synthetic --init runs/<run>      # networks from a viewmill backbone
 
 Errors are one line on stderr with exit code 2.
 """
@@ -16,6 +17,8 @@ from pathlib import Path
 from pipelines.schema import DatasetError
 from preprocess.prepare import PreprocessError
 from preprocess.saliency import handcrafted
+from models.saliency import backbone_source
+from preprocess.saliency.refine import LOSSES, RefineSettings
 from preprocess.saliency.run import SUBSET, Settings, compute, default_workers
 
 
@@ -29,6 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-px", type=int, default=handcrafted.WORK_PX, help="working side of the maps, px")
     p.add_argument("--workers", type=int, default=default_workers(), help="processes (default: all cores)")
     p.add_argument("--report", type=Path, default=Path("reports"), help="reports/saliency-<dataset>/ goes here")
+    p.add_argument("--rounds", type=int, default=RefineSettings.rounds,
+                   help="DeepUSPS self-training rounds per method (stage I); 0: handcrafted stages only")
+    p.add_argument("--epochs", type=int, default=RefineSettings.epochs, help="epochs per stage I round")
+    p.add_argument("--final-epochs", type=int, default=RefineSettings.final_epochs, help="epochs of the stage II network")
+    p.add_argument("--loss", default=RefineSettings.loss, choices=LOSSES, help="refinement loss")
+    p.add_argument("--lr", type=float, default=RefineSettings.lr, help="Adam learning rate of round 1 (doubled per round)")
+    p.add_argument("--backbone", default=RefineSettings.backbone, help="timm ResNet of the networks at random init")
+    p.add_argument("--init", default=None, help="backbone of the networks from a viewmill run: its folder or "
+                   "backbone.safetensors (make saliency INIT=...)")
+    p.add_argument("--net-px", type=int, default=0, help="input side of the networks (default: the images' side, 64-128)")
+    p.add_argument("--score-images", type=int, default=500, help="held-out train images every stage is scored on")
     p.add_argument("--case-images", type=int, default=16, help="labelled test images per case in the report")
     a = p.parse_args(argv)
     try:
@@ -39,8 +53,18 @@ def main(argv: list[str] | None = None) -> int:
                                   f"{', '.join(handcrafted.METHODS)}")
         if a.subset < 1 or a.workers < 1 or a.work_px < 32:
             raise PreprocessError("--subset and --workers must be >= 1 and --work-px >= 32")
+        if a.rounds < 0 or a.epochs < 1 or a.final_epochs < 1 or a.score_images < 0 or not (a.net_px == 0 or a.net_px >= 32):
+            raise PreprocessError("--rounds and --score-images must be >= 0, --epochs and --final-epochs >= 1, "
+                                  "--net-px 0 (auto) or >= 32")
+        if a.init is not None:
+            try:
+                backbone_source(a.init)
+            except ValueError as e:
+                raise PreprocessError(f"INIT: {e}") from None
+        refinement = RefineSettings(rounds=a.rounds, epochs=a.epochs, final_epochs=a.final_epochs, loss=a.loss, lr=a.lr,
+                                    backbone=a.backbone, init=a.init, net_px=a.net_px, seed=a.seed)
         settings = Settings(methods=methods, subset=a.subset, seed=a.seed, work_px=a.work_px, workers=a.workers,
-                            case_images=a.case_images)
+                            case_images=a.case_images, score_images=a.score_images, refinement=refinement)
         report = a.report / f"saliency-{a.dataset}"
         saliency = compute(a.root / a.dataset, settings, report)
     except (PreprocessError, DatasetError, handcrafted.SaliencyError) as e:

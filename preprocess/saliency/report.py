@@ -20,9 +20,22 @@ TILE = 96
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 
 
-def case_scores(methods: tuple[str, ...], per_case: int = 16, work_px: int = handcrafted.WORK_PX) -> dict:
-    """IoU at 0.5 and MAE of every handcrafted stage on `cases` images with exact masks: three clutter
-    levels and four hard cases, `per_case` images each (one BLAS thread: the maps are small)."""
+def _stage_maps(image: np.ndarray, methods: tuple[str, ...], nets: dict | None, work_px: int = handcrafted.WORK_PX
+                ) -> dict[str, np.ndarray]:
+    """Every stage's [0, 1] map of one image at its size: the handcrafted methods, their fusion, and
+    each refinement network (`refine.NetStage`)."""
+    per = handcrafted.maps(image, methods, work_px=work_px)
+    per["fusion"] = handcrafted.fuse(per)
+    for k, stage in (nets or {}).items():
+        per[k] = stage(image)
+    return per
+
+
+def case_scores(methods: tuple[str, ...], per_case: int = 16, work_px: int = handcrafted.WORK_PX,
+                nets: dict | None = None) -> dict:
+    """IoU at 0.5 and MAE of every stage (handcrafted and refinement networks) on `cases` images with
+    exact masks: three clutter levels and four hard cases, `per_case` images each (one BLAS thread:
+    the maps are small)."""
     from threadpoolctl import threadpool_limits
 
     from preprocess.saliency import cases, quality
@@ -33,9 +46,7 @@ def case_scores(methods: tuple[str, ...], per_case: int = 16, work_px: int = han
             rows: dict[str, list] = {}
             for i in range(per_case):
                 image, gt = cases.make(case, i)
-                per = handcrafted.maps(image, methods, work_px=work_px)
-                per["fusion"] = handcrafted.fuse(per)
-                for k, v in per.items():
+                for k, v in _stage_maps(image, methods, nets, work_px).items():
                     rows.setdefault(k, []).append((quality.iou(v, gt), quality.mae(v, gt)))
             out[case] = {k: {"iou": float(np.mean([r[0] for r in v])), "mae": float(np.mean([r[1] for r in v]))}
                          for k, v in rows.items()}
@@ -47,9 +58,9 @@ def markdown(name: str, saliency: dict) -> str:
     with_gt = all("iou" in s for s in scores.values())
     lines = [f"# Saliency masks of `{name}`", "",
              f"Stage used: **{saliency['stage']}** (of {', '.join(saliency['stages_scored'])}); scored on "
-             f"{saliency['subset']} train images (seed {saliency['seed']}) against "
-             f"{saliency['scored_against']}; maps at {saliency['work_px']} px, binarised at "
-             f"{saliency['threshold']} at each image's size. Refinement: {saliency['refinement']}.", ""]
+             f"{saliency['scored_on']} (subset of {saliency['subset']}, seed {saliency['seed']}) against "
+             f"{saliency['scored_against']}; handcrafted maps at {saliency['work_px']} px, binarised at "
+             f"{saliency['threshold']} at each image's size. Refinement: {_refinement(saliency)}.", ""]
     head = "| stage | " + ("MAE | F-β (β² 0.3) at 0.5 | max-F | IoU at 0.5 | " if with_gt else "") + \
         "mean coverage | under the 5 % gate | touching ≥ 3 sides |"
     lines += [head, "| --- " * (head.count("|") - 1) + "|"]
@@ -57,6 +68,9 @@ def markdown(name: str, saliency: dict) -> str:
         gt = f"{s['mae']:.3f} | {s['f_beta']:.3f} | {s['max_f']:.3f} | {s['iou']:.3f} | " if with_gt else ""
         lines.append(f"| {stage} | {gt}{s['coverage_mean']:.2f} | {100 * s['under_5pct']:.1f} % | "
                      f"{100 * s['three_sides']:.1f} % |")
+    if saliency.get("label_scores") and with_gt:
+        lines += ["", "Refined labels (each round's moving average) on the subset the networks trained on, IoU at 0.5: "
+                  + ", ".join(f"{k} {v['iou']:.3f}" for k, v in saliency["label_scores"].items()) + "."]
     if saliency.get("cases"):
         stages = list(next(iter(saliency["cases"].values())))
         lines += ["", "IoU at 0.5 on labelled test images (64 px, 16 per case, exact masks):", "",
@@ -68,6 +82,17 @@ def markdown(name: str, saliency: dict) -> str:
     return "\n".join(lines)
 
 
+def _refinement(saliency: dict) -> str:
+    r, b = saliency["refinement"], saliency["backbone"]
+    if not isinstance(r, dict):
+        return str(r)
+    source = "random init" if b["init"] == "random" else f"initialised from {b['init']}"
+    return (f"{r['rounds']} rounds × {r['epochs']} epochs per method, a final network of {r['final_epochs']} epochs, "
+            f"{r['loss']} loss, Adam lr {r['lr']} (doubled per round), batch {r['batch_size']}, moving average "
+            f"{r['keep']} / {1 - r['keep']:.1f}, first-round threshold {r['first_threshold']}, {r['net_px']} px; "
+            f"backbone {b['timm_model']}, {source}")
+
+
 def _tile(a: np.ndarray, label: str) -> Image.Image:
     img = Image.fromarray(a if a.ndim == 3 else np.stack([a] * 3, axis=-1)).resize((TILE, TILE), Image.NEAREST)
     ImageDraw.Draw(img).text((2, 1), label, fill=(255, 255, 0))
@@ -75,9 +100,8 @@ def _tile(a: np.ndarray, label: str) -> Image.Image:
 
 
 def _row(image: np.ndarray, gt: np.ndarray | None, stage: str, methods: tuple[str, ...],
-         truth_column: bool) -> list[Image.Image]:
-    per = handcrafted.maps(image, methods)
-    per["fusion"] = handcrafted.fuse(per)
+         truth_column: bool, nets: dict | None) -> list[Image.Image]:
+    per = _stage_maps(image, methods, nets)
     mask = per[stage] >= 0.5
     composite = np.where(mask[..., None], image, 128).astype(np.uint8)
     tiles = [_tile(image, "image")]
@@ -103,16 +127,17 @@ def photos() -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def grid(dataset_dir: Path, saliency: dict, subset: list[int], gt: np.ndarray | None, rows: int = 6) -> Image.Image:
+def grid(dataset_dir: Path, saliency: dict, subset: list[int], gt: np.ndarray | None, nets: dict | None = None,
+         rows: int = 6) -> Image.Image:
     reader = ShardReader(scan_shards(dataset_dir / "train"))
     methods = tuple(saliency["methods"])
     lines = []
     for i in subset[:rows]:
         image = np.asarray(Image.open(io.BytesIO(reader.image(i))).convert("RGB"))
         lines.append(_row(image, None if gt is None else np.asarray(gt[i]), saliency["stage"], methods,
-                          gt is not None))
+                          gt is not None, nets))
     for _, image in photos():
-        lines.append(_row(image, None, saliency["stage"], methods, gt is not None))
+        lines.append(_row(image, None, saliency["stage"], methods, gt is not None, nets))
     width = max(len(r) for r in lines)
     out = Image.new("RGB", (width * TILE, len(lines) * TILE), (0, 0, 0))
     for y, r in enumerate(lines):
@@ -121,9 +146,10 @@ def grid(dataset_dir: Path, saliency: dict, subset: list[int], gt: np.ndarray | 
     return out
 
 
-def write_report(report_dir: Path, dataset_dir: Path, saliency: dict, sub_maps: dict, gt: np.ndarray | None) -> None:
+def write_report(report_dir: Path, dataset_dir: Path, saliency: dict, sub_maps: dict, gt: np.ndarray | None,
+                 nets: dict | None = None) -> None:
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / "report.json").write_text(json.dumps({"dataset": dataset_dir.name, **saliency}, indent=1))
     (report_dir / "report.md").write_text(markdown(dataset_dir.name, saliency))
-    grid(dataset_dir, saliency, sorted(sub_maps), gt).save(report_dir / "grid.png")
+    grid(dataset_dir, saliency, sorted(sub_maps), gt, nets).save(report_dir / "grid.png")

@@ -1,22 +1,24 @@
 """`make saliency`: compute saliency masks for a written dataset and write them into its files.
 
-Stages, each scored where the dataset has exact masks (`synthetic`'s ground truth) and the best one
-used (RELICv2 App. D.2, Tables 14-15: poor masks cost more accuracy than no masks, so a mask's quality
-is measured before it is used):
+Stages, each scored and the best one used (RELICv2 App. D.2, Tables 14-15: poor masks cost more
+accuracy than no masks, so a mask's quality is measured before it is used):
 
-1. a seeded subset of the training split (default min(2,500, N), the paper's 2,500 images);
-2. the handcrafted maps on it, in parallel over cores: RBD and MR over SLIC superpixels
+1. a seeded subset of the training split (default min(2,500, N), the paper's 2,500 images) and a
+   disjoint held-out set of train images (default 500) every stage is scored on;
+2. the handcrafted maps of both, in parallel over cores: RBD and MR over SLIC superpixels
    (`handcrafted.py`) and their fusion (the mean);
-3. the chosen stage over every record of every split, in parallel, with a progress bar; maps kept
-   as uint8 probabilities at the working size (`work_px` square, whatever the image size) in a
-   memory-mapped file beside the dataset, so memory stays bounded;
-4. `write.write_masks`: binarised at 0.5 at each stored image's geometry, into both formats,
-   atomically; the manifest's `saliency` records the methods, parameters, seed, subset, per-stage
-   scores and the stage used.
-
-The DeepUSPS refinement networks (stage I and II) are not part of this version: the stages are the
-handcrafted ones, so the masks are the best handcrafted map (the fallback DeepUSPS-style
-refinement must beat to be used).
+3. the DeepUSPS refinement on the subset (`refine.py`): per method, self-training rounds of a fresh
+   network on the previous round's moving-average labels (stage I), then one network trained on
+   every refined label set (stage II); each round's network and the final one are scored on the
+   held-out images, and so are the round's labels on the subset;
+4. the best stage by IoU against the ground truth (`synthetic`); without one, the final network when
+   its backbone came from a self-supervised run (`--init`), else the handcrafted fusion;
+5. that stage over every record of every split (batched network inference, or the handcrafted maps in
+   parallel), with a progress bar; maps kept as uint8 probabilities in a memory-mapped file beside
+   the dataset, so memory stays bounded;
+6. `write.write_masks`: binarised at 0.5 at each stored image's geometry, into both formats,
+   atomically; the manifest's `saliency` records the methods, parameters, rounds, backbone source,
+   seed, subset, per-stage scores and the stage used.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +38,7 @@ from tqdm import tqdm
 from pipelines import schema
 from pipelines.shards import ShardReader, scan_shards
 from preprocess.prepare import DatasetLock
-from preprocess.saliency import handcrafted, quality
+from preprocess.saliency import handcrafted, quality, refine
 from preprocess.saliency.write import write_masks
 
 SUBSET = 2500
@@ -52,6 +54,8 @@ class Settings:
     workers: int = 1
     progress: bool = True
     case_images: int = 16          # labelled test images per case in the report
+    score_images: int = 500        # held-out train images every stage is scored on (outside the subset)
+    refinement: refine.RefineSettings = refine.RefineSettings()
 
 
 # ----------------------------------------------------------------------------- parallel maps
@@ -165,11 +169,13 @@ def _resize(p: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
     return p if p.shape == shape else cv2.resize(p, (shape[1], shape[0]), interpolation=cv2.INTER_LINEAR)
 
 
-def best_stage(scores: dict[str, dict]) -> str:
-    """The stage with the highest IoU against the ground truth; the fusion without one."""
+def best_stage(scores: dict[str, dict], refined: bool = False) -> str:
+    """The stage with the highest IoU against the ground truth. Without one: the final network when
+    it was refined from a self-supervised backbone (`INIT=`, the setting DeepUSPS's gains rely on),
+    else the handcrafted fusion (a random-init network can drift rather than refine)."""
     if all("iou" in s for s in scores.values()):
         return max(scores, key=lambda k: scores[k]["iou"])
-    return FUSION
+    return "final" if refined and "final" in scores else FUSION
 
 
 # ----------------------------------------------------------------------------- main
@@ -190,16 +196,49 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None) -> 
     m = schema.read_manifest(dataset_dir)
     n = m.counts["train"]
     rng = np.random.default_rng(settings.seed)
-    subset = sorted(rng.choice(n, size=min(settings.subset, n), replace=False).tolist())
+    order = rng.permutation(n).tolist()
+    subset = sorted(order[:min(settings.subset, n)])
+    held = sorted(order[len(subset):len(subset) + settings.score_images])
     gt = np.load(dataset_dir / m.gt_masks["train"], mmap_mode="r") if "train" in m.gt_masks else None
+    r = settings.refinement
+    if r.rounds and r.net_px == 0:        # the images' own side, within 64-128 px
+        r = replace(r, net_px=int(min(max(m.image_px, 64), 128)))
     print(f"saliency for {dataset_dir.name}: {len(subset)} of {n} train images, methods "
-          f"{', '.join(settings.methods)} at {settings.work_px} px, seed {settings.seed}", flush=True)
+          f"{', '.join(settings.methods)} at {settings.work_px} px, seed {settings.seed}; "
+          + (f"refinement: {r.rounds} rounds of {r.epochs} epochs, final {r.final_epochs} epochs, {r.loss} loss, "
+             f"{'backbone from ' + str(r.init) if r.init else r.backbone + ' at random init'}, {r.net_px} px"
+             if r.rounds else "no refinement") + f"; scored on {len(held) or len(subset)} "
+          + ("held-out" if held else "subset") + " images", flush=True)
+    train_dir = dataset_dir / "train"
 
     sub_maps: dict[int, dict[str, np.ndarray]] = {}
-    seconds = {"handcrafted_subset": map_records(dataset_dir / "train", n, subset, settings, "handcrafted maps",
+    seconds = {"handcrafted_subset": map_records(train_dir, n, subset, settings, "handcrafted maps",
                                                  lambda i, maps: sub_maps.__setitem__(i, maps))}
-    scores = score(sub_maps, gt)
-    stage = best_stage(scores)
+    held_maps: dict[int, dict[str, np.ndarray]] = {}
+    if held:
+        seconds["handcrafted_scored"] = map_records(train_dir, n, held, settings, "handcrafted maps (scored)",
+                                                    lambda i, maps: held_maps.__setitem__(i, maps))
+    scored = held_maps or sub_maps           # a dataset the subset covers whole is scored in-sample
+    nets: dict[str, refine.NetStage] = {}
+    label_scores = {}
+    if r.rounds:
+        import torch
+
+        torch.set_num_threads(settings.workers)
+        x = refine.as_input(read_images(train_dir, n, subset, r.net_px), m.mean, m.std)
+        targets = {k: np.stack([_resize(sub_maps[i][k].astype(np.float32) / 255, (r.net_px, r.net_px)) for i in subset])
+                   for k in settings.methods}
+        out = refine.refine(x, targets, r)
+        seconds.update({f"refine_{k}": round(v, 2) for k, v in out.seconds.items()})
+        nets = {k: refine.NetStage(net, r.net_px, m.mean, m.std) for k, net in out.nets.items()}
+        images = read_images(train_dir, n, list(scored), r.net_px)
+        for k, stage in nets.items():
+            for i, p in zip(scored, stage.maps(list(images))):
+                scored[i][k] = np.round(p * 255).astype(np.uint8)
+        label_scores = score({i: {k: np.round(v[j] * 255).astype(np.uint8) for k, v in out.labels.items()}
+                              for j, i in enumerate(subset)}, gt)
+    scores = score(scored, gt)
+    stage = best_stage(scores, refined=bool(r.rounds and r.init))
     print("  " + " | ".join(f"{k}: IoU {v['iou']:.3f}" if "iou" in v else f"{k}: coverage {v['coverage_mean']:.2f}"
                             for k, v in scores.items()) + f" → using {stage}", flush=True)
 
@@ -208,26 +247,33 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None) -> 
     work.mkdir()
     try:
         stored: dict[str, np.memmap] = {}
+        side = r.net_px if stage in nets else settings.work_px   # resized to each image when written
         for split, count in m.counts.items():
-            side = settings.work_px       # stored at the working size, resized to each image when written
             arr = np.lib.format.open_memmap(work / f"{split}.npy", mode="w+", dtype=np.uint8, shape=(count, side, side))
             todo = list(range(count))
-            if split == "train":          # the subset's maps are already computed
+            if split == "train" and stage not in nets:   # the subset's handcrafted maps are already computed
                 for i in subset:
                     arr[i] = sub_maps[i][stage]
                 done = set(subset)
                 todo = [i for i in todo if i not in done]
 
-            def sink(i, maps, arr=arr, side=side):
+            def sink(i, maps, arr=arr):
                 arr[i] = maps[stage]
-            seconds[f"maps_{split}"] = map_records(dataset_dir / split, count, todo, settings, f"{split} masks", sink) if todo else 0.0
+            if stage in nets:
+                seconds[f"maps_{split}"] = net_records(dataset_dir / split, count, todo, nets[stage], stage, settings,
+                                                       f"{split} masks", sink)
+            else:
+                seconds[f"maps_{split}"] = map_records(dataset_dir / split, count, todo, settings, f"{split} masks",
+                                                       sink) if todo else 0.0
             arr.flush()
             stored[split] = arr
         saliency = {"stage": stage, "methods": list(settings.methods), "stages_scored": sorted(scores),
-                    "scores": scores, "scored_against": "ground truth (synthetic)" if gt is not None else "none (label-free statistics)",
+                    "scores": scores, "label_scores": label_scores,
+                    "scored_against": "ground truth (synthetic)" if gt is not None else "none (label-free statistics)",
+                    "scored_on": f"{len(held)} held-out train images" if held else f"the {len(subset)} subset images",
                     "subset": len(subset), "seed": settings.seed, "work_px": settings.work_px,
                     "slic": {"segments": handcrafted.segments_for(settings.work_px), "compactness": 20.0, "sigma": 1.0},
-                    "threshold": 0.5, "refinement": "none (handcrafted stages only)", "backbone": None,
+                    "threshold": 0.5, "refinement": _describe(r), "backbone": _backbone(r),
                     "seconds": {k: round(v, 2) for k, v in seconds.items()}}
         t = time.perf_counter()
         write_masks(dataset_dir, {s: (lambda i, a=a: a[i]) for s, a in stored.items()}, saliency,
@@ -238,10 +284,65 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None) -> 
     if report_dir is not None:
         from preprocess.saliency.report import case_scores, write_report
         t = time.perf_counter()
-        saliency["cases"] = case_scores(settings.methods, per_case=settings.case_images, work_px=settings.work_px)
+        saliency["cases"] = case_scores(settings.methods, per_case=settings.case_images, work_px=settings.work_px,
+                                        nets=nets)
         saliency["seconds"]["cases"] = round(time.perf_counter() - t, 2)
-        write_report(report_dir, dataset_dir, saliency, sub_maps, gt)
+        write_report(report_dir, dataset_dir, saliency, sub_maps, gt, nets)
     return saliency
+
+
+def _describe(r: refine.RefineSettings) -> dict | str:
+    if not r.rounds:
+        return "none (handcrafted stages only)"
+    return {"rounds": r.rounds, "epochs": r.epochs, "final_epochs": r.final_epochs, "loss": r.loss, "lr": r.lr,
+            "batch_size": r.batch_size, "keep": r.keep, "first_threshold": r.first_threshold, "net_px": r.net_px,
+            "decoder_width": r.width}
+
+
+def _backbone(r: refine.RefineSettings) -> dict | None:
+    if not r.rounds:
+        return None
+    if r.init is None:
+        return {"timm_model": r.backbone, "init": "random"}
+    from models.saliency import backbone_source
+
+    meta = backbone_source(r.init)
+    return {"timm_model": meta["timm_model"], "init": meta["path"], "small_stem": meta.get("small_stem"),
+            "method": meta.get("method")}
+
+
+def read_images(split_dir: Path, count: int, indices: list[int], px: int) -> np.ndarray:
+    """Records `indices` of a split decoded and resized to (len, px, px, 3) uint8."""
+    import io
+
+    from PIL import Image
+
+    reader = ShardReader(scan_shards(Path(split_dir), count))
+    out = np.empty((len(indices), px, px, 3), np.uint8)
+    for j, i in enumerate(indices):
+        out[j] = refine.resize_square(np.asarray(Image.open(io.BytesIO(reader.image(i))).convert("RGB")), px)
+    return out
+
+
+def net_records(split_dir: Path, count: int, indices: list[int], stage: refine.NetStage, name: str,
+                settings: Settings, what: str, sink) -> float:
+    """The network's maps of `indices` in batches, `sink(i, {name: uint8 map})` for each; a progress bar
+    with images/s on a terminal, one summary line otherwise. Returns seconds taken."""
+    show = settings.progress and sys.stderr.isatty()
+    bar = tqdm(total=len(indices), unit="img", desc=what, disable=not show)
+    t0 = time.perf_counter()
+    chunk = 256
+    for a in range(0, len(indices), chunk):
+        part = indices[a:a + chunk]
+        maps = stage.maps(list(read_images(split_dir, count, part, stage.px)))
+        for i, p in zip(part, maps):
+            sink(i, {name: np.round(p * 255).astype(np.uint8)})
+        bar.update(len(part))
+    bar.close()
+    seconds = time.perf_counter() - t0
+    print(f"  {what}: {len(indices)} images in {seconds:.1f} s ({len(indices) / max(seconds, 1e-9):.1f} images/s, "
+          f"network {name})", flush=True)
+    return seconds
 
 
 def default_workers() -> int:

@@ -18,12 +18,16 @@ def test_make_saliency_writes_the_best_stage_into_both_formats_with_a_report(tmp
     root = tmp_path / "data"
     ds = prepare_dataset("synthetic", root, workers=1, train_size=24, val_size=8, image_px=32, seed=4)
     argv = ["--root", str(root), "--subset", "12", "--workers", "2", "--work-px", "64",
-            "--report", str(tmp_path / "reports"), "--case-images", "2"]
+            "--report", str(tmp_path / "reports"), "--case-images", "2", "--score-images", "8",
+            "--rounds", "1", "--epochs", "1", "--final-epochs", "1"]
     assert main(argv) == 0
     m = schema.read_manifest(ds, verify="full")
     sal = m.saliency
     assert m.has_masks and m.mask_source == "saliency" and sal["subset"] == 12
-    assert set(sal["scores"]) == {"rbd", "mr", "fusion"}
+    # Every stage is scored on held-out images: the handcrafted ones, each round's network, the final one.
+    assert set(sal["scores"]) == {"rbd", "mr", "fusion", "rbd-r1", "mr-r1", "final"}
+    assert set(sal["label_scores"]) == {"rbd-r1", "mr-r1"} and sal["scored_on"] == "8 held-out train images"
+    assert sal["refinement"]["rounds"] == 1 and sal["backbone"] == {"timm_model": "test_resnet", "init": "random"}
     # The stage used is the one with the best IoU against the synthetic ground truth.
     assert sal["stage"] == max(sal["scores"], key=lambda k: sal["scores"][k]["iou"])
     gt = np.load(ds / m.gt_masks["train"])
@@ -39,7 +43,8 @@ def test_make_saliency_writes_the_best_stage_into_both_formats_with_a_report(tmp
     report = tmp_path / "reports" / "saliency-synthetic"
     assert json.loads((report / "report.json").read_text())["stage"] == sal["stage"]
     md = (report / "report.md").read_text()
-    assert "| fusion |" in md and "| border |" in md and "| thin |" in md
+    assert "| fusion |" in md and "| final |" in md and "| border |" in md and "| thin |" in md
+    assert set(json.loads((report / "report.json").read_text())["cases"]["thin"]) == set(sal["scores"])
     assert (report / "grid.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in root.iterdir() if p.suffix != ".lock") == ["synthetic"]        # no work files left
 
