@@ -45,8 +45,8 @@ LOSSES = ("bce", "soft_f")
 @dataclass(frozen=True)
 class RefineSettings:
     rounds: int = 2                   # stage I self-training rounds per method; 0 skips refinement
-    epochs: int = 4                   # epochs per stage I round
-    final_epochs: int = 6             # epochs of the stage II network
+    epochs: int = 10                  # epochs per stage I round
+    final_epochs: int = 12            # epochs of the stage II network
     batch_size: int = 32
     lr: float = 1e-3                  # Adam, first round; doubled each round; poly decay within a round
     loss: str = "soft_f"              # "soft_f" (DeepUSPS's 1 - soft F-measure) or "bce"

@@ -55,3 +55,31 @@ def test_bad_input_is_one_line(tmp_path, capsys) -> None:
     assert err.startswith("error: dataset folder") and "make preprocess" in err and "\n" not in err
     assert main(["--root", str(tmp_path), "--methods", "rbd,dsr"]) == 2
     assert "unknown saliency method dsr" in capsys.readouterr().err
+
+
+def test_init_starts_the_networks_from_a_viewmill_backbone_and_the_manifest_says_so(tmp_path) -> None:
+    from models.backbone import build_backbone, save_backbone
+
+    root = tmp_path / "data"
+    ds = prepare_dataset("synthetic", root, workers=1, train_size=16, val_size=4, image_px=32, seed=5)
+    backbone, _ = build_backbone("test_resnet", 32)           # as a 32-px run exports it: small stem
+    (tmp_path / "run").mkdir()
+    path = save_backbone(backbone, tmp_path / "run" / "backbone.safetensors", "test_resnet", 32,
+                         metadata={"method": "dacl"})
+    argv = ["--root", str(root), "--subset", "12", "--workers", "1", "--work-px", "64", "--score-images", "4",
+            "--rounds", "1", "--epochs", "1", "--final-epochs", "1", "--init", str(tmp_path / "run"),
+            "--report", str(tmp_path / "reports"), "--case-images", "1"]
+    assert main(argv) == 0
+    sal = schema.read_manifest(ds).saliency
+    assert sal["backbone"] == {"timm_model": "test_resnet", "init": str(path), "small_stem": "true", "method": "dacl"}
+    assert "initialised from" in (tmp_path / "reports" / "saliency-synthetic" / "report.md").read_text()
+
+
+def test_a_bad_init_is_one_line_and_writes_nothing(tmp_path, capsys) -> None:
+    root = tmp_path / "data"
+    ds = prepare_dataset("synthetic", root, workers=1, train_size=8, val_size=4, image_px=32, seed=6)
+    before = sorted(p.name for p in ds.iterdir())
+    assert main(["--root", str(root), "--init", str(tmp_path / "nosuch-run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: INIT: no backbone file") and "make train" in err and "\n" not in err
+    assert sorted(p.name for p in ds.iterdir()) == before and not schema.read_manifest(ds).has_masks
