@@ -71,6 +71,9 @@ def markdown(name: str, saliency: dict) -> str:
     if saliency.get("label_scores") and with_gt:
         lines += ["", "Refined labels (each round's moving average) on the subset the networks trained on, IoU at 0.5: "
                   + ", ".join(f"{k} {v['iou']:.3f}" for k, v in saliency["label_scores"].items()) + "."]
+    if saliency.get("agreement"):
+        lines += ["", "Agreement between stages (mean IoU of their masks on the scored images, no labels needed): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in saliency["agreement"].items()) + "."]
     if saliency.get("cases"):
         stages = list(next(iter(saliency["cases"].values())))
         lines += ["", "IoU at 0.5 on labelled test images (64 px, 16 per case, exact masks):", "",

@@ -163,6 +163,27 @@ def score(maps: dict[int, dict[str, np.ndarray]], gt: np.ndarray | None) -> dict
     return out
 
 
+def agreement(maps: dict[int, dict[str, np.ndarray]], methods: tuple[str, ...], rounds: int) -> dict[str, float]:
+    """Label-free stability: the mean IoU at 0.5 between the masks of two stages on the same images,
+    for the methods against each other, each method against its first round, each round against the
+    next, and the final network against the handcrafted fusion."""
+    pairs = [(a, b) for j, a in enumerate(methods) for b in methods[j + 1:]]
+    for m in methods:
+        chain = [m] + [f"{m}-r{k}" for k in range(1, rounds + 1)]
+        pairs += list(zip(chain[:-1], chain[1:]))
+    if rounds:
+        pairs.append((FUSION, "final"))
+    out = {}
+    for a, b in pairs:
+        ious = []
+        for per in maps.values():
+            pa = per[a].astype(np.float32) / 255
+            pb = _resize(per[b].astype(np.float32) / 255, pa.shape)
+            ious.append(quality.iou(pa, (pb >= 0.5).astype(np.float32)))
+        out[f"{a} vs {b}"] = float(np.mean(ious))
+    return out
+
+
 def _resize(p: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
     import cv2
 
@@ -269,6 +290,7 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None) -> 
             stored[split] = arr
         saliency = {"stage": stage, "methods": list(settings.methods), "stages_scored": sorted(scores),
                     "scores": scores, "label_scores": label_scores,
+                    "agreement": agreement(scored, settings.methods, r.rounds),
                     "scored_against": "ground truth (synthetic)" if gt is not None else "none (label-free statistics)",
                     "scored_on": f"{len(held)} held-out train images" if held else f"the {len(subset)} subset images",
                     "subset": len(subset), "seed": settings.seed, "work_px": settings.work_px,

@@ -28,6 +28,8 @@ def test_make_saliency_writes_the_best_stage_into_both_formats_with_a_report(tmp
     assert set(sal["scores"]) == {"rbd", "mr", "fusion", "rbd-r1", "mr-r1", "final"}
     assert set(sal["label_scores"]) == {"rbd-r1", "mr-r1"} and sal["scored_on"] == "8 held-out train images"
     assert sal["refinement"]["rounds"] == 1 and sal["backbone"] == {"timm_model": "test_resnet", "init": "random"}
+    assert set(sal["agreement"]) == {"rbd vs mr", "rbd vs rbd-r1", "mr vs mr-r1", "fusion vs final"}
+    assert all(0 <= v <= 1 for v in sal["agreement"].values())
     # The stage used is the one with the best IoU against the synthetic ground truth.
     assert sal["stage"] == max(sal["scores"], key=lambda k: sal["scores"][k]["iou"])
     gt = np.load(ds / m.gt_masks["train"])
@@ -83,3 +85,20 @@ def test_a_bad_init_is_one_line_and_writes_nothing(tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: INIT: no backbone file") and "make train" in err and "\n" not in err
     assert sorted(p.name for p in ds.iterdir()) == before and not schema.read_manifest(ds).has_masks
+
+
+def test_agreement_is_the_mean_iou_between_two_stages_masks() -> None:
+    from preprocess.saliency.run import agreement
+
+    left = np.zeros((8, 8), np.uint8)
+    left[:, :4] = 255
+    right = left[:, ::-1].copy()
+    half = np.zeros((16, 16), np.uint8)              # another size: resized to the first map's
+    half[:, :8] = 255
+    maps = {0: {"rbd": left, "mr": right, "fusion": left, "final": half},
+            1: {"rbd": left, "mr": left, "fusion": right, "final": half}}
+    got = agreement(maps, ("rbd", "mr"), rounds=0)
+    assert got == {"rbd vs mr": 0.5}                 # disjoint on one image, equal on the other
+    maps = {i: {**per, "rbd-r1": per["rbd"], "mr-r1": per["rbd"]} for i, per in maps.items()}
+    got = agreement(maps, ("rbd", "mr"), rounds=1)
+    assert got["rbd vs rbd-r1"] == 1.0 and got["mr vs mr-r1"] == 0.5 and got["fusion vs final"] == 0.5
