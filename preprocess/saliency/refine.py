@@ -11,19 +11,21 @@ each round (DeepUSPS 1e-6, 2e-6, 5e-6; RELICv2 1e-5, 2e-5, 4e-5 for a pretrained
 by default for a random or tiny network) and decays polynomially (power 0.9) within the round.
 
 Stage II: one fresh network trained on every method's refined labels at once (the loss averaged over
-the targets), `final_epochs` epochs; it is the network inference runs everywhere.
+the targets), `final_epochs` epochs.
 
 Loss: DeepUSPS's soft F-measure (`soft_f_loss`, β² = 1 in stage I and 4 in stage II as in its code),
 or binary cross-entropy with `loss="bce"`. Round-1 targets are the handcrafted maps thresholded low
 (0.3; DeepUSPS uses 0.23-0.36 per method), later ones the moving average at 0.5.
 
 Deviations:
-- No dense CRF on the predictions before the moving average (pydensecrf is a source build and
-  optional in SALIENCY.md); flip test-time augmentation smooths them instead.
+- No dense CRF on the predictions before the moving average (pydensecrf is an optional source
+  build); flip test-time augmentation smooths them instead.
+- Every round's network and the stage II network are candidate stages: `run.py` scores them with the
+  handcrafted maps and uses the best, where DeepUSPS always uses stage II (on `synthetic` the best
+  stage I round scores higher; README).
 - The moving average starts from the first averaged prediction rather than from zeros (DeepUSPS
   averages 25 epochs, so its zero start fades to 0.7^25; with a few epochs it would not) and
-  skips the first third of the epochs (measured in the prototype: early predictions made the labels
-  drift).
+  skips the first third of the epochs (early, undertrained predictions made the labels drift).
 """
 
 from __future__ import annotations
