@@ -62,6 +62,11 @@ def backbone_kwargs(name: str, image_px: int) -> dict:
             "dynamic_img_size": True}
 
 
+def is_resnet(model: nn.Module) -> bool:
+    """A timm ResNet, or its `features_only` pyramid (a FeatureListNet of the same named modules)."""
+    return isinstance(model, ResNet) or all(hasattr(model, k) for k in ("conv1", "bn1", "maxpool", "layer1"))
+
+
 def apply_small_stem(model: nn.Module, name: str, image_px: int) -> nn.Module:
     """Swap a timm ResNet's ImageNet stem for one that keeps small images at full resolution.
 
@@ -82,8 +87,7 @@ def apply_small_stem(model: nn.Module, name: str, image_px: int) -> nn.Module:
     """
     if image_px > SMALL_IMAGE_PX:
         return model
-    # A timm ResNet, or its `features_only` pyramid (a FeatureListNet of the same named modules).
-    if isinstance(model, ResNet) or all(hasattr(model, k) for k in ("conv1", "bn1", "maxpool", "layer1")):
+    if is_resnet(model):
         width = model.bn1.num_features                 # conv1's output width, also for deep stems
         model.conv1 = nn.Conv2d(3, width, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()

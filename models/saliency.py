@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.backbone import SMALL_IMAGE_PX, apply_small_stem
+from models.backbone import SMALL_IMAGE_PX, apply_small_stem, is_resnet
 
 
 class SaliencyNet(nn.Module):
@@ -41,7 +41,7 @@ class SaliencyNet(nn.Module):
             raise ValueError(f"unknown backbone {backbone!r}; use a timm ResNet name such as test_resnet, "
                              "resnet18 or resnet50")
         self.encoder = timm.create_model(backbone, pretrained=False, features_only=True)
-        if not all(hasattr(self.encoder, k) for k in ("conv1", "bn1", "maxpool", "layer1")):
+        if not is_resnet(self.encoder):
             raise ValueError(f"the saliency network needs a ResNet backbone, got {backbone!r}")
         if small_stem:
             apply_small_stem(self.encoder, backbone, SMALL_IMAGE_PX)

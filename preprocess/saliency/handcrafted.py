@@ -235,6 +235,25 @@ def segments_for(side: int) -> int:
 
 
 WORK_PX = 128
+FUSION = "fusion"
+
+
+def resize_square(image: np.ndarray, side: int) -> np.ndarray:
+    """An (H, W, 3) uint8 image as (side, side, 3): area resampling down, bicubic up (not
+    aspect-preserving)."""
+    import cv2
+
+    if image.shape[:2] == (side, side):
+        return image
+    shrink = side < max(image.shape[:2])
+    return cv2.resize(image, (side, side), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_CUBIC)
+
+
+def resize_map(p: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """A float map resized bilinearly to (H, W) = `shape` (returned as is when it already has it)."""
+    import cv2
+
+    return p if p.shape == tuple(shape) else cv2.resize(p, (shape[1], shape[0]), interpolation=cv2.INTER_LINEAR)
 
 
 def maps(image: np.ndarray, methods: tuple[str, ...] = METHODS, work_px: int = WORK_PX,
@@ -251,24 +270,17 @@ def maps(image: np.ndarray, methods: tuple[str, ...] = METHODS, work_px: int = W
     Raises:
         SaliencyError: an unknown method, or SLIC failed to make enough superpixels.
     """
-    import cv2
-
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise SaliencyError(f"unknown saliency method {bad[0]!r}; choose from {', '.join(METHODS)}")
     h, w = image.shape[:2]
     side = working_size(max(h, w), work_px)
-    work = image
-    if (h, w) != (side, side):
-        shrink = side < max(h, w)
-        work = cv2.resize(image, (side, side), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_CUBIC)
+    work = resize_square(image, side)
     views = [_per_pixel(work, methods), {m: v[:, ::-1] for m, v in _per_pixel(work[:, ::-1], methods).items()}]
     out = {}
     size = size or (h, w)
     for m in methods:
-        full = ((views[0][m] + views[1][m]) / 2).astype(np.float32)
-        if tuple(size) != (side, side):
-            full = cv2.resize(full, (size[1], size[0]), interpolation=cv2.INTER_LINEAR)
+        full = resize_map(((views[0][m] + views[1][m]) / 2).astype(np.float32), size)
         out[m] = np.clip(full, 0.0, 1.0)
     return out
 
@@ -284,3 +296,11 @@ def _per_pixel(work: np.ndarray, methods: tuple[str, ...]) -> dict[str, np.ndarr
 def fuse(per_method: dict[str, np.ndarray]) -> np.ndarray:
     """The handcrafted fusion: the mean of the methods' maps."""
     return np.mean(np.stack(list(per_method.values())), axis=0).astype(np.float32)
+
+
+def maps_and_fusion(image: np.ndarray, methods: tuple[str, ...] = METHODS, work_px: int = WORK_PX,
+                    size: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+    """`maps` plus their fusion under the `FUSION` key: every handcrafted stage of one image."""
+    per = maps(image, methods, work_px=work_px, size=size)
+    per[FUSION] = fuse(per)
+    return per

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from models.saliency import SaliencyNet, build_saliency_net, saliency_probabilities
+from preprocess.saliency.handcrafted import resize_map, resize_square
 
 LOSSES = ("bce", "soft_f")
 
@@ -59,7 +60,6 @@ class RefineSettings:
     net_px: int = 64                  # square input side of the networks, px (the CLI's 0: the images' side)
     width: int = 32                   # decoder channels
     seed: int = 0
-    threads: int = 0                  # torch threads while training; 0 leaves torch's default
 
 
 @dataclass
@@ -167,8 +167,6 @@ def refine(x: Tensor, handcrafted: dict[str, np.ndarray], s: RefineSettings, log
     """
     if s.loss not in LOSSES:
         raise ValueError(f"unknown saliency loss {s.loss!r}; choose from {', '.join(LOSSES)}")
-    if s.threads:
-        torch.set_num_threads(s.threads)
     out = Refinement()
     skip = s.epochs // 3
     for mi, (method, maps) in enumerate(handcrafted.items()):
@@ -201,17 +199,6 @@ def refine(x: Tensor, handcrafted: dict[str, np.ndarray], s: RefineSettings, log
     return out
 
 
-def resize_square(image: np.ndarray, px: int) -> np.ndarray:
-    """An (H, W, 3) uint8 image as (px, px, 3): area resampling down, bicubic up (not
-    aspect-preserving, as DeepUSPS feeds its network)."""
-    import cv2
-
-    if image.shape[:2] == (px, px):
-        return image
-    shrink = px < max(image.shape[:2])
-    return cv2.resize(image, (px, px), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_CUBIC)
-
-
 @dataclass(frozen=True)
 class NetStage:
     """A trained saliency network as a map function, like a handcrafted method: images of any size
@@ -222,13 +209,11 @@ class NetStage:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
 
-    def maps(self, images: list[np.ndarray]) -> np.ndarray:
-        """(N, px, px) float32 maps of (H, W, 3) uint8 images, at the network's side."""
+    def maps(self, images) -> np.ndarray:
+        """(N, px, px) float32 maps of a sequence of (H, W, 3) uint8 images, at the network's side
+        (resized to a square as DeepUSPS feeds its network, not aspect-preserving)."""
         return predict(self.net, as_input(np.stack([resize_square(im, self.px) for im in images]), self.mean, self.std))
 
     def __call__(self, image: np.ndarray) -> np.ndarray:
         """The (H, W) float32 map of one (H, W, 3) uint8 image, at the image's size."""
-        import cv2
-
-        h, w = image.shape[:2]
-        return cv2.resize(self.maps([image])[0], (w, h), interpolation=cv2.INTER_LINEAR)
+        return resize_map(self.maps([image])[0], image.shape[:2])

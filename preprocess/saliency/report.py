@@ -24,8 +24,7 @@ def _stage_maps(image: np.ndarray, methods: tuple[str, ...], nets: dict | None, 
                 ) -> dict[str, np.ndarray]:
     """Every stage's [0, 1] map of one image at its size: the handcrafted methods, their fusion, and
     each refinement network (`refine.NetStage`)."""
-    per = handcrafted.maps(image, methods, work_px=work_px)
-    per["fusion"] = handcrafted.fuse(per)
+    per = handcrafted.maps_and_fusion(image, methods, work_px=work_px)
     for k, stage in (nets or {}).items():
         per[k] = stage(image)
     return per

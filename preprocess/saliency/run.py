@@ -28,7 +28,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +42,6 @@ from preprocess.saliency import handcrafted, quality, refine
 from preprocess.saliency.write import write_masks
 
 SUBSET = 2500
-FUSION = "fusion"
 
 
 @dataclass(frozen=True)
@@ -72,23 +71,41 @@ def _init(split_dir: str, count: int, settings: Settings) -> None:
     threadpool_limits(1)
 
 
-def _image(i: int) -> np.ndarray:
+def decode(reader: ShardReader, i: int) -> np.ndarray:
+    """Record i of a split as an (H, W, 3) uint8 RGB image."""
     import io
 
     from PIL import Image
 
-    return np.asarray(Image.open(io.BytesIO(_READER.image(i))).convert("RGB"))
+    return np.asarray(Image.open(io.BytesIO(reader.image(i))).convert("RGB"))
+
+
+def as_uint8(p: np.ndarray) -> np.ndarray:
+    """A [0, 1] map as the uint8 0-255 probabilities the maps are kept and written as."""
+    return np.round(p * 255).astype(np.uint8)
 
 
 def _maps_of(indices: list[int]) -> list[dict[str, np.ndarray]]:
     """Every method's map (and the fusion) of records `indices`, at the working size, uint8."""
     s = _SETTINGS
-    out = []
-    for i in indices:
-        per = handcrafted.maps(_image(i), s.methods, work_px=s.work_px, size=(s.work_px, s.work_px))
-        per[FUSION] = handcrafted.fuse(per)
-        out.append({k: np.round(v * 255).astype(np.uint8) for k, v in per.items()})
-    return out
+    side = (s.work_px, s.work_px)
+    return [{k: as_uint8(v) for k, v in handcrafted.maps_and_fusion(decode(_READER, i), s.methods, s.work_px, side).items()}
+            for i in indices]
+
+
+def _drain(batches, total: int, settings: Settings, what: str, how: str, sink) -> float:
+    """Hand every map of `batches` ((indices, maps) pairs) to `sink(i, maps)`, with a bar showing
+    images/s and ETA on a terminal and one summary line; returns the seconds taken."""
+    show = settings.progress and sys.stderr.isatty()
+    t0 = time.perf_counter()
+    with tqdm(total=total, unit="img", desc=what, disable=not show) as bar:
+        for part, maps in batches:
+            for i, m in zip(part, maps):
+                sink(i, m)
+            bar.update(len(part))
+    seconds = time.perf_counter() - t0
+    print(f"  {what}: {total} images in {seconds:.1f} s ({total / max(seconds, 1e-9):.1f} images/s, {how})", flush=True)
+    return seconds
 
 
 def map_records(split_dir: Path, count: int, indices: list[int], settings: Settings, what: str,
@@ -100,9 +117,6 @@ def map_records(split_dir: Path, count: int, indices: list[int], settings: Setti
     """
     chunk = 16
     jobs = [indices[a:a + chunk] for a in range(0, len(indices), chunk)]
-    show = settings.progress and sys.stderr.isatty()
-    bar = tqdm(total=len(indices), unit="img", desc=what, disable=not show)
-    t0 = time.perf_counter()
     if settings.workers <= 1:
         limits = threadpool_limits(1)          # undone below: this is the caller's process
         _init(str(split_dir), count, settings)
@@ -112,21 +126,13 @@ def map_records(split_dir: Path, count: int, indices: list[int], settings: Setti
         pool = mp.get_context("fork").Pool(settings.workers, _init, (str(split_dir), count, settings))
         results = pool.imap(_maps_of, jobs)
     try:
-        for job, maps in zip(jobs, results):
-            for i, m in zip(job, maps):
-                sink(i, m)
-            bar.update(len(job))
+        return _drain(zip(jobs, results), len(indices), settings, what, f"{settings.workers} workers", sink)
     finally:
-        bar.close()
         if pool is not None:
             pool.close()
             pool.join()
         else:
             limits.restore_original_limits()
-    seconds = time.perf_counter() - t0
-    print(f"  {what}: {len(indices)} images in {seconds:.1f} s ({len(indices) / max(seconds, 1e-9):.1f} images/s "
-          f"on {settings.workers} workers)", flush=True)
-    return seconds
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -143,7 +149,7 @@ def score(maps: dict[int, dict[str, np.ndarray]], gt: np.ndarray | None) -> dict
         for i, per in maps.items():
             p = per[stage].astype(np.float32) / 255.0
             if gt is not None:            # scored at the image's geometry, as the masks are written
-                p = _resize(p, gt[i].shape)
+                p = handcrafted.resize_map(p, gt[i].shape)
             mask = p >= 0.5
             rows["coverage"].append(float(mask.mean()))
             sides = [mask[0].any(), mask[-1].any(), mask[:, 0].any(), mask[:, -1].any()]
@@ -172,22 +178,16 @@ def agreement(maps: dict[int, dict[str, np.ndarray]], methods: tuple[str, ...], 
         chain = [m] + [f"{m}-r{k}" for k in range(1, rounds + 1)]
         pairs += list(zip(chain[:-1], chain[1:]))
     if rounds:
-        pairs.append((FUSION, "final"))
+        pairs.append((handcrafted.FUSION, "final"))
     out = {}
     for a, b in pairs:
         ious = []
         for per in maps.values():
             pa = per[a].astype(np.float32) / 255
-            pb = _resize(per[b].astype(np.float32) / 255, pa.shape)
+            pb = handcrafted.resize_map(per[b].astype(np.float32) / 255, pa.shape)
             ious.append(quality.iou(pa, (pb >= 0.5).astype(np.float32)))
         out[f"{a} vs {b}"] = float(np.mean(ious))
     return out
-
-
-def _resize(p: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-    import cv2
-
-    return p if p.shape == shape else cv2.resize(p, (shape[1], shape[0]), interpolation=cv2.INTER_LINEAR)
 
 
 def best_stage(scores: dict[str, dict], refined: bool = False) -> str:
@@ -196,7 +196,7 @@ def best_stage(scores: dict[str, dict], refined: bool = False) -> str:
     else the handcrafted fusion (a random-init network can drift rather than refine)."""
     if all("iou" in s for s in scores.values()):
         return max(scores, key=lambda k: scores[k]["iou"])
-    return "final" if refined and "final" in scores else FUSION
+    return "final" if refined and "final" in scores else handcrafted.FUSION
 
 
 # ----------------------------------------------------------------------------- main
@@ -247,17 +247,16 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None) -> 
 
         torch.set_num_threads(settings.workers)
         x = refine.as_input(read_images(train_dir, n, subset, r.net_px), m.mean, m.std)
-        targets = {k: np.stack([_resize(sub_maps[i][k].astype(np.float32) / 255, (r.net_px, r.net_px)) for i in subset])
-                   for k in settings.methods}
+        targets = {k: np.stack([handcrafted.resize_map(sub_maps[i][k].astype(np.float32) / 255, (r.net_px, r.net_px))
+                                for i in subset]) for k in settings.methods}
         out = refine.refine(x, targets, r)
         seconds.update({f"refine_{k}": round(v, 2) for k, v in out.seconds.items()})
         nets = {k: refine.NetStage(net, r.net_px, m.mean, m.std) for k, net in out.nets.items()}
         images = read_images(train_dir, n, list(scored), r.net_px)
         for k, stage in nets.items():
-            for i, p in zip(scored, stage.maps(list(images))):
-                scored[i][k] = np.round(p * 255).astype(np.uint8)
-        label_scores = score({i: {k: np.round(v[j] * 255).astype(np.uint8) for k, v in out.labels.items()}
-                              for j, i in enumerate(subset)}, gt)
+            for i, p in zip(scored, stage.maps(images)):
+                scored[i][k] = as_uint8(p)
+        label_scores = score({i: {k: as_uint8(v[j]) for k, v in out.labels.items()} for j, i in enumerate(subset)}, gt)
     scores = score(scored, gt)
     stage = best_stage(scores, refined=bool(r.rounds and r.init))
     print("  " + " | ".join(f"{k}: IoU {v['iou']:.3f}" if "iou" in v else f"{k}: coverage {v['coverage_mean']:.2f}"
@@ -314,11 +313,7 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None) -> 
 
 
 def _describe(r: refine.RefineSettings) -> dict | str:
-    if not r.rounds:
-        return "none (handcrafted stages only)"
-    return {"rounds": r.rounds, "epochs": r.epochs, "final_epochs": r.final_epochs, "loss": r.loss, "lr": r.lr,
-            "batch_size": r.batch_size, "keep": r.keep, "first_threshold": r.first_threshold, "net_px": r.net_px,
-            "decoder_width": r.width}
+    return asdict(r) if r.rounds else "none (handcrafted stages only)"
 
 
 def _backbone(r: refine.RefineSettings) -> dict | None:
@@ -335,14 +330,10 @@ def _backbone(r: refine.RefineSettings) -> dict | None:
 
 def read_images(split_dir: Path, count: int, indices: list[int], px: int) -> np.ndarray:
     """Records `indices` of a split decoded and resized to (len, px, px, 3) uint8."""
-    import io
-
-    from PIL import Image
-
     reader = ShardReader(scan_shards(Path(split_dir), count))
     out = np.empty((len(indices), px, px, 3), np.uint8)
     for j, i in enumerate(indices):
-        out[j] = refine.resize_square(np.asarray(Image.open(io.BytesIO(reader.image(i))).convert("RGB")), px)
+        out[j] = handcrafted.resize_square(decode(reader, i), px)
     return out
 
 
@@ -350,21 +341,11 @@ def net_records(split_dir: Path, count: int, indices: list[int], stage: refine.N
                 settings: Settings, what: str, sink) -> float:
     """The network's maps of `indices` in batches, `sink(i, {name: uint8 map})` for each; a progress bar
     with images/s on a terminal, one summary line otherwise. Returns seconds taken."""
-    show = settings.progress and sys.stderr.isatty()
-    bar = tqdm(total=len(indices), unit="img", desc=what, disable=not show)
-    t0 = time.perf_counter()
     chunk = 256
-    for a in range(0, len(indices), chunk):
-        part = indices[a:a + chunk]
-        maps = stage.maps(list(read_images(split_dir, count, part, stage.px)))
-        for i, p in zip(part, maps):
-            sink(i, {name: np.round(p * 255).astype(np.uint8)})
-        bar.update(len(part))
-    bar.close()
-    seconds = time.perf_counter() - t0
-    print(f"  {what}: {len(indices)} images in {seconds:.1f} s ({len(indices) / max(seconds, 1e-9):.1f} images/s, "
-          f"network {name})", flush=True)
-    return seconds
+    parts = [indices[a:a + chunk] for a in range(0, len(indices), chunk)]
+    batches = ((part, [{name: as_uint8(p)} for p in stage.maps(read_images(split_dir, count, part, stage.px))])
+               for part in parts)
+    return _drain(batches, len(indices), settings, what, f"network {name}", sink)
 
 
 def default_workers() -> int:

@@ -27,6 +27,7 @@ from pipelines import schema
 from pipelines.shards import ShardReader, scan_shards
 from preprocess.prepare import PreprocessError, ffcv_installed, remove_quietly, write_staged
 from preprocess.records import Record
+from preprocess.saliency.handcrafted import resize_map
 from preprocess.write_dali import write_dali
 from preprocess.write_ffcv import write_ffcv
 
@@ -34,11 +35,7 @@ from preprocess.write_ffcv import write_ffcv
 def binarise(prob: np.ndarray, height: int, width: int) -> np.ndarray:
     """A probability map (uint8 0-255 or float [0, 1], any size) as a {0, 255} mask of (height, width):
     bilinear resize of the probabilities, then >= 0.5."""
-    import cv2
-
-    p = prob.astype(np.float32) / (255.0 if prob.dtype == np.uint8 else 1.0)
-    if p.shape != (height, width):
-        p = cv2.resize(p, (width, height), interpolation=cv2.INTER_LINEAR)
+    p = resize_map(prob.astype(np.float32) / (255.0 if prob.dtype == np.uint8 else 1.0), (height, width))
     return np.where(p >= 0.5, 255, 0).astype(np.uint8)
 
 
