@@ -3,6 +3,7 @@
     python -m preprocess --dataset synthetic --out data
     python -m preprocess --dataset cifar10 --src ~/cifar-10-batches-py
     python -m preprocess --dataset imagefolder --src /data/imagenet --name imagenet100 --class-list in100.txt
+    python -m preprocess --dataset imagefolder --src /shared/imagenet --out /shared/data --engine ray
 
 Errors are one line on stderr with exit code 2 (no traceback).
 """
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 from pipelines.schema import DatasetError
-from preprocess.prepare import SHARD_SIZE, prepare_dataset, summary
+from preprocess.prepare import ENGINES, SHARD_SIZE, prepare_dataset, summary
 from preprocess.sources import SOURCES, Param
 
 
@@ -39,9 +40,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--src", type=Path, help="source folder (CIFAR batches or SRC/train|val/<class>/)")
     p.add_argument("--out", type=Path, default=Path("data"), help="data root (default data)")
     p.add_argument("--name", help="dataset folder name under --out (default: the dataset)")
-    p.add_argument("--force", action="store_true", help="rewrite a complete dataset")
+    p.add_argument("--force", action="store_true",
+                   help="rewrite a complete dataset; start an interrupted image folder over (default: resume)")
     p.add_argument("--workers", type=int, help="parallel processes (default: all cores)")
     p.add_argument("--shard-size", type=int, default=SHARD_SIZE, help="records per DALI shard")
+    p.add_argument("--engine", default="local", choices=ENGINES,
+                   help="image folders: local processes (default) or Ray Data (RAY_ADDRESS: a cluster)")
     for source in SOURCES.values():
         if source.params:
             g = p.add_argument_group(source.name)
@@ -61,13 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     params = {param.name: getattr(a, param.name) for param in source.params}
     try:
         path = prepare_dataset(a.dataset, a.out, src=a.src, force=a.force, workers=a.workers,
-                               progress=True, name=a.name, shard_size=a.shard_size, **params)
+                               progress=True, name=a.name, shard_size=a.shard_size, engine=a.engine, **params)
         print(summary(path))
     except (ValueError, DatasetError, OSError) as e:
         print(f"preprocess: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("preprocess: interrupted; the next run removes the partial staging folder", file=sys.stderr)
+        print("preprocess: interrupted; the same command resumes an image folder (other datasets start over)",
+              file=sys.stderr)
         return 130
     return 0
 

@@ -11,21 +11,19 @@ Colour policy (any image PIL can read becomes uint8 RGB):
 Size policy: only downscale, so that the longer (default) or shorter side is at most `max_side` px;
 JPEG files are decoded at reduced scale (`Image.draft`) when that still leaves at least the target
 size, then resized with bicubic filtering. A JPEG that needs none of this (RGB, upright, within the
-size policy) is stored as its own bytes in both formats. Corrupt, truncated and zero-byte files are skipped by the
-check pass (`check_image`), counted and listed in the manifest; files whose extension is not an
-image extension are ignored.
+size policy) is stored as its own bytes in both formats. Corrupt, truncated and zero-byte files are
+skipped (`try_read`), counted and listed in the manifest; files whose extension is not an image
+extension are ignored. The folder is written in one streamed pass by `preprocess/stream.py`.
 """
 
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps
 
-from preprocess.records import Record
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm",
                     ".pbm", ".jfif")
@@ -103,23 +101,17 @@ def load_image(path: str | Path, max_side: int, side: str) -> np.ndarray:
     return read_image(path, max_side, side)[0]
 
 
-def check_image(args: tuple[str, int, str, bool]) -> tuple[str, str | None, tuple[int, int] | None,
-                                                            np.ndarray | None, bool]:
-    """Decode one file in a worker: (path, skip reason or None, (H, W), per-channel [sum, sumsq],
-    whether its bytes are stored as they are)."""
-    path, max_side, side, want_stats = args
+def try_read(path: str | Path, max_side: int, side: str) -> tuple[np.ndarray | None, bytes | None, str | None]:
+    """`read_image` that turns a bad file into a skip reason: (pixels, bytes kept as they are, None)
+    or (None, None, reason) for a missing, zero-byte, corrupt or truncated file."""
     try:
         if Path(path).stat().st_size == 0:
-            return path, "zero-byte file", None, None, False
-        a, raw = read_image(path, max_side, side)
-    except Exception as e:  # noqa: BLE001 — any decode failure is a counted skip
+            return None, None, "zero-byte file"
+        image, raw = read_image(path, max_side, side)
+    except Exception as e:  # noqa: BLE001 — any read or decode failure is a counted skip
         msg = str(e).splitlines()[0] if str(e) else ""
-        return path, f"{type(e).__name__}: {msg}"[:200], None, None, False
-    stats = None
-    if want_stats:
-        f = a.reshape(-1, 3).astype(np.float64) / 255.0           # (H*W, 3)
-        stats = np.stack([f.sum(0), (f * f).sum(0), np.full(3, len(f))])   # (3, 3)
-    return path, None, a.shape[:2], stats, raw is not None
+        return None, None, f"{type(e).__name__}: {msg}"[:200]
+    return image, raw, None
 
 
 def list_image_folder(src: Path, class_list: Path | None) -> tuple[list[str], dict[str, list[tuple[str, int]]]]:
@@ -177,25 +169,3 @@ def list_image_folder(src: Path, class_list: Path | None) -> tuple[list[str], di
                                    f"{src / split}/<class>/<images>")
         files[split] = out
     return names, files
-
-
-@dataclass
-class ImageFolderSplit:
-    """The decodable files of one split (skips already removed); `split[i]` decodes file i."""
-
-    files: list[str]
-    labels: list[int]
-    max_side: int = 512
-    side: str = "longer"
-    mode: str = "jpg"
-    jpeg_quality: int = 90
-    has_masks: bool = False
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, i: int) -> Record:
-        i = int(i)
-        image, raw = read_image(self.files[i], self.max_side, self.side)
-        return Record(image=image, label=self.labels[i], index=i, encoded=raw if self.mode == "jpg" else None)
-

@@ -8,13 +8,16 @@
         manifest.json               written last (temporary name + os.replace)
     OUT/<name>/                     the staging folder renamed into place
 
-The source is read and checked first (`preprocess/sources.py`: one pass per split, before anything
-is written under OUT), then the two writers run per split. Where FFCV is not installed (a GPU machine
+A source held in memory (synthetic, CIFAR) is made or read and checked first (`preprocess/sources.py`,
+before anything is written under OUT), then the two writers run per split. An image folder is
+listed, then written in one streamed, resumable pass (`preprocess/stream.py`: each image decoded
+once, straight into its DALI shard, on all cores or on Ray) and its `.beton` copied from the shards. Where FFCV is not installed (a GPU machine
 that reads with DALI only) the `.beton` files are left out, said on stderr and in the manifest's
 `formats`; the ffcv backend then refuses the dataset with that fix. Nothing under OUT/<name> changes until
 the new dataset is complete: with --force the old folder is moved aside (its manifest removed
 first, so a reader never accepts a half-swapped folder), the staging folder renamed in, and the old
-one deleted. An interrupted run leaves only the staging folder, which the next run deletes.
+one deleted. An interrupted run leaves only the staging folder: the next run resumes an image folder's
+finished shards from it (same arguments, no --force), or deletes it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -35,11 +39,13 @@ import numpy as np
 
 from pipelines import schema
 from pipelines.schema import DatasetError, Manifest
-from preprocess.sources import SOURCES, PreparedSource, PreprocessError
+from preprocess import stream
+from preprocess.sources import SOURCES, ListedSource, PreparedSource, PreprocessError
 from preprocess.write_dali import write_dali
 from preprocess.write_ffcv import write_ffcv
 
 SHARD_SIZE = 1000               # records per DALI shard (--shard-size)
+ENGINES = ("local", "ray")      # where an image folder's units run (--engine)
 
 
 def default_workers() -> int:
@@ -58,14 +64,17 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def hash_files(root: Path) -> dict[str, dict]:
-    files = {}
-    for f in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = f.relative_to(root).as_posix()
-        if rel in (schema.MANIFEST_NAME, schema.VERIFIED_NAME):
-            continue
-        files[rel] = {"sha256": schema.sha256_file(f), "bytes": f.stat().st_size}
-    return files
+def _bookkeeping(rel: str) -> bool:
+    """Top-level names starting with "." (the resume plan and parts, stamps) are not dataset files."""
+    return rel.startswith(".") or rel == schema.MANIFEST_NAME
+
+
+def hash_files(root: Path, workers: int = 1) -> dict[str, dict]:
+    """{relpath: {sha256, bytes}} of the dataset files under `root`, hashed on `workers` threads."""
+    paths = sorted(f for f in root.rglob("*") if f.is_file() and not _bookkeeping(f.relative_to(root).as_posix()))
+    with ThreadPoolExecutor(max(1, workers)) as pool:         # hashlib releases the GIL
+        digests = list(pool.map(schema.sha256_file, paths))
+    return {f.relative_to(root).as_posix(): {"sha256": h, "bytes": f.stat().st_size} for f, h in zip(paths, digests)}
 
 
 def write_manifest(staging: Path, manifest: Manifest) -> None:
@@ -122,7 +131,7 @@ def ffcv_installed() -> bool:
 
 
 def _manifest(name: str, dataset: str, prepared: PreparedSource, files: dict[str, dict], shard_size: int,
-              workers: int, timings: dict[str, float]) -> Manifest:
+              workers: int, timings: dict[str, float], build: dict) -> Manifest:
     """The manifest of a dataset whose files (relpath -> {sha256, bytes}) are all written."""
     splits = prepared.splits
     first = splits["train"]
@@ -149,7 +158,7 @@ def _manifest(name: str, dataset: str, prepared: PreparedSource, files: dict[str
                           for k in splits}},
         shard_size=shard_size,
         build={"workers": workers, "seconds": {k: round(v, 3) for k, v in timings.items()},
-               **({"images": prepared.stored} if prepared.stored else {})},
+               **({"images": prepared.stored} if prepared.stored else {}), **build},
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
 
@@ -175,18 +184,21 @@ def _is_complete(final: Path) -> Manifest | None:
 
 def prepare_dataset(dataset: str, out_root: Path, *, src: Path | None = None, force: bool = False,
                     workers: int | None = None, progress: bool = False, name: str | None = None,
-                    shard_size: int = SHARD_SIZE, **source_params) -> Path:
+                    shard_size: int = SHARD_SIZE, engine: str | object = "local", **source_params) -> Path:
     """Write `dataset` as FFCV + DALI files with a manifest into `out_root/<name>` (atomically).
 
     Args:
         dataset: a key of `preprocess.sources.SOURCES`.
         out_root: the data root; the dataset lands in `out_root/<name>`.
         src: source folder (CIFAR batches or the image folder); used only by sources that need one.
-        force: rewrite a complete dataset (otherwise a complete dataset is left as it is).
+        force: rewrite a complete dataset, and start an interrupted image folder over instead of
+            resuming it.
         workers: parallel processes (default: all available cores).
         progress: tqdm bars (only shown when stderr is a terminal).
         name: dataset folder name (default: `dataset`).
-        shard_size: records per DALI shard.
+        shard_size: records per DALI shard (for image folders also files per work unit).
+        engine: where an image folder's units run: "local" (processes on this machine), "ray"
+            (Ray Data; `RAY_ADDRESS` picks a cluster), or an engine object (`preprocess.stream`).
         **source_params: the source's parameters (`SOURCES[dataset].params`; missing ones take
             their defaults): synthetic: train_size, val_size, image_px, seed, gt_masks_as_mask;
             imagefolder: max_side (px, 0 keeps the size), side ("longer" | "shorter"), class_list.
@@ -206,18 +218,33 @@ def prepare_dataset(dataset: str, out_root: Path, *, src: Path | None = None, fo
         raise PreprocessError(f"--workers must be >= 1, got {workers}")
     if shard_size < 1:
         raise PreprocessError(f"--shard-size must be >= 1, got {shard_size}")
+    if isinstance(engine, str) and engine not in ENGINES:
+        raise PreprocessError(f"unknown --engine {engine!r}; use one of {', '.join(ENGINES)}")
     name = name or dataset
     out_root = Path(out_root)
     lock = DatasetLock(out_root, name)
     try:
         return _prepare(source, dataset, src, source_params, out_root, name, force,
-                        workers, progress, shard_size, lock)
+                        workers, progress, shard_size, engine, lock)
     finally:
         lock.release()
 
 
+def _engine(engine: str | object, workers: int):
+    if not isinstance(engine, str):
+        return engine
+    if engine == "ray":
+        from preprocess.ray_engine import RayEngine, RayUnavailable
+        try:
+            return RayEngine(workers)
+        except RayUnavailable as e:
+            raise PreprocessError(str(e)) from None
+    return stream.LocalEngine(workers)
+
+
 def _prepare(source, dataset: str, src: Path | None, source_params: dict, out_root: Path, name: str,
-             force: bool, workers: int, progress: bool, shard_size: int, lock: DatasetLock) -> Path:
+             force: bool, workers: int, progress: bool, shard_size: int, engine: str | object,
+             lock: DatasetLock) -> Path:
     """`prepare_dataset` after its argument checks; takes `lock` before it reads when OUT exists (a
     second run stops at once), else as soon as OUT is created."""
     final = out_root / name
@@ -234,74 +261,126 @@ def _prepare(source, dataset: str, src: Path | None, source_params: dict, out_ro
                               "writable folder): choose a writable --out")
     if out_root.is_dir():
         lock.acquire()
-    # Sources are checked (and read) before anything is written under OUT.
+    # Sources are checked (and read, or listed) before anything is written under OUT.
     t = time.perf_counter()
     prepared = source.prepare(src, dict(source_params), workers=workers, progress=progress)
-    timings["read_decode"] = time.perf_counter() - t
+    listed = isinstance(prepared, ListedSource)
+    timings["list" if listed else "read_decode"] = time.perf_counter() - t
+    if not listed and engine != "local":
+        raise PreprocessError(f"--engine {getattr(engine, 'name', engine)} writes image folders; {dataset} is "
+                              "made in memory on this machine: drop --engine (ENGINE=)")
+    plan = stream.plan_of(prepared.files, prepared.params, shard_size) if listed else None
     try:
         out_root.mkdir(parents=True, exist_ok=True)
         lock.acquire()
         if staging.exists():
-            print(f"removing {staging} left by an interrupted run", file=sys.stderr)
-            _remove(staging)
+            if listed and not force and stream.reusable(staging, plan):
+                pass                # resumed: write_folder keeps its finished units
+            else:
+                print(f"removing {staging} left by an interrupted run", file=sys.stderr)
+                _remove(staging)
     except OSError as e:
         raise PreprocessError(f"cannot prepare output folder {out_root}: {e.strerror or e}; choose a "
                               "writable --out") from None
+    with_ffcv = ffcv_installed()
+    if not with_ffcv:
+        print("ffcv is not installed: writing the DALI shards only (the ffcv backend cannot read this "
+              "dataset; `make install` installs ffcv)", file=sys.stderr)
+    build: dict = {}
+
+    def write_ffcv_files(staging: Path, splits: dict) -> None:
+        t = time.perf_counter()
+        if with_ffcv:
+            for split_name, split in splits.items():
+                write_ffcv(split, staging / f"{split_name}.beton", num_workers=workers, progress=progress)
+        timings["ffcv_write"] = time.perf_counter() - t
 
     def fill(staging: Path) -> None:
-        timings["ffcv_write"] = timings["dali_write"] = 0.0
-        with_ffcv = ffcv_installed()
-        if not with_ffcv:
-            print("ffcv is not installed: writing the DALI shards only (the ffcv backend cannot read this "
-                  "dataset; `make install` installs ffcv)", file=sys.stderr)
+        timings["dali_write"] = 0.0
         for split_name, split in prepared.splits.items():
-            t = time.perf_counter()
-            if with_ffcv:
-                write_ffcv(split, staging / f"{split_name}.beton", num_workers=workers, progress=progress)
-            timings["ffcv_write"] += time.perf_counter() - t
             t = time.perf_counter()
             write_dali(split, staging / split_name, shard_size=shard_size, num_workers=workers,
                        progress=progress)
             timings["dali_write"] += time.perf_counter() - t
+        write_ffcv_files(staging, prepared.splits)
         for split_name, masks in prepared.gt_masks.items():
             (staging / "gt_masks").mkdir(exist_ok=True)
             np.save(staging / "gt_masks" / f"{split_name}.npy", masks)
         timings["checksum"] = time.perf_counter()          # made a duration once the files are hashed
 
+    def fill_streamed(staging: Path) -> None:
+        nonlocal prepared
+        eng = _engine(engine, workers)
+        res = stream.write_folder(prepared.files, staging, plan, prepared.policy, shard_size=shard_size,
+                                  engine=eng, progress=progress)
+        skipped = tuple({**x, "path": os.path.relpath(x["path"], prepared.src)} for x in res.skipped)
+        for split_name, split in res.splits.items():
+            if len(split) == 0:
+                bad = sum(1 for x in res.skipped if Path(x["path"]).is_relative_to(prepared.src / split_name))
+                raise PreprocessError(f"split {split_name} of {prepared.src} has no decodable image ({bad} "
+                                      "skipped, see their reasons with a viewer): add valid images")
+        timings.update(res.seconds)
+        build.update(engine=eng.name, resumed_units=res.reused,
+                     cpu_seconds={k: round(v, 3) for k, v in res.cpu_seconds.items()})
+        prepared = PreparedSource(splits=res.splits, params=prepared.params, class_names=prepared.class_names,
+                                  image_px=res.image_px, mean=res.mean, std=res.std,
+                                  size_policy={"side": prepared.policy["side"],
+                                               "max_side_px": prepared.policy["max_side"]},
+                                  skipped=skipped, stored=res.stored)
+        write_ffcv_files(staging, res.splits)
+        timings["checksum"] = time.perf_counter()
+
     def manifest_of(files: dict[str, dict]) -> Manifest:
         timings["checksum"] = time.perf_counter() - timings["checksum"]
         timings["total"] = time.perf_counter() - t_start
-        return _manifest(name, dataset, prepared, files, shard_size, workers, timings)
+        return _manifest(name, dataset, prepared, files, shard_size, workers, timings, build)
 
-    write_staged(staging, final, fill, manifest_of,
-                 f"writing {name} into {out_root} failed ({{what}}); nothing was replaced: free space or "
-                 "choose another --out, then re-run")
+    if listed:
+        write_staged(staging, final, fill_streamed, manifest_of,
+                     f"writing {name} into {out_root} failed ({{what}}); nothing was replaced and the finished "
+                     "shards are kept: free space, then re-run the same command to resume", resumable=True,
+                     workers=workers)
+    else:
+        write_staged(staging, final, fill, manifest_of,
+                     f"writing {name} into {out_root} failed ({{what}}); nothing was replaced: free space or "
+                     "choose another --out, then re-run", workers=workers)
     return final
 
 
 def write_staged(staging: Path, final: Path, fill: Callable[[Path], None],
-                 manifest_of: Callable[[dict[str, dict]], Manifest], failure: str) -> Manifest:
-    """The one way a dataset folder is written: `fill(staging)` writes every file into a fresh staging
-    folder; the files are hashed, `manifest_of(files)` is written last (`write_manifest`) and the
-    folder is swapped in for `final` (`swap_in`).
+                 manifest_of: Callable[[dict[str, dict]], Manifest], failure: str, *,
+                 resumable: bool = False, workers: int = 1) -> Manifest:
+    """The one way a dataset folder is written: `fill(staging)` writes every file into the staging
+    folder; the files are hashed, `manifest_of(files)` is written last (`write_manifest`), the
+    bookkeeping (top-level dot names but the stamp) is removed and the folder is swapped in for
+    `final` (`swap_in`).
+
+    Args:
+        resumable: the staging folder may hold an interrupted run's work that `fill` resumes; it is
+            kept when this run fails too. Otherwise it must not exist and is removed on failure.
+        workers: threads that hash the files.
 
     Raises:
         PreprocessError: an OSError while writing: `failure` with `{what}` filled in (e.g. "disk is
-            full"); the staging folder is removed and `final` is left as it was. Any other error
-            also removes the staging folder and propagates.
+            full"); `final` is left as it was. Any other error propagates, also leaving `final` as it was.
     """
     try:
-        staging.mkdir()
+        staging.mkdir(exist_ok=resumable)
         fill(staging)
-        manifest = manifest_of(hash_files(staging))
+        manifest = manifest_of(hash_files(staging, workers))
         write_manifest(staging, manifest)
+        for p in staging.iterdir():
+            if p.name.startswith(".") and p.name != schema.VERIFIED_NAME:
+                _remove(p)
         swap_in(staging, final)
     except OSError as e:
-        remove_quietly(staging)
+        if not resumable:
+            remove_quietly(staging)
         what = "disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
         raise PreprocessError(failure.format(what=what)) from None
     except BaseException:
-        remove_quietly(staging)
+        if not resumable:
+            remove_quietly(staging)
         raise
     return manifest
 

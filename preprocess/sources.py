@@ -5,10 +5,12 @@
     SOURCES["cifar100"]      --src: the same, fine labels
     SOURCES["imagefolder"]   --src: SRC/train|val/<class>/* (preprocess/imagefolder.py)
 
-`Source.prepare` checks the parameters and the source folder, then runs one check pass per split over
-the source (generate / read+decode, in parallel workers: mean/std, skips, ground-truth masks) and
-returns a `PreparedSource`: the splits both writers read and the facts the manifest records. The
-CLI builds its per-source options from `Source.params`; nothing else branches on a dataset name.
+`Source.prepare` checks the parameters and the source folder. A source held in memory (synthetic,
+CIFAR) is then made or read in one parallel pass per split (mean/std, ground-truth masks) and
+returned as a `PreparedSource`: the splits both writers read and the facts the manifest records. An
+image folder is only listed (`ListedSource`); `preprocess/stream.py` reads each file once while
+writing. The CLI builds its per-source options from `Source.params`; nothing else branches on a
+dataset name.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tqdm import tqdm
 
 from pipelines import schema
 from preprocess import cifar, imagefolder, synthetic
-from preprocess.records import ArraySplit, PreparedSplit
+from preprocess.records import ArraySplit, PreparedSplit, mean_std, pixel_sums
 
 _CHUNK = 256                    # records per worker task in the synthetic check pass
 
@@ -68,6 +70,17 @@ class PreparedSource:
     stored: dict = field(default_factory=dict) # split -> {"as_is", "re_encoded"}: JPEGs kept byte for byte
 
 
+@dataclass(frozen=True)
+class ListedSource:
+    """A source written in one streamed pass (`preprocess/stream.py`): its files, listed, not yet read."""
+
+    src: Path
+    files: dict[str, list[tuple[str, int]]]    # split -> [(path, label)], sorted
+    class_names: tuple[str, ...]
+    params: dict                               # recorded in the manifest
+    policy: dict                               # size policy: {"max_side", "side"}
+
+
 def _no_check(params: dict) -> None:
     return None
 
@@ -105,7 +118,8 @@ class Source:
         self.check(resolved)
         return resolved
 
-    def prepare(self, src: Path | None, params: dict, *, workers: int, progress: bool) -> PreparedSource:
+    def prepare(self, src: Path | None, params: dict, *, workers: int, progress: bool
+                ) -> PreparedSource | ListedSource:
         """Check the parameters and the source folder, then read every split (see the module docstring).
 
         Args:
@@ -144,22 +158,8 @@ def _bar(total: int, desc: str, progress: bool) -> tqdm:
 
 
 def _mean_std(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and std in [0, 1] units of (N, H, W, 3) uint8 images (float64 sums)."""
-    s = np.zeros(3)
-    ss = np.zeros(3)
-    for a in range(0, len(images), 1024):                     # bounded float64 temporaries
-        f = images[a:a + 1024].reshape(-1, 3).astype(np.float64) / 255.0   # (n*H*W, 3)
-        s += f.sum(0)
-        ss += (f * f).sum(0)
-    count = images.shape[0] * images.shape[1] * images.shape[2]
-    return _from_sums(np.stack([s, ss, np.full(3, count)]))
-
-
-def _from_sums(acc: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(mean, std) from per-channel rows [sum, sum of squares, count], a (3, 3) array."""
-    mean = acc[0] / acc[2]
-    std = np.sqrt(np.maximum(acc[1] / acc[2] - mean ** 2, 0.0))
-    return tuple(float(x) for x in mean), tuple(float(x) for x in std)
+    """Per-channel mean and std in [0, 1] units of (N, H, W, 3) uint8 images."""
+    return mean_std(sum(pixel_sums(images[a:a + 1024]) for a in range(0, len(images), 1024)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,64 +252,12 @@ def _check_imagefolder(p: dict) -> None:
         raise PreprocessError(f"--max-side must be >= 0 (0: keep the size), got {p['max_side']}")
 
 
-def _check_files(files: list[tuple[str, int]], *, max_side: int, side: str, stats: bool, workers: int,
-                 progress: bool, desc: str
-                 ) -> tuple[list[tuple[str, int]], list[dict], list[tuple[int, int]], np.ndarray, int]:
-    """Decode every file once in parallel: (good files, skipped [{path, reason}], shapes, stats (3, 3),
-    how many are stored as their own bytes)."""
-    args = [(p, max_side, side, stats) for p, _ in files]
-    label = dict(files)
-    good, skipped, shapes = [], [], []
-    acc, kept = np.zeros((3, 3)), 0
-    with _bar(len(files), desc, progress) as bar:
-        if workers <= 1:
-            results = map(imagefolder.check_image, args)
-            pool = None
-        else:
-            pool = mp.get_context("fork").Pool(workers)
-            results = pool.imap(imagefolder.check_image, args, chunksize=16)
-        try:
-            for path, reason, shape, st, as_is in results:
-                if reason is None:
-                    good.append((path, label[path]))
-                    shapes.append(shape)
-                    kept += as_is
-                    if st is not None:
-                        acc += st
-                else:
-                    skipped.append({"path": path, "reason": reason})
-                bar.update(1)
-        finally:
-            if pool is not None:
-                pool.terminate()
-    return good, skipped, shapes, acc, kept
-
-
-def _read_imagefolder(src: Path, p: dict, *, workers: int, progress: bool) -> PreparedSource:
-    max_side = int(p["max_side"])
+def _list_imagefolder(src: Path, p: dict, *, workers: int, progress: bool) -> ListedSource:
     class_list = Path(p["class_list"]) if p["class_list"] else None
     names, files = imagefolder.list_image_folder(src, class_list)
-    splits, skipped, max_px, mean_std, stored = {}, [], 0, None, {}
-    for split in schema.SPLITS:
-        good, bad, shapes, acc, kept = _check_files(files[split], max_side=max_side, side=p["side"],
-                                              stats=split == "train", workers=workers, progress=progress,
-                                              desc=f"read/decode {split}")
-        skipped += [{**s, "path": os.path.relpath(s["path"], src)} for s in bad]
-        if not good:
-            raise PreprocessError(f"split {split} of {src} has no decodable image ({len(bad)} "
-                                  "skipped, see their reasons with a viewer): add valid images")
-        if split == "train":
-            mean_std = _from_sums(acc)
-        max_px = max(max_px, max(max(s) for s in shapes))
-        stored[split] = {"as_is": kept, "re_encoded": len(good) - kept}
-        splits[split] = imagefolder.ImageFolderSplit([f for f, _ in good], [lab for _, lab in good],
-                                                     max_side=max_side, side=p["side"],
-                                                     jpeg_quality=schema.JPEG_QUALITY)
-    mean, std = mean_std
     params = {**p, "src": str(src.resolve()), "class_list": str(class_list.resolve()) if class_list else None}
-    return PreparedSource(splits=splits, params=params, class_names=tuple(names), image_px=int(max_px),
-                          mean=mean, std=std, size_policy={"side": p["side"], "max_side_px": max_side},
-                          skipped=tuple(skipped), stored=stored)
+    return ListedSource(src=src, files=files, class_names=tuple(names), params=params,
+                        policy={"max_side": int(p["max_side"]), "side": p["side"]})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -327,7 +275,7 @@ SOURCES: dict[str, Source] = {
     )),
     "cifar10": Source("cifar10", functools.partial(_read_cifar, "cifar10"), needs_src=True),
     "cifar100": Source("cifar100", functools.partial(_read_cifar, "cifar100"), needs_src=True),
-    "imagefolder": Source("imagefolder", _read_imagefolder, needs_src=True, check=_check_imagefolder, params=(
+    "imagefolder": Source("imagefolder", _list_imagefolder, needs_src=True, check=_check_imagefolder, params=(
         Param("max_side", schema.MAX_SIDE_PX,
               help="cap of the chosen side in px, only downscaling (0: keep sizes)"),
         Param("side", "longer", str, choices=imagefolder.SIDES),

@@ -7,7 +7,9 @@ when the split has masks, `<key>.mask.png`; and `out_dir/shard-NNNNNN.idx`, the 
 that `fn.readers.webdataset(index_paths=...)` reads. The index is written from the offsets known while
 writing the tar, so no second pass over the archive is needed.
 
-Every file is written under a temporary name and renamed into place; the caller
+`ShardWriter` is the one writer of a shard (used by `write_dali` for in-memory splits and by the
+streamed image-folder writer, `preprocess/stream.py`); `renumber_shard` copies a shard under new
+record indices. Every file is written under a temporary name and renamed into place; the caller
 (`preprocess/prepare.py`) stages the whole split folder and renames it.
 """
 
@@ -25,7 +27,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from pipelines import schema
-from preprocess.records import PreparedSplit, check_record, mask_coverage
+from preprocess.records import PreparedSplit, Record, check_record, mask_coverage
 
 _INDEX_VERSION = "v1.2"  # the `wds2idx` format: "v1.2 <samples>", then per sample "ext offset size name ..."
 
@@ -37,7 +39,8 @@ def _coverage_ppm(coverage: float) -> int:
     return int(round(coverage * 1_000_000))
 
 
-def _encode_image(image: np.ndarray, mode: str, quality: int) -> tuple[str, bytes]:
+def encode_image(image: np.ndarray, mode: str, quality: int) -> tuple[str, bytes]:
+    """(extension, bytes) of a (H, W, 3) uint8 image: JPEG at `quality` (mode "jpg") or PNG ("raw")."""
     buf = io.BytesIO()
     pil = Image.fromarray(np.ascontiguousarray(image), mode="RGB")
     if mode == "jpg":
@@ -55,13 +58,12 @@ def _encode_mask(mask: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def _record_members(split: PreparedSplit, i: int) -> list[tuple[str, bytes]]:
-    """The tar members of record i: (name, data), in storage order."""
-    rec = check_record(split, i)
-    key = schema.record_key(i)
-    ext, data = ("jpg", rec.encoded) if rec.encoded is not None else _encode_image(rec.image, split.mode,
-                                                                                  split.jpeg_quality)
-    rec_bytes = np.array([rec.label, i, _coverage_ppm(mask_coverage(rec.mask))], dtype="<i8").tobytes()
+def record_members(rec: Record, mode: str, jpeg_quality: int) -> list[tuple[str, bytes]]:
+    """The tar members of a checked record: (name, data), in storage order; the image is encoded
+    unless the record carries its JPEG bytes."""
+    key = schema.record_key(rec.index)
+    ext, data = ("jpg", rec.encoded) if rec.encoded is not None else encode_image(rec.image, mode, jpeg_quality)
+    rec_bytes = np.array([rec.label, rec.index, _coverage_ppm(mask_coverage(rec.mask))], dtype="<i8").tobytes()
     members = [
         (f"{key}.{schema.DALI_LABEL_EXT}", str(int(rec.label)).encode("ascii")),
         (f"{key}.{ext}", data),
@@ -72,33 +74,100 @@ def _record_members(split: PreparedSplit, i: int) -> list[tuple[str, bytes]]:
     return members
 
 
+class ShardWriter:
+    """One shard being written: records' members appended to `.shard-N.tar.tmp` while the index
+    lines are built from their offsets; `close()` writes the index and renames both into place
+    (the tar first: a shard counts as written once its index exists). As a context manager, an
+    exception removes the temporary files, so a failed shard (a full disk, a kill) leaves nothing
+    that looks written."""
+
+    def __init__(self, out_dir: Path, shard: int) -> None:
+        self.tar_path = Path(out_dir) / schema.SHARD_PATTERN.format(shard)
+        self.idx_path = Path(out_dir) / schema.INDEX_PATTERN.format(shard)
+        self._tmp_tar = self.tar_path.with_name(f".{self.tar_path.name}.tmp")
+        self._tmp_idx = self.idx_path.with_name(f".{self.idx_path.name}.tmp")
+        self._file = open(self._tmp_tar, "wb")
+        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
+        self._lines: list[str] = []
+
+    def add(self, key: str, members: list[tuple[str, bytes]]) -> None:
+        """Append one record: `members` are (f"{key}.{ext}", data)."""
+        parts = []
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = 0o644
+            info.mtime = 0      # deterministic archives: same records → same bytes
+            header = info.tobuf(tarfile.USTAR_FORMAT, self._tar.encoding, self._tar.errors)
+            offset = self._tar.offset + len(header)  # data follows the header
+            self._tar.addfile(info, io.BytesIO(data))
+            parts.append(f"{name[len(key) + 1:]} {offset} {len(data)} {name}")
+        self._lines.append(" ".join(parts))
+
+    def close(self) -> Path:
+        """Finish the tar, write the index, rename both into place; returns the tar path."""
+        self._tar.close()
+        self._file.close()
+        with open(self._tmp_idx, "w", encoding="ascii") as f:
+            f.write(f"{_INDEX_VERSION} {len(self._lines)}\n")
+            f.write("\n".join(self._lines) + "\n")
+        os.replace(self._tmp_tar, self.tar_path)
+        os.replace(self._tmp_idx, self.idx_path)
+        return self.tar_path
+
+    def abort(self) -> None:
+        """Drop the shard: close and remove the temporary files."""
+        try:
+            self._file.close()
+        finally:
+            for tmp in (self._tmp_tar, self._tmp_idx):
+                tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def read_index(idx_path: Path) -> list[dict[str, tuple[int, int]]]:
+    """The records of a shard from its index file: per record {ext: (offset, size)}, in order."""
+    lines = Path(idx_path).read_text(encoding="ascii").splitlines()
+    records = []
+    for line in lines[1:]:
+        fields = line.split()
+        records.append({fields[k]: (int(fields[k + 1]), int(fields[k + 2])) for k in range(0, len(fields), 4)})
+    return records
+
+
+def renumber_shard(src_tar: Path, src_idx: Path, out_dir: Path, shard: int, first_index: int) -> Path:
+    """Copy a shard's records into shard `shard` of `out_dir` as records first_index, first_index+1,
+    ... (keys and the index in `.rec` rewritten; image bytes copied, never decoded)."""
+    with open(src_tar, "rb") as f, ShardWriter(out_dir, shard) as out:
+        for j, members in enumerate(read_index(src_idx)):
+            key = schema.record_key(first_index + j)
+            parts = []
+            for ext, (offset, size) in members.items():
+                f.seek(offset)
+                data = f.read(size)
+                if ext == schema.DALI_RECORD_EXT:
+                    rec = np.frombuffer(data, dtype="<i8").copy()
+                    rec[1] = first_index + j
+                    data = rec.tobytes()
+                parts.append((f"{key}.{ext}", data))
+            out.add(key, parts)
+    return out.tar_path
+
+
 def _write_shard(split: PreparedSplit, shard: int, start: int, stop: int, out_dir: Path) -> Path:
     """Write records [start, stop) as shard `shard` (tar + index), each via a temporary name."""
-    tar_path = out_dir / schema.SHARD_PATTERN.format(shard)
-    idx_path = out_dir / schema.INDEX_PATTERN.format(shard)
-    tmp_tar = tar_path.with_name(f".{tar_path.name}.tmp")
-    tmp_idx = idx_path.with_name(f".{idx_path.name}.tmp")
-    lines = []
-    with open(tmp_tar, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+    with ShardWriter(out_dir, shard) as out:
         for i in range(start, stop):
-            parts = []
-            for name, data in _record_members(split, i):
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                info.mode = 0o644
-                info.mtime = 0      # deterministic archives: same records → same bytes
-                header = info.tobuf(tarfile.USTAR_FORMAT, tar.encoding, tar.errors)
-                offset = tar.offset + len(header)  # data follows the header
-                tar.addfile(info, io.BytesIO(data))
-                ext = name[len(schema.record_key(i)) + 1:]
-                parts.append(f"{ext} {offset} {len(data)} {name}")
-            lines.append(" ".join(parts))
-    with open(tmp_idx, "w", encoding="ascii") as f:
-        f.write(f"{_INDEX_VERSION} {len(lines)}\n")
-        f.write("\n".join(lines) + "\n")
-    os.replace(tmp_tar, tar_path)
-    os.replace(tmp_idx, idx_path)
-    return tar_path
+            out.add(schema.record_key(i), record_members(check_record(split, i), split.mode, split.jpeg_quality))
+    return out.tar_path
 
 
 _WORKER_SPLIT = None

@@ -92,13 +92,12 @@ class _FFCVRecords:
 
     def _fields(self, i: int) -> tuple:
         rec = check_record(self.split, i)
-        img, mask = rec.image, rec.mask
-        if max(img.shape[:2]) > 65535:
-            raise ValueError(f"record {i}: image side {max(img.shape[:2])} px exceeds FFCV's 65535 px; "
+        mask = rec.mask
+        if max(rec.shape) > 65535:
+            raise ValueError(f"record {i}: image side {max(rec.shape)} px exceeds FFCV's 65535 px; "
                              "apply a max-side size policy")
         mask_bytes = _NO_MASK if mask is None else encode_mask_png(mask)
-        image = (np.ascontiguousarray(img) if rec.encoded is None
-                 else _Jpeg(rec.encoded, img.shape[0], img.shape[1]))
+        image = (np.ascontiguousarray(rec.image) if rec.encoded is None else _Jpeg(rec.encoded, *rec.shape))
         return (image, int(rec.label), i, mask_bytes, mask_coverage(mask))
 
 

@@ -104,7 +104,7 @@ def test_killed_run_leaves_nothing_accepted_and_next_run_cleans_up(tmp_path: Pat
     with pytest.raises(KeyboardInterrupt):
         prepare_dataset("synthetic", root, workers=1, **TINY)
     staging = root / ".synthetic.staging"
-    assert (staging / "train.beton").exists()                           # half-written leftovers
+    assert (staging / "train" / "shard-000000.tar").exists()            # half-written leftovers
     for folder in (root / "synthetic", staging):
         with pytest.raises(DatasetError):
             read_manifest(folder)

@@ -141,12 +141,12 @@ def test_corrupt_truncated_and_zero_byte_files_are_reported(tmp_path: Path) -> N
     (tmp_path / "trunc.jpg").write_bytes(raw[: len(raw) // 2])
     (tmp_path / "bad.jpg").write_bytes(b"this is not an image at all" * 10)
     (tmp_path / "zero.png").write_bytes(b"")
-    check = lambda name: imagefolder.check_image((str(tmp_path / name), 512, "longer", True))  # noqa: E731
-    path, reason, shape, stats, as_is = check("ok.jpg")
-    assert reason is None and shape == (64, 64) and stats[2, 0] == 64 * 64 and as_is
-    for name in ("trunc.jpg", "bad.jpg", "zero.png"):
-        assert check(name)[1] is not None
-    assert check("zero.png")[1] == "zero-byte file"
+    check = lambda name: imagefolder.try_read(str(tmp_path / name), 512, "longer")  # noqa: E731
+    image, raw, reason = check("ok.jpg")
+    assert reason is None and image.shape == (64, 64, 3) and raw == good.read_bytes()
+    for name in ("trunc.jpg", "bad.jpg", "zero.png", "missing.jpg"):
+        assert check(name)[:2] == (None, None) and check(name)[2]
+    assert check("zero.png")[2] == "zero-byte file"
 
 
 def test_jpegs_that_need_no_work_are_stored_byte_for_byte_in_both_formats(tmp_path: Path) -> None:

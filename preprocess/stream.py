@@ -1,0 +1,390 @@
+"""The streamed writer of image folders: every image read and decoded once, straight into its DALI
+shard, on all cores, resumable, on a local process pool or on Ray Data.
+
+A split's sorted file listing is cut into work units of `shard_size` files; unit n becomes shard n.
+`run_unit`, in one process, reads and decodes each file once (`imagefolder.try_read`), adds its
+pixel sums to the split's statistics (train), keeps its JPEG bytes when they need no work or
+encodes it once, and appends it to the unit's part shard; an unreadable file is a skip with its
+reason. The part's `.tar` and `.idx` are renamed into place, then the unit's record `.json` is
+written last: a unit with a record is finished, anything else is redone. Memory is one image per
+process plus the listing.
+
+    OUT/.<name>.staging/
+        .plan.json                                  what this folder is built from (the resume key)
+        .parts/<split>/shard-NNNNNN.tar|.idx|.json  finished units (records numbered as if no file
+                                                    were skipped)
+        <split>/shard-NNNNNN.tar|.idx               the dataset's shards: the parts under their final
+                                                    indices (hard links; copies renumbered after a skip)
+        <split>.beton                               written from those shards, nothing decoded
+
+Resuming: a run with the same plan (source, size policy, shard size, file listing) keeps every unit
+whose record exists, whose files are intact and whose source files still have their recorded size
+and mtime; the rest is redone. Another plan, or --force, starts over. An engine only decides where
+`run_unit` runs (`LocalEngine` here, `RayEngine` in preprocess/ray_engine.py); the driver
+(`write_folder`) merges the units' records and the caller writes the manifest last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from pipelines import schema
+from preprocess import imagefolder
+from preprocess.records import Record, mean_std, pixel_sums
+from preprocess.write_dali import ShardWriter, encode_image, read_index, record_members, renumber_shard
+
+PLAN_NAME = ".plan.json"
+PARTS = ".parts"
+_PLAN_VERSION = 1              # bump when a unit's output for the same input changes
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What every unit of one run shares."""
+
+    parts: str                 # the staging folder's `.parts`
+    max_side: int
+    side: str
+    jpeg_quality: int = schema.JPEG_QUALITY
+
+
+@dataclass(frozen=True)
+class Unit:
+    """`shard_size` consecutive files of a split's listing, written as shard `number`."""
+
+    split: str
+    number: int
+    start: int                                 # position of the first file in the split's listing
+    files: tuple[tuple[str, int], ...]         # (path, label)
+    stats: bool                                # add pixel sums (the train split)
+
+    @property
+    def record_path(self) -> str:
+        return f"{self.split}/{schema.SHARD_PATTERN.format(self.number).replace('.tar', '.json')}"
+
+
+def _stat(path: str) -> list[int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return [-1, -1]
+    return [st.st_size, st.st_mtime_ns]
+
+
+def run_unit(unit: Unit, policy: Policy) -> dict:
+    """Read, decode, check and store the unit's files as its part shard; returns its record (also
+    written as `<part>.json`, last).
+
+    Raises:
+        OSError: writing failed (e.g. a full disk); the part's temporary files are removed.
+    """
+    out_dir = Path(policy.parts) / unit.split
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records, skipped, sources = [], [], []
+    sums, as_is = np.zeros((3, 3)), 0
+    secs = dict.fromkeys(("read_decode", "stats", "encode", "write"), 0.0)
+    with ShardWriter(out_dir, unit.number) as shard:
+        for path, label in unit.files:
+            sources.append(_stat(path))
+            t0 = time.perf_counter()
+            image, raw, reason = imagefolder.try_read(path, policy.max_side, policy.side)
+            t1 = time.perf_counter()
+            secs["read_decode"] += t1 - t0
+            if reason is not None:
+                skipped.append({"path": path, "reason": reason})
+                continue
+            if unit.stats:
+                sums += pixel_sums(image)
+            t2 = time.perf_counter()
+            if raw is None:
+                raw = encode_image(image, "jpg", policy.jpeg_quality)[1]
+            else:
+                as_is += 1
+            t3 = time.perf_counter()
+            index = unit.start + len(records)              # final unless an earlier file was skipped
+            rec = Record(image=None, label=label, index=index, encoded=raw, size=image.shape[:2])
+            shard.add(schema.record_key(index), record_members(rec, "jpg", policy.jpeg_quality))
+            records.append([image.shape[0], image.shape[1], label])
+            secs["stats"] += t2 - t1
+            secs["encode"] += t3 - t2
+            secs["write"] += time.perf_counter() - t3
+    result = {"split": unit.split, "number": unit.number, "start": unit.start, "sources": sources,
+              "records": records, "skipped": skipped, "as_is": as_is,
+              "sums": sums.tolist() if unit.stats else None, "seconds": secs,
+              "bytes": [shard.tar_path.stat().st_size, shard.idx_path.stat().st_size]}
+    _write_json(out_dir / Path(unit.record_path).name, result)
+    return result
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def finished(unit: Unit, policy: Policy) -> dict | None:
+    """The record of a unit an earlier run finished, or None when it must be (re)done: no record,
+    its files missing or resized, or a source file whose size or mtime changed since."""
+    parts = Path(policy.parts)
+    try:
+        result = json.loads((parts / unit.record_path).read_text())
+        tar = parts / unit.split / schema.SHARD_PATTERN.format(unit.number)
+        idx = parts / unit.split / schema.INDEX_PATTERN.format(unit.number)
+        if [tar.stat().st_size, idx.stat().st_size] != result["bytes"]:
+            return None
+    except (OSError, ValueError, KeyError):
+        return None
+    if result["sources"] != [_stat(p) for p, _ in unit.files]:
+        return None
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# Engines: where units run.
+# ------------------------------------------------------------------------------------------------
+
+_POLICY: Policy | None = None
+_FN: Callable[[Unit, Policy], dict] | None = None
+
+
+def _init_worker(fn: Callable[[Unit, Policy], dict], policy: Policy) -> None:
+    global _FN, _POLICY
+    _FN, _POLICY = fn, policy
+
+
+def _in_worker(unit: Unit) -> dict:
+    return _FN(unit, _POLICY)
+
+
+class LocalEngine:
+    """Units on a pool of forked processes on this machine, largest first, each as soon as a
+    process is free (`workers` 1: in this process)."""
+
+    name = "local"
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+
+    def map(self, fn: Callable[[Unit, Policy], dict], units: list[Unit], policy: Policy) -> Iterator[dict]:
+        """Yield `fn(unit, policy)` for every unit, in the order they finish."""
+        units = sorted(units, key=lambda u: -len(u.files))
+        if self.workers <= 1 or len(units) <= 1:
+            for u in units:
+                yield fn(u, policy)
+            return
+        pool = mp.get_context("fork").Pool(min(self.workers, len(units)), _init_worker, (fn, policy))
+        try:
+            yield from pool.imap_unordered(_in_worker, units, chunksize=1)
+        finally:
+            pool.terminate()
+            pool.join()
+
+
+# ------------------------------------------------------------------------------------------------
+# The driver.
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class ShardSplit:
+    """A `PreparedSplit` over written JPEG shards: `split[i]` is record i's bytes and size, read
+    with one positioned read (what the FFCV writer copies, without decoding)."""
+
+    shards: list[str]                  # tar paths, by shard number
+    table: np.ndarray                  # (N, 6) int64: shard, image offset, image size, label, H, W
+    mode: str = "jpg"
+    jpeg_quality: int = schema.JPEG_QUALITY
+    has_masks: bool = False
+    _fds: dict = field(default_factory=dict, repr=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_fds": {}}
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, i: int) -> Record:
+        i = int(i)
+        shard, offset, size, label, h, w = (int(v) for v in self.table[i])
+        fd = self._fds.get(shard)
+        if fd is None:
+            fd = self._fds[shard] = os.open(self.shards[shard], os.O_RDONLY)
+        return Record(image=None, label=label, index=i, encoded=os.pread(fd, size, offset), size=(h, w))
+
+
+@dataclass
+class FolderResult:
+    """What the streamed pass learnt: the splits the FFCV writer reads and the manifest's facts."""
+
+    splits: dict[str, ShardSplit]
+    skipped: list[dict]                # {"path" (absolute), "reason"}
+    image_px: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    stored: dict[str, dict]            # split -> {"as_is", "re_encoded"}
+    seconds: dict[str, float]          # wall: "units", "assemble"
+    cpu_seconds: dict[str, float]      # summed over processes: read_decode, stats, encode, write
+    reused: int                        # units finished by an earlier run
+
+
+def plan_units(files: dict[str, list[tuple[str, int]]], shard_size: int) -> list[Unit]:
+    """The work units of every split, in split and shard order."""
+    return [Unit(split, n, a, tuple(listing[a:a + shard_size]), stats=split == "train")
+            for split, listing in files.items() for n, a in enumerate(range(0, len(listing), shard_size))]
+
+
+def plan_of(files: dict[str, list[tuple[str, int]]], params: dict, shard_size: int) -> dict:
+    """The resume key: same plan, same output."""
+    listing = hashlib.sha256("\n".join(f"{s}\t{p}\t{lab}" for s, fl in files.items() for p, lab in fl).encode())
+    return {"version": _PLAN_VERSION, "params": params, "shard_size": shard_size,
+            "listing_sha256": listing.hexdigest()}
+
+
+def reusable(staging: Path, plan: dict) -> bool:
+    """Whether `staging` holds units of this very plan (a resume), rather than another run's."""
+    try:
+        return json.loads((staging / PLAN_NAME).read_text()) == json.loads(json.dumps(plan))
+    except (OSError, ValueError):
+        return False
+
+
+def _remove_temporaries(parts: Path) -> None:
+    """Temporary files of units a killed process left (never a finished part)."""
+    for tmp in parts.rglob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+def write_folder(files: dict[str, list[tuple[str, int]]], staging: Path, plan: dict, policy_args: dict, *,
+                 shard_size: int, engine, progress: bool) -> FolderResult:
+    """Write every split's shards into `staging` (created by the caller, possibly holding a finished
+    part of this plan), resuming finished units; then assemble the final shards.
+
+    Args:
+        files: split -> [(path, label)], sorted (`imagefolder.list_image_folder`).
+        staging: the dataset's staging folder.
+        plan: `plan_of(...)`, recorded as `.plan.json`.
+        policy_args: `Policy` fields but `parts` (max_side, side).
+        shard_size: files per unit and shard.
+        engine: `LocalEngine` or `RayEngine`.
+        progress: a bar with images/s and ETA when stderr is a terminal; a summary line per split
+            in any case.
+
+    Raises:
+        OSError: a unit or the assembly failed to write; finished units stay for the next run.
+    """
+    _write_json(staging / PLAN_NAME, plan)
+    parts = staging / PARTS
+    parts.mkdir(exist_ok=True)
+    _remove_temporaries(parts)
+    policy = Policy(parts=str(parts), **policy_args)
+    units = plan_units(files, shard_size)
+    results: dict[tuple[str, int], dict] = {}
+    for u in units:
+        if (r := finished(u, policy)) is not None:
+            results[(u.split, u.number)] = r
+    todo = [u for u in units if (u.split, u.number) not in results]
+    if results:
+        print(f"resuming: {len(results)} of {len(units)} shards were written by an earlier run; "
+              f"writing the other {len(todo)}", file=sys.stderr)
+    t0 = time.perf_counter()
+    left = {s: sum(1 for u in todo if u.split == s) for s in files}
+    started = {s: t0 for s in files}
+    bar = tqdm(total=sum(len(u.files) for u in todo), unit="img", desc=f"read/decode/write ({engine.name})",
+               disable=not (progress and sys.stderr.isatty()), smoothing=0.1)
+    try:
+        for s in files:
+            if left[s] == 0:
+                _split_line(s, [r for (k, _), r in results.items() if k == s], 0.0, bar)
+        for r in engine.map(run_unit, todo, policy):
+            results[(r["split"], r["number"])] = r
+            bar.update(len(r["sources"]))
+            left[r["split"]] -= 1
+            if left[r["split"]] == 0:
+                _split_line(r["split"], [x for (k, _), x in results.items() if k == r["split"]],
+                            time.perf_counter() - started[r["split"]], bar)
+    finally:
+        bar.close()
+        _remove_temporaries(parts)
+    seconds = {"units": time.perf_counter() - t0}
+    t = time.perf_counter()
+    splits = {s: _assemble(s, [results[(s, n)] for n in range(sum(u.split == s for u in units))], staging, parts)
+              for s in files}
+    seconds["assemble"] = time.perf_counter() - t
+    return _facts(files, results, splits, seconds, reused=len(units) - len(todo))
+
+
+def _split_line(split: str, done: list[dict], secs: float, bar: tqdm) -> None:
+    """One line when a split's last unit is in: its images and what became of them."""
+    n = sum(len(r["sources"]) for r in done)
+    stored = sum(len(r["records"]) for r in done)
+    as_is = sum(r["as_is"] for r in done)
+    when = f"done {secs:.1f} s into the pass" if secs > 0 else "all written by an earlier run"
+    bar.write(f"{split}: {n} images, {stored} stored ({as_is} as they are, {stored - as_is} re-encoded), "
+              f"{n - stored} skipped; {when}", file=sys.stderr)
+
+
+def _assemble(split: str, results: list[dict], staging: Path, parts: Path) -> ShardSplit:
+    """The split's final shards from its parts (records 0..N-1 in listing order) and its `ShardSplit`."""
+    out = staging / split
+    if out.exists():
+        shutil.rmtree(out)                 # an earlier attempt's assembly: redone from the parts
+    out.mkdir()
+    shards, rows, first = [], [], 0
+    for r in results:
+        if not r["records"]:
+            continue                       # every file of this unit was skipped: no shard
+        number = len(shards)
+        src_tar = parts / split / schema.SHARD_PATTERN.format(r["number"])
+        src_idx = parts / split / schema.INDEX_PATTERN.format(r["number"])
+        tar = out / schema.SHARD_PATTERN.format(number)
+        if first == r["start"]:                    # no skip before: the part's indices are final
+            for a, b in ((src_tar, tar), (src_idx, out / schema.INDEX_PATTERN.format(number))):
+                _link_or_copy(a, b)
+        else:
+            renumber_shard(src_tar, src_idx, out, number, first)
+        image_ext = "jpg"
+        for members, (h, w, label) in zip(read_index(out / schema.INDEX_PATTERN.format(number)), r["records"]):
+            offset, size = members[image_ext]
+            rows.append((number, offset, size, label, h, w))
+        shards.append(str(tar))
+        first += len(r["records"])
+    return ShardSplit(shards, np.array(rows, dtype=np.int64).reshape(-1, 6))
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)          # a filesystem without hard links
+
+
+def _facts(files: dict, results: dict, splits: dict[str, ShardSplit], seconds: dict, reused: int) -> FolderResult:
+    skipped = [s for key in sorted(results) for s in results[key]["skipped"]]
+    sums = np.zeros((3, 3))
+    for r in results.values():
+        if r["sums"] is not None:
+            sums += np.array(r["sums"])
+    cpu: dict[str, float] = {}
+    for r in results.values():
+        for k, v in r["seconds"].items():
+            cpu[k] = cpu.get(k, 0.0) + v
+    stored = {}
+    for s in files:
+        n = len(splits[s])
+        as_is = sum(r["as_is"] for (k, _), r in results.items() if k == s)
+        stored[s] = {"as_is": as_is, "re_encoded": n - as_is}
+    px = max((int(sp.table[:, 4:6].max()) for sp in splits.values() if len(sp)), default=0)
+    mean, std = mean_std(sums) if sums[2, 0] > 0 else ((0.0,) * 3, (0.0,) * 3)   # no image: the caller refuses
+    return FolderResult(splits=splits, skipped=skipped, image_px=px, mean=mean, std=std, stored=stored,
+                        seconds=seconds, cpu_seconds=cpu, reused=reused)
