@@ -14,18 +14,20 @@ ARGS     ?=
 CKPT     ?=
 INIT     ?=
 RUNS     ?= runs
+ENGINE   ?= local
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The install stamp changes whenever the dependency pins change, so `make install` reinstalls then
 # and is a no-op (seconds) otherwise.
 STAMP    := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/null | cksum | cut -d' ' -f1)
+TEST_STAMP := $(subst .installed-,.installed-test-,$(STAMP))
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-fast preprocess saliency train eval profile profile-compare bench-data bench-train bench-preprocess gpu-check
+.PHONY: help install install-test demo test test-fast preprocess saliency train eval profile profile-compare bench-data bench-train bench-preprocess gpu-check
 
 help:  ## list targets and variables
 	@echo "viewmill make targets:"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-17s %s\n", $$1, $$2}'
-	@echo "variables: DATASET=$(DATASET) (synthetic|cifar10|cifar100|imagefolder; train: any dataset under OUT)  SRC=$(SRC)  OUT=$(OUT)"
+	@echo "variables: DATASET=$(DATASET) (synthetic|cifar10|cifar100|imagefolder; train: any dataset under OUT)  SRC=$(SRC)  OUT=$(OUT)  ENGINE=$(ENGINE) (local|ray)"
 	@echo "           METHOD=$(METHOD) (sdmp|relicv2|rsa|uota|dacl|byol|mocov3|simclr)  GPUS=$(GPUS)  PRESET=$(PRESET)  ARGS=\"key=value ...\"  CKPT=<checkpoint>"
 
 install: $(STAMP)  ## system packages FFCV needs, .venv, the project (editable); idempotent
@@ -38,18 +40,25 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
+install-test: $(TEST_STAMP)  ## install, plus the optional extras the tests cover (Ray for ENGINE=ray)
+
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile,ray]'
+	@touch $@
+
 demo: install  ## preprocess synthetic, pretrain dacl for a few CPU minutes, evaluate vs random init
 	$(PY) -m preprocess --dataset synthetic --out $(OUT)
 	$(PY) -m train method=dacl data=synthetic data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
 
-test: install  ## the whole test suite (what CI runs), with its 15 slowest tests
+test: install-test  ## the whole test suite (what CI runs), with its 15 slowest tests
 	$(PY) -m pytest --durations=15
 
-test-fast: install  ## the test suite without tests marked slow or ddp
+test-fast: install-test  ## the test suite without tests marked slow or ddp
 	$(PY) -m pytest -m "not slow and not ddp"
 
-preprocess: install  ## DATASET, SRC, OUT → FFCV + DALI files and manifest (ARGS: more options)
-	$(PY) -m preprocess --dataset $(DATASET) $(if $(SRC),--src $(SRC)) --out $(OUT) $(ARGS)
+preprocess: install  ## DATASET, SRC, OUT → FFCV + DALI files and manifest; resumes; ENGINE=ray (ARGS: more options)
+	$(if $(filter ray,$(ENGINE)),@$(MAKE) --no-print-directory install-test)
+	$(PY) -m preprocess --dataset $(DATASET) $(if $(SRC),--src $(SRC)) --out $(OUT) --engine $(ENGINE) $(ARGS)
 
 train: install  ## pretrain METHOD on DATASET (PRESET: data preset; GPUS>1: DDP processes), then kNN + linear probe
 	$(PY) -m train gpus=$(GPUS) method=$(METHOD) data=$(DATASET) $(if $(PRESET),preset=$(PRESET)) data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
@@ -75,7 +84,7 @@ bench-train: install  ## training steps/s, images/s, memory, accuracy per object
 	$(PY) -m preprocess --dataset synthetic --out $(OUT)
 	$(PY) -m train.bench data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
 
-bench-preprocess: install  ## preprocessing throughput (images/s), 1 worker and all cores
+bench-preprocess: install-test  ## preprocessing throughput (images/s), 1 worker and all cores
 	$(PY) -m preprocess.bench $(ARGS)
 
 gpu-check: install  ## on a GPU machine: gpu tests, DALI GPU vs CPU graph vs torchvision, ResNet-50 data stall

@@ -69,12 +69,17 @@ def _bookkeeping(rel: str) -> bool:
     return rel.startswith(".") or rel == schema.MANIFEST_NAME
 
 
-def hash_files(root: Path, workers: int = 1) -> dict[str, dict]:
-    """{relpath: {sha256, bytes}} of the dataset files under `root`, hashed on `workers` threads."""
-    paths = sorted(f for f in root.rglob("*") if f.is_file() and not _bookkeeping(f.relative_to(root).as_posix()))
+def hash_files(root: Path, workers: int = 1, known: dict[str, dict] | None = None) -> dict[str, dict]:
+    """{relpath: {sha256, bytes}} of the dataset files under `root`, hashed on `workers` threads;
+    `known` entries (hashed by whoever wrote the file) are taken as they are when the size matches."""
+    known = known or {}
+    files = {f.relative_to(root).as_posix(): f for f in sorted(root.rglob("*")) if f.is_file()}
+    files = {rel: f for rel, f in files.items() if not _bookkeeping(rel)}
+    todo = [rel for rel, f in files.items() if known.get(rel, {}).get("bytes") != f.stat().st_size]
     with ThreadPoolExecutor(max(1, workers)) as pool:         # hashlib releases the GIL
-        digests = list(pool.map(schema.sha256_file, paths))
-    return {f.relative_to(root).as_posix(): {"sha256": h, "bytes": f.stat().st_size} for f, h in zip(paths, digests)}
+        digests = dict(zip(todo, pool.map(schema.sha256_file, [files[rel] for rel in todo])))
+    return {rel: {"sha256": digests[rel], "bytes": f.stat().st_size} if rel in digests else dict(known[rel])
+            for rel, f in files.items()}
 
 
 def write_manifest(staging: Path, manifest: Manifest) -> None:
@@ -287,12 +292,16 @@ def _prepare(source, dataset: str, src: Path | None, source_params: dict, out_ro
         print("ffcv is not installed: writing the DALI shards only (the ffcv backend cannot read this "
               "dataset; `make install` installs ffcv)", file=sys.stderr)
     build: dict = {}
+    known: dict[str, dict] = {}
 
     def write_ffcv_files(staging: Path, splits: dict) -> None:
         t = time.perf_counter()
         if with_ffcv:
             for split_name, split in splits.items():
-                write_ffcv(split, staging / f"{split_name}.beton", num_workers=workers, progress=progress)
+                # Copying shards' bytes is I/O: one writer process is faster than several, which
+                # wait for each other's pages (1,800 records: 0.18 s on 1, 0.30 s on 2).
+                n = 1 if isinstance(split, stream.ShardSplit) else workers
+                write_ffcv(split, staging / f"{split_name}.beton", num_workers=n, progress=progress)
         timings["ffcv_write"] = time.perf_counter() - t
 
     def fill(staging: Path) -> None:
@@ -320,6 +329,7 @@ def _prepare(source, dataset: str, src: Path | None, source_params: dict, out_ro
                 raise PreprocessError(f"split {split_name} of {prepared.src} has no decodable image ({bad} "
                                       "skipped, see their reasons with a viewer): add valid images")
         timings.update(res.seconds)
+        known.update(res.checksums)
         build.update(engine=eng.name, resumed_units=res.reused,
                      cpu_seconds={k: round(v, 3) for k, v in res.cpu_seconds.items()})
         prepared = PreparedSource(splits=res.splits, params=prepared.params, class_names=prepared.class_names,
@@ -339,7 +349,7 @@ def _prepare(source, dataset: str, src: Path | None, source_params: dict, out_ro
         write_staged(staging, final, fill_streamed, manifest_of,
                      f"writing {name} into {out_root} failed ({{what}}); nothing was replaced and the finished "
                      "shards are kept: free space, then re-run the same command to resume", resumable=True,
-                     workers=workers)
+                     workers=workers, known=known)
     else:
         write_staged(staging, final, fill, manifest_of,
                      f"writing {name} into {out_root} failed ({{what}}); nothing was replaced: free space or "
@@ -349,7 +359,7 @@ def _prepare(source, dataset: str, src: Path | None, source_params: dict, out_ro
 
 def write_staged(staging: Path, final: Path, fill: Callable[[Path], None],
                  manifest_of: Callable[[dict[str, dict]], Manifest], failure: str, *,
-                 resumable: bool = False, workers: int = 1) -> Manifest:
+                 resumable: bool = False, workers: int = 1, known: dict[str, dict] | None = None) -> Manifest:
     """The one way a dataset folder is written: `fill(staging)` writes every file into the staging
     folder; the files are hashed, `manifest_of(files)` is written last (`write_manifest`), the
     bookkeeping (top-level dot names but the stamp) is removed and the folder is swapped in for
@@ -359,6 +369,7 @@ def write_staged(staging: Path, final: Path, fill: Callable[[Path], None],
         resumable: the staging folder may hold an interrupted run's work that `fill` resumes; it is
             kept when this run fails too. Otherwise it must not exist and is removed on failure.
         workers: threads that hash the files.
+        known: checksums `fill` already has ({relpath: {sha256, bytes}}; `fill` may add to it).
 
     Raises:
         PreprocessError: an OSError while writing: `failure` with `{what}` filled in (e.g. "disk is
@@ -367,7 +378,7 @@ def write_staged(staging: Path, final: Path, fill: Callable[[Path], None],
     try:
         staging.mkdir(exist_ok=resumable)
         fill(staging)
-        manifest = manifest_of(hash_files(staging, workers))
+        manifest = manifest_of(hash_files(staging, workers, known))
         write_manifest(staging, manifest)
         for p in staging.iterdir():
             if p.name.startswith(".") and p.name != schema.VERIFIED_NAME:

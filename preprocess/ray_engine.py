@@ -5,9 +5,9 @@
 Without `RAY_ADDRESS` a local Ray instance starts with one CPU per worker (`--workers`); with it
 (e.g. `RAY_ADDRESS=ray://head:10001` or `auto` on a cluster node) the tasks spread over the cluster.
 Every node must see SRC and OUT at the same paths (a shared filesystem) and have viewmill installed.
-Each task runs `run_unit` on one unit (one shard); Ray retries a task whose worker died
-(`MAX_RETRIES`), and since a unit only counts once its record is written, a retried unit rewrites
-its shard from the start. The driver merges the records and writes the manifest; the FFCV file is
+Each task runs `run_unit` on one unit (one shard); Ray retries a task whose worker died, and since a
+unit only counts once its record is written, a retried unit rewrites its shard from the start. A
+unit whose worker dies `MAX_ATTEMPTS` times stops the run (Ray alone would retry it forever). The driver merges the records and writes the manifest; the FFCV file is
 written afterwards on the driver from the shards. Ray is the optional extra `viewmill[ray]`.
 """
 
@@ -16,11 +16,17 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict
+from pathlib import Path
 from typing import Callable, Iterator
 
+from pipelines import schema
 from preprocess.stream import Policy, Unit
 
-MAX_RETRIES = 3                 # attempts after a worker dies mid-unit (Ray Data's default is unlimited)
+MAX_ATTEMPTS = 4                # tries of one unit whose worker keeps dying (e.g. out of memory)
+
+
+class UnitFailed(ValueError):
+    """A unit's worker died MAX_ATTEMPTS times."""
 
 
 class RayUnavailable(RuntimeError):
@@ -73,10 +79,27 @@ class RayEngine:
         def task(row: dict) -> dict:
             u = json.loads(row["unit"])
             unit = Unit(**{**u, "files": tuple(tuple(f) for f in u["files"])})
-            return {"result": json.dumps(run(unit, policy))}
+            # One line per attempt; a temporary name, so the next run starts counting afresh.
+            tries = Path(policy.parts) / unit.split / f".{schema.SHARD_PATTERN.format(unit.number)}.tries.tmp"
+            tries.parent.mkdir(parents=True, exist_ok=True)
+            with open(tries, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            if len(tries.read_text().splitlines()) > MAX_ATTEMPTS:
+                raise UnitFailed(f"the worker writing {unit.split} shard {unit.number} died {MAX_ATTEMPTS} times "
+                                 f"(files {unit.files[0][0]} ...); check memory and those files, then re-run")
+            result = run(unit, policy)
+            tries.unlink(missing_ok=True)
+            return {"result": json.dumps(result)}
 
         rows = [{"unit": json.dumps(asdict(u))} for u in sorted(units, key=lambda u: -len(u.files))]
-        ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map(
-            task, num_cpus=1, ray_remote_args_fn=lambda: {"max_retries": MAX_RETRIES})
-        for row in ds.iter_rows():
-            yield json.loads(row["result"])
+        ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map(task, num_cpus=1)
+        try:
+            for row in ds.iter_rows():
+                yield json.loads(row["result"])
+        except Exception as e:  # noqa: BLE001 — Ray wraps the task's error; say it in one line
+            cause = e
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            if isinstance(cause, OSError):
+                raise cause from None
+            raise UnitFailed(str(cause).strip().splitlines()[-1]) from None

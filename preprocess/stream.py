@@ -26,6 +26,7 @@ and mtime; the rest is redone. Another plan, or --force, starts over. An engine 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import multiprocessing as mp
@@ -33,6 +34,8 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -94,7 +97,7 @@ def run_unit(unit: Unit, policy: Policy) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     records, skipped, sources = [], [], []
     sums, as_is = np.zeros((3, 3)), 0
-    secs = dict.fromkeys(("read_decode", "stats", "encode", "write"), 0.0)
+    secs = dict.fromkeys(("read_decode", "stats", "encode", "write", "checksum"), 0.0)
     with ShardWriter(out_dir, unit.number) as shard:
         for path, label in unit.files:
             sources.append(_stat(path))
@@ -120,10 +123,14 @@ def run_unit(unit: Unit, policy: Policy) -> dict:
             secs["stats"] += t2 - t1
             secs["encode"] += t3 - t2
             secs["write"] += time.perf_counter() - t3
+    t = time.perf_counter()
+    files = (shard.tar_path, shard.idx_path)
+    digests = [schema.sha256_file(f) for f in files]          # here, in parallel, not in the driver
+    secs["checksum"] = time.perf_counter() - t
     result = {"split": unit.split, "number": unit.number, "start": unit.start, "sources": sources,
               "records": records, "skipped": skipped, "as_is": as_is,
               "sums": sums.tolist() if unit.stats else None, "seconds": secs,
-              "bytes": [shard.tar_path.stat().st_size, shard.idx_path.stat().st_size]}
+              "bytes": [f.stat().st_size for f in files], "sha256": digests}
     _write_json(out_dir / Path(unit.record_path).name, result)
     return result
 
@@ -155,22 +162,14 @@ def finished(unit: Unit, policy: Policy) -> dict | None:
 # Engines: where units run.
 # ------------------------------------------------------------------------------------------------
 
-_POLICY: Policy | None = None
-_FN: Callable[[Unit, Policy], dict] | None = None
-
-
-def _init_worker(fn: Callable[[Unit, Policy], dict], policy: Policy) -> None:
-    global _FN, _POLICY
-    _FN, _POLICY = fn, policy
-
-
-def _in_worker(unit: Unit) -> dict:
-    return _FN(unit, _POLICY)
+class WorkerDied(OSError):
+    """A worker process died mid-unit (out of memory, a signal); finished units are kept."""
 
 
 class LocalEngine:
     """Units on a pool of forked processes on this machine, largest first, each as soon as a
-    process is free (`workers` 1: in this process)."""
+    process is free (`workers` 1: in this process). A worker that dies stops the run with
+    `WorkerDied` instead of waiting forever; the next run resumes."""
 
     name = "local"
 
@@ -184,12 +183,15 @@ class LocalEngine:
             for u in units:
                 yield fn(u, policy)
             return
-        pool = mp.get_context("fork").Pool(min(self.workers, len(units)), _init_worker, (fn, policy))
+        pool = ProcessPoolExecutor(min(self.workers, len(units)), mp_context=mp.get_context("fork"))
         try:
-            yield from pool.imap_unordered(_in_worker, units, chunksize=1)
+            futures = [pool.submit(fn, u, policy) for u in units]
+            for f in as_completed(futures):
+                yield f.result()
+        except BrokenProcessPool:
+            raise WorkerDied(errno.EIO, "a worker process died (out of memory?)") from None
         finally:
-            pool.terminate()
-            pool.join()
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -236,6 +238,7 @@ class FolderResult:
     seconds: dict[str, float]          # wall: "units", "assemble"
     cpu_seconds: dict[str, float]      # summed over processes: read_decode, stats, encode, write
     reused: int                        # units finished by an earlier run
+    checksums: dict[str, dict]         # relpath -> {sha256, bytes} of shards the units already hashed
 
 
 def plan_units(files: dict[str, list[tuple[str, int]]], shard_size: int) -> list[Unit]:
@@ -318,10 +321,11 @@ def write_folder(files: dict[str, list[tuple[str, int]]], staging: Path, plan: d
         _remove_temporaries(parts)
     seconds = {"units": time.perf_counter() - t0}
     t = time.perf_counter()
-    splits = {s: _assemble(s, [results[(s, n)] for n in range(sum(u.split == s for u in units))], staging, parts)
-              for s in files}
+    known: dict[str, dict] = {}
+    splits = {s: _assemble(s, [results[(s, n)] for n in range(sum(u.split == s for u in units))], staging, parts,
+                           known) for s in files}
     seconds["assemble"] = time.perf_counter() - t
-    return _facts(files, results, splits, seconds, reused=len(units) - len(todo))
+    return _facts(files, results, splits, seconds, reused=len(units) - len(todo), known=known)
 
 
 def _split_line(split: str, done: list[dict], secs: float, bar: tqdm) -> None:
@@ -334,8 +338,9 @@ def _split_line(split: str, done: list[dict], secs: float, bar: tqdm) -> None:
               f"{n - stored} skipped; {when}", file=sys.stderr)
 
 
-def _assemble(split: str, results: list[dict], staging: Path, parts: Path) -> ShardSplit:
-    """The split's final shards from its parts (records 0..N-1 in listing order) and its `ShardSplit`."""
+def _assemble(split: str, results: list[dict], staging: Path, parts: Path, known: dict[str, dict]) -> ShardSplit:
+    """The split's final shards from its parts (records 0..N-1 in listing order) and its `ShardSplit`;
+    adds the checksums the units computed of the shards used as they are to `known`."""
     out = staging / split
     if out.exists():
         shutil.rmtree(out)                 # an earlier attempt's assembly: redone from the parts
@@ -349,8 +354,10 @@ def _assemble(split: str, results: list[dict], staging: Path, parts: Path) -> Sh
         src_idx = parts / split / schema.INDEX_PATTERN.format(r["number"])
         tar = out / schema.SHARD_PATTERN.format(number)
         if first == r["start"]:                    # no skip before: the part's indices are final
-            for a, b in ((src_tar, tar), (src_idx, out / schema.INDEX_PATTERN.format(number))):
+            for a, b, digest, size in zip((src_tar, src_idx), (tar, out / schema.INDEX_PATTERN.format(number)),
+                                          r["sha256"], r["bytes"]):
                 _link_or_copy(a, b)
+                known[b.relative_to(staging).as_posix()] = {"sha256": digest, "bytes": size}
         else:
             renumber_shard(src_tar, src_idx, out, number, first)
         image_ext = "jpg"
@@ -369,7 +376,8 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)          # a filesystem without hard links
 
 
-def _facts(files: dict, results: dict, splits: dict[str, ShardSplit], seconds: dict, reused: int) -> FolderResult:
+def _facts(files: dict, results: dict, splits: dict[str, ShardSplit], seconds: dict, reused: int,
+           known: dict[str, dict]) -> FolderResult:
     skipped = [s for key in sorted(results) for s in results[key]["skipped"]]
     sums = np.zeros((3, 3))
     for r in results.values():
@@ -387,4 +395,4 @@ def _facts(files: dict, results: dict, splits: dict[str, ShardSplit], seconds: d
     px = max((int(sp.table[:, 4:6].max()) for sp in splits.values() if len(sp)), default=0)
     mean, std = mean_std(sums) if sums[2, 0] > 0 else ((0.0,) * 3, (0.0,) * 3)   # no image: the caller refuses
     return FolderResult(splits=splits, skipped=skipped, image_px=px, mean=mean, std=std, stored=stored,
-                        seconds=seconds, cpu_seconds=cpu, reused=reused)
+                        seconds=seconds, cpu_seconds=cpu, reused=reused, checksums=known)
