@@ -1,19 +1,24 @@
-"""`python -m preprocess.bench`: preprocessing throughput (images/s), 1 worker and all cores.
+"""`python -m preprocess.bench` (`make bench-preprocess`): preprocessing throughput against its ceiling.
 
-Two workloads: `synthetic` (generated, raw) and an ImageNet-like folder of `--n` JPEGs of about
-500x375 px (generated once by the benchmark, quality 90, 10 classes, 90 % train / 10 % val) written
-with the default size policy (longer side <= 512 px, i.e. no resize at this size) and with a
-256-px cap (resize path). For each run the wall time of every pipeline stage comes from the
-manifest's `build.seconds`: `read_decode` (check pass: generate, or read + decode + convert +
-resize for folders), `ffcv_write` and `dali_write` (each re-reads records, encodes and writes),
-`checksum`. A single-process microbenchmark on 100 files splits one image's cost into read/decode,
-resize and JPEG encode. Results go to a JSON file and a table with the machine and versions.
+Two generated image folders of `--n` JPEGs each (10 classes, 90 % train / 10 % val):
+- `jpeg`: about 480x360 px at quality 90, all within the default size cap (longer side <= 512), so
+  every image is stored as its own bytes;
+- `mixed`: the same, but 30 % of the images 700-1000 px (resized and re-encoded), 5 % PNG, 5 %
+  grayscale and 3 % CMYK JPEG (converted and re-encoded).
+The ceiling is measured on the same files in the same run: one process reads, decodes, converts,
+resizes and JPEG-encodes every file (`imagefolder.read_image` + `encode_image`, what a unit does
+at most); cores x that rate is the ceiling the issue sets. Each folder is then written by the local
+engine on 1 worker and on all cores, and by the Ray engine on all cores (Ray started once before the
+timed runs, as a running cluster would be; its start-up is reported apart), `--repeats` times each;
+the tables give medians, with the per-stage wall seconds from the manifests and the share of images
+stored as they were. The in-memory `synthetic` source is timed on 1 worker and all cores too. An
+estimate for ImageNet-1k on 32 cores scales the measured per-core unit rate and adds the serial
+stages (FFCV copy, listing) at their measured per-image cost. Results go to a JSON file and Markdown.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import platform
 import shutil
@@ -29,50 +34,49 @@ from PIL import Image
 from pipelines import schema
 from preprocess import imagefolder
 from preprocess.prepare import default_workers, prepare_dataset
+from preprocess.write_dali import encode_image
+
+IMAGENET_1K = 1_281_167         # training images
+TARGET_CORES = 32
 
 
-def make_jpeg_folder(root: Path, n: int, seed: int = 0) -> Path:
-    """Write n JPEGs of about 500x375 px (smooth colour fields, edges and grain) as SRC/train|val/<class>/."""
+def make_folder(root: Path, n: int, *, mixed: bool = False, seed: int = 0) -> Path:
+    """Write n images as SRC/train|val/<class>/: smooth colour fields, an object with edges and grain;
+    `mixed`: 30 % large, 5 % PNG, 5 % grayscale, 3 % CMYK (see the module docstring)."""
     rng = np.random.default_rng(seed)
     for i in range(n):
         split = "val" if (i // 10) % 10 == 9 else "train"        # 10 % val, every class
-        w, h = int(rng.integers(450, 551)), int(rng.integers(340, 411))
+        kind = rng.random() if mixed else 1.0
+        big = kind < 0.30
+        w = int(rng.integers(700, 1001)) if big else int(rng.integers(440, 513))
+        h = int(w * rng.uniform(0.70, 0.78))
         low = rng.random((6, 8, 3)) * 255
         img = Image.fromarray(low.astype(np.uint8)).resize((w, h), Image.Resampling.BICUBIC)
         a = np.asarray(img, dtype=np.float32) + rng.normal(0, 10, (h, w, 3)).astype(np.float32)
         y0, x0 = int(rng.integers(0, h // 2)), int(rng.integers(0, w // 2))
         a[y0:y0 + h // 3, x0:x0 + w // 3] = rng.random(3) * 255                # an object with edges
+        pil = Image.fromarray(np.clip(a, 0, 255).astype(np.uint8))
         d = root / split / f"class{i % 10:02d}"
         d.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(np.clip(a, 0, 255).astype(np.uint8)).save(d / f"{i:06d}.jpg", quality=90)
+        if 0.30 <= kind < 0.35:
+            pil.save(d / f"{i:06d}.png", compress_level=1)
+        elif 0.35 <= kind < 0.40:
+            pil.convert("L").save(d / f"{i:06d}.jpg", quality=90)
+        elif 0.40 <= kind < 0.43:
+            pil.convert("CMYK").save(d / f"{i:06d}.jpg", quality=90)
+        else:
+            pil.save(d / f"{i:06d}.jpg", quality=90)
     return root
 
 
-def microbench(files: list[Path], max_side: int) -> dict[str, float]:
-    """Median ms per image of read+decode, convert+resize and JPEG encode, one process."""
-    dec, res, enc = [], [], []
+def ceiling(src: Path, max_side: int = schema.MAX_SIDE_PX) -> dict:
+    """Images/s of one process that reads, decodes, converts, resizes and JPEG-encodes every file."""
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    t = time.perf_counter()
     for f in files:
-        t0 = time.perf_counter()
-        with Image.open(f) as img:
-            w, h = img.size
-            tw, th = imagefolder.target_size(w, h, max_side, "longer")
-            if (tw, th) != (w, h):
-                img.draft("RGB", (tw, th))
-            img.load()
-            t1 = time.perf_counter()
-            out = imagefolder.to_rgb(img)
-            if out.size != (tw, th):
-                out = out.resize((tw, th), Image.Resampling.BICUBIC)
-            a = np.asarray(out)
-        t2 = time.perf_counter()
-        buf = io.BytesIO()
-        Image.fromarray(a).save(buf, format="JPEG", quality=schema.JPEG_QUALITY)
-        t3 = time.perf_counter()
-        dec.append(t1 - t0)
-        res.append(t2 - t1)
-        enc.append(t3 - t2)
-    return {k: 1e3 * statistics.median(v) for k, v in
-            (("read_decode_ms", dec), ("resize_ms", res), ("encode_ms", enc))}
+        image, _ = imagefolder.read_image(f, max_side, "longer")
+        encode_image(image, "jpg", schema.JPEG_QUALITY)
+    return {"images": len(files), "img_per_s": len(files) / (time.perf_counter() - t)}
 
 
 def machine() -> dict:
@@ -86,7 +90,7 @@ def machine() -> dict:
     except OSError:
         pass
     versions = {}
-    for pkg in ("numpy", "pillow", "ffcv", "nvidia-dali-cuda130", "opencv-python", "tqdm"):
+    for pkg in ("numpy", "pillow", "opencv-python", "ffcv", "ray"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -94,64 +98,129 @@ def machine() -> dict:
     return {"cpu": model, "cores": default_workers(), "python": platform.python_version(), "versions": versions}
 
 
-def run(n: int, synthetic_n: int, work: Path, worker_counts: list[int]) -> dict:
-    """Run every workload at every worker count; returns the result dict."""
-    src = make_jpeg_folder(work / "jpegs", n)
-    # Warm-up, excluded: FFCV's numba kernels compile on first use (~10 s).
-    prepare_dataset("synthetic", work / "warmup", force=True, workers=max(worker_counts), train_size=16,
-                    val_size=8, image_px=32)
-    results = []
-    workloads = [("synthetic", dict(train_size=synthetic_n, val_size=max(synthetic_n // 5, 1)), None),
-                 ("imagefolder", dict(max_side=512), src), ("imagefolder", dict(max_side=256), src)]
-    for workers in worker_counts:
-        for dataset, params, s in workloads:
-            d = prepare_dataset(dataset, work / "out", src=s, force=True, workers=workers, **params)
-            m = schema.read_manifest(d, verify="size")
-            images = sum(m.counts.values())
-            secs = m.build["seconds"]
-            results.append({"dataset": dataset, "params": params, "workers": workers, "images": images,
-                            "img_per_s": images / secs["total"], "seconds": secs, "skipped": len(m.skipped)})
-    files = sorted((src / "train").rglob("*.jpg"))[:100]
-    micro = {str(side): microbench(files, side) for side in (512, 256)}
-    return {"machine": machine(), "runs": results, "per_image_ms_one_process": micro, "n_jpegs": n,
-            "synthetic_n": synthetic_n}
+def _timed(dataset: str, out: Path, src: Path | None, workers: int, engine, repeats: int, **params) -> dict:
+    """Median images/s and per-stage seconds of `repeats` fresh writes."""
+    runs = []
+    for _ in range(repeats):
+        d = prepare_dataset(dataset, out, src=src, force=True, workers=workers, engine=engine, **params)
+        m = schema.read_manifest(d, verify="size")
+        runs.append((sum(m.counts.values()) / m.build["seconds"]["total"], m))
+    rates = sorted(r for r, _ in runs)
+    m = sorted(runs, key=lambda x: x[0])[len(runs) // 2][1]                 # the median run
+    return {"img_per_s": statistics.median(rates), "range": [rates[0], rates[-1]],
+            "images": sum(m.counts.values()), "seconds": m.build["seconds"],
+            "cpu_seconds": m.build.get("cpu_seconds", {}), "stored": m.build.get("images", {}),
+            "skipped": len(m.skipped)}
+
+
+def run(n: int, synthetic_n: int, work: Path, cores: int, repeats: int, with_ray: bool) -> dict:
+    """Every workload; returns the result dict."""
+    prepare_dataset("synthetic", work / "warmup", force=True, workers=cores, train_size=16, val_size=8,
+                    image_px=32)                    # excluded: first-use imports and compiles
+    res: dict = {"machine": machine(), "n": n, "repeats": repeats, "folders": {}}
+    ray_engine, ray_start = None, None
+    if with_ray:
+        import ray
+
+        from preprocess.ray_engine import RayEngine
+        ray_engine = RayEngine(cores)
+        t = time.perf_counter()
+        ray_engine._connect()
+        ray_start = time.perf_counter() - t
+        tiny = make_folder(work / "tiny", 100)          # Ray Data's first execution starts its workers
+        prepare_dataset("imagefolder", work / "warmup", src=tiny, force=True, workers=cores, engine=ray_engine,
+                        shard_size=25)
+    res["ray_start_s"] = ray_start
+    try:
+        for name in ("jpeg", "mixed"):
+            src = make_folder(work / name, n, mixed=name == "mixed")
+            ceil = [ceiling(src) for _ in range(repeats)]
+            row = {"ceiling_img_per_s_one_core": statistics.median(c["img_per_s"] for c in ceil)}
+            row["local_1"] = _timed("imagefolder", work / "out", src, 1, "local", repeats)
+            row[f"local_{cores}"] = _timed("imagefolder", work / "out", src, cores, "local", repeats)
+            if ray_engine is not None:
+                row[f"ray_{cores}"] = _timed("imagefolder", work / "out", src, cores, ray_engine, repeats)
+            res["folders"][name] = row
+    finally:
+        if ray_engine is not None:
+            ray.shutdown()
+    res["synthetic"] = {w: _timed("synthetic", work / "out", None, w, "local", repeats, train_size=synthetic_n,
+                                  val_size=max(synthetic_n // 5, 1)) for w in sorted({1, cores})}
+    return res
+
+
+def estimate_imagenet(row: dict, cores: int) -> float:
+    """Hours for ImageNet-1k's train split on TARGET_CORES cores from a folder's all-core run: the units
+    scale with cores, the other stages (listing, FFCV copy, checksums) are taken as serial."""
+    r = row[f"local_{cores}"]
+    secs, n = r["seconds"], r["images"]
+    per_core_unit = secs["units"] * cores / n                  # seconds of one core per image
+    serial = (secs["total"] - secs["units"]) / n
+    return IMAGENET_1K * (per_core_unit / TARGET_CORES + serial) / 3600
 
 
 def table(res: dict) -> str:
-    """The results as a Markdown table."""
-    mc = res["machine"]
-    lines = [f"machine: {mc['cpu']}, {mc['cores']} cores, Python {mc['python']}, "
-             + ", ".join(f"{k} {v}" for k, v in mc["versions"].items() if v), "",
-             "| dataset | params | workers | images | img/s | read/decode s | ffcv write s | dali write s | checksum s |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in res["runs"]:
-        s = r["seconds"]
-        p = ",".join(f"{k}={v}" for k, v in r["params"].items())
-        lines.append(f"| {r['dataset']} | {p} | {r['workers']} | {r['images']} | {r['img_per_s']:.0f} | "
-                     f"{s['read_decode']:.2f} | {s['ffcv_write']:.2f} | {s['dali_write']:.2f} | {s['checksum']:.2f} |")
-    lines += ["", "one image, one process (median ms): "
-              + "; ".join(f"max side {k}: " + ", ".join(f"{a} {b:.2f}" for a, b in v.items())
-                          for k, v in res["per_image_ms_one_process"].items())]
+    """The results as Markdown."""
+    mc, cores = res["machine"], res["machine"]["cores"]
+    lines = [f"machine: {mc['cpu']}, {cores} cores, Python {mc['python']}, "
+             + ", ".join(f"{k} {v}" for k, v in mc["versions"].items() if v)
+             + f"; medians of {res['repeats']} runs", "",
+             f"| folder | stored as they are | ceiling, 1 core | {cores} × ceiling | local, 1 worker | "
+             f"local, {cores} workers | {cores} ÷ 1 | of the ceiling | Ray, {cores} workers | local ÷ Ray |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, row in res["folders"].items():
+        c1 = row["ceiling_img_per_s_one_core"]
+        one, many = row["local_1"], row[f"local_{cores}"]
+        ray = row.get(f"ray_{cores}")
+        kept = sum(v["as_is"] for v in many["stored"].values())
+        lines.append(
+            f"| {name} | {100 * kept / many['images']:.0f} % | {c1:.0f} | {cores * c1:.0f} | {one['img_per_s']:.0f} | "
+            f"{many['img_per_s']:.0f} | {many['img_per_s'] / one['img_per_s']:.2f}× | "
+            f"{100 * many['img_per_s'] / (cores * c1):.0f} % | "
+            + (f"{ray['img_per_s']:.0f} | {many['img_per_s'] / ray['img_per_s']:.2f}× |" if ray else "— | — |"))
+    lines += ["", "Wall seconds per stage of the median run (units: read, decode, resize, encode, write and "
+              "hash the DALI shards on every core):", "",
+              "| folder | run | images/s (range) | list | units | assemble | ffcv copy | checksum | total |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, row in res["folders"].items():
+        for key, r in row.items():
+            if key.startswith(("local_", "ray_")):
+                s = r["seconds"]
+                lines.append(f"| {name} | {key.replace('_', ', ')} | {r['img_per_s']:.0f} ({r['range'][0]:.0f}–"
+                             f"{r['range'][1]:.0f}) | " + " | ".join(f"{s.get(k, 0):.2f}" for k in (
+                                 "list", "units", "assemble", "ffcv_write", "checksum", "total")) + " |")
+    lines += ["", "| synthetic (in memory) | workers | images/s | total s |", "| --- | ---: | ---: | ---: |"]
+    for w, r in res["synthetic"].items():
+        lines.append(f"| {r['images']} images | {w} | {r['img_per_s']:.0f} | {r['seconds']['total']:.2f} |")
+    if res.get("ray_start_s") is not None:
+        lines += ["", f"Ray start-up (excluded above): {res['ray_start_s']:.1f} s."]
+    est = {name: estimate_imagenet(row, cores) for name, row in res["folders"].items()}
+    lines += ["", f"ImageNet-1k train ({IMAGENET_1K:,} images) on {TARGET_CORES} cores, from the per-core unit "
+              "rate measured here plus the serial stages: " + ", ".join(f"{k} {v:.2f} h" for k, v in est.items())]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark, write the JSON, print the table."""
+    """Run the benchmark, write the JSON and Markdown, print the tables."""
     p = argparse.ArgumentParser(prog="python -m preprocess.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=2000, help="JPEGs in the ImageNet-like folder")
-    p.add_argument("--synthetic-n", type=int, default=10_000, help="synthetic train size (val: n/5)")
-    p.add_argument("--json", type=Path, default=Path("bench_preprocess.json"), help="result file")
-    p.add_argument("--workers", type=int, nargs="*", help="worker counts (default: 1 and all cores)")
+    p.add_argument("--n", type=int, default=2000, help="images per generated folder")
+    p.add_argument("--synthetic-n", type=int, default=2000, help="synthetic train size (val: n/5)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per configuration (medians)")
+    p.add_argument("--workers", type=int, default=default_workers(), help="the all-cores worker count")
+    p.add_argument("--no-ray", action="store_true", help="skip the Ray engine")
+    p.add_argument("--out", type=Path, default=Path("reports/bench-preprocess"), help="result folder")
     a = p.parse_args(argv)
-    counts = a.workers or sorted({1, default_workers()})
     work = Path(tempfile.mkdtemp(prefix="viewmill-bench-"))
     try:
-        res = run(a.n, a.synthetic_n, work, counts)
+        res = run(a.n, a.synthetic_n, work, a.workers, a.repeats, with_ray=not a.no_ray)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    a.json.write_text(json.dumps(res, indent=1))
-    print(table(res))
-    print(f"wrote {a.json}")
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "bench.json").write_text(json.dumps(res, indent=1))
+    md = table(res)
+    (a.out / "bench.md").write_text(md + "\n")
+    print(md)
+    print(f"wrote {a.out}/bench.json and bench.md")
     return 0
 
 

@@ -14,6 +14,7 @@ written afterwards on the driver from the shards. Ray is the optional extra `vie
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -56,6 +57,7 @@ class RayEngine:
     def _connect(self) -> None:
         import ray
 
+        logging.getLogger("ray.data").setLevel(logging.ERROR)   # no lines per execution; our own bar and lines
         if ray.is_initialized():
             return
         if os.environ.get("RAY_ADDRESS"):
@@ -74,6 +76,9 @@ class RayEngine:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
+        # One map operator and small outputs: nothing to reserve resources for. With the reservation
+        # on, a 2-CPU instance ran one task at a time until the first finished.
+        ctx.op_resource_reservation_enabled = False
         run = self.unit_fn or fn
 
         def task(row: dict) -> dict:
@@ -91,7 +96,7 @@ class RayEngine:
             tries.unlink(missing_ok=True)
             return {"result": json.dumps(result)}
 
-        rows = [{"unit": json.dumps(asdict(u))} for u in sorted(units, key=lambda u: -len(u.files))]
+        rows = [{"unit": json.dumps(asdict(u))} for u in units]
         ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map(task, num_cpus=1)
         try:
             for row in ds.iter_rows():
