@@ -26,11 +26,11 @@ import errno
 import fcntl
 import hashlib
 import importlib.util
+import multiprocessing as mp
 import os
 import shutil
 import sys
 import time
-import multiprocessing as mp
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
@@ -43,7 +43,7 @@ from pipelines.schema import DatasetError, Manifest
 from preprocess import stream
 from preprocess.sources import SOURCES, ListedSource, PreparedSource, PreprocessError
 from preprocess.write_dali import write_dali
-from preprocess.write_ffcv import write_ffcv
+from preprocess.write_ffcv import warm_up as warm_up_ffcv, write_ffcv
 
 SHARD_SIZE = 1000               # records per DALI shard (--shard-size)
 ENGINES = ("local", "ray")      # where an image folder's units run (--engine)
@@ -341,6 +341,8 @@ def _prepare(source, dataset: str, src: Path | None, source_params: dict, out_ro
                 copies.append(ffcv_pool.submit(_copy_to_ffcv, split, staging / f"{split_name}.beton"))
 
         # Forked from this (main) thread: FFCV's writer forks again, which numba refuses from a thread.
+        if with_ffcv:
+            warm_up_ffcv()
         with ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as ffcv_pool:
             try:
                 res = stream.write_folder(listing.files, staging, plan, listing.policy, shard_size=shard_size,

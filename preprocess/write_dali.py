@@ -87,7 +87,7 @@ class ShardWriter:
         self._tmp_tar = self.tar_path.with_name(f".{self.tar_path.name}.tmp")
         self._tmp_idx = self.idx_path.with_name(f".{self.idx_path.name}.tmp")
         self._file = open(self._tmp_tar, "wb")
-        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
+        self._offset = 0
         self._lines: list[str] = []
 
     def add(self, key: str, members: list[tuple[str, bytes]]) -> None:
@@ -98,15 +98,19 @@ class ShardWriter:
             info.size = len(data)
             info.mode = 0o644
             info.mtime = 0      # deterministic archives: same records → same bytes
-            header = info.tobuf(tarfile.USTAR_FORMAT, self._tar.encoding, self._tar.errors)
-            offset = self._tar.offset + len(header)  # data follows the header
-            self._tar.addfile(info, io.BytesIO(data))
-            parts.append(f"{name[len(key) + 1:]} {offset} {len(data)} {name}")
+            header = info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+            pad = -len(data) % tarfile.BLOCKSIZE
+            self._file.write(header)
+            self._file.write(data)
+            self._file.write(b"\0" * pad)
+            parts.append(f"{name[len(key) + 1:]} {self._offset + len(header)} {len(data)} {name}")
+            self._offset += len(header) + len(data) + pad
         self._lines.append(" ".join(parts))
 
     def close(self) -> Path:
         """Finish the tar, write the index, rename both into place; returns the tar path."""
-        self._tar.close()
+        end = self._offset + 2 * tarfile.BLOCKSIZE           # two zero blocks end the archive, which
+        self._file.write(b"\0" * (end - self._offset + (-end % tarfile.RECORDSIZE)))   # fills whole records
         self._file.close()
         with open(self._tmp_idx, "w", encoding="ascii") as f:
             f.write(f"{_INDEX_VERSION} {len(self._lines)}\n")
