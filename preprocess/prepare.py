@@ -247,6 +247,45 @@ def _copy_to_ffcv(split: stream.ShardSplit, path: Path) -> float:
     return time.perf_counter() - t
 
 
+def _write_folder(listing: ListedSource, staging: Path, plan: dict, engine, *, shard_size: int, progress: bool,
+                  with_ffcv: bool, timings: dict, build: dict, known: dict) -> PreparedSource:
+    """An image folder's shards (`stream.write_folder`) and, as each split is assembled, its `.beton`
+    copied in a background process; returns the facts the manifest records and fills in `timings`,
+    `build` and `known` (the checksums the units computed)."""
+    copies: list = []
+
+    def on_split(split_name: str, split: stream.ShardSplit) -> None:
+        if len(split) == 0:
+            raise PreprocessError(f"split {split_name} of {listing.src} has no decodable image "
+                                  f"({len(listing.files[split_name])} skipped, see their reasons with a "
+                                  "viewer): add valid images")
+        if with_ffcv:                # in a process of its own while the other splits' units run
+            copies.append(ffcv_pool.submit(_copy_to_ffcv, split, staging / f"{split_name}.beton"))
+
+    if with_ffcv:
+        warm_up_ffcv()
+    # Forked from this (main) thread: FFCV's writer forks again, which numba refuses from a thread.
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as ffcv_pool:
+        try:
+            res = stream.write_folder(listing.files, staging, plan, listing.policy, shard_size=shard_size,
+                                      engine=engine, progress=progress, on_split=on_split)
+            t = time.perf_counter()
+            timings["ffcv_write"] = sum(c.result() for c in copies)
+            timings["ffcv_wait"] = time.perf_counter() - t
+        finally:
+            for c in copies:
+                c.cancel()
+    timings.update(res.seconds)
+    known.update(res.checksums)
+    build.update(engine=engine.name, resumed_units=res.reused,
+                 cpu_seconds={k: round(v, 3) for k, v in res.cpu_seconds.items()})
+    return PreparedSource(splits=res.splits, params=listing.params, class_names=listing.class_names,
+                          image_px=res.image_px, mean=res.mean, std=res.std,
+                          size_policy={"side": listing.policy["side"], "max_side_px": listing.policy["max_side"]},
+                          skipped=tuple({**x, "path": os.path.relpath(x["path"], listing.src)} for x in res.skipped),
+                          stored=res.stored)
+
+
 def _engine(engine: str | object, workers: int):
     if not isinstance(engine, str):
         return engine
@@ -328,41 +367,8 @@ def _prepare(source, dataset: str, src: Path | None, source_params: dict, out_ro
 
     def fill_streamed(staging: Path) -> None:
         nonlocal prepared
-        eng = _engine(engine, workers)
-        listing = prepared
-        copies: list = []
-
-        def on_split(split_name: str, split: stream.ShardSplit) -> None:
-            if len(split) == 0:
-                raise PreprocessError(f"split {split_name} of {listing.src} has no decodable image "
-                                      f"({len(listing.files[split_name])} "
-                                      "skipped, see their reasons with a viewer): add valid images")
-            if with_ffcv:            # in a process of its own while the other splits' units run
-                copies.append(ffcv_pool.submit(_copy_to_ffcv, split, staging / f"{split_name}.beton"))
-
-        # Forked from this (main) thread: FFCV's writer forks again, which numba refuses from a thread.
-        if with_ffcv:
-            warm_up_ffcv()
-        with ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as ffcv_pool:
-            try:
-                res = stream.write_folder(listing.files, staging, plan, listing.policy, shard_size=shard_size,
-                                          engine=eng, progress=progress, on_split=on_split)
-                t = time.perf_counter()
-                timings["ffcv_write"] = sum(c.result() for c in copies)
-                timings["ffcv_wait"] = time.perf_counter() - t
-            finally:
-                for c in copies:
-                    c.cancel()
-        timings.update(res.seconds)
-        known.update(res.checksums)
-        build.update(engine=eng.name, resumed_units=res.reused,
-                     cpu_seconds={k: round(v, 3) for k, v in res.cpu_seconds.items()})
-        prepared = PreparedSource(splits=res.splits, params=listing.params, class_names=listing.class_names,
-                                  image_px=res.image_px, mean=res.mean, std=res.std,
-                                  size_policy={"side": listing.policy["side"],
-                                               "max_side_px": listing.policy["max_side"]},
-                                  skipped=tuple({**x, "path": os.path.relpath(x["path"], listing.src)}
-                                                for x in res.skipped), stored=res.stored)
+        prepared = _write_folder(prepared, staging, plan, _engine(engine, workers), shard_size=shard_size,
+                                 progress=progress, with_ffcv=with_ffcv, timings=timings, build=build, known=known)
         timings["checksum"] = time.perf_counter()
 
     def manifest_of(files: dict[str, dict]) -> Manifest:
