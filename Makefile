@@ -22,7 +22,7 @@ STAMP    := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/d
 TEST_STAMP := $(subst .installed-,.installed-test-,$(STAMP))
 
 .DEFAULT_GOAL := help
-.PHONY: help install install-test demo test test-fast preprocess saliency train eval profile profile-compare bench-data bench-train bench-preprocess gpu-check
+.PHONY: help install install-test demo test test-fast preprocess saliency saliency-check train eval profile profile-compare bench-data bench-train bench-preprocess gpu-check
 
 help:  ## list targets and variables
 	@echo "viewmill make targets:"
@@ -65,6 +65,10 @@ train: install  ## pretrain METHOD on DATASET (PRESET: data preset; GPUS>1: DDP 
 
 saliency: install  ## saliency masks for a written dataset (both formats) + reports/saliency-<DATASET>/ (INIT: a run's backbone)
 	$(PY) -m preprocess.saliency --dataset $(DATASET) --root $(OUT) $(if $(INIT),--init $(INIT)) $(ARGS)
+
+saliency-check: install  ## after make saliency: relicv2 with p_m 0, 0.1 on the masks, 0.1 on centred rectangles (ARGS: steps=, seeds=)
+	$(PY) -m preprocess.saliency.control --dataset $(DATASET) --root $(OUT)
+	$(PY) -m train.saliency_check dataset=$(DATASET) data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
 
 eval: install  ## kNN + linear probe of CKPT's backbone against random init
 	$(PY) -m train eval ckpt=$(CKPT) $(ARGS)

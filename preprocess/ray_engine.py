@@ -82,6 +82,8 @@ class RayEngine:
         run = self.unit_fn or fn
 
         def task(row: dict) -> dict:
+            import cv2
+            cv2.setNumThreads(1)     # a Ray worker is a fresh process: one task per CPU is the parallelism
             u = json.loads(row["unit"])
             unit = Unit(**{**u, "files": tuple(tuple(f) for f in u["files"])})
             # One line per attempt; a temporary name, so the next run starts counting afresh.

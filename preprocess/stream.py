@@ -36,6 +36,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -94,15 +95,6 @@ def run_unit(unit: Unit, policy: Policy) -> dict:
     Raises:
         OSError: writing failed (e.g. a full disk); the part's temporary files are removed.
     """
-    threads = cv2.getNumThreads()
-    cv2.setNumThreads(1)           # units are the parallelism: OpenCV's own threads oversubscribe the
-    try:                           # cores (2 workers on 2 cores: 1,085-1,311 -> 1,435 images/s)
-        return _run_unit(unit, policy)
-    finally:
-        cv2.setNumThreads(threads)
-
-
-def _run_unit(unit: Unit, policy: Policy) -> dict:
     out_dir = Path(policy.parts) / unit.split
     out_dir.mkdir(parents=True, exist_ok=True)
     records, skipped, sources = [], [], []
@@ -188,19 +180,34 @@ class LocalEngine:
 
     def map(self, fn: Callable[[Unit, Policy], dict], units: list[Unit], policy: Policy) -> Iterator[dict]:
         """Yield `fn(unit, policy)` for every unit, in the order they finish."""
-        if self.workers <= 1 or len(units) <= 1:
-            for u in units:
-                yield fn(u, policy)
-            return
-        pool = ProcessPoolExecutor(min(self.workers, len(units)), mp_context=mp.get_context("fork"))
-        try:
-            futures = [pool.submit(fn, u, policy) for u in units]
-            for f in as_completed(futures):
-                yield f.result()
-        except BrokenProcessPool:
-            raise WorkerDied(errno.EIO, "a worker process died (out of memory?)") from None
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        with one_opencv_thread():
+            if self.workers <= 1 or len(units) <= 1:
+                for u in units:
+                    yield fn(u, policy)
+                return
+            pool = ProcessPoolExecutor(min(self.workers, len(units)), mp_context=mp.get_context("fork"))
+            try:
+                futures = [pool.submit(fn, u, policy) for u in units]
+                for f in as_completed(futures):
+                    yield f.result()
+            except BrokenProcessPool:
+                raise WorkerDied(errno.EIO, "a worker process died (out of memory?)") from None
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextmanager
+def one_opencv_thread() -> Iterator[None]:
+    """OpenCV on one thread in this process and the processes it forks meanwhile: units are the
+    parallelism, and OpenCV's own threads oversubscribe the cores (2 workers on 2 cores: 1,085-1,311
+    -> 1,435 images/s). Set before forking: a forked child that changes OpenCV's thread count while
+    the parent's thread pool exists deadlocks."""
+    threads = cv2.getNumThreads()
+    cv2.setNumThreads(1)
+    try:
+        yield
+    finally:
+        cv2.setNumThreads(threads)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -168,6 +168,21 @@ def test_a_full_disk_during_a_shard_keeps_no_partial_shard_and_the_rerun_finishe
     assert _contents(run()) == expect
 
 
+def test_workers_forked_after_opencv_started_its_threads_do_not_hang(tmp_path: Path, clean) -> None:
+    """A forked child that changes OpenCV's thread count while the parent's pool exists deadlocks; the
+    engine sets it in the parent before forking (this hung the test suite once)."""
+    src, expect = clean
+    script = (
+        "import sys, cv2, numpy as np\n"
+        "from preprocess.prepare import prepare_dataset\n"
+        "a = np.random.rand(1500, 1500).astype(np.float32)\n"
+        "[cv2.GaussianBlur(a, (31, 31), 5) for _ in range(3)]   # OpenCV's thread pool, in the parent\n"
+        f"prepare_dataset('imagefolder', sys.argv[1], src='{src}', workers=2, shard_size={SHARD}, max_side={CAP})\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _contents(tmp_path / "imagefolder") == expect
+
+
 _run_unit = stream.run_unit
 
 
