@@ -14,6 +14,7 @@ The file is written under a temporary name and renamed into place; the caller
 from __future__ import annotations
 
 import functools
+import multiprocessing as mp
 import os
 import sys
 import tempfile
@@ -159,7 +160,12 @@ def write_ffcv(split: PreparedSplit, path: Path, *, num_workers: int = 1, progre
         ffcv.writer.sleep = lambda _seconds: time.sleep(0.005)
         writer = ffcv.writer.DatasetWriter(tmp, fields, num_workers=min(num_workers, len(split)))
         # chunksize: workers take 64 records at a time, so small splits still spread over workers.
+        before = set(mp.active_children())
         writer.from_indexed_dataset(_FFCVRecords(split, err), chunksize=64)
+        for worker in set(mp.active_children()) - before:
+            # FFCV does not join its writer processes; until they exit they hold the descriptors they
+            # inherited, among them the dataset lock, which a next run in this process would find held.
+            worker.join(timeout=60)
         if os.path.exists(err):
             with open(err, encoding="utf-8") as f:
                 first = f.readline().strip()

@@ -1,4 +1,4 @@
-"""`python -m train.saliency_check [dataset=synthetic] [steps=200] [seeds=2] [key=value ...]`
+"""`python -m train.saliency_check [dataset=synthetic] [steps=150] [seeds=2] [key=value ...]`
 (`make saliency-check`): the check RELICv2 ends its saliency study with (App. D.2, Tables 13 and 14),
 on one machine.
 
@@ -57,7 +57,7 @@ def run_arm(words: list[str]) -> dict:
 def main(argv: list[str]) -> int:
     opts = dict(w.split("=", 1) for w in argv if w.split("=", 1)[0] in ("dataset", "steps", "seeds", "report"))
     rest = [w for w in argv if w.split("=", 1)[0] not in opts]
-    dataset, steps, seeds = opts.get("dataset", "synthetic"), int(opts.get("steps", 200)), int(opts.get("seeds", 2))
+    dataset, steps, seeds = opts.get("dataset", "synthetic"), int(opts.get("steps", 150)), int(opts.get("seeds", 2))
     report = Path(opts.get("report", f"reports/saliency-check-{dataset}"))
     report.mkdir(parents=True, exist_ok=True)
     no_saliency = recipe_without_saliency(report / "relicv2-no-saliency.yaml")
