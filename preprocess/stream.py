@@ -252,7 +252,7 @@ class FolderResult:
     std: tuple[float, float, float]
     stored: dict[str, dict]            # split -> {"as_is", "re_encoded"}
     seconds: dict[str, float]          # wall: "units", "assemble"
-    cpu_seconds: dict[str, float]      # summed over processes: read_decode, stats, encode, write
+    cpu_seconds: dict[str, float]      # summed over processes: read_decode, stats, encode, write, checksum
     reused: int                        # units finished by an earlier run
     checksums: dict[str, dict]         # relpath -> {sha256, bytes} of shards the units already hashed
 
