@@ -24,7 +24,7 @@ import yaml
 
 from pipelines.views import RECIPE_DIR
 from train.bench import accuracy_after, in_fresh_process
-from train.config import ConfigError, load_config
+from train.config import CONFIG_DIR, ConfigError, dump_yaml, load_config
 
 ARMS = ("p_m = 0", "p_m = 0.1, saliency", "p_m = 0.1, centred control")
 
@@ -41,17 +41,36 @@ def recipe_without_saliency(out: Path) -> Path:
 
 
 def arm_args(arm: str, dataset: str, no_saliency: Path) -> list[str]:
-    """The config words of one arm."""
+    """The config words of one arm. The control copy is read with DATASET's data preset when there is
+    one: without it, DATASET-centre would get the values derived from its manifest (another batch
+    size, backbone and image size) and the arms would differ in more than their masks."""
+    preset = [f"preset={dataset}"] if (CONFIG_DIR / "data" / f"{dataset}.yaml").is_file() else []
     if arm == ARMS[0]:
-        return [f"data={dataset}", f"views.recipe={no_saliency}"]
+        return [f"data={dataset}", *preset, f"views.recipe={no_saliency}"]
     if arm == ARMS[1]:
-        return [f"data={dataset}"]
-    return [f"data={dataset}-centre"]
+        return [f"data={dataset}", *preset]
+    return [f"data={dataset}-centre", *preset]
 
 
 def run_arm(words: list[str]) -> dict:
     """Train one arm (in the calling process) and return its final evaluation."""
     return accuracy_after(load_config(words))
+
+
+def finished(words: list[str]) -> dict | None:
+    """The final evaluation of an earlier run of exactly this config (same resolved config.yaml, an
+    evaluation at its last step), or None: an interrupted check resumes where it stopped."""
+    cfg = load_config(words)
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    try:
+        if (run_dir / "config.yaml").read_text() != dump_yaml(cfg):
+            return None
+        evals = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
+    except (OSError, ValueError, KeyError):
+        return None
+    if not evals or evals[-1].get("step") != cfg.optim.steps:
+        return None
+    return {k: evals[-1][k] for k in ("knn_top1", "linear_top1", "random_init/knn_top1", "random_init/linear_top1")}
 
 
 def main(argv: list[str]) -> int:
@@ -68,9 +87,11 @@ def main(argv: list[str]) -> int:
                 words = ["method=relicv2", *arm_args(arm, dataset, no_saliency), f"optim.steps={steps}",
                          f"optim.warmup_steps={steps // 10}", f"run.seed={seed}",
                          f"run.name=saliency-check-{ARMS.index(arm)}-seed{seed}", *rest]
-                load_config(words)                       # a bad word fails here, before any training
-                print(f"{arm}, seed {seed}: training {steps} steps", flush=True)
-                results.setdefault(arm, []).append({"seed": seed, "words": words, **in_fresh_process(run_arm, words)})
+                done = finished(words)                   # a bad word fails here, before any training
+                print(f"{arm}, seed {seed}: " + ("done by an earlier run" if done else f"training {steps} steps"),
+                      flush=True)
+                results.setdefault(arm, []).append({"seed": seed, "words": words,
+                                                    **(done or in_fresh_process(run_arm, words))})
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -12,16 +12,16 @@ from pipelines.views import load_recipe
 from preprocess.prepare import prepare_dataset
 from preprocess.saliency.control import write_control
 from train import saliency_check
-from train.config import load_config
+from train.config import load_config, to_dict
 
 
 @pytest.mark.slow
 def test_the_three_arms_differ_only_in_background_removal_and_are_scored(tmp_path: Path, tiny_args) -> None:
     root = tmp_path / "data"
-    prepare_dataset("synthetic", root, workers=1, train_size=48, val_size=16, image_px=32, gt_masks_as_mask=True)
+    prepare_dataset("synthetic", root, workers=1, train_size=72, val_size=16, image_px=32, gt_masks_as_mask=True)
     write_control(root / "synthetic")
-    words = [w for w in tiny_args("relicv2", tmp_path / "runs")
-             if not w.startswith(("method=", "data=", "data.root=", "run.name=", "optim."))]
+    words = [w for w in tiny_args("relicv2", tmp_path / "runs")           # not the batch size: the arms
+             if not w.startswith(("method=", "data=", "data.root=", "run.name=", "optim.", "data.batch_size"))]
     report = tmp_path / "report"
     assert saliency_check.main(["steps=2", "seeds=1", f"report={report}", f"data.root={root}", *words]) == 0
     out = json.loads((report / "check.json").read_text())
@@ -33,6 +33,10 @@ def test_the_three_arms_differ_only_in_background_removal_and_are_scored(tmp_pat
     assert strip[0] == strip[1] == strip[2]                               # nothing else differs
     assert [c.data.name for c in cfgs] == ["synthetic", "synthetic", "synthetic-centre"]
     assert all(c.optim.steps == 2 and c.method == "relicv2" for c in cfgs)
+    rest = [to_dict(replace(c, data=replace(c.data, name=""), views=replace(c.views, recipe=""),
+                            run=replace(c.run, name=""))) for c in cfgs]
+    assert rest[0] == rest[1] == rest[2]                                  # the same run otherwise
+    assert saliency_check.finished(out["results"][saliency_check.ARMS[2]][0]["words"]) is not None   # resumable
     for r in out["results"].values():
         assert 0.0 <= r[0]["knn_top1"] <= 1.0 and 0.0 <= r[0]["linear_top1"] <= 1.0
     assert "| p_m = 0.1, centred control |" in (report / "check.md").read_text()
