@@ -345,13 +345,6 @@ def _prepare(source, dataset: str, src: Path | None, source_params: dict, out_ro
     build: dict = {}
     known: dict[str, dict] = {}
 
-    def write_ffcv_files(staging: Path, splits: dict) -> None:
-        t = time.perf_counter()
-        if with_ffcv:
-            for split_name, split in splits.items():
-                write_ffcv(split, staging / f"{split_name}.beton", num_workers=workers, progress=progress)
-        timings["ffcv_write"] = time.perf_counter() - t
-
     def fill(staging: Path) -> None:
         timings["dali_write"] = 0.0
         for split_name, split in prepared.splits.items():
@@ -359,7 +352,11 @@ def _prepare(source, dataset: str, src: Path | None, source_params: dict, out_ro
             write_dali(split, staging / split_name, shard_size=shard_size, num_workers=workers,
                        progress=progress)
             timings["dali_write"] += time.perf_counter() - t
-        write_ffcv_files(staging, prepared.splits)
+        t = time.perf_counter()
+        if with_ffcv:
+            for split_name, split in prepared.splits.items():
+                write_ffcv(split, staging / f"{split_name}.beton", num_workers=workers, progress=progress)
+        timings["ffcv_write"] = time.perf_counter() - t
         for split_name, masks in prepared.gt_masks.items():
             (staging / "gt_masks").mkdir(exist_ok=True)
             np.save(staging / "gt_masks" / f"{split_name}.npy", masks)

@@ -37,7 +37,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -46,6 +46,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pipelines import schema
+from pipelines.shards import ShardReader, ShardRecord
 from preprocess import imagefolder
 from preprocess.records import Record, mean_std, pixel_sums
 from preprocess.write_dali import ShardWriter, encode_image, read_index, record_members, renumber_shard
@@ -81,11 +82,11 @@ class Unit:
 
 
 def _stat(path: str) -> list[int]:
+    """`schema.file_stat_key` ([bytes, mtime_ns]), [-1, -1] for a file that is gone."""
     try:
-        st = os.stat(path)
+        return schema.file_stat_key(path)
     except OSError:
         return [-1, -1]
-    return [st.st_size, st.st_mtime_ns]
 
 
 def run_unit(unit: Unit, policy: Policy) -> dict:
@@ -216,29 +217,23 @@ def one_opencv_thread() -> Iterator[None]:
 
 @dataclass
 class ShardSplit:
-    """A `PreparedSplit` over written JPEG shards: `split[i]` is record i's bytes and size, read
-    with one positioned read (what the FFCV writer copies, without decoding)."""
+    """A `PreparedSplit` over written JPEG shards: `split[i]` is record i's bytes and size, one
+    positioned read (`pipelines.shards.ShardReader`), what the FFCV writer copies without decoding."""
 
-    shards: list[str]                  # tar paths, by shard number
-    table: np.ndarray                  # (N, 6) int64: shard, image offset, image size, label, H, W
+    reader: ShardReader                # records in index order
+    sizes: np.ndarray                  # (N, 2) int64: H, W
     mode: str = "jpg"
     jpeg_quality: int = schema.JPEG_QUALITY
     has_masks: bool = False
-    _fds: dict = field(default_factory=dict, repr=False)
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_fds": {}}
 
     def __len__(self) -> int:
-        return len(self.table)
+        return len(self.sizes)
 
     def __getitem__(self, i: int) -> Record:
         i = int(i)
-        shard, offset, size, label, h, w = (int(v) for v in self.table[i])
-        fd = self._fds.get(shard)
-        if fd is None:
-            fd = self._fds[shard] = os.open(self.shards[shard], os.O_RDONLY)
-        return Record(image=None, label=label, index=i, encoded=os.pread(fd, size, offset), size=(h, w))
+        h, w = (int(v) for v in self.sizes[i])
+        return Record(image=None, label=self.reader.records[i].label, index=i, encoded=self.reader.image(i),
+                      size=(h, w))
 
 
 @dataclass
@@ -375,11 +370,10 @@ def _assemble(split: str, results: list[dict], staging: Path, parts: Path, known
     if out.exists():
         shutil.rmtree(out)                 # an earlier attempt's assembly: redone from the parts
     out.mkdir()
-    shards, rows, first = [], [], 0
+    records, sizes, number, first = [], [], 0, 0
     for r in results:
         if not r["records"]:
             continue                       # every file of this unit was skipped: no shard
-        number = len(shards)
         src_tar = parts / split / schema.SHARD_PATTERN.format(r["number"])
         src_idx = parts / split / schema.INDEX_PATTERN.format(r["number"])
         tar = out / schema.SHARD_PATTERN.format(number)
@@ -390,13 +384,15 @@ def _assemble(split: str, results: list[dict], staging: Path, parts: Path, known
                 known[b.relative_to(staging).as_posix()] = {"sha256": digest, "bytes": size}
         else:
             renumber_shard(src_tar, src_idx, out, number, first)
-        image_ext = "jpg"
-        for members, (h, w, label) in zip(read_index(out / schema.INDEX_PATTERN.format(number)), r["records"]):
-            offset, size = members[image_ext]
-            rows.append((number, offset, size, label, h, w))
-        shards.append(str(tar))
+        for j, (members, (h, w, label)) in enumerate(zip(read_index(out / schema.INDEX_PATTERN.format(number)),
+                                                          r["records"])):
+            offset, size = members["jpg"]
+            records.append(ShardRecord(shard=str(tar), image_offset=offset, image_size=size, mask_offset=-1,
+                                       mask_size=0, label=label, index=first + j, coverage=schema.NO_MASK_COVERAGE))
+            sizes.append((h, w))
+        number += 1
         first += len(r["records"])
-    return ShardSplit(shards, np.array(rows, dtype=np.int64).reshape(-1, 6))
+    return ShardSplit(ShardReader(records), np.array(sizes, dtype=np.int64).reshape(-1, 2))
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -422,7 +418,7 @@ def _facts(files: dict, results: dict, splits: dict[str, ShardSplit], seconds: d
         n = len(splits[s])
         as_is = sum(r["as_is"] for (k, _), r in results.items() if k == s)
         stored[s] = {"as_is": as_is, "re_encoded": n - as_is}
-    px = max((int(sp.table[:, 4:6].max()) for sp in splits.values() if len(sp)), default=0)
+    px = max((int(sp.sizes.max()) for sp in splits.values() if len(sp)), default=0)
     mean, std = mean_std(sums) if sums[2, 0] > 0 else ((0.0,) * 3, (0.0,) * 3)   # no image: the caller refuses
     return FolderResult(splits=splits, skipped=skipped, image_px=px, mean=mean, std=std, stored=stored,
                         seconds=seconds, cpu_seconds=cpu, reused=reused, checksums=known)

@@ -84,12 +84,21 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # Linux: kB → MiB (process peak)
 
 
+def last_eval(run_dir: Path) -> tuple[int, dict[str, float]] | None:
+    """(step, top-1 of the backbone and of the random-init one) of a run's last evaluation in
+    metrics.jsonl, or None without one."""
+    records = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["kind"] == "eval"]
+    if not evals:
+        return None
+    last = evals[-1]
+    return last["step"], {k: last[k] for k in ("knn_top1", "linear_top1", "random_init/knn_top1",
+                                               "random_init/linear_top1")}
+
+
 def accuracy_after(cfg) -> dict[str, float]:
     """Train `cfg` and return its last evaluation (and the random-init one) from metrics.jsonl."""
-    run_dir = train(cfg)
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    last = [r for r in records if r["kind"] == "eval"][-1]
-    return {k: last[k] for k in ("knn_top1", "linear_top1", "random_init/knn_top1", "random_init/linear_top1")}
+    return last_eval(train(cfg))[1]
 
 
 def bench_config(method: str, rest: list[str], train_steps: int = 0) -> Config:

@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from pipelines.views import RECIPE_DIR
-from train.bench import accuracy_after, in_fresh_process
+from train.bench import accuracy_after, in_fresh_process, last_eval
 from train.config import CONFIG_DIR, ConfigError, dump_yaml, load_config
 
 ARMS = ("p_m = 0", "p_m = 0.1, saliency", "p_m = 0.1, centred control")
@@ -65,12 +65,10 @@ def finished(words: list[str]) -> dict | None:
     try:
         if (run_dir / "config.yaml").read_text() != dump_yaml(cfg):
             return None
-        evals = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
+        last = last_eval(run_dir)
     except (OSError, ValueError, KeyError):
         return None
-    if not evals or evals[-1].get("step") != cfg.optim.steps:
-        return None
-    return {k: evals[-1][k] for k in ("knn_top1", "linear_top1", "random_init/knn_top1", "random_init/linear_top1")}
+    return last[1] if last is not None and last[0] == cfg.optim.steps else None
 
 
 def main(argv: list[str]) -> int:
