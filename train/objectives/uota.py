@@ -58,11 +58,14 @@ def uota_weights(z: Tensor, tau: float) -> Tensor:
     """
     m, n, d = z.shape
     x = z.detach().to(torch.float64 if z.dtype == torch.float64 else torch.float32)
-    mu = x.mean(dim=0, keepdim=True)                                   # (1, N, D) Eq. (M.10)
-    delta = (x - mu).reshape(m * n, d)                                 # (M*N, D)
-    sigma = delta.T @ delta / n                                        # (D, D)   Eq. (M.10)
-    sigma_inv = torch.linalg.pinv(sigma, hermitian=True)
-    dist2 = ((delta @ sigma_inv) * delta).sum(dim=1) / tau             # (M*N,) Mahalanobis / tau
+    # A float32 island: under the training step's bf16 autocast the matmuls below would run in bf16
+    # and `pinv` rejects bf16 (and a covariance needs the precision), so autocast is off here.
+    with torch.autocast(z.device.type, enabled=False):
+        mu = x.mean(dim=0, keepdim=True)                               # (1, N, D) Eq. (M.10)
+        delta = (x - mu).reshape(m * n, d)                             # (M*N, D)
+        sigma = delta.T @ delta / n                                    # (D, D)   Eq. (M.10)
+        sigma_inv = torch.linalg.pinv(sigma, hermitian=True)
+        dist2 = ((delta @ sigma_inv) * delta).sum(dim=1) / tau         # (M*N,) Mahalanobis / tau
     # exp(-(d - min d)) differs from exp(-d) by one constant factor, which the normalisation
     # removes; the shift keeps the largest weight at 1 so that no batch underflows to 0/0.
     w = torch.exp(-(dist2 - dist2.min()))                              # Eq. (M.9)
