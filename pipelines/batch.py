@@ -34,8 +34,10 @@ class Batch:
         return int(self.index.shape[0])
 
     def to(self, device: torch.device | str) -> "Batch":
-        """The batch on `device` (host-to-device copies are non-blocking)."""
-        return Batch(**{f.name: None if (v := getattr(self, f.name)) is None else v.to(device, non_blocking=True)
+        """The batch on `device`. Copies to a GPU are non-blocking (ordered on its stream before any use
+        there); copies to the host are blocking, so the data read there is finished."""
+        to_gpu = torch.device(device).type == "cuda"
+        return Batch(**{f.name: None if (v := getattr(self, f.name)) is None else v.to(device, non_blocking=to_gpu)
                         for f in fields(self)})
 
 

@@ -1,10 +1,27 @@
-"""`ReusedBuffers`: a buffer is written again only when no tensor made from it is alive."""
+"""`ReusedBuffers`: a buffer is written again only when no tensor made from it is alive; `Batch.to`
+copies to the host blocking (the gpu tests compare finished data) and to a GPU without blocking."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from pipelines.batch import ReusedBuffers
+from pipelines.batch import Batch, ReusedBuffers
+
+
+@pytest.mark.parametrize("device, blocking", [("cpu", True), ("cuda", False), ("cuda:1", False)])
+def test_copies_to_the_host_block_and_copies_to_a_gpu_do_not(monkeypatch, device: str, blocking: bool) -> None:
+    calls = []
+
+    def spy(self, dev, non_blocking=False):                   # records the copy instead of making it
+        calls.append((str(dev), non_blocking))
+        return self
+
+    b = Batch(global_views=torch.zeros(2, 4, 3, 8, 8), local_views=None, weak_views=None, mixed=None,
+              mix_lam=None, mix_partner=None, index=torch.arange(4), label=torch.zeros(4, dtype=torch.long))
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    b.to(device)
+    assert calls == [(device, not blocking)] * 3               # global_views, index, label
 
 
 def test_buffer_comes_back_only_after_every_tensor_on_it_is_gone() -> None:
