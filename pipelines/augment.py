@@ -1,7 +1,9 @@
 """The reference recipe: the laws every engine draws from, and plain tensor ops that apply them.
 
 Every engine (the torch and torchvision loaders, the FFCV decoder and its compiled ops, the DALI
-graph) imports its law constants from here, and the tests compare each engine with these ops.
+graph) imports its law constants from here, and the tests compare each engine with these ops; the
+torch reference and the DALI backend draw every parameter of a batch with the same calls
+(`draw_crop_boxes`, `draw_color_params`).
 
 Laws (DESIGN §4; torchvision's transforms where the papers name them):
 - crop: RandomResizedCrop — area ~ U(area) * H * W, log(w / h) ~ U(log ratio), the first of
@@ -335,23 +337,43 @@ def render_views(images: list[Tensor], masks: list[Tensor | None] | None, covera
     b = len(images)
     hw = torch.tensor([[im.shape[-2], im.shape[-1]] for im in images], dtype=torch.long)   # (B, 2)
     dev_imgs = [im.to(device) for im in images]
-    crops, boxes = {}, {}
-    for g in recipe.crop_groups:
-        s = g.size_px
-        boxes[g.name] = sample_crop_boxes(hw.repeat(g.count, 1), g, gen)                 # (N, 4) view-major
-        crops[g.name] = render_crops(dev_imgs * g.count, boxes[g.name], s, g.interpolation).view(g.count, b, 3, s, s)
+    boxes = draw_crop_boxes(hw, recipe, gen)                                             # (N, 4) view-major
+    crops = {g.name: render_crops(dev_imgs * g.count, boxes[g.name], g.size_px, g.interpolation)
+             .view(g.count, b, 3, g.size_px, g.size_px) for g in recipe.crop_groups}
 
     def crop_masks(g: ViewGroup, use: Tensor) -> Tensor:
         ms = [m.to(device) if m is not None else torch.zeros(1, *im.shape[-2:], dtype=torch.uint8, device=device)
               for m, im in zip(masks, images)]
         return render_crops(ms * g.count, boxes[g.name], g.size_px, "bilinear").view(g.count, b, 1, g.size_px, g.size_px)
 
-    return finish_views(crops, saliency_usable(coverage), recipe, gen, crop_masks if masks is not None else None)[0]
+    return finish_views(crops, saliency_usable(coverage), recipe, draw_color_params(recipe, b, gen),
+                        crop_masks if masks is not None else None)
 
 
-def finish_views(crops: dict[str, Tensor], usable: Tensor, recipe: Recipe, gen: torch.Generator,
-                 crop_masks: Callable[[ViewGroup, Tensor], Tensor] | None = None
-                 ) -> tuple[dict[str, Tensor], dict[str, ViewParams]]:
+def draw_crop_boxes(hw: Tensor, recipe: Recipe, gen: torch.Generator) -> dict[str, Tensor]:
+    """The crop boxes of every crop group of a batch, in recipe order (the reference's draw order).
+
+    Args:
+        hw: (B, 2) long image heights and widths.
+
+    Returns:
+        {crop group name: (count * B, 4) long (y0, x0, h, w), view-major}.
+    """
+    return {g.name: sample_crop_boxes(hw.repeat(g.count, 1), g, gen) for g in recipe.crop_groups}
+
+
+def draw_color_params(recipe: Recipe, b: int, gen: torch.Generator) -> dict[str, ViewParams]:
+    """The per-view parameters of every group of a batch of `b` samples: the crop groups in recipe
+    order, then the staged groups (the order `finish_views` applies them in).
+
+    Returns:
+        {group name: its ViewParams of count * b views, view-major}.
+    """
+    return {g.name: sample_color_params(g.count * b, g, gen) for g in recipe.crop_groups + recipe.by_role("staged")}
+
+
+def finish_views(crops: dict[str, Tensor], usable: Tensor, recipe: Recipe, drawn: dict[str, ViewParams],
+                 crop_masks: Callable[[ViewGroup, Tensor], Tensor] | None = None) -> dict[str, Tensor]:
     """Everything after the crops, in the reference order: per crop view flip, saliency composite
     (RELICv2 Listing 1: the background goes before the view is augmented), colour jitter, grayscale,
     blur, solarize; then each staged group's own ops on its parent's finished views.
@@ -359,19 +381,18 @@ def finish_views(crops: dict[str, Tensor], usable: Tensor, recipe: Recipe, gen: 
     Args:
         crops: {crop group name: (count, B, 3, S, S) float in [0, 1]}, crops resized, not flipped.
         usable: (B,) bool, `saliency_usable` of the samples' coverage.
-        gen: CPU generator of the draws.
+        drawn: `draw_color_params` of the batch.
         crop_masks: (group, use (count * B,) bool) -> (count, B, 1, S, S) float masks in [0, 1], cropped
             with the views' windows, not flipped (only the `use` views matter); None without masks.
 
     Returns:
-        ({group name: (count, B, 3, S, S) float in [0, 1]}, {group name: its drawn ViewParams}).
+        {group name: (count, B, 3, S, S) float in [0, 1]}.
     """
     out: dict[str, Tensor] = {}
-    drawn: dict[str, ViewParams] = {}
     for g in recipe.crop_groups:
         c, b, _, s, _ = crops[g.name].shape
         x = crops[g.name].reshape(c * b, 3, s, s)                                       # (N, 3, S, S)
-        p = drawn[g.name] = sample_color_params(c * b, g, gen)
+        p = drawn[g.name]
         flip = p.flip.to(x.device).view(-1, 1, 1, 1)
         x = torch.where(flip, x.flip(-1), x)
         if g.saliency_p > 0 and crop_masks is not None:
@@ -383,6 +404,5 @@ def finish_views(crops: dict[str, Tensor], usable: Tensor, recipe: Recipe, gen: 
     for g in recipe.by_role("staged"):
         x = out[g.parent]
         c, b, _, s, _ = x.shape
-        p = drawn[g.name] = sample_color_params(c * b, g, gen)
-        out[g.name] = apply_color_ops(x.reshape(c * b, 3, s, s), p, g).view(c, b, 3, s, s)
-    return out, drawn
+        out[g.name] = apply_color_ops(x.reshape(c * b, 3, s, s), drawn[g.name], g).view(c, b, 3, s, s)
+    return out

@@ -1,189 +1,255 @@
-"""The DALI graph of one rank: webdataset shards → decode once → every view of the recipe → mixes.
+"""The DALI graph of one rank: encoded images and the batch's drawn parameters in; every view of the
+recipe and the mixes out, normalised, on the graph's device.
 
-`graph` is the body of the pipeline function (`dali_backend` builds and runs it): the webdataset
-reader (sharded by rank, shuffled within the rank's shard) → one decode (nvJPEG `mixed` on a GPU,
-CPU otherwise) → per crop group and view: the crop window of `augment`'s law (`crop_window`),
-resize with the flip folded into its ROI, saliency composite on the same window (`saliency`), the
-colour ops (`colour_ops`); staged groups take their parent's output and add their own colour, blur
-and solarize ops (one crop, two outputs); then the mixes of `pipelines.mixing`'s laws (`mixes`); every
-output leaves normalised (`crop_mirror_normalize`: CHW float32, the formula of `batch.normalize`).
+Every random parameter is drawn on the host, per batch, by the laws of the torch reference and with
+the same generator calls (`augment.draw_crop_boxes`, `augment.draw_color_params`, `mixing.MIXES`),
+by `draw_inputs`, and enters the graph through one `fn.external_source` with one output per operator
+argument (`input_specs`). So the graph holds pixel operators and nothing else: no per-sample arithmetic
+on the CPU that would grow with the views (the former in-graph draws were ~1,000 tiny CPU operators
+per iteration for `relicv2`), and nothing waits for a decoded image (the crop windows come from the
+sizes in the encoded images' headers, `shards.image_size`). The one exception is DACL's Binary Mixup
+mask, a random value per pixel: drawn in the graph, on the graph's device.
 
-Colour jitter + grayscale are one `fn.coord_transform` per view: without the clamps the four
-torchvision ops compose to the same affine map in every order (see `colour_ops`), so the random order
-only changes where an intermediate value clips at 0/255; this pass clamps once at the end. Hue is
-DALI's YIQ rotation by 2π·h (the `fn.hsv` model), an approximation of torchvision's HSV hue shift.
-The pipeline is built with `enable_conditionals=True`: blur, solarize and saliency run only on the
-samples whose coin came up. Every random op has its own seed derived from the pipeline seed and the
-op's name (`Seeds`), so switching one op off leaves the other draws unchanged.
+Per crop view (`graph`): resize of the crop window, with the flip folded into the ROI (an x-range given
+right to left comes out mirrored, bit-identical to a flip of the resized view) → saliency composite on
+the same window (`saliency`), for the samples that drew it only: a conditional, so only their masks
+are decoded → the colour ops (`colour_ops`). Staged groups take their parent's output and add their
+own colour ops. Then the mixes (`mixes`): SDMP's mixers as one branch per mixer (the batch's mixer
+runs, the others see an empty batch), CutMix and ResizeMix as `fn.multi_paste` of the box on the
+device, DACL's noises per sample. Every output leaves normalised (`crop_mirror_normalize`: the formula
+of `batch.normalize`), CHW, or HWC when a channels-last network takes it (then the loader hands out a
+permuted view, no copy).
+
+Colour jitter + grayscale are one `fn.coord_transform` per view (`colour_matrices`): without the clamps
+the four torchvision ops compose to the same affine map in every order, so the random order only
+changes where an intermediate value clips at 0/255; this pass clamps once at the end. Hue is DALI's
+YIQ rotation by 2π·h (the `fn.hsv` model), an approximation of torchvision's HSV hue shift.
 
 Deviations from the reference recipe: the jitter ops are fused as above (order-independent up to
-clamping, YIQ hue); the Gaussian window is 2·ceil(3σ)+1 rather than `augment.blur_kernel_px`
-(weights beyond 3σ are < 0.3 % of the mass); the mixes are rounded to uint8 before normalisation.
+clamping, YIQ hue); the Gaussian window is 2·ceil(3σ)+1 rather than `augment.blur_kernel_px` (weights
+beyond 3σ are < 0.3 % of the mass); views and mixes are rounded to uint8 between ops.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 
-from pipelines import schema
-from pipelines.augment import CROP_TRIES, GRAY_WEIGHTS, SALIENCY_MIN_COVERAGE, blur_sigma_px
-from pipelines.loader import LoaderSpec, derive_seed
-from pipelines.mixing import MixSpec
+from pipelines.augment import GRAY_WEIGHTS, ViewParams, draw_color_params, draw_crop_boxes
+from pipelines.loader import LoaderSpec
+from pipelines.mixing import MIXES, MixDraw, MixSpec, binary_rho, mix_lam
 from pipelines.views import ViewGroup
 
-_SALIENCY_MIN_PPM = round(SALIENCY_MIN_COVERAGE * 1_000_000)   # the .rec coverage is in parts per million
 _INTERP = {"bilinear": types.INTERP_LINEAR, "bicubic": types.INTERP_CUBIC}
-# RGB <-> YIQ, for the hue rotation M(θ) = C0 + cos θ·C1 + sin θ·C2 (constants, so θ stays per sample).
+_DALI_TYPES = {np.dtype(np.uint8): types.UINT8, np.dtype(np.int32): types.INT32,
+               np.dtype(np.float32): types.FLOAT, np.dtype(np.bool_): types.BOOL}
+# RGB <-> YIQ, for the hue rotation H(θ) = C0 + cos θ·C1 + sin θ·C2.
 _RGB2YIQ = np.array([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])
 _YIQ2RGB = np.linalg.inv(_RGB2YIQ)
-_HUE_C0 = (_YIQ2RGB @ np.diag([1.0, 0.0, 0.0]) @ _RGB2YIQ).astype(np.float32)
-_HUE_C1 = (_YIQ2RGB @ np.diag([0.0, 1.0, 1.0]) @ _RGB2YIQ).astype(np.float32)
-_HUE_C2 = (_YIQ2RGB @ np.array([[0, 0, 0], [0, 0, -1.0], [0, 1.0, 0]]) @ _RGB2YIQ).astype(np.float32)
-_GRAY_W = np.array(GRAY_WEIGHTS, dtype=np.float32)
-_GRAY_M = np.tile(_GRAY_W, (3, 1))                                               # G = 1wᵀ, rows = w
-_GH_C0, _GH_C1, _GH_C2 = (_GRAY_M @ c for c in (_HUE_C0, _HUE_C1, _HUE_C2))     # G·H = Σ coef · G·C_k
+_HUE_C = np.stack([_YIQ2RGB @ np.diag([1.0, 0.0, 0.0]) @ _RGB2YIQ,
+                   _YIQ2RGB @ np.diag([0.0, 1.0, 1.0]) @ _RGB2YIQ,
+                   _YIQ2RGB @ np.array([[0, 0, 0], [0, 0, -1.0], [0, 1.0, 0]]) @ _RGB2YIQ])      # (3, 3, 3)
+_GRAY_M = np.tile(np.array(GRAY_WEIGHTS), (3, 1))                                               # G = 1wᵀ
+_SOLARIZED = [v if v < 128 else 255 - v for v in range(256)]          # levels >= half range inverted
 
 
-class Seeds:
-    """Each random op's seed from the pipeline seed and the op's name, not from its creation order:
-    a recipe with an op switched off (or a conditional) draws the same other values."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-
-    def __call__(self, name: str) -> int:
-        return derive_seed(self.seed, zlib.crc32(name.encode())) % (2**31 - 1)
+# ------------------------------------------------------------------------------------------------
+# Host side: the batch's draws as the graph's inputs
+# ------------------------------------------------------------------------------------------------
 
 
-def crop_window(shape, g: ViewGroup, sd: Seeds, tag: str):
-    """Per-sample crop window (y0, x0, h, w) in pixels, `augment.sample_crop_boxes`'s law."""
-    H, W = shape[0], shape[1]
-    area = fn.random.uniform(range=list(g.area), shape=[CROP_TRIES], seed=sd(f"{tag}/area")) * (H * W)
-    logr = fn.random.uniform(range=[math.log(g.ratio[0]), math.log(g.ratio[1])], shape=[CROP_TRIES],
-                             seed=sd(f"{tag}/ratio"))
-    r = dmath.exp(logr)
-    w = dmath.floor(dmath.sqrt(area * r) + 0.5)                       # (TRIES,) candidates
-    h = dmath.floor(dmath.sqrt(area / r) + 0.5)
-    ok = fn.cast((w > 0.0) & (w <= W) & (h > 0.0) & (h <= H), dtype=types.FLOAT)
-    ks = types.Constant(np.arange(CROP_TRIES, dtype=np.float32))
-    first = fn.reductions.min(ks + CROP_TRIES * (1.0 - ok))               # first valid try, or >= TRIES
-    pick = fn.cast(ks == first, dtype=types.FLOAT)                        # one-hot (or zeros: none valid)
-    hit = fn.reductions.sum(pick)                                         # 1 if a try was valid
-    w_t, h_t = fn.reductions.sum(pick * w), fn.reductions.sum(pick * h)
-    # fallback: the whole image, its ratio clamped to the range (torchvision's central crop)
-    in_r = W / H
-    lo_r, hi_r = g.ratio
-    too_narrow = fn.cast(in_r < lo_r, dtype=types.FLOAT)
-    too_wide = fn.cast(in_r > hi_r, dtype=types.FLOAT)
-    mid = 1.0 - too_narrow - too_wide
-    w_f = too_narrow * W + too_wide * dmath.floor(H * hi_r + 0.5) + mid * W
-    h_f = too_narrow * dmath.floor(W / lo_r + 0.5) + too_wide * H + mid * H
-    if g.crop_p < 1.0:
-        do = fn.cast(fn.random.coin_flip(probability=g.crop_p, seed=sd(f"{tag}/crop")), dtype=types.FLOAT)
-        hit = hit * do
-    w_c = hit * w_t + (1.0 - hit) * w_f
-    h_c = hit * h_t + (1.0 - hit) * h_f
-    uy = fn.random.uniform(range=[0.0, 1.0], seed=sd(f"{tag}/y"))
-    ux = fn.random.uniform(range=[0.0, 1.0], seed=sd(f"{tag}/x"))
-    y_r = dmath.min(dmath.floor(uy * (H - h_c + 1.0)), H - h_c)       # randint(0, H - h)
-    x_r = dmath.min(dmath.floor(ux * (W - w_c + 1.0)), W - w_c)
-    y0 = hit * y_r + (1.0 - hit) * dmath.floor((H - h_c) * 0.5)
-    x0 = hit * x_r + (1.0 - hit) * dmath.floor((W - w_c) * 0.5)
-    return y0, x0, h_c, w_c
+def colour_matrices(p: ViewParams) -> tuple[np.ndarray, np.ndarray]:
+    """The fused jitter + grayscale of each view as y = M·x + C·μ (μ: the view's mean RGB).
+
+    Brightness b·I, contrast c·I + (1-c)·mean_gray·1, saturation s·I + (1-s)·G (G = 1wᵀ), hue H and
+    grayscale G compose, without the clamps, to the same affine map in any order: the matrices αI + βG
+    commute (G² = G as Σw = 1), H fixes the gray axis (H·1 = 1) and wᵀH = wᵀ up to the YIQ-vs-torchvision
+    luma weights (|Δw| ≤ 1e-4), and brightness scales the mean that a later contrast takes. So
+    M = b·c·[k·H + (1 - k)·G·H] with k = (1 - gray)·s, and C = b·(1 - c)·G.
+
+    Args:
+        p: the views' draws (`augment.sample_color_params`): factors (N, 4) b, c, s, hue in turns;
+            gray (N,) bool. Views without jitter carry the identity factors.
+
+    Returns:
+        (M (N, 3, 3), C (N, 3, 3)) float32.
+    """
+    f = p.factors.double().numpy()
+    b, c, s, theta = f[:, 0], f[:, 1], f[:, 2], 2 * math.pi * f[:, 3]
+    coef = np.stack([np.ones_like(theta), np.cos(theta), np.sin(theta)], 1)                  # (N, 3)
+    hue = np.einsum("nk,kij->nij", coef, _HUE_C)                                              # (N, 3, 3)
+    k = ((1.0 - p.gray.double().numpy()) * s)[:, None, None]
+    m = (b * c)[:, None, None] * (k * hue + (1.0 - k) * (_GRAY_M @ hue))
+    t = (b * (1.0 - c))[:, None, None] * _GRAY_M
+    return m.astype(np.float32), np.broadcast_to(t, m.shape).astype(np.float32)
 
 
-def colour_ops(x, g: ViewGroup, debug: dict, tag: str, sd: Seeds):
+@dataclass
+class Draws:
+    """Everything drawn on the host for one batch: the reference draws, and the graph's inputs."""
+
+    hw: torch.Tensor                                     # (B, 2) long image sizes
+    boxes: dict[str, torch.Tensor]                       # crop group → (count·B, 4) y0, x0, h, w
+    params: dict[str, ViewParams]                        # group → its views' parameters
+    mix: MixDraw | None                                  # the mixes' draws (no pixel masks)
+    mix_lam: torch.Tensor | None                         # (V, B) lam of each mixed view (Batch.mix_lam)
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)   # graph input name → (B, ...) batch
+
+
+def _uses_colour(g: ViewGroup) -> bool:
+    return g.jitter_p > 0 and bool(g.brightness or g.contrast or g.saturation or g.hue) or g.gray_p > 0
+
+
+def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks: bool,
+                gen: torch.Generator) -> Draws:
+    """Draw a batch's parameters (the reference's calls, in its order) and turn them into the graph's
+    inputs: per crop view its ROI, per view its colour matrices and op switches, per mix its partner,
+    weights and boxes.
+
+    Args:
+        spec: the loader spec (recipe with its mix source group, mix, batch size).
+        hw: (B, 2) long heights and widths of the batch's images.
+        usable: (B,) bool, `augment.saliency_usable` of the records' mask coverage.
+        masks: whether the graph reads masks (`DatasetInfo.reads_masks`).
+        gen: the batch's CPU generator (`EpochOrder.batch_seed`).
+
+    Returns:
+        The draws, with `inputs` {name: (B, ...) numpy batch}; the names depend on the spec alone.
+    """
+    recipe, b = spec.recipe, hw.shape[0]
+    boxes = draw_crop_boxes(hw, recipe, gen)
+    params = draw_color_params(recipe, b, gen)
+    inputs: dict[str, np.ndarray] = {}
+    for g in recipe.crop_groups:
+        y0, x0, h, w = boxes[g.name].double().numpy().T                                    # (N,) each
+        flip = params[g.name].flip.numpy()
+        # x-range right to left where flipped: the resize comes out mirrored
+        start = np.stack([y0, np.where(flip, x0 + w, x0)], 1).astype(np.float32).reshape(g.count, b, 2)
+        end = np.stack([y0 + h, np.where(flip, x0, x0 + w)], 1).astype(np.float32).reshape(g.count, b, 2)
+        sal = (params[g.name].saliency & usable.repeat(g.count)).numpy().reshape(g.count, b)
+        level = np.floor(params[g.name].gray_level.numpy() * 255 + 0.5).astype(np.uint8).reshape(g.count, b)
+        for v in range(g.count):
+            tag = f"{g.name}/{v}"
+            inputs[f"{tag}/roi_start"], inputs[f"{tag}/roi_end"] = start[v], end[v]
+            if masks and g.saliency_p > 0:
+                inputs[f"{tag}/saliency"], inputs[f"{tag}/level"] = sal[v], level[v]
+    for g in recipe.crop_groups + recipe.by_role("staged"):
+        p = params[g.name]
+        m, t = colour_matrices(p) if _uses_colour(g) else (None, None)
+        for v in range(g.count):
+            tag, rows = f"{g.name}/{v}", slice(v * b, (v + 1) * b)
+            if m is not None:
+                inputs[f"{tag}/colour"] = m[rows]
+                if g.jitter_p > 0 and g.contrast > 0:
+                    inputs[f"{tag}/contrast"] = t[rows]
+            if g.blur_p > 0:
+                inputs[f"{tag}/sigma"] = p.sigma[rows].numpy().astype(np.float32)
+                if g.blur_p < 1:
+                    inputs[f"{tag}/blur"] = p.blur[rows].numpy()
+            if g.solarize_p > 0:
+                inputs[f"{tag}/solarize"] = p.solarize[rows].numpy()
+    mix = lam = None
+    if spec.mix.kind != "none":
+        size, v = recipe.global_px, len(mix_sources(spec))
+        if spec.mix.kind == "dacl":
+            mix = MIXES["dacl"].sample(v, b, size, size, spec.mix, gen, "cpu", pixel_masks=False)
+        else:
+            mix = MIXES["sdmp"].sample(v, b, size, size, spec.mix, gen, "cpu")
+        lam = mix_lam(mix, size, size)
+        inputs.update(_mix_inputs(spec.mix, mix, lam, size))
+    return Draws(hw=hw, boxes=boxes, params=params, mix=mix, mix_lam=lam, inputs=inputs)
+
+
+def _mix_inputs(mix: MixSpec, d: MixDraw, lam: torch.Tensor, size: int) -> dict[str, np.ndarray]:
+    """The mixes' graph inputs from their draws (SDMP: one set for every view; DACL: per positive)."""
+    out: dict[str, np.ndarray] = {}
+    b = d.partner.shape[1]
+    if mix.kind == "sdmp":
+        out["mix/partner"] = d.partner[0].numpy().astype(np.int32)
+        for m in mix.sdmp_mixers[:-1]:          # the branch predicates (`_sdmp`: the last is the else)
+            out[f"mix/{m}"] = np.full(b, d.mixer == m)
+        if "mixup" in mix.sdmp_mixers:
+            out["mix/lam"], out["mix/lam_other"] = lam[0].numpy(), (1 - lam[0]).numpy()
+        box = d.boxes[0].numpy()                                                            # (B, 4) y0, x0, y1, x1
+        anchor = np.stack([np.zeros((b, 2)), box[:, :2]], 1).astype(np.int32)              # (B, 2 regions, 2)
+        shape = np.stack([np.full((b, 2), size), box[:, 2:] - box[:, :2]], 1).astype(np.int32)
+        for m in ("cutmix", "resizemix"):
+            if m in mix.sdmp_mixers:
+                out[f"mix/{m}_anchor"], out[f"mix/{m}_shape"] = anchor, shape
+        if "resizemix" in mix.sdmp_mixers:
+            # the partner resized to the box (a side of 0 pastes nothing; the resize needs >= 1 px)
+            out["mix/resizemix_size"] = np.maximum(shape[:, 1], 1).astype(np.float32)
+    else:
+        for v in range(d.partner.shape[0]):
+            out[f"mix/{v}/partner"] = d.partner[v].numpy().astype(np.int32)
+            if {"linear", "geometric"} & set(mix.dacl_noises):
+                out[f"mix/{v}/lam"], out[f"mix/{v}/lam_other"] = d.lam[v].numpy(), (1 - d.lam[v]).numpy()
+            if "binary" in mix.dacl_noises:
+                out[f"mix/{v}/rho"] = binary_rho(mix, d.lam)[v].numpy().astype(np.float32)
+        for j, n in enumerate(mix.dacl_noises[:-1]):   # the branch predicates (`_dacl`: the last is the else)
+            out[f"mix/{n}"] = (d.noise == j).numpy()
+    return out
+
+
+def input_specs(spec: LoaderSpec, masks: bool) -> list[tuple[str, np.dtype, int]]:
+    """(name, dtype, sample ndim) of every graph input besides the encoded images (and masks), in the
+    order `draw_inputs` makes them (from a draw on stand-in image sizes: the names do not depend on
+    the data)."""
+    b = spec.batch_size
+    hw = torch.full((b, 2), max(g.size_px for g in spec.recipe.groups), dtype=torch.long)
+    d = draw_inputs(spec, hw, torch.ones(b, dtype=torch.bool), masks, torch.Generator().manual_seed(0))
+    return [(name, a.dtype, a.ndim - 1) for name, a in d.inputs.items()]
+
+
+def dali_type(dtype: np.dtype):
+    """The DALI type of a numpy dtype of the graph inputs."""
+    return _DALI_TYPES[np.dtype(dtype)]
+
+
+# ------------------------------------------------------------------------------------------------
+# The graph
+# ------------------------------------------------------------------------------------------------
+
+
+def colour_ops(x, g: ViewGroup, inputs: dict, tag: str, gpu_branches: bool = False):
     """Jitter + grayscale (one fused affine pass), blur, solarize of `g` on uint8 HWC views `x`.
 
-    Called inside a pipeline built with `enable_conditionals=True`: the `if` on a per-sample DataNode
-    splits the batch so that blur and solarize run only on the samples whose coin came up.
+    Called inside a pipeline built with `enable_conditionals=True`: an `if` on a per-sample input
+    splits the batch, so that blur and solarize run only on the samples whose coin came up.
+
+    Args:
+        gpu_branches: take the GPU graph's branch on the CPU too (tests compare the two there).
     """
-    jitter = g.jitter_p > 0 and bool(g.brightness or g.contrast or g.saturation or g.hue)
-    if jitter or g.gray_p > 0:
-        # One `coord_transform` for the four jitter ops and grayscale instead of five, and two
-        # reductions instead of eight (colour ops alone had cost more than half of the time of the
-        # relicv2 recipe). Brightness b·I, contrast c·I + (1-c)·mean_gray·1, saturation
-        # S = s·I + (1-s)·G (G = 1wᵀ), hue H and grayscale G compose, without the clamps, to the
-        # same affine map in any order: the matrices αI + βG commute (G² = G as Σw = 1), H fixes the
-        # gray axis (H·1 = 1) and wᵀH = wᵀ up to the YIQ-vs-torchvision luma weights (|Δw| ≤ 1e-4),
-        # and brightness scales the mean that a later contrast takes. So
-        # y = b·c·[(1-gr)·s·H + (1-(1-gr)·s)·GH]·x + b·(1-c)·μ_gray·1, with μ_gray the view's mean
-        # gray. What the random order still changes in torchvision is only where an intermediate
-        # value clips at 0/255 (and uint8 rounding between ops): this pass clamps once at the end,
-        # so the drawn order is not needed and not drawn.
-        b = c = s = 1.0
-        theta = None
-        if jitter:
-            on = fn.cast(fn.random.coin_flip(probability=g.jitter_p, seed=sd(f"{tag}/jitter")), dtype=types.FLOAT)
-            debug[f"{tag}/jitter"] = on
-
-            def factor(a, key):  # torchvision: U(max(0, 1-a), 1+a), neutral (1) when jitter is off
-                if a <= 0:
-                    return 1.0
-                u = fn.random.uniform(range=[max(0.0, 1.0 - a), 1.0 + a], seed=sd(f"{tag}/{key}"))
-                return 1.0 + on * (u - 1.0)
-
-            b, c = factor(g.brightness, "brightness"), factor(g.contrast, "contrast")
-            s = factor(g.saturation, "saturation")
-            if g.hue > 0:
-                theta = on * fn.random.uniform(range=[-g.hue, g.hue], seed=sd(f"{tag}/hue")) * (2.0 * math.pi)
-            drawn = [b, c, s, 0.0] if theta is None else [b, c, s, theta]
-            debug[f"{tag}/jitter_factors"] = fn.stack(*[on * 0.0 + v for v in drawn])   # b, c, s, θ
-        gr = 0.0
-        if g.gray_p > 0:
-            gr = fn.cast(fn.random.coin_flip(probability=g.gray_p, seed=sd(f"{tag}/gray")), dtype=types.FLOAT)
-            debug[f"{tag}/gray"] = gr
-        if theta is None:
-            h_m, gh_m = types.Constant(np.eye(3, dtype=np.float32)), types.Constant(_GRAY_M)
-        else:
-            cos_t, sin_t = dmath.cos(theta), dmath.sin(theta)
-            h_m = types.Constant(_HUE_C0) + cos_t * types.Constant(_HUE_C1) + sin_t * types.Constant(_HUE_C2)  # H
-            gh_m = types.Constant(_GH_C0) + cos_t * types.Constant(_GH_C1) + sin_t * types.Constant(_GH_C2)    # G·H
-        keep = (1.0 - gr) * s
-        m = b * c * (keep * h_m + (1.0 - keep) * gh_m)
-        if jitter and g.contrast > 0:
-            mu = fn.reductions.mean(x, axes=[0, 1])                        # (3,) mean RGB of the view
-            mean_gray = fn.reductions.sum(mu * types.Constant(_GRAY_W))
-            t = (b * (1.0 - c) * mean_gray) * types.Constant(np.ones(3, dtype=np.float32))
-            if x.device == "gpu":      # T computed on the GPU cannot be an argument input (CPU only)
-                x = fn.cast(fn.coord_transform(x, M=m, dtype=types.FLOAT) + t, dtype=types.UINT8)  # rounds, saturates
+    if f"{tag}/colour" in inputs:
+        m = inputs[f"{tag}/colour"]
+        if f"{tag}/contrast" in inputs:
+            mean_rgb = fn.reductions.mean(x, axes=[0, 1], keep_dims=True)         # (1, 1, 3) float
+            t = fn.coord_transform(mean_rgb, M=inputs[f"{tag}/contrast"])       # b·(1-c)·mean gray
+            t = fn.reshape(t, shape=[3])                                         # (3,): T of the view
+            if x.device == "gpu" or gpu_branches:   # T made on the GPU cannot be an argument (CPU only)
+                x = fn.cast(fn.coord_transform(x, M=m, dtype=types.FLOAT) + t, dtype=types.UINT8)  # rounds
             else:
                 x = fn.coord_transform(x, M=m, T=t, dtype=types.UINT8)
         else:
             x = fn.coord_transform(x, M=m, dtype=types.UINT8)
-    if g.blur_p > 0:
-        sig = fn.random.uniform(range=list(blur_sigma_px(g)), seed=sd(f"{tag}/sigma"))
-        if g.blur_p < 1.0:
-            bl = fn.random.coin_flip(probability=g.blur_p, dtype=types.BOOL, seed=sd(f"{tag}/blur"))
-            debug[f"{tag}/blur"] = fn.cast(bl, dtype=types.FLOAT)
-            if bl:                                     # conditional: only the samples that drew it
-                x = blur(x, sig)
+    if f"{tag}/sigma" in inputs:
+        # DALI's window 2·ceil(3σ)+1 rather than the fixed 10 % kernel (23 px at 224): a few times
+        # cheaper for the small σ most draws give (docs/benchmarks.md, kernel notes).
+        sigma = inputs[f"{tag}/sigma"]
+        if f"{tag}/blur" in inputs:
+            if inputs[f"{tag}/blur"]:                       # conditional: only the samples that drew it
+                x = fn.gaussian_blur(x, sigma=sigma)
         else:
-            debug[f"{tag}/blur"] = sig * 0.0 + 1.0
-            x = blur(x, sig)
-    if g.solarize_p > 0:
-        so = fn.random.coin_flip(probability=g.solarize_p, dtype=types.BOOL, seed=sd(f"{tag}/solarize"))
-        debug[f"{tag}/solarize"] = fn.cast(so, dtype=types.UINT8)
-        if so:                                         # conditional: only the drawn samples
-            x = solarize(x)
+            x = fn.gaussian_blur(x, sigma=sigma)
+    if f"{tag}/solarize" in inputs:
+        if inputs[f"{tag}/solarize"]:                       # conditional: only the drawn samples
+            x = fn.lookup_table(x, keys=list(range(256)), values=_SOLARIZED, dtype=types.UINT8)
     return x
-
-
-def blur(x, sig):
-    # The window is DALI's 2·ceil(3σ)+1 from sigma rather than the fixed 10 % kernel (23 px at 224):
-    # a few times cheaper for the small σ most draws give (docs/benchmarks.md, kernel notes).
-    return fn.gaussian_blur(x, sigma=sig)
-
-
-def solarize(x):
-    # 255 - v == v XOR 255 on uint8: one uint8 arithmetic op instead of five casts and products.
-    return x ^ ((x >= 128) * types.Constant(255, dtype=types.UINT8))
 
 
 def saliency(x, mask, start, end, size_px: int, level):
@@ -194,192 +260,149 @@ def saliency(x, mask, start, end, size_px: int, level):
     return fn.cast(keep * x + (1 - keep) * level, dtype=types.UINT8)
 
 
-def box_mask(size: int, y0, x0, y1, x1):
-    """(S, S, 1) float, 1 inside [y0, y1) x [x0, x1)."""
-    yy = types.Constant(np.arange(size, dtype=np.float32).reshape(size, 1, 1))
-    xx = types.Constant(np.arange(size, dtype=np.float32).reshape(1, size, 1))
-    return fn.cast((yy >= y0) & (yy < y1) & (xx >= x0) & (xx < x1), dtype=types.FLOAT)
+def _blend(x, xp, lam, lam_other):
+    """Per sample lam·x + lam_other·xp on uint8 views, rounded to uint8."""
+    return fn.cast(x * lam + xp * lam_other, dtype=types.UINT8)
 
 
-def _select(choice, parts: list):
-    """Per sample, parts[choice]: the one-hot sum of the parts."""
-    out = None
-    for k, p in enumerate(parts):
-        term = fn.cast(choice == k, dtype=types.FLOAT) * p
-        out = term if out is None else out + term
+def _sdmp_mixer(m: str, x, xp, inputs: dict, size: int):
+    if m == "mixup":
+        return _blend(x, xp, inputs["mix/lam"], inputs["mix/lam_other"])
+    if m == "cutmix":                  # the partner's box pasted over the image, on the device
+        return fn.multi_paste(x, xp, in_anchors=inputs["mix/cutmix_anchor"], out_anchors=inputs["mix/cutmix_anchor"],
+                              shapes=inputs["mix/cutmix_shape"], output_size=[size, size])
+    patch = fn.resize(xp, size=inputs["mix/resizemix_size"], interp_type=types.INTERP_LINEAR, antialias=True,
+                      dtype=types.UINT8)
+    return fn.multi_paste(x, patch, out_anchors=inputs["mix/resizemix_anchor"], shapes=inputs["mix/resizemix_shape"],
+                          output_size=[size, size])
+
+
+def _sdmp(mixers: tuple[str, ...], x, xp, inputs: dict, size: int):
+    """The batch's mixer: with several, one conditional branch per mixer (one runs, on every sample)."""
+    if len(mixers) == 1:
+        return _sdmp_mixer(mixers[0], x, xp, inputs, size)
+    if inputs[f"mix/{mixers[0]}"]:
+        y = _sdmp_mixer(mixers[0], x, xp, inputs, size)
+    else:
+        y = _sdmp(mixers[1:], x, xp, inputs, size)
+    return y
+
+
+def _dacl_noise(n: str, x, xp, v: int, inputs: dict, keep):
+    if n == "binary":                                                         # Eq. (6)
+        return fn.cast(keep * x + (1 - keep) * xp, dtype=types.UINT8)
+    lam, lam_other = inputs[f"mix/{v}/lam"], inputs[f"mix/{v}/lam_other"]
+    if n == "linear":                                                         # Eq. (3)
+        return _blend(x, xp, lam, lam_other)
+    y = dmath.pow(x * (1 / 255.0), lam) * dmath.pow(xp * (1 / 255.0), lam_other) * 255.0   # Eq. (5), [0, 1] pixels
+    return fn.cast(y, dtype=types.UINT8)
+
+
+def _dacl(noises: tuple[str, ...], x, xp, v: int, inputs: dict, keep):
+    """The sample's noise: with several (DACL+), one conditional branch per noise."""
+    if len(noises) == 1:
+        return _dacl_noise(noises[0], x, xp, v, inputs, keep)
+    if inputs[f"mix/{noises[0]}"]:
+        y = _dacl_noise(noises[0], x, xp, v, inputs, keep)
+    else:
+        y = _dacl(noises[1:], x, xp, v, inputs, keep)
+    return y
+
+
+def mix_sources(spec: LoaderSpec) -> list[str]:
+    """The view tags the mixes start from (`mixing.mix_sources`): every global view, or the whole
+    image twice."""
+    recipe = spec.recipe
+    if spec.mix.source == "image":
+        image = next(g.name for g in recipe.groups if g.role == "image")
+        return [f"{image}/0", f"{image}/0"]
+    return [f"{g.name}/{v}" for g in recipe.fields["global_views"] for v in range(g.count)]
+
+
+def mixes(spec: LoaderSpec, views: dict[str, object], inputs: dict, device: str, debug: dict, seed: int) -> list:
+    """The intra-batch mixes of `mixing`'s laws on uint8 HWC views: (V,) mixed views, in source order."""
+    mix, size = spec.mix, spec.recipe.global_px
+    out = []
+    for v, tag in enumerate(mix_sources(spec)):
+        x = views[tag]
+        if mix.kind == "sdmp":
+            xp = fn.permute_batch(x, indices=inputs["mix/partner"])      # mixing.partner_index
+            out.append(_sdmp(tuple(mix.sdmp_mixers), x, xp, inputs, size))
+        else:
+            xp = fn.permute_batch(x, indices=inputs[f"mix/{v}/partner"])
+            keep = None
+            if "binary" in mix.dacl_noises:
+                # Eq. (6)'s m ~ Bernoulli(rho) per pixel and channel: drawn here, on the graph's device
+                # (before the noise branches, so that a debug run can output it)
+                u = fn.random.uniform(range=[0.0, 1.0], shape=[size, size, 3], device="cpu", seed=seed + v)
+                keep = debug[f"mix/{v}/binary_mask"] = fn.cast(u < inputs[f"mix/{v}/rho"], dtype=types.UINT8)
+            out.append(_dacl(tuple(mix.dacl_noises), x, xp, v, inputs, keep))
     return out
-
-
-def mixes(sources: list, mix: MixSpec, batch_size: int, size: int, debug: dict, sd: Seeds):
-    """The intra-batch mixes of `mixing`'s laws on uint8 HWC views of side `size`.
-
-    Returns:
-        (mixed uint8 views, lam per view (area-corrected), partner per view or None for SDMP's n-1-i).
-    """
-    out, lams, partners = [], [], []
-    if mix.kind == "sdmp":
-        flip = list(range(batch_size - 1, -1, -1))                    # mixing.partner_index: n-1-i
-        choice = fn.random.choice(len(mix.sdmp_mixers), seed=sd("mix/choice"))
-        choice = fn.permute_batch(choice, indices=[0] * batch_size)   # one mixer per batch
-        lam = fn.random.beta(alpha=mix.alpha, beta=mix.alpha, seed=sd("mix/lam"))  # per sample, all views
-        side = dmath.floor(dmath.sqrt(1.0 - lam) * size)               # mixing.sdmp_box_sides
-        half = dmath.floor(side * 0.5)
-        # One box per sample for every view (same lam after clipping): CutMix centre anywhere,
-        # clipped; ResizeMix top-left so that the box lies inside.
-        cy = dmath.floor(fn.random.uniform(range=[0.0, 1.0], seed=sd("mix/cy")) * size)
-        cx = dmath.floor(fn.random.uniform(range=[0.0, 1.0], seed=sd("mix/cx")) * size)
-        cut = (dmath.max(cy - half, 0.0), dmath.max(cx - half, 0.0),
-               dmath.min(cy + side - half, float(size)), dmath.min(cx + side - half, float(size)))
-        ry = dmath.min(dmath.floor(fn.random.uniform(range=[0.0, 1.0], seed=sd("mix/ry")) * (size - side + 1.0)), size - side)
-        rx = dmath.min(dmath.floor(fn.random.uniform(range=[0.0, 1.0], seed=sd("mix/rx")) * (size - side + 1.0)), size - side)
-        debug.update({"mix/choice": choice, "mix/lam_drawn": lam, "mix/cutmix_box": fn.stack(*cut),
-                      "mix/resizemix_box": fn.stack(ry, rx, ry + side, rx + side)})
-        cut_lam = 1.0 - (cut[2] - cut[0]) * (cut[3] - cut[1]) / float(size * size)    # pixels kept
-        resize_lam = 1.0 - side * side / float(size * size)
-        s1 = dmath.max(side, 1.0)
-        for x in sources:
-            xp = fn.permute_batch(x, indices=flip)
-            xf, xpf = fn.cast(x, dtype=types.FLOAT), fn.cast(xp, dtype=types.FLOAT)
-            parts, plams = [], []
-            for m in mix.sdmp_mixers:
-                if m == "mixup":
-                    parts.append(lam * xf + (1.0 - lam) * xpf)
-                    plams.append(lam)
-                elif m == "cutmix":
-                    box = box_mask(size, *cut)
-                    parts.append(xf * (1.0 - box) + xpf * box)
-                    plams.append(cut_lam)
-                else:
-                    patch = fn.resize(xp, size=fn.stack(s1, s1), interp_type=types.INTERP_LINEAR, antialias=True,
-                                      dtype=types.FLOAT)
-                    canvas = fn.slice(patch, start=fn.cast(fn.stack(-ry, -rx), dtype=types.INT32), shape=[size, size],
-                                      axes=[0, 1], out_of_bounds_policy="pad", fill_values=0)
-                    box = box_mask(size, ry, rx, ry + side, rx + side)
-                    parts.append(xf * (1.0 - box) + canvas * box)
-                    plams.append(resize_lam)
-            out.append(fn.cast(dmath.floor(_select(choice, parts) + 0.5), dtype=types.UINT8))
-            lams.append(_select(choice, plams))
-            partners.append(None)
-    elif mix.kind == "dacl":
-        noise = fn.random.choice(len(mix.dacl_noises), seed=sd("mix/noise"))   # DACL+: one per sample, all positives
-        debug["mix/noise"] = noise
-        for v, x in enumerate(sources):
-            perm = fn.batch_permutation(no_fixed_points=True, seed=sd(f"mix/{v}/perm"))   # partner != itself
-            xp = fn.permute_batch(x, indices=perm)
-            lam = fn.random.uniform(range=[mix.alpha, 1.0], seed=sd(f"mix/{v}/lam"))
-            xf, xpf = fn.cast(x, dtype=types.FLOAT), fn.cast(xp, dtype=types.FLOAT)
-            parts = []
-            for m in mix.dacl_noises:
-                if m == "linear":
-                    parts.append(lam * xf + (1.0 - lam) * xpf)
-                elif m == "geometric":                                 # on [0, 1] pixels
-                    parts.append(dmath.pow(xf / 255.0, lam) * dmath.pow(xpf / 255.0, 1.0 - lam) * 255.0)
-                else:
-                    u = fn.random.uniform(range=[0.0, 1.0], shape=fn.cast(x.shape(), dtype=types.INT32),
-                                          seed=sd(f"mix/{v}/binary"))
-                    keep = fn.cast(u < (lam if mix.binary_rho == 0 else mix.binary_rho), dtype=types.FLOAT)
-                    debug[f"mix/{v}/binary_mask"] = keep
-                    parts.append(keep * xf + (1.0 - keep) * xpf)
-            out.append(fn.cast(dmath.floor(_select(noise, parts) + 0.5), dtype=types.UINT8))
-            lams.append(lam)
-            partners.append(fn.cast(perm, dtype=types.INT64))
-    return out, lams, partners
 
 
 @dataclass
 class Outputs:
-    """The graph's outputs in order, and what each is: (Batch field or "rec" / "mix_lam" / "mix_partner"
-    / "debug:<name>")."""
+    """The graph's outputs in order: each view's `Batch` field, then the debug nodes by name."""
 
+    fields: list[str] = field(default_factory=list)      # "global_views" | "local_views" | "weak_views" | "mixed"
+    debug: list[str] = field(default_factory=list)
     nodes: list = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
-
-    def add(self, name: str, node) -> None:
-        self.names.append(name)
-        self.nodes.append(node)
 
 
-def graph(spec: LoaderSpec, tars: list[str], idxs: list[str], masks: bool, seed: int, mean, std,
-          debug: bool) -> Outputs:
+def graph(spec: LoaderSpec, inputs: dict, masks: bool, mean, std, *, channels_last: bool = False,
+          debug: bool = False, seed: int = 0, gpu_branches: bool = False) -> Outputs:
     """The pipeline function's body (see the module docstring).
 
     Args:
-        tars, idxs: the split's shards and their index files, in this epoch's shard order.
-        masks: read and use the masks (the dataset has them and some group draws saliency).
-        seed: the pipeline's seed; every op's seed derives from it (`Seeds`).
+        inputs: {name: DataNode}: "image" (encoded bytes), "mask" (encoded masks, when `masks`) and the
+            `input_specs` names.
+        masks: the recipe composites saliency and the dataset has masks.
         mean, std: the dataset's statistics for the normalisation.
-        debug: also output the drawn parameters (`debug:<name>`), for tests.
+        channels_last: HWC outputs (a channels-last network's memory layout) instead of CHW.
+        debug: also output the in-graph draws (Binary Mixup masks).
+        seed: the seed of the in-graph random operator.
+        gpu_branches: a CPU graph takes the branches written for the GPU (`colour_ops`).
     """
-    sd = Seeds(seed)
     recipe = spec.recipe
-    exts = [schema.DALI_IMAGE_EXT, schema.DALI_RECORD_EXT] + ([schema.DALI_MASK_EXT] if masks else [])
-    dtypes = [types.UINT8, types.INT64] + ([types.UINT8] if masks else [])
-    outs = fn.readers.webdataset(
-        paths=tars, index_paths=idxs, ext=exts, dtypes=dtypes, shard_id=spec.rank,
-        num_shards=spec.world_size, random_shuffle=spec.shuffle, initial_fill=256,
-        pad_last_batch=True, name="reader")
-    device = "mixed" if spec.device.startswith("cuda") else "cpu"
-    img = fn.decoders.image(outs[0], device=device, output_type=types.RGB)
-    rec = outs[1]
-    mask = fn.decoders.image(outs[2], device=device, output_type=types.GRAY) if masks else None
-    shape = fn.cast(img.shape(), dtype=types.FLOAT)                     # (3,) [H, W, C]
-    dbg: dict = {}
-    views: dict[str, list] = {}
+    device = "gpu" if spec.device.startswith("cuda") else "cpu"
+    decoder = {"device": "mixed", "hw_decoder_load": spec.decoder.hw_load,
+               "preallocate_width_hint": spec.decoder.size_hint_px,
+               "preallocate_height_hint": spec.decoder.size_hint_px} if device == "gpu" else {"device": "cpu"}
+    img = fn.decoders.image(inputs["image"], output_type=types.RGB, **decoder)
+    views: dict[str, object] = {}
     for g in recipe.crop_groups:
-        views[g.name] = []
         for v in range(g.count):
             tag = f"{g.name}/{v}"
-            y0, x0, h, w = crop_window(shape, g, sd, tag)
-            if g.flip_p > 0:
-                # The flip is folded into the resize: an x-ROI given right to left comes out
-                # mirrored (bit-identical to fn.flip of the resized view), one pass less per view.
-                fl = fn.random.coin_flip(probability=g.flip_p, seed=sd(f"{tag}/flip"))
-                dbg[f"{tag}/flip"] = fl
-                flf = fn.cast(fl, dtype=types.FLOAT)
-                start, end = fn.stack(y0, x0 + flf * w), fn.stack(y0 + h, x0 + w - flf * w)
-            else:
-                start, end = fn.stack(y0, x0), fn.stack(y0 + h, x0 + w)
+            start, end = inputs[f"{tag}/roi_start"], inputs[f"{tag}/roi_end"]
             x = fn.resize(img, size=[g.size_px, g.size_px], roi_start=start, roi_end=end,
                           interp_type=_INTERP[g.interpolation], antialias=True, dtype=types.UINT8)
-            dbg[f"{tag}/window"] = fn.stack(y0, x0, h, w, shape[0], shape[1])
-            if masks and g.saliency_p > 0:
-                gate = fn.cast(rec[2] >= _SALIENCY_MIN_PPM, dtype=types.UINT8)
-                do = fn.cast(fn.random.coin_flip(probability=g.saliency_p, seed=sd(f"{tag}/saliency")),
-                             dtype=types.UINT8) * gate
-                level = fn.cast(fn.random.uniform(range=[0.0, 256.0], seed=sd(f"{tag}/level")), dtype=types.UINT8)
-                dbg[f"{tag}/saliency"] = do
-                if fn.cast(do, dtype=types.BOOL):          # conditional: mask resize only where drawn
-                    x = saliency(x, mask, start, end, g.size_px, level)
-            views[g.name].append(colour_ops(x, g, dbg, tag, sd))
+            if f"{tag}/saliency" in inputs:
+                if inputs[f"{tag}/saliency"]:                # conditional: masks decoded where drawn only
+                    mask = fn.decoders.image(inputs["mask"], output_type=types.GRAY, **decoder)
+                    x = saliency(x, mask, start, end, g.size_px, inputs[f"{tag}/level"])
+            views[tag] = colour_ops(x, g, inputs, tag, gpu_branches)
     for g in recipe.by_role("staged"):
-        views[g.name] = [colour_ops(x, g, dbg, f"{g.name}/{v}", sd) for v, x in enumerate(views[g.parent])]
+        for v in range(g.count):
+            views[f"{g.name}/{v}"] = colour_ops(views[f"{g.parent}/{v}"], g, inputs, f"{g.name}/{v}", gpu_branches)
 
     def normalized(x):
-        # `batch.normalize` ((x/255 - mean)/std, CHW float32) inside the graph, in DALI's threads
-        # and overlapped with the host through the prefetch queue, instead of a uint8 stack +
-        # permute + normalize on the host.
-        return fn.crop_mirror_normalize(x, dtype=types.FLOAT, output_layout="CHW",
-                                        mean=[255.0 * m for m in mean], std=[255.0 * v for v in std])
+        # `batch.normalize` ((x/255 - mean)/std, float32) inside the graph, in DALI's threads and
+        # overlapped with training through the prefetch queue.
+        return fn.crop_mirror_normalize(x, dtype=types.FLOAT, output_layout="HWC" if channels_last else "CHW",
+                                        mean=[255.0 * m for m in mean], std=[255.0 * s for s in std])
 
-    out = Outputs()
+    out, dbg = Outputs(), {}
     for name, groups in recipe.fields.items():
         for g in groups:
-            for x in views[g.name]:
-                out.add(name, normalized(x))
+            for v in range(g.count):
+                out.fields.append(name)
+                out.nodes.append(normalized(views[f"{g.name}/{v}"]))
     if spec.mix.kind != "none":
-        if spec.mix.source == "image":
-            image = views[next(g.name for g in recipe.groups if g.role == "image")][0]
-            sources = [image, image]
-        else:
-            sources = [x for g in recipe.fields["global_views"] for x in views[g.name]]
-        mixed, lams, partners = mixes(sources, spec.mix, spec.batch_size, recipe.global_px, dbg, sd)
-        for x, lam, partner in zip(mixed, lams, partners):
-            out.add("mixed", normalized(x))
-            out.add("mix_lam", lam)
-            if partner is not None:
-                out.add("mix_partner", partner)
-    out.add("rec", rec)
+        for x in mixes(spec, views, inputs, device, dbg, seed):
+            out.fields.append("mixed")
+            out.nodes.append(normalized(x))
     if debug:
-        for k, node in dbg.items():
-            out.add(f"debug:{k}", node)
+        for name, node in dbg.items():
+            out.debug.append(name)
+            out.nodes.append(node)
     return out

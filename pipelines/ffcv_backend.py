@@ -42,7 +42,7 @@ from ffcv.traversal_order.base import TraversalOrder
 from torch import Tensor
 
 from pipelines import ffcv_ops, schema
-from pipelines.augment import ViewParams, finish_views, saliency_usable
+from pipelines.augment import ViewParams, draw_color_params, finish_views, saliency_usable
 from pipelines.batch import Batch, ReusedBuffers, mix_batch, normalize
 from pipelines.ffcv_decode import CropLayout, DecodeViews, view_params
 from pipelines.loader import DatasetInfo, EpochOrder, LoaderError, LoaderSpec
@@ -269,9 +269,9 @@ class FFCVLoader:
                 m[v, i, 0] = torch.from_numpy(mask)
             return m.to(dev, non_blocking=True)
 
-        finished, self.last_params = finish_views(crops, saliency_usable(coverage), self.spec.recipe, gen,
-                                                  crop_masks if masks is not None else None)
-        return finished
+        self.last_params = draw_color_params(self.spec.recipe, b, gen)
+        return finish_views(crops, saliency_usable(coverage), self.spec.recipe, self.last_params,
+                            crop_masks if masks is not None else None)
 
 
 def build(spec: LoaderSpec, info: DatasetInfo) -> FFCVLoader:

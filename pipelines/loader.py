@@ -5,8 +5,7 @@ Everything the four backends share lives here, once:
 - `DatasetInfo`: the manifest, read and verified once, as the typed facts a loader needs;
 - `EpochOrder`: which records a rank reads in an epoch, in which batches (per-epoch shuffle, rank
   sharding, skip for a mid-epoch resume) and the loader state-dict schema ({"epoch", "batches_done"}:
-  the next batch to read); the torch, torchvision and FFCV loaders iterate it (DALI's reader
-  shards and shuffles inside its graph and keeps the same state-dict keys);
+  the next batch to read); every loader iterates it (DALI's reads ahead along `EpochOrder.schedule`);
 - `derive_seed`: how every per-(rank, epoch, batch) seed is mixed from the spec's seed.
 
 Backends: `torch_backend.py` (plain tensor ops, the reference recipe of `augment.py`),
@@ -41,6 +40,14 @@ class LoaderError(ValueError):
 
 
 @dataclass(frozen=True)
+class DecoderHints:
+    """Settings of the GPU JPEG decode (DALI's nvJPEG `mixed` decoder); ignored by CPU decoders."""
+
+    hw_load: float = 0.65              # share of the JPEGs sent to the hardware decoder (A100/H100), the rest on CUDA cores
+    size_hint_px: int = 0              # image side the decoder preallocates its buffers for (the dataset's max); 0: none
+
+
+@dataclass(frozen=True)
 class LoaderSpec:
     """Everything a backend needs to produce batches for one rank."""
 
@@ -57,6 +64,8 @@ class LoaderSpec:
     num_workers: int = 2               # CPU threads/processes for decoding and augmentation
     shuffle: bool = True               # False: records in index order (evaluation)
     drop_last: bool = True             # False: the last partial batch is kept (evaluation)
+    channels_last: bool = False        # views in a channels-last network's memory layout (DALI; others: NCHW)
+    decoder: DecoderHints = field(default_factory=DecoderHints)
 
 
 @dataclass(frozen=True)
@@ -140,11 +149,13 @@ class EpochOrder:
         lo, hi = rank_range(self.count, s.rank, s.world_size)
         return -(-(hi - lo) // s.batch_size)
 
-    def indices(self) -> np.ndarray:
-        """(n_rank,) int64 dataset indices this rank reads in `epoch`, in reading order."""
+    def indices(self, epoch: int | None = None) -> np.ndarray:
+        """(n_rank,) int64 dataset indices this rank reads in `epoch` (default: the current one), in
+        reading order."""
         s, n = self.spec, self.count
+        epoch = self.epoch if epoch is None else epoch
         if s.shuffle:
-            order = np.random.default_rng(derive_seed(s.seed, self.epoch, 7)).permutation(n)
+            order = np.random.default_rng(derive_seed(s.seed, epoch, 7)).permutation(n)
         else:
             order = np.arange(n)
         if s.drop_last:
@@ -158,10 +169,23 @@ class EpochOrder:
         idx, bs = self.indices(), self.spec.batch_size
         return [(k, idx[k * bs:(k + 1) * bs]) for k in range(self.batches_done, len(self))]
 
-    def batch_seed(self, k: int, purpose: int = 0) -> int:
-        """The seed of batch k of this rank and epoch (`purpose` separates independent streams)."""
+    def batch_seed(self, k: int, purpose: int = 0, epoch: int | None = None) -> int:
+        """The seed of batch k of this rank and `epoch` (default: the current one); `purpose` separates
+        independent streams (0: the reference's draws of a batch's views and mixes)."""
         s = self.spec
-        return derive_seed(s.seed, s.rank, self.epoch, k, purpose)
+        return derive_seed(s.seed, s.rank, self.epoch if epoch is None else epoch, k, purpose)
+
+    def schedule(self) -> Iterator[tuple[int, int, np.ndarray]]:
+        """(epoch, batch number, (≤B,) int64 indices) of every batch from the current position on,
+        epoch after epoch, without moving the position: what a loader that reads ahead (DALI's
+        prefetch queue) reads next."""
+        epoch, first = self.epoch, self.batches_done
+        bs = self.spec.batch_size
+        while len(self):
+            idx = self.indices(epoch)
+            for k in range(first, len(self)):
+                yield epoch, k, idx[k * bs:(k + 1) * bs]
+            epoch, first = epoch + 1, 0
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:

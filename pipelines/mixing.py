@@ -3,8 +3,8 @@ torch functions every engine is compared with.
 
 A mix has two halves, registered in `MIXES`: `sample` draws every random parameter of one batch (for
 all its mixed views) from a generator, and `apply` mixes the views with those draws. The torch,
-torchvision and FFCV loaders call `mix_views`; the DALI graph implements the same laws in-graph and
-tests compare its draws and outputs with these.
+torchvision and FFCV loaders call `mix_views`; the DALI backend draws with the same `sample` and
+applies the draws in its graph, and tests compare its outputs with these.
 
 Laws (one home; DESIGN §4):
 - SDMP, Ren et al., "A Simple Data Mixing Prior for Improving Self-Supervised Learning" (CVPR 2022,
@@ -93,9 +93,13 @@ def _box_mask(boxes: Tensor, h: int, w: int) -> Tensor:
     return m.unsqueeze(1)
 
 
-def _kept_fraction(mask: Tensor) -> Tensor:
-    """(B,) fraction of pixels outside the box (the image's own pixels kept)."""
-    return 1.0 - mask.flatten(1).float().mean(1)
+def kept_fraction(boxes: Tensor, h: int, w: int) -> Tensor:
+    """(...,) float32: the fraction of an h x w image's own pixels outside each box (y0, x0, y1, x1),
+    clipped to the image: the lam of CutMix and ResizeMix."""
+    b = boxes.long()
+    bh = b[..., 2].clamp(0, h) - b[..., 0].clamp(0, h)
+    bw = b[..., 3].clamp(0, w) - b[..., 1].clamp(0, w)
+    return (1.0 - (bh.clamp_min(0) * bw.clamp_min(0)).double() / (h * w)).float()
 
 
 def cutmix(x: Tensor, boxes: Tensor, partner: Tensor) -> tuple[Tensor, Tensor]:
@@ -107,7 +111,7 @@ def cutmix(x: Tensor, boxes: Tensor, partner: Tensor) -> tuple[Tensor, Tensor]:
     """
     h, w = x.shape[-2:]
     m = _box_mask(boxes, h, w)                                    # (B, 1, H, W)
-    return torch.where(m, x[partner], x), _kept_fraction(m).to(x.dtype)
+    return torch.where(m, x[partner], x), kept_fraction(boxes, h, w).to(x.dtype)
 
 
 def resizemix(x: Tensor, boxes: Tensor, partner: Tensor) -> tuple[Tensor, Tensor]:
@@ -128,8 +132,7 @@ def resizemix(x: Tensor, boxes: Tensor, partner: Tensor) -> tuple[Tensor, Tensor
         if y1 > y0 and x1 > x0:
             out[i, :, y0:y1, x0:x1] = F.interpolate(src[i:i + 1], size=(y1 - y0, x1 - x0), mode="bilinear",
                                                     align_corners=False, antialias=True)[0]
-    m = _box_mask(bx, h, w)
-    return out, _kept_fraction(m).to(x.dtype)
+    return out, kept_fraction(bx, h, w).to(x.dtype)
 
 
 def dacl_linear(x: Tensor, partner: Tensor, lam: Tensor) -> Tensor:
@@ -278,22 +281,35 @@ def sample_sdmp(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generat
                    mixer=mixer, boxes=boxes.expand(v, b, 4).to(device))
 
 
+def mix_lam(d: MixDraw, h: int, w: int) -> Tensor:
+    """(V, B) float32: the lam of each mixed view of h x w pixels, the weight of sample i itself: for
+    SDMP's box mixers the fraction of its pixels kept (`kept_fraction`), else the drawn lam."""
+    if d.mixer in ("cutmix", "resizemix"):
+        return kept_fraction(d.boxes, h, w)
+    return d.lam.float()
+
+
 def apply_sdmp(x: Tensor, d: MixDraw, mix: MixSpec) -> tuple[Tensor, Tensor]:
     """Mix views x (V, B, C, H, W) with SDMP draws; returns (mixed, lam actually used (V, B))."""
-    out, lams = [], []
+    out = []
     for k in range(x.shape[0]):
         if d.mixer == "mixup":
             out.append(mixup(x[k], d.lam[k], d.partner[k]))
-            lams.append(d.lam[k].to(x.dtype))
         else:
-            y, lam = (cutmix if d.mixer == "cutmix" else resizemix)(x[k], d.boxes[k], d.partner[k])
-            out.append(y)
-            lams.append(lam)
-    return torch.stack(out), torch.stack(lams)
+            out.append((cutmix if d.mixer == "cutmix" else resizemix)(x[k], d.boxes[k], d.partner[k])[0])
+    return torch.stack(out), mix_lam(d, *x.shape[-2:]).to(x.dtype)
 
 
-def sample_dacl(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generator, device) -> MixDraw:
-    """DACL(+) draws (module docstring): per positive a partner != i and lam; one noise per sample."""
+def binary_rho(mix: MixSpec, lam: Tensor) -> Tensor:
+    """(V, B) rho of Binary Mixup, Eq. (6): `mix.binary_rho` when set, else the positive's own lam."""
+    return lam if mix.binary_rho == 0 else torch.full_like(lam, mix.binary_rho)
+
+
+def sample_dacl(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generator, device, *,
+                pixel_masks: bool = True) -> MixDraw:
+    """DACL(+) draws (module docstring): per positive a partner != i and lam; one noise per sample;
+    the Binary Mixup masks unless `pixel_masks` is False (an engine that draws them where the pixels
+    are: the DALI graph; the other draws are the same either way)."""
     shift = torch.randint(1, max(b, 2), (v, b), generator=gen)
     partner = (torch.arange(b) + shift) % b                                          # (V, B)
     lam = mix.alpha + (1 - mix.alpha) * torch.rand(v, b, generator=gen)               # (V, B)
@@ -301,10 +317,11 @@ def sample_dacl(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generat
     keep = None
     if "binary" in mix.dacl_noises:
         # The masks are the only large draw: drawn where they are used, from a generator seeded here.
-        dev_gen = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
-        u = torch.rand((v, b, 3, h, w), generator=dev_gen, device=device)
-        rho = lam.to(device).view(v, b, 1, 1, 1) if mix.binary_rho == 0 else mix.binary_rho
-        keep = u < rho                                                                 # (V, B, 3, H, W)
+        mask_seed = int(torch.randint(2**62, (1,), generator=gen))
+        if pixel_masks:
+            dev_gen = torch.Generator(device=device).manual_seed(mask_seed)
+            u = torch.rand((v, b, 3, h, w), generator=dev_gen, device=device)
+            keep = u < binary_rho(mix, lam).to(device).view(v, b, 1, 1, 1)             # (V, B, 3, H, W)
     return MixDraw(partner=partner.to(device), lam=lam.to(device), noise=noise.to(device), keep=keep)
 
 
@@ -321,7 +338,7 @@ def apply_dacl(x: Tensor, d: MixDraw, mix: MixSpec) -> tuple[Tensor, Tensor]:
                 m = (dacl_linear if name == "linear" else dacl_geometric)(x[k], d.partner[k], d.lam[k])
             y = m if y is None else torch.where((d.noise == j).view(-1, 1, 1, 1), m, y)
         out.append(y)
-    return torch.stack(out), d.lam.to(x.dtype)
+    return torch.stack(out), mix_lam(d, *x.shape[-2:]).to(x.dtype)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,20 @@ def record_key(index: int) -> str:
     return f"{index:0{KEY_DIGITS}d}"
 
 
+INDEX_VERSION = "v1.2"      # the `wds2idx` format: "v1.2 <records>", then per record "ext offset size name ..."
+
+
+def read_index(idx_path: str | os.PathLike) -> list[dict[str, tuple[int, int]]]:
+    """The records of a shard from its index file: per record {ext: (offset, size)} of its members
+    inside the tar, in the shard's order."""
+    lines = Path(idx_path).read_text(encoding="ascii").splitlines()
+    records = []
+    for line in lines[1:]:
+        f = line.split()
+        records.append({f[k]: (int(f[k + 1]), int(f[k + 2])) for k in range(0, len(f), 4)})
+    return records
+
+
 # ---------------------------------------------------------------------------------------------
 # Manifest reading and verification (readers call `read_manifest` before opening any file).
 #

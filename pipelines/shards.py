@@ -1,14 +1,16 @@
-"""The webdataset shards read without DALI (torch and torchvision loaders, the bench's ceilings).
+"""Reading the webdataset shards of a split by record: every loader (and the benches' ceilings).
 
-`scan_shards` indexes a split once from the tar headers, which give every member's offset;
-`ShardReader` then reads a record's members with one positioned read each (no tar parsing in the
-workers). The layout is the one of `pipelines/schema.py`.
+`scan_shards` indexes a split once from the shards' index files, which give every member's offset
+and size (no tar parsing), plus each record's small `.rec` member (label, index, mask coverage);
+`ShardReader` then reads a record's members with one positioned read each. `image_size` reads an
+encoded image's height and width from its header, so a crop can be drawn before anything is decoded.
+The layout is the one of `pipelines/schema.py`.
 """
 
 from __future__ import annotations
 
 import os
-import tarfile
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,42 +34,38 @@ class ShardRecord:
 
 
 def scan_shards(split_dir: Path, count: int | None = None) -> list[ShardRecord]:
-    """Index every record of a split by reading the tar headers (and the small `.rec` members).
+    """Index every record of a split from its shards' index files (and the small `.rec` members).
 
     Raises:
-        schema.DatasetError: no shards, a record without image or `.rec`, or indices that are
-            not exactly 0..N-1 (`count`: N, when given, must match).
+        schema.DatasetError: no shards, a shard without its index, a record without image or `.rec`,
+            or indices that are not exactly 0..N-1 (`count`: N, when given, must match).
     """
-    shards = sorted(split_dir.glob("shard-*.tar"))
+    shards = sorted(Path(split_dir).glob("shard-*.tar"))
     if not shards:
         raise schema.DatasetError(f"no shard-*.tar files in {split_dir}; run `python -m preprocess` for this dataset")
     image_exts = schema.DALI_IMAGE_EXT.split(";")
     entries: list[ShardRecord] = []
     for shard in shards:
-        members: dict[str, dict[str, tarfile.TarInfo]] = {}
-        recs: dict[str, bytes] = {}
-        with tarfile.open(shard, "r:") as tar:
-            for info in tar:
-                if not info.isfile():
-                    continue
-                key, _, ext = info.name.partition(".")
-                members.setdefault(key, {})[ext] = info
-                if ext == schema.DALI_RECORD_EXT:
-                    recs[key] = tar.extractfile(info).read()
-        for key in sorted(members):
-            parts = members[key]
-            image = next((parts[e] for e in image_exts if e in parts), None)
-            if image is None or key not in recs:
-                raise schema.DatasetError(
-                    f"record {key} in {shard.name} lacks its image or .{schema.DALI_RECORD_EXT} member; "
-                    "re-run `python -m preprocess` to rewrite the dataset")
-            label, index, cov_ppm = (int(v) for v in np.frombuffer(recs[key], dtype="<i8")[:3])
-            mask = parts.get(schema.DALI_MASK_EXT)
-            entries.append(ShardRecord(
-                shard=str(shard), image_offset=image.offset_data, image_size=image.size,
-                mask_offset=mask.offset_data if mask is not None else -1,
-                mask_size=mask.size if mask is not None else 0, label=label, index=index,
-                coverage=cov_ppm / 1e6 if cov_ppm >= 0 else schema.NO_MASK_COVERAGE))
+        idx = shard.with_suffix(".idx")
+        if not idx.is_file():
+            raise schema.DatasetError(f"missing shard index {idx}; re-run `python -m preprocess` with --force")
+        fd = os.open(shard, os.O_RDONLY)
+        try:
+            for members in schema.read_index(idx):
+                image = next((members[e] for e in image_exts if e in members), None)
+                rec = members.get(schema.DALI_RECORD_EXT)
+                if image is None or rec is None:
+                    raise schema.DatasetError(
+                        f"a record in {shard.name} lacks its image or .{schema.DALI_RECORD_EXT} member; "
+                        "re-run `python -m preprocess` to rewrite the dataset")
+                label, index, cov_ppm = (int(v) for v in np.frombuffer(os.pread(fd, rec[1], rec[0]), dtype="<i8")[:3])
+                mask = members.get(schema.DALI_MASK_EXT, (-1, 0))
+                entries.append(ShardRecord(
+                    shard=str(shard), image_offset=image[0], image_size=image[1], mask_offset=mask[0],
+                    mask_size=mask[1], label=label, index=index,
+                    coverage=cov_ppm / 1e6 if cov_ppm >= 0 else schema.NO_MASK_COVERAGE))
+        finally:
+            os.close(fd)
     entries.sort(key=lambda e: e.index)
     if count is not None and len(entries) != count:
         raise schema.DatasetError(
@@ -77,6 +75,43 @@ def scan_shards(split_dir: Path, count: int | None = None) -> list[ShardRecord]:
         raise schema.DatasetError(
             f"record indices in {split_dir} are not 0..{len(entries) - 1}; re-run `python -m preprocess`")
     return entries
+
+
+_JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}   # frame headers
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """(height, width) of an encoded JPEG or PNG, read from its header (nothing is decoded).
+
+    The stored images are upright (preprocessing applies EXIF orientation), so the header's size is
+    the decoded size.
+
+    Raises:
+        schema.DatasetError: bytes that are neither a JPEG with a frame header nor a PNG.
+    """
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        w, h = struct.unpack(">II", data[16:24])              # IHDR is the first chunk
+        return h, w
+    if data[:2] == b"\xff\xd8":
+        pos, n = 2, len(data)
+        while pos + 4 <= n:
+            if data[pos] != 0xFF:
+                break
+            marker = data[pos + 1]
+            if marker == 0xFF:                                 # fill byte before a marker
+                pos += 1
+                continue
+            if marker in _JPEG_SOF:
+                if pos + 9 > n:
+                    break
+                h, w = struct.unpack(">HH", data[pos + 5:pos + 9])
+                return h, w
+            if marker == 0xD8 or 0xD0 <= marker <= 0xD7 or marker == 0x01:   # markers without a length
+                pos += 2
+                continue
+            pos += 2 + struct.unpack(">H", data[pos + 2:pos + 4])[0]
+    raise schema.DatasetError("an image in the shards is neither a PNG nor a JPEG with a frame header; "
+                              "re-run `python -m preprocess` with --force")
 
 
 class ShardReader:

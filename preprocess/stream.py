@@ -49,7 +49,7 @@ from pipelines import schema
 from pipelines.shards import ShardReader, ShardRecord
 from preprocess import imagefolder
 from preprocess.records import Record, mean_std, pixel_sums
-from preprocess.write_dali import ShardWriter, encode_image, read_index, record_members, renumber_shard
+from preprocess.write_dali import ShardWriter, encode_image, record_members, renumber_shard
 
 PLAN_NAME = ".plan.json"
 PARTS = ".parts"
@@ -384,7 +384,7 @@ def _assemble(split: str, results: list[dict], staging: Path, parts: Path, known
                 known[b.relative_to(staging).as_posix()] = {"sha256": digest, "bytes": size}
         else:
             renumber_shard(src_tar, src_idx, out, number, first)
-        for j, (members, (h, w, label)) in enumerate(zip(read_index(out / schema.INDEX_PATTERN.format(number)),
+        for j, (members, (h, w, label)) in enumerate(zip(schema.read_index(out / schema.INDEX_PATTERN.format(number)),
                                                           r["records"])):
             offset, size = members["jpg"]
             records.append(ShardRecord(shard=str(tar), image_offset=offset, image_size=size, mask_offset=-1,

@@ -29,7 +29,6 @@ from tqdm import tqdm
 from pipelines import schema
 from preprocess.records import PreparedSplit, Record, check_record, mask_coverage
 
-_INDEX_VERSION = "v1.2"  # the `wds2idx` format: "v1.2 <samples>", then per sample "ext offset size name ..."
 
 
 def _coverage_ppm(coverage: float) -> int:
@@ -113,7 +112,7 @@ class ShardWriter:
         self._file.write(b"\0" * (end - self._offset + (-end % tarfile.RECORDSIZE)))   # fills whole records
         self._file.close()
         with open(self._tmp_idx, "w", encoding="ascii") as f:
-            f.write(f"{_INDEX_VERSION} {len(self._lines)}\n")
+            f.write(f"{schema.INDEX_VERSION} {len(self._lines)}\n")
             f.write("\n".join(self._lines) + "\n")
         os.replace(self._tmp_tar, self.tar_path)
         os.replace(self._tmp_idx, self.idx_path)
@@ -137,21 +136,11 @@ class ShardWriter:
             self.abort()
 
 
-def read_index(idx_path: Path) -> list[dict[str, tuple[int, int]]]:
-    """The records of a shard from its index file: per record {ext: (offset, size)}, in order."""
-    lines = Path(idx_path).read_text(encoding="ascii").splitlines()
-    records = []
-    for line in lines[1:]:
-        fields = line.split()
-        records.append({fields[k]: (int(fields[k + 1]), int(fields[k + 2])) for k in range(0, len(fields), 4)})
-    return records
-
-
 def renumber_shard(src_tar: Path, src_idx: Path, out_dir: Path, shard: int, first_index: int) -> Path:
     """Copy a shard's records into shard `shard` of `out_dir` as records first_index, first_index+1,
     ... (keys and the index in `.rec` rewritten; image bytes copied, never decoded)."""
     with open(src_tar, "rb") as f, ShardWriter(out_dir, shard) as out:
-        for j, members in enumerate(read_index(src_idx)):
+        for j, members in enumerate(schema.read_index(src_idx)):
             key = schema.record_key(first_index + j)
             parts = []
             for ext, (offset, size) in members.items():

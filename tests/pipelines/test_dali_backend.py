@@ -61,9 +61,30 @@ def device(request) -> str:
 
 
 def _debug_loader(spec: LoaderSpec, info: DatasetInfo) -> OnHost:
-    """A debug `DaliLoader` (drawn parameters in `last_debug`), batches checked and on the host."""
+    """A debug `DaliLoader` (its draws in `last_draws` and `last_debug`), batches checked and on the host."""
     loader = dali_backend.DaliLoader(replace(spec, recipe=with_mix_source(spec.recipe, spec.mix)), info, debug=True)
     return OnHost(loader, spec.device.split(":")[0])
+
+
+def _drawn(loader) -> dict[str, np.ndarray]:
+    """The last batch's draws under the names the tests read: per view its window (y0, x0, h, w, H, W),
+    flip, gray, blur, solarize and jitter factors (b, c, s, hue); the mixes' drawn lam and box; and
+    the graph's own draws (Binary Mixup masks)."""
+    d, out = loader.last_draws, dict(loader.last_debug)
+    b = d.hw.shape[0]
+    for name, p in d.params.items():
+        for v in range(p.flip.shape[0] // b):
+            rows, tag = slice(v * b, (v + 1) * b), f"{name}/{v}"
+            if name in d.boxes:
+                out[f"{tag}/window"] = torch.cat([d.boxes[name][rows], d.hw], 1).numpy()
+            for key in ("flip", "gray", "blur", "solarize"):
+                out[f"{tag}/{key}"] = getattr(p, key)[rows].numpy()
+            out[f"{tag}/jitter_factors"] = p.factors[rows].numpy()
+    if d.mix is not None:
+        out["mix/lam_drawn"] = d.mix.lam[0].numpy()
+        if d.mix.boxes is not None:
+            out[f"mix/{d.mix.mixer}_box"] = d.mix.boxes[0].numpy()
+    return out
 
 
 def _loader(shards, recipe, device: str = "cpu", **kw) -> OnHost:
@@ -93,7 +114,7 @@ def test_saliency_never_grays_foreground(shards, device) -> None:
     loader = _loader(shards, recipe, device, seed=4, shuffle=False)
     grayed = 0
     for b in loader:
-        win = loader.last_debug["large/0/window"]                        # (B, 6) y0, x0, h, w, H, W
+        win = _drawn(loader)["large/0/window"]                        # (B, 6) y0, x0, h, w, H, W
         x = (b.global_views[0] * 0.25 + 0.5) * 255                       # (B, 3, 16, 16) back to pixels
         for k, i in enumerate(b.index.tolist()):
             fg_width = 8 + i % 16
@@ -122,17 +143,17 @@ def test_crop_area_and_ratio_laws(shards, device) -> None:
     for _ in range(6):
         for _ in loader:
             for v in range(8):
-                y0, x0, h, w, H, W = loader.last_debug[f"v/{v}/window"].T
+                y0, x0, h, w, H, W = _drawn(loader)[f"v/{v}/window"].T
                 areas += list(h * w / (H * W))
                 ratios += list(np.log(w / h))
-                flips += list(loader.last_debug[f"v/{v}/flip"])
-                grays += list(loader.last_debug[f"v/{v}/gray"])
-                blurs += list(loader.last_debug[f"v/{v}/blur"])
-                sols += list(loader.last_debug[f"v/{v}/solarize"])
+                flips += list(_drawn(loader)[f"v/{v}/flip"])
+                grays += list(_drawn(loader)[f"v/{v}/gray"])
+                blurs += list(_drawn(loader)[f"v/{v}/blur"])
+                sols += list(_drawn(loader)[f"v/{v}/solarize"])
             for v in range(0, 8, 2):
-                a = [loader.last_debug[f"v/{u}/window"] for u in (v, v + 1)]
+                a = [_drawn(loader)[f"v/{u}/window"] for u in (v, v + 1)]
                 pair_areas += list(zip(*(x[:, 2] * x[:, 3] for x in a)))
-                pair_flips += list(zip(*(loader.last_debug[f"v/{u}/flip"] for u in (v, v + 1))))
+                pair_flips += list(zip(*(_drawn(loader)[f"v/{u}/flip"] for u in (v, v + 1))))
     n = len(areas)                                                       # 6 epochs x 48 x 8 = 2304
     # window sides are rounded to whole pixels of a 32-px image: allow that granularity in D
     d_area = stats.kstest(areas, stats.uniform(0.08, 0.42).cdf).statistic
@@ -160,7 +181,7 @@ def _pixels(x: torch.Tensor) -> torch.Tensor:
 def _first_batch(shards, mix, device):
     loader = _loader(shards, MIX_RECIPE, device, seed=11, mix=mix)
     b = next(iter(loader))
-    return b, loader.last_debug
+    return b, _drawn(loader)
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -291,7 +312,7 @@ def test_saliency_composite_respects_gt_mask(synthetic_root, device) -> None:
     loader = _debug_loader(spec(1.0), DatasetInfo.read(synthetic_root, "synthetic", "train"))
     changed = 0
     for b0, b1 in zip(plain, loader):
-        win = loader.last_debug["large/0/window"]
+        win = _drawn(loader)["large/0/window"]
         assert torch.equal(b0.index, b1.index)
         for k, i in enumerate(b1.index.tolist()):
             y0, x0, h, w = win[k, :4]
@@ -321,8 +342,8 @@ def test_fused_jitter_matches_torchvision_sequence(shards, device) -> None:
     for b in loader:
         px = _pixels(b.global_views).round()                            # (2, B, 3, 8, 8)
         for v in range(2):
-            fac = loader.last_debug[f"v/{v}/jitter_factors"]          # (B, 4) b, c, s, theta
-            gray = loader.last_debug[f"v/{v}/gray"]
+            fac = _drawn(loader)[f"v/{v}/jitter_factors"]          # (B, 4) b, c, s, theta
+            gray = _drawn(loader)[f"v/{v}/gray"]
             for k, i in enumerate(b.index.tolist()):
                 got = px[v, k].reshape(3, -1)
                 assert torch.equal(got, got[:, :1].expand_as(got))      # still one colour
@@ -354,7 +375,7 @@ def test_sdmp_laws_of_the_graph(shards, device, mixer: str) -> None:
     for _ in range(2):
         for b in loader:
             boxes = mix_laws.pasted_boxes(_pixels(b.mixed), _pixels(b.global_views), tol=0.6)
-            lam_drawn = torch.from_numpy(loader.last_debug["mix/lam_drawn"]).view(-1)
+            lam_drawn = torch.from_numpy(_drawn(loader)["mix/lam_drawn"]).view(-1)
             clipped += mix_laws.check_sdmp_laws(mixer, lam_drawn, b.mix_lam, boxes, b.mix_partner, 16)
     assert mixer != "cutmix" or clipped > 0
 
