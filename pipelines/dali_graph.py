@@ -334,7 +334,7 @@ def mixes(spec: LoaderSpec, views: dict[str, object], inputs: dict, device: str,
             if "binary" in mix.dacl_noises:
                 # Eq. (6)'s m ~ Bernoulli(rho) per pixel and channel: drawn here, on the graph's device
                 # (before the noise branches, so that a debug run can output it)
-                u = fn.random.uniform(range=[0.0, 1.0], shape=[size, size, 3], device="cpu", seed=seed + v)
+                u = fn.random.uniform(range=[0.0, 1.0], shape=[size, size, 3], device=device, seed=seed + v)
                 keep = debug[f"mix/{v}/binary_mask"] = fn.cast(u < inputs[f"mix/{v}/rho"], dtype=types.UINT8)
             out.append(_dacl(tuple(mix.dacl_noises), x, xp, v, inputs, keep))
     return out
