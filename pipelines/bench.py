@@ -343,6 +343,13 @@ def git_commit() -> dict:
         return {"commit": None, "dirty": None}
 
 
+def operator_counts(loader) -> dict[str, dict[str, int]] | None:
+    """Operators per iteration, by device, of a loader that runs a graph (DALI: as defined on the CPU
+    and for a GPU), or None."""
+    counts = getattr(loader, "operator_counts", None)
+    return counts() if counts is not None else None
+
+
 def _median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else 0.0
 
@@ -398,7 +405,17 @@ def format_table(report: dict) -> str:
     for c in report["ceilings"]:
         rows.append(f"| {c['dataset']} | {c['recipe']} | ceiling: {c['kind']} ({c['decoder']}) | "
                     f"{c['img_per_s']:.0f} | {c['views_per_s']:.0f} | – | – | – | – | ok |")
-    return "\n".join(rows)
+    return "\n".join(rows + operator_lines(report["results"]))
+
+
+def operator_lines(rows: list[dict]) -> list[str]:
+    """One line per graph-running backend and recipe: its operators per iteration, by device."""
+    def fmt(counts: dict[str, int]) -> str:
+        return " / ".join(f"{counts.get(d, 0)} {d}" for d in ("cpu", "gpu", "mixed") if counts.get(d, 0) or d == "cpu")
+
+    lines = [f"{r['backend']} operators per iteration, {r['recipe']}: GPU graph {fmt(r['operators']['gpu_graph'])}; "
+             f"CPU graph {fmt(r['operators']['cpu_graph'])}" for r in rows if r.get("operators")]
+    return [""] + lines if lines else []
 
 
 # ----------------------------------------------------------------------------- main
@@ -518,6 +535,8 @@ def run(a: argparse.Namespace) -> dict:
                         if a.stages:
                             row["crops_only_runs"] += time_loader(lambda e: make(e, crops_only(recipe)),
                                                                   a.batches, a.warmup_batches, 1, device)
+                        if rnd == 0:
+                            row["operators"] = operator_counts(make(0))
                     except Exception as exc:  # a broken backend is reported, not silently skipped
                         row.update(status="failed", error=f"{type(exc).__name__}: {exc}",
                                    traceback=traceback.format_exc(limit=4))

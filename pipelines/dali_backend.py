@@ -18,8 +18,8 @@ known on the host and never enter the graph.
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import numpy as np
@@ -106,6 +106,15 @@ class DaliLoader:
     def load_state_dict(self, state: dict) -> None:
         self.order.load_state_dict(state)
         self._pipe, self._dali_state = None, state.get("dali")
+
+    def operator_counts(self) -> dict[str, dict[str, int]]:
+        """Operators per iteration of this loader's graph, by device ("cpu", "gpu", "mixed"), as defined
+        on the CPU (`cpu_graph`) and for a GPU (`gpu_graph`, defined without one)."""
+        counts = {}
+        for name, device in (("cpu_graph", "cpu"), ("gpu_graph", "cuda")):
+            pipe, _ = define_pipeline(replace(self.spec, device=device), self.masks, self.info.mean, self.info.std, None)
+            counts[name] = dict(Counter(op.device for op in graph_operators(pipe)[0]))
+        return counts
 
     def _position(self) -> tuple[int, int]:
         return self.order.epoch, self.order.batches_done

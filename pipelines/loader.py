@@ -64,6 +64,7 @@ class LoaderSpec:
     num_workers: int = 2               # CPU threads/processes for decoding and augmentation
     shuffle: bool = True               # False: records in index order (evaluation)
     drop_last: bool = True             # False: the last partial batch is kept (evaluation)
+    limit: int = 0                     # > 0: only records [0, limit) of the split (an evaluation's cap)
     channels_last: bool = False        # views in a channels-last network's memory layout (DALI; others: NCHW)
     decoder: DecoderHints = field(default_factory=DecoderHints)
 
@@ -138,7 +139,7 @@ class EpochOrder:
     """
 
     def __init__(self, spec: LoaderSpec, count: int) -> None:
-        self.spec, self.count = spec, count
+        self.spec, self.count = spec, min(count, spec.limit) if spec.limit > 0 else count
         self.epoch = 0
         self.batches_done = 0          # batches of `epoch` already handed out
 

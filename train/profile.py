@@ -151,6 +151,8 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
                         row["ladder"][step] += loader_bench.time_loader(
                             lambda e, r=r, m=m: make(be, r, m, a.cores, rnd + e), a.batches, a.warmup_batches,
                             1, row["device"], utilisation=util)
+                    if rnd == 0:
+                        row["operators"] = loader_bench.operator_counts(make(be, recipe, mix, a.cores, 0))
                 except Exception as exc:   # a broken backend is reported, never skipped silently
                     row.update(status="failed", error=f"{type(exc).__name__}: {exc}".splitlines()[0],
                                traceback=traceback.format_exc(limit=4))

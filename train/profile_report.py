@@ -16,6 +16,8 @@ import json
 import os
 from pathlib import Path
 
+from pipelines.bench import operator_lines
+
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("profile_schema.json")
 STAGES = ("read", "decode", "crops_resize_rest", "colour", "blur", "mix")
@@ -109,6 +111,7 @@ def markdown(report: dict, charts: bool = True) -> str:
     lines += ["", "| ceiling | recipe | decoder | img/s |", "| --- | --- | --- | ---: |"]
     lines += [f"| {c['kind']} | {c['recipe'] or 'any'} | {c['decoder']} | {_spread(c['img_per_s'])} |"
               for c in report["loader"]["ceilings"]]
+    lines += operator_lines(report["loader"]["rows"])
     lines += ["", "## Training steps", "",
               "| method | device | batch | steps/s (real loader) | steps/s (batch on device) | img/s | data stall "
               "| data wait ms | forward ms | backward ms | optimiser ms | EMA ms | peak MiB |",

@@ -391,31 +391,28 @@ def test_dacl_laws_of_the_graph(shards, device) -> None:
 
 @pytest.mark.gpu
 def test_gpu_graph_views_stay_on_the_device(shards, monkeypatch) -> None:
-    """The GPU graph's views reach the Batch device to device: every view output is a GPU tensor list
-    fed into CUDA tensors, and only the graph's CPU outputs (record, lam, partner) are read on the host."""
+    """The GPU graph's views reach the Batch device to device: every output of the graph is a GPU
+    tensor list fed into CUDA tensors (labels, lam and partners never enter the graph), nothing is
+    copied to the host, and a channels-last spec gets channels-last views without a copy."""
     from nvidia.dali.backend import TensorListGPU
 
     fed, host = [], []
-    real_feed, real_to_torch = dali_backend._feed, dali_backend._to_torch
+    real_feed, real_host = dali_backend._feed, dali_backend._host
 
-    def feed(tls, dev, buffers, k):
+    def feed(tls, dev, buffers, channels_last):
         fed.extend(isinstance(t, TensorListGPU) for t in tls)
-        return real_feed(tls, dev, buffers, k)
-
-    def to_torch(tl):
-        host.append(isinstance(tl, TensorListGPU))
-        return real_to_torch(tl)
+        return real_feed(tls, dev, buffers, channels_last)
 
     monkeypatch.setattr(dali_backend, "_feed", feed)
-    monkeypatch.setattr(dali_backend, "_to_torch", to_torch)
+    monkeypatch.setattr(dali_backend, "_host", lambda tl: host.append(tl) or real_host(tl))
     spec = LoaderSpec(root="", dataset="", split="train", recipe=RELIC, batch_size=8, device="cuda",
-                      mix=MixSpec("sdmp"))
+                      mix=MixSpec("sdmp"), channels_last=True)
     loader = dali_backend.DaliLoader(replace(spec, recipe=with_mix_source(RELIC, spec.mix)), shards)
     batches = list(loader)
     assert len(batches) == N // 8 and all(b.global_views.is_cuda and b.local_views.is_cuda and b.mixed.is_cuda
-                                          and b.mix_lam.is_cuda for b in batches)
-    assert fed and all(fed)                                   # 2 + 2 views and 2 mixes per batch, all on the GPU
-    assert host and not any(host)                             # no GPU output copied to the host
+                                          and b.mix_lam.is_cuda and b.index.is_cuda for b in batches)
+    assert all(b.global_views[0].is_contiguous(memory_format=torch.channels_last) for b in batches)
+    assert fed and all(fed) and not host                      # 2 + 2 views and 2 mixes per batch, all on the GPU
 
 
 def test_plain_dacl_is_linear_mixup_alone(shards, device) -> None:
@@ -425,3 +422,15 @@ def test_plain_dacl_is_linear_mixup_alone(shards, device) -> None:
         x = _pixels(b.global_views[v])
         want = _expected("linear", x, x[b.mix_partner[v]], b.mix_lam[v], None, None)
         assert (_pixels(b.mixed[v]) - want).abs().max() <= 0.5 + 1e-3
+
+
+def test_channels_last_views_are_the_same_views_laid_out_for_the_network(shards, device) -> None:
+    """With `channels_last` the graph writes HWC and the Batch holds a view of that memory: each view is
+    a channels-last (B, 3, S, S) tensor with the values of the CHW run, without a copy."""
+    kw = dict(recipe=RSA, batch_size=8, device=device, seed=6)
+    chw = list(on_host(dali_backend.DaliLoader(LoaderSpec(root="", dataset="", split="train", **kw), shards), device))
+    hwc_loader = dali_backend.DaliLoader(LoaderSpec(root="", dataset="", split="train", channels_last=True, **kw), shards)
+    for a, b in zip(chw, hwc_loader):
+        assert b.global_views.permute(0, 1, 3, 4, 2).is_contiguous()                # (V, B, S, S, 3) memory
+        assert all(b.global_views[v].is_contiguous(memory_format=torch.channels_last) for v in range(2))
+        assert torch.equal(a.global_views, b.global_views.cpu()) and torch.equal(a.weak_views, b.weak_views.cpu())

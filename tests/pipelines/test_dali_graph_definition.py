@@ -65,16 +65,36 @@ def test_gpu_graph_places_every_operator_where_dali_implements_it(preset: str, m
         assert sum(on_cpu.values()) <= budget, f"{sum(on_cpu.values())} CPU operators per iteration"
 
 
-def test_the_gpu_branch_equals_the_cpu_branch_on_the_cpu_graph(tmp_path) -> None:
-    """The colour pass of the GPU graph (the contrast offset added on the device, then rounded) gives
-    the CPU graph's views (the offset as the pass's argument) to within one level."""
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
     from preprocess.prepare import prepare_dataset
 
-    prepare_dataset("synthetic", tmp_path, workers=1, train_size=16, val_size=8, image_px=32, seed=0)
-    info = DatasetInfo.read(tmp_path, "synthetic", "train")
+    root = tmp_path_factory.mktemp("graph")
+    prepare_dataset("synthetic", root, workers=1, train_size=16, val_size=8, image_px=32, seed=0)
+    return root
+
+
+def test_the_loader_reports_its_graphs_operators_for_the_benches(root) -> None:
+    from pipelines.bench import operator_lines
+
+    info = DatasetInfo.read(root, "synthetic", "train")
+    spec = LoaderSpec(root=str(root), dataset="synthetic", split="train", recipe=load_recipe("relicv2", 32, 16),
+                      batch_size=8)
+    counts = DaliLoader(spec, info).operator_counts()
+    _, (ops, _), _ = gpu_graph("relicv2", MixSpec(), False)
+    assert counts["gpu_graph"] == dict(collections.Counter(o.device for o in ops))
+    assert set(counts["cpu_graph"]) == {"cpu"} and counts["cpu_graph"]["cpu"] > counts["gpu_graph"]["cpu"]
+    (line,) = operator_lines([{"backend": "dali", "recipe": "relicv2", "operators": counts}])[1:]
+    assert line.startswith(f"dali operators per iteration, relicv2: GPU graph {counts['gpu_graph']['cpu']} cpu / ")
+
+
+def test_the_gpu_branch_equals_the_cpu_branch_on_the_cpu_graph(root) -> None:
+    """The colour pass of the GPU graph (the contrast offset added on the device, then rounded) gives
+    the CPU graph's views (the offset as the pass's argument) to within one level."""
+    info = DatasetInfo.read(root, "synthetic", "train")
     recipe = load_recipe("byol", 32, 16)
     recipe = replace(recipe, groups=tuple(replace(g, jitter_p=1.0) for g in recipe.groups))   # contrast on every view
-    spec = LoaderSpec(root=str(tmp_path), dataset="synthetic", split="train", recipe=recipe, batch_size=8, seed=3)
+    spec = LoaderSpec(root=str(root), dataset="synthetic", split="train", recipe=recipe, batch_size=8, seed=3)
     cpu = list(DaliLoader(spec, info))
     gpu_branch = list(DaliLoader(spec, info, gpu_branches=True))
     std = torch.tensor(info.std).view(3, 1, 1)
