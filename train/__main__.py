@@ -42,7 +42,7 @@ def evaluate_checkpoint(args: list[str]) -> dict[str, dict[str, float]]:
     cfg = config_from_dict(state["config"], overrides=[a for a in args if not a.startswith("ckpt=")])
     check_same_network(cfg, state["config"], ckpt[-1], "eval rebuilds that network: drop the override")
     check_dataset(cfg)
-    device = select_device(cfg.run.device)
+    device = select_device(cfg.run.device, cfg.run.dist_timeout_min)
     backend = resolve_backend(cfg, device)
     trained = build_online(cfg, device)
     trained.load_state_dict(state["online"])
@@ -121,7 +121,7 @@ def main(argv: list[str]) -> int:
         if argv[:1] == ["eval"]:
             evaluate_checkpoint(argv[1:])
             return 0
-        cfg = load_config(argv)
+        cfg = load_config(argv, world_size=int(os.environ.get("WORLD_SIZE", processes)))
         if "LOCAL_RANK" not in os.environ:  # checked once by the launching process
             preflight(cfg, processes)
             if processes > 1:

@@ -60,6 +60,10 @@ class DataConfig:
     root: str = "data"              # data root folder
     backend: BackendChoice = "auto"  # "torch" | "torchvision" | "ffcv" | "dali"; "auto": ffcv on CPU, dali on GPU
     batch_size: int = 256           # global batch (all ranks together), even per rank
+    batch_per_gpu: int = 0          # > 0: the batch of each process; the global batch is this x processes
+    max_batch_per_gpu: int = 0      # the largest per-process batch the preset says fits one GPU; 0: no limit
+    hw_decoder_load: float = 0.65   # DALI on a GPU: share of the JPEGs for the hardware decoder (A100/H100)
+    decode_size_hint_px: int = 0    # DALI on a GPU: image side the decoder preallocates for; 0: none
     num_workers: int = 2            # decoding/augmentation workers per rank
     num_classes: int = 10           # classes, for kNN / linear-probe evaluation
     mix: MixConfig = field(default_factory=MixConfig)
@@ -92,7 +96,9 @@ class OptimConfig:
     momentum: float = 0.9           # SGD/LARS momentum (AdamW: beta1)
     warmup_steps: int = 100         # linear LR warmup from 0, optimiser steps
     min_lr_ratio: float = 0.0       # final LR as a fraction of the peak LR
-    steps: int = 1000               # optimiser steps of the whole run (the one length unit)
+    steps: int = 1000               # optimiser steps of the whole run
+    epochs: float = 0.0             # > 0: the run's length in passes over the train split (sets `steps`)
+    warmup_epochs: float = 0.0      # > 0: the warmup in passes over the train split (sets `warmup_steps`)
     clip: float = 0.0               # max global grad norm; 0 disables clipping
     ema_start: float = 0.99         # EMA momentum of the target at step 0 (BYOL: cosine to 1)
     ema_end: float = 1.0            # EMA momentum at the last step
@@ -108,6 +114,7 @@ class RunConfig:
     eval_every_epochs: int = 0      # kNN + linear probe every K epochs; 0: only at start and end
     resume: str = ""                # checkpoint file to resume from; "": fresh run
     amp: bool = True                # bf16 autocast (GPU only)
+    dist_timeout_min: float = 30.0  # longest wait of one rank for the others in a collective, minutes
     device: DeviceName = "auto"     # "auto": torchrun's device; "cuda": cuda:<LOCAL_RANK>; "cpu"
     max_eval_samples: int = 0       # cap on train/val samples for evaluation; 0: all
     stop_after_steps: int = 0       # stop with a checkpoint after this step (resumable); 0: run to optim.steps
@@ -313,25 +320,30 @@ def _presets(config_dir: Path) -> list[str]:
     return sorted(p.stem for p in (config_dir / "data").glob("*.yaml"))
 
 
-def load_config(args: list[str], config_dir: Path = CONFIG_DIR) -> Config:
-    """Resolve the config from CLI words `method=... data=... [preset=...] key=value ...`.
+def load_config(args: list[str], config_dir: Path = CONFIG_DIR, world_size: int = 1) -> Config:
+    """Resolve the config from CLI words `method=... data=... [preset=...] key=value ...` for a run of
+    `world_size` processes.
 
     `data=NAME` names the dataset folder `<data.root>/NAME`. Its manifest, when the folder exists,
     gives the derived values; the data preset `configs/data/<preset>.yaml` (`preset=` word, default
     NAME when such a file exists) overrides them. A name with neither a dataset folder nor a preset
-    is an error.
+    is an error. Then `for_world`: a per-GPU batch and a length in epochs become the global batch
+    and the steps of this run. A CLI `data.batch_size` (or `optim.steps`, `optim.warmup_steps`) wins
+    over a preset's `data.batch_per_gpu` (`optim.epochs`, `optim.warmup_epochs`).
 
     Args:
         args: `key=value` strings; `method`, `data` and `preset` pick the presets, the rest are
             dotted overrides.
         config_dir: folder with base.yaml, data/ and method/.
+        world_size: processes of the run (GPUs, or CPU processes under gloo).
 
     Returns:
         The frozen, validated Config.
 
     Raises:
         ConfigError: a malformed word, an unknown key (with the closest valid keys), a bad value, an
-            unknown dataset or preset, or a dataset folder with a missing or damaged manifest.
+            unknown dataset or preset, a dataset folder with a missing or damaged manifest, or a
+            per-GPU batch larger than the preset says fits (`for_world`).
     """
     pairs = _pairs(args)
     picks = dict(p for p in pairs if p[0] in ("method", "data", "preset"))
@@ -369,8 +381,42 @@ def load_config(args: list[str], config_dir: Path = CONFIG_DIR) -> Config:
         if key in ("method", "data", "preset"):
             continue
         _merge(tree, _dotted_to_nested(key, value), Config)
+    for explicit, preset in (("data.batch_size", "data.batch_per_gpu"), ("optim.steps", "optim.epochs"),
+                             ("optim.warmup_steps", "optim.warmup_epochs")):
+        if explicit in cli and preset not in cli:        # the user's own number over the preset's rule
+            section, key = preset.split(".")
+            tree.setdefault(section, {})[key] = 0
     objective = build_objective_config(method, tree.pop("objective", {}))
-    return dataclasses.replace(_build(Config, tree), objective=objective)
+    cfg = dataclasses.replace(_build(Config, tree), objective=objective)
+    return for_world(cfg, world_size, int(manifest.counts.get("train", 0)) if manifest is not None else 0)
+
+
+def for_world(cfg: Config, world_size: int, train_size: int) -> Config:
+    """`cfg` as `world_size` processes run it: with `data.batch_per_gpu` the global batch is that times
+    the processes (the learning rate scales with it, `schedules.scaled_lr`); with `optim.epochs` /
+    `optim.warmup_epochs` the steps are those passes over `train_size` records at that batch.
+
+    Epochs need the train split's size from the dataset's manifest; without one (`train_size` 0: a
+    preset read before its dataset is written, e.g. by `python -m train.memory`) the steps keep their
+    values, and training stops at its dataset check anyway.
+
+    Raises:
+        ConfigError: a per-process batch above the preset's `data.max_batch_per_gpu`.
+    """
+    d, o = cfg.data, cfg.optim
+    batch = d.batch_per_gpu * world_size if d.batch_per_gpu > 0 else d.batch_size
+    per_process = batch // max(world_size, 1)
+    if d.max_batch_per_gpu and per_process > d.max_batch_per_gpu:
+        raise ConfigError(f"a batch of {per_process} per GPU is more than the {d.max_batch_per_gpu} that fit one 80 GB "
+                          f"GPU with this preset (train/configs/data/{d.name}.yaml); set "
+                          f"data.batch_per_gpu={d.max_batch_per_gpu} or less, with more GPUS for a larger global batch")
+    steps, warmup = o.steps, o.warmup_steps
+    if train_size > 0 and (o.epochs > 0 or o.warmup_epochs > 0):
+        steps_per_epoch = max(1, train_size // batch)
+        steps = max(1, round(o.epochs * steps_per_epoch)) if o.epochs > 0 else steps
+        warmup = round(o.warmup_epochs * steps_per_epoch) if o.warmup_epochs > 0 else warmup
+    return dataclasses.replace(cfg, data=dataclasses.replace(d, batch_size=batch),
+                               optim=dataclasses.replace(o, steps=steps, warmup_steps=warmup))
 
 
 def _pairs(words: Sequence[str]) -> list[tuple[str, str]]:

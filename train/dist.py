@@ -7,6 +7,7 @@ so objectives and the loop run unchanged in tests on one CPU process.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -30,24 +31,29 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def init_from_env(use_cuda: bool | None = None) -> torch.device:
+def init_from_env(use_cuda: bool | None = None, timeout_min: float = 30.0) -> torch.device:
     """Join the process group that torchrun describes in the environment, if any.
+
+    The GPU is set before the group is made and named to it (`device_id`), so that NCCL binds its
+    communicator to this rank's GPU at once instead of guessing one at the first collective; the
+    timeout is explicit: the longest any collective waits for the other ranks before the run stops.
 
     Args:
         use_cuda: train on the GPU; None: when CUDA is present.
+        timeout_min: the process group's timeout, minutes.
 
     Returns:
         The device this process trains on: `cuda:<LOCAL_RANK>` with NCCL when `use_cuda`, else CPU
         with gloo.
     """
     use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not is_distributed():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+        torch.cuda.set_device(device)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not is_distributed():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(minutes=timeout_min),
+                                device_id=device if use_cuda else None)
+    return device
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -88,6 +94,31 @@ def gather_nograd(x: Tensor) -> Tensor:
     parts = [torch.empty_like(x) for _ in range(world_size())]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=0)                            # (M, ...)
+
+
+@torch.no_grad()
+def gather_rows(x: Tensor) -> Tensor:
+    """Concatenate `x` from all ranks along dim 0, in rank order, when ranks hold different numbers of
+    rows (the shards of an evaluation split); `x` itself in a single process.
+
+    Args:
+        x: (N_rank, ...) tensor on this rank's device (NCCL: a GPU), the same trailing shape and
+            dtype on every rank.
+
+    Returns:
+        (sum of N_rank, ...) on every rank.
+    """
+    if not is_distributed():
+        return x
+    n = torch.tensor([x.shape[0]], device=x.device)
+    sizes = [torch.empty_like(n) for _ in range(world_size())]
+    dist.all_gather(sizes, n)
+    most = int(max(int(s) for s in sizes))
+    padded = torch.zeros((most, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    padded[:x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(world_size())]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[:int(k)] for p, k in zip(parts, sizes)], dim=0)          # (M, ...)
 
 
 def broadcast_object(obj):

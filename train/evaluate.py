@@ -18,8 +18,6 @@ rather than DINO's SGD-trained linear layer on augmented crops: deterministic an
 
 from __future__ import annotations
 
-import itertools
-import math
 from typing import Iterable
 
 import torch
@@ -31,6 +29,7 @@ from pipelines.loader import LoaderSpec, build_loader
 from pipelines.views import load_recipe
 from train import dist
 from train.config import Config
+from train.setup import channels_last, decoder_hints
 
 
 def _check_split(feats: Tensor, labels: Tensor, num_classes: int, split: str) -> None:
@@ -45,8 +44,8 @@ def _check_split(feats: Tensor, labels: Tensor, num_classes: int, split: str) ->
 
 
 @torch.no_grad()
-def extract_features(backbone: nn.Module, batches: Iterable[Batch],
-                     device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
+def extract_features(backbone: nn.Module, batches: Iterable[Batch], device: torch.device | str,
+                     view_px: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Backbone features of the first global view of every batch, in eval mode, without grad.
 
     The backbone's train/eval mode is restored afterwards.
@@ -55,12 +54,14 @@ def extract_features(backbone: nn.Module, batches: Iterable[Batch],
         backbone: (B, 3, H, W) -> (B, F) module, already on `device`.
         batches: Batch objects with labels (recipe `plain`, no shuffling).
         device: where the backbone runs.
+        view_px: the views' side; given, no batches at all (a rank whose shard is empty) give empty
+            features of the backbone's width instead of an error.
 
     Returns:
         (feats (N, F) float32 on CPU, labels (N,) int64 on CPU, index (N,) int64 on CPU).
 
     Raises:
-        ValueError: a batch without labels, or no batches at all.
+        ValueError: a batch without labels, or no batches at all (without `view_px`).
     """
     was_training = backbone.training
     backbone.eval()
@@ -73,6 +74,9 @@ def extract_features(backbone: nn.Module, batches: Iterable[Batch],
             feats.append(backbone(x).float().cpu())                    # (B, F) sync: once per batch
             labels.append(batch.label.cpu().long())
             index.append(batch.index.cpu().long())
+        if not feats and view_px is not None:        # an empty shard: no rows, the backbone's width
+            width = backbone(torch.zeros(1, 3, view_px, view_px, device=device)).shape[1]
+            feats, labels, index = [torch.zeros(0, width)], [torch.zeros(0, dtype=torch.long)], [torch.zeros(0, dtype=torch.long)]
     finally:
         backbone.train(was_training)
     if not feats:
@@ -196,9 +200,12 @@ def evaluate(backbone: nn.Module, train_batches: Iterable[Batch], val_batches: I
 
 
 def evaluate_backbone(cfg: Config, backbone: nn.Module, backend: str, device: torch.device) -> dict[str, float]:
-    """`evaluate` of `backbone` on the data of `cfg`, on rank 0 (train -> val split, `plain` views).
+    """`evaluate` of `backbone` on the data of `cfg` (train -> val split, `plain` views), on every rank.
 
-    Every rank calls it (it ends with a barrier); the other ranks wait and receive rank 0's result.
+    Every rank extracts the features of its shard of each split (index order, `run.max_eval_samples`
+    records at most), the features are gathered to every rank, and every rank fits and scores kNN and
+    the probe on the same features. Both are deterministic, so every rank gets the same result, and
+    no rank waits for work of another beyond its share of the extraction.
 
     Args:
         cfg: the run's config (data, views.global_px, run.seed, run.max_eval_samples).
@@ -209,18 +216,21 @@ def evaluate_backbone(cfg: Config, backbone: nn.Module, backend: str, device: to
     Returns:
         {"knn_top1": accuracy in [0, 1], "linear_top1": accuracy in [0, 1]}, the same on every rank.
     """
-    result = {"knn_top1": math.nan, "linear_top1": math.nan}
-    if dist.is_main():
-        plain = load_recipe("plain", cfg.views.global_px, cfg.views.local_px)
-        batch = cfg.data.batch_size // dist.world_size()
-        cap = math.ceil(cfg.run.max_eval_samples / batch) if cfg.run.max_eval_samples else None
+    plain = load_recipe("plain", cfg.views.global_px, cfg.views.local_px)
+    world, rank = dist.world_size(), dist.rank()
 
-        def batches(split: str):
-            spec = LoaderSpec(root=cfg.data.root, dataset=cfg.data.name, split=split, recipe=plain,
-                              batch_size=batch, seed=cfg.run.seed, device=str(device),
-                              num_workers=cfg.data.num_workers, shuffle=False, drop_last=False)
-            return itertools.islice(build_loader(backend, spec), cap)
+    def features(split: str) -> tuple[Tensor, Tensor]:
+        spec = LoaderSpec(root=cfg.data.root, dataset=cfg.data.name, split=split, recipe=plain,
+                          batch_size=cfg.data.batch_size // world, rank=rank, world_size=world, seed=cfg.run.seed,
+                          device=str(device), num_workers=cfg.data.num_workers, shuffle=False, drop_last=False,
+                          limit=cfg.run.max_eval_samples, channels_last=channels_last(cfg, device),
+                          decoder=decoder_hints(cfg))
+        f, y, i = extract_features(backbone, build_loader(backend, spec), device, plain.global_px)
+        f, y, i = (dist.gather_rows(t.to(device)).cpu() for t in (f, y, i))   # NCCL gathers device tensors
+        order = i.argsort()
+        return f[order], y[order]
 
-        result = evaluate(backbone, batches("train"), batches("val"), cfg.data.num_classes, device)
-    dist.barrier()
-    return dist.broadcast_object(result)
+    tr_f, tr_y = features("train")
+    va_f, va_y = features("val")
+    return {"knn_top1": knn_top1(tr_f, tr_y, va_f, va_y, cfg.data.num_classes),
+            "linear_top1": linear_probe_top1(tr_f, tr_y, va_f, va_y, cfg.data.num_classes)}

@@ -32,7 +32,7 @@ class NonFiniteLossError(RuntimeError):
 def train(cfg: Config) -> Path:
     """Train `cfg.method` on `cfg.data`; returns the run folder (config.yaml, metrics.jsonl, TensorBoard
     events, checkpoint.pt, backbone.pt, backbone.safetensors)."""
-    device = select_device(cfg.run.device)
+    device = select_device(cfg.run.device, cfg.run.dist_timeout_min)
     backend = resolve_backend(cfg, device)
     world, rank = dist.world_size(), dist.rank()
     state = resume_state(cfg)                        # checked before any write

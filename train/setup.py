@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from models.ema import make_target
 from models.multicrop import build_model
-from pipelines.loader import Loader, LoaderSpec, auto_backend, build_loader
+from pipelines.loader import DecoderHints, Loader, LoaderSpec, auto_backend, build_loader
 from pipelines.mixing import MixSpec
 from pipelines.views import Recipe, load_recipe
 from train import checkpoint, dist
@@ -26,8 +26,10 @@ from train.objectives.base import Objective
 from train.optim import build_optimizer
 
 
-def select_device(name: str) -> torch.device:
-    """The device of `run.device` ("auto", "cpu" or "cuda"), after joining the torchrun group (if any).
+def select_device(name: str, timeout_min: float = 30.0) -> torch.device:
+    """The device of `run.device` ("auto", "cpu" or "cuda"), after joining the torchrun group (if any,
+    with `timeout_min`: `run.dist_timeout_min`). On a GPU, cuDNN picks the fastest convolution
+    algorithms for the run's fixed shapes (`cudnn.benchmark`).
 
     "auto" is `cuda:<LOCAL_RANK>` when CUDA is present, else the CPU; "cuda" is `cuda:<LOCAL_RANK>`.
 
@@ -36,7 +38,10 @@ def select_device(name: str) -> torch.device:
     """
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("run.device=cuda but torch sees no CUDA device; use run.device=auto or run.device=cpu")
-    return dist.init_from_env(use_cuda=None if name == "auto" else name == "cuda")
+    device = dist.init_from_env(use_cuda=None if name == "auto" else name == "cuda", timeout_min=timeout_min)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    return device
 
 
 def resolve_backend(cfg: Config, device: torch.device) -> str:
@@ -132,7 +137,19 @@ def build_train_loader(cfg: Config, recipe: Recipe, backend: str, device: torch.
     return build_loader(backend, LoaderSpec(
         root=cfg.data.root, dataset=cfg.data.name, split="train", recipe=recipe,
         batch_size=cfg.data.batch_size // world, mix=mix_spec(cfg), rank=dist.rank(), world_size=world,
-        seed=cfg.run.seed, device=str(device), num_workers=cfg.data.num_workers))
+        seed=cfg.run.seed, device=str(device), num_workers=cfg.data.num_workers,
+        channels_last=channels_last(cfg, device), decoder=decoder_hints(cfg)))
+
+
+def channels_last(cfg: Config, device: torch.device) -> bool:
+    """Whether the network runs channels-last (on a GPU, `model.channels_last`): the loader then lays
+    its views out that way."""
+    return device.type == "cuda" and cfg.model.channels_last
+
+
+def decoder_hints(cfg: Config) -> DecoderHints:
+    """The GPU JPEG decoder's settings of `cfg.data`."""
+    return DecoderHints(hw_load=cfg.data.hw_decoder_load, size_hint_px=cfg.data.decode_size_hint_px)
 
 
 def build_online(cfg: Config, device: torch.device) -> nn.Module:
@@ -140,7 +157,7 @@ def build_online(cfg: Config, device: torch.device) -> nn.Module:
     m = cfg.model
     online = build_model(m.backbone, cfg.views.global_px, m.proj_hidden, m.proj_out, m.pred_hidden,
                          m.proj_layers, m.bn_per_view).to(device)
-    if device.type == "cuda" and m.channels_last:
+    if channels_last(cfg, device):
         online = online.to(memory_format=torch.channels_last)
     return online
 
@@ -195,9 +212,13 @@ def build_parts(cfg: Config, device: torch.device, backend: str) -> Parts:
     online = build_online(cfg, device)
     if dist.world_size() > 1:
         # SyncBatchNorm needs CUDA; on CPU/gloo each rank normalises with its own batch statistics.
-        if device.type == "cuda":
+        sync_bn = device.type == "cuda"
+        if sync_bn:
             online = nn.SyncBatchNorm.convert_sync_batchnorm(online)
-        online = DistributedDataParallel(online, device_ids=[device.index] if device.type == "cuda" else None)
+        # Under SyncBatchNorm the running statistics are already the same on every rank: DDP's
+        # broadcast of rank 0's buffers before each forward would be a wasted collective.
+        online = DistributedDataParallel(online, device_ids=[device.index] if sync_bn else None,
+                                         broadcast_buffers=not sync_bn)
     target = make_target(dist.unwrap(online)) if objective.needs.target else None
     return Parts(
         objective=objective, loader=loader, online=online, target=target,

@@ -214,9 +214,12 @@ def test_every_data_preset_sets_every_derived_value(preset: str) -> None:
     from train.config import DERIVED_KEYS
 
     tree = yaml.safe_load((ROOT / "train" / "configs" / "data" / f"{preset}.yaml").read_text())
+    instead = {"data.batch_size": "data.batch_per_gpu", "optim.steps": "optim.epochs",
+               "optim.warmup_steps": "optim.warmup_epochs"}          # what sets them per run instead
     for key in DERIVED_KEYS:
         section, name = key.split(".")
-        assert name in tree.get(section, {}), key
+        other = instead.get(key, key).split(".")[1]
+        assert name in tree.get(section, {}) or other in tree.get(section, {}), key
 
 
 def test_unknown_or_unusable_datasets_are_one_line_errors(tmp_path) -> None:
@@ -230,3 +233,27 @@ def test_unknown_or_unusable_datasets_are_one_line_errors(tmp_path) -> None:
     write_manifest(tmp_path, "empty", train=1, px=64)
     with pytest.raises(ConfigError, match=r"'empty' has 1 train images.*re-run make preprocess"):
         load_config(["method=rsa", "data=empty", f"data.root={tmp_path}"])
+
+
+@pytest.mark.parametrize("world", [1, 8, 64])
+def test_the_imagenet_preset_is_a_per_gpu_batch_that_fits_on_any_number_of_gpus(tmp_path, world: int) -> None:
+    """256 images per GPU for every method (what `python -m train.memory` estimates to fit 80 GB: 342 for
+    relicv2's six views, 718 for the two-view methods); the global batch, the scaled lr and the steps
+    follow the number of GPUs, the length stays 1000 epochs."""
+    from train.schedules import scaled_lr
+
+    write_manifest(tmp_path, "imagenet", train=1_281_167, px=500, classes=1000)
+    for method in ("relicv2", "byol", "sdmp"):
+        cfg = load_config([f"method={method}", "data=imagenet", f"data.root={tmp_path}"], world_size=world)
+        assert cfg.data.batch_size == 256 * world and cfg.data.batch_size // world == 256
+        assert scaled_lr(cfg.optim.lr, cfg.data.batch_size) == pytest.approx(0.2 * world)
+        steps_per_epoch = 1_281_167 // (256 * world)
+        assert (cfg.optim.steps, cfg.optim.warmup_steps) == (1000 * steps_per_epoch, 10 * steps_per_epoch)
+    with pytest.raises(ConfigError, match=r"a batch of 512 per GPU is more than the 342 .*data.batch_per_gpu=342 or less"):
+        load_config(["method=relicv2", "data=imagenet", f"data.root={tmp_path}", "data.batch_per_gpu=512"], world_size=world)
+    assert load_config(["method=byol", "data=imagenet", f"data.root={tmp_path}", "data.batch_per_gpu=512"],
+                       world_size=world).data.batch_size == 512 * world
+    # The user's own global batch and steps win over the preset's per-GPU batch and epochs.
+    own = load_config(["method=byol", "data=imagenet", f"data.root={tmp_path}", f"data.batch_size={128 * world}",
+                       "optim.steps=77"], world_size=world)
+    assert (own.data.batch_size, own.optim.steps) == (128 * world, 77)

@@ -90,3 +90,78 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(method: str, tmp_path) -
             assert torch.allclose(r["target"][name].float(), value.float(), rtol=1e-5, atol=1e-6), name
     for name, value in ranks[0]["target"].items():
         assert torch.equal(value, ranks[1]["target"][name]), name    # targets identical across ranks
+
+
+def eval_result(words: list[str]) -> dict:
+    """kNN + probe of a fixed random-init backbone, evaluated by this process (and its peers, if any),
+    and the number of feature rows this process extracted itself, per split."""
+    from train import evaluate
+    from train.config import load_config
+    from train.setup import build_online
+
+    cfg = load_config(words, world_size=tdist.get_world_size() if tdist.is_initialized() else 1)
+    torch.manual_seed(5)
+    backbone = build_online(cfg, torch.device("cpu")).backbone
+    rows, extract = [], evaluate.extract_features
+
+    def counted(*args, **kw):
+        out = extract(*args, **kw)
+        rows.append(out[0].shape[0])
+        return out
+
+    evaluate.extract_features = counted
+    try:
+        return {**evaluate.evaluate_backbone(cfg, backbone, "torch", torch.device("cpu")), "rows": rows}
+    finally:
+        evaluate.extract_features = extract
+
+
+def eval_worker(rank: int, world: int, port: int, words: list[str], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.save(eval_result(words), os.path.join(out_dir, f"eval{rank}.pt"))
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.mark.ddp
+def test_evaluation_on_two_ranks_equals_one_process(tiny_args, tmp_path) -> None:
+    """Each rank extracts its shard (27 records of each split, the cap of run.max_eval_samples: 13 and
+    14 per rank), the features are gathered, and every rank scores the same kNN and probe as one
+    process on the whole splits: no rank waits idle while another evaluates."""
+    torch.set_num_threads(1)
+    words = tiny_args("byol", tmp_path, "run.max_eval_samples=27")
+    single = eval_result(words)
+    assert single.pop("rows") == [27, 27]
+    mp.spawn(eval_worker, args=(2, free_port(), words, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"eval{r}.pt", weights_only=True) for r in range(2)]
+    assert [r.pop("rows") for r in ranks] == [[13, 13], [14, 14]]    # each rank its share, no rank idle
+    assert ranks == [single, single]
+
+
+def test_the_gpu_is_set_before_the_process_group_that_names_it_with_the_run_s_timeout(monkeypatch) -> None:
+    """NCCL binds its communicator to the device named at init; the timeout is `run.dist_timeout_min`,
+    not NCCL's 10-minute default (a CPU machine records the calls instead of making them)."""
+    from datetime import timedelta
+
+    from train import dist
+
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(tdist, "init_process_group", lambda **kw: calls.append(("init_process_group", kw)))
+    monkeypatch.setattr(dist, "is_distributed", lambda: False)
+    assert dist.init_from_env(use_cuda=True, timeout_min=45.0) == torch.device("cuda", 3)
+    assert calls == [("set_device", torch.device("cuda", 3)),
+                     ("init_process_group", {"backend": "nccl", "timeout": timedelta(minutes=45),
+                                             "device_id": torch.device("cuda", 3)})]
+
+
+def test_training_on_a_gpu_lets_cudnn_pick_its_algorithms(monkeypatch) -> None:
+    from train import dist, setup
+
+    monkeypatch.setattr(dist, "init_from_env", lambda use_cuda, timeout_min: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    assert setup.select_device("auto") == torch.device("cuda", 0) and torch.backends.cudnn.benchmark
