@@ -50,7 +50,7 @@ from train.bench import in_fresh_process, peak_memory_mb, sync, time_steps
 from train.config import ConfigError, load_config, to_dict
 from train.loop import STEP_PHASES, epochs_from, phase, train_step
 from train.objectives import OBJECTIVES
-from train.setup import build_parts, resolve_backend, select_device
+from train.setup import build_parts, mix_spec, resolve_backend, select_device
 
 RECIPES = "relicv2,rsa,byol+sdmp"
 
@@ -75,12 +75,14 @@ def worker_counts(cores: int) -> list[int]:
 
 
 def recipe_cell(name: str, gpx: int, lpx: int) -> tuple[Recipe, MixSpec]:
-    """`relicv2` or `byol+sdmp`: a recipe preset and an optional intra-batch mix kind."""
+    """`relicv2` or `byol+sdmp`: a recipe preset and an optional intra-batch mix, with the settings of
+    the method of that name (`sdmp`: Beta(1, 1) on the global views; `dacl`: U(0.9, 1) on the image)."""
     recipe, _, mix = name.partition("+")
     if mix and mix not in MIX_KINDS:
         raise ProfileError(f"unknown mix {mix!r} in recipe {name!r}; write <recipe>+<mix> with a mix from "
                            f"{', '.join(k for k in MIX_KINDS if k != 'none')}")
-    return load_recipe(recipe, gpx, lpx), MixSpec(kind=mix or "none")
+    spec = mix_spec(load_config([f"method={mix}", "data=synthetic"])) if mix else MixSpec()
+    return load_recipe(recipe, gpx, lpx), spec
 
 
 # ----------------------------------------------------------------------------- 1. loader
