@@ -29,7 +29,8 @@ SPLITS = ("train", "val")
 
 # Record fields (one record = one source image).
 IMAGE = "image"             # uint8 HWC RGB
-LABEL = "label"             # int, 0 <= label < num_classes
+LABEL = "label"             # int, 0 <= label < num_classes, or NO_LABEL in an unlabelled dataset
+NO_LABEL = -1
 INDEX = "index"             # int, position of the record in its split, 0 <= index < count
 MASK = "mask"               # uint8 HW {0, 255}, same geometry as the stored image; saliency mask
 COVERAGE = "coverage"       # float32, fraction of mask pixels >= 128; NO_MASK_COVERAGE when absent
@@ -100,8 +101,8 @@ class DatasetError(ValueError):
 class Manifest:
     """`manifest.json`: what a dataset folder holds; written by `preprocess`, read by every loader.
 
-    `to_json` / `from_json` are the only code that knows the JSON layout; `num_classes` is written
-    into the JSON too (for other tools) but derived from `class_names` here.
+    `to_json` / `from_json` are the only code that knows the JSON layout; `num_classes` and `labelled`
+    are written into the JSON too (for other tools) but derived from `class_names` here.
     """
 
     schema_version: int                    # SCHEMA_VERSION of the writer
@@ -131,10 +132,17 @@ class Manifest:
     def num_classes(self) -> int:
         return len(self.class_names)
 
+    @property
+    def labelled(self) -> bool:
+        """Whether the records carry class labels (an unlabelled dataset has no classes and every
+        label is NO_LABEL)."""
+        return self.num_classes > 0
+
     def to_json(self) -> bytes:
-        """The manifest file's bytes (indented JSON, keys in field order, `num_classes` added)."""
+        """The manifest file's bytes (indented JSON, keys in field order, `num_classes` and `labelled`
+        added)."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["num_classes"] = self.num_classes
+        d["num_classes"], d["labelled"] = self.num_classes, self.labelled
         return (json.dumps(d, indent=1) + "\n").encode()
 
     @classmethod

@@ -37,7 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line; see the module docstring."""
     p = _Parser(prog="python -m preprocess", description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="synthetic", help=f"one of {', '.join(SOURCES)} (default synthetic)")
-    p.add_argument("--src", type=Path, help="source folder (CIFAR batches or SRC/train|val/<class>/)")
+    p.add_argument("--src", type=Path, help="source: CIFAR batches, SRC/train|val/<class>/, any folder of images "
+                   "or a file listing image paths")
     p.add_argument("--out", type=Path, default=Path("data"), help="data root (default data)")
     p.add_argument("--name", help="dataset folder name under --out (default: the dataset)")
     p.add_argument("--force", action="store_true",

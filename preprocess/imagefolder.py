@@ -1,4 +1,11 @@
-"""The `imagefolder` source: `SRC/train/<class>/*`, `SRC/val/<class>/*` (ImageNet, ImageNet-100, ...).
+"""The `imagefolder` source: labelled `SRC/train/<class>/*`, `SRC/val/<class>/*` (ImageNet, ImageNet-100,
+...), or unlabelled: any folder of images searched recursively, or a text file listing image paths.
+
+Layouts (`list_images`, `--labels auto|folders|none`): `folders` is the labelled layout, one
+sub-folder per class in train/ and val/; `none` takes every image under SRC (or every path the list
+file names, relative to the file's folder) with no label (`schema.NO_LABEL`): the images under
+`SRC/val/` are the val split when that folder exists, else a seeded random share of the images is
+held out (`--val-fraction`, `held_out`). `auto` is `folders` when SRC has a train/ folder, else `none`.
 
 Colour policy (any image PIL can read becomes uint8 RGB):
 - EXIF orientation is applied (`ImageOps.exif_transpose`), so pixels are stored upright.
@@ -19,15 +26,22 @@ extension are ignored. The folder is written in one streamed pass by `preprocess
 from __future__ import annotations
 
 import io
+import math
+import os
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps
 
+from pipelines import schema
+
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm",
                     ".pbm", ".jfif")
 SIDES = ("longer", "shorter")
+LABELS = ("auto", "folders", "none")
+VAL_FRACTION = 0.01                # unlabelled folders without val/: the share held out for monitoring
+VAL_MIN = 500                      # ... but at least this many when the folder has 10x as many
 _ORIENTATION = 0x0112              # the EXIF orientation tag
 
 
@@ -169,3 +183,84 @@ def list_image_folder(src: Path, class_list: Path | None) -> tuple[list[str], di
                                    f"{src / split}/<class>/<images>")
         files[split] = out
     return names, files
+
+
+def held_out(n: int, fraction: float) -> int:
+    """How many of `n` unlabelled images are held out as the val split: `fraction` of them, at least
+    `VAL_MIN` when the folder has ten times as many (a monitoring set large enough to be stable), and
+    at least one; the train split keeps the rest."""
+    return min(n - 1, max(1, round(fraction * n), min(VAL_MIN, n // 10)))
+
+
+def _images_under(root: Path, skip: Path | None = None) -> list[str]:
+    """Every image file under `root`, recursively (following no symlinked folder twice), sorted;
+    without the folder `skip`."""
+    found = []
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        if skip is not None and Path(folder) == skip:
+            dirs[:] = []
+            continue
+        dirs.sort()
+        found += [os.path.join(folder, n) for n in names if Path(n).suffix.lower() in IMAGE_EXTENSIONS]
+    return sorted(found)
+
+
+def list_unlabelled(src: Path, val_fraction: float, seed: int) -> dict[str, list[tuple[str, int]]]:
+    """The splits of an unlabelled source: every image of a folder (recursively), or every path of a
+    list file; `SRC/val/` is the val split when it exists, else `held_out` images drawn with `seed`.
+
+    Returns:
+        {split: [(path, schema.NO_LABEL), ...]}, each sorted by path.
+
+    Raises:
+        ImageFolderError: no images, a list naming missing files, or too few images to hold some out.
+    """
+    if src.is_file():
+        lines = [ln.strip() for ln in src.read_text().splitlines()]
+        paths = [str((src.parent / ln).resolve()) for ln in lines if ln and not ln.startswith("#")]
+        missing = [p for p in paths if not Path(p).is_file()]
+        if missing:
+            raise ImageFolderError(f"{len(missing)} of the {len(paths)} files {src} lists do not exist "
+                                   f"(first: {missing[0]}): fix the list (paths relative to its folder)")
+        train, val = sorted(set(paths)), []
+        where = f"list {src}"
+    else:
+        val_dir = src / "val"
+        val = _images_under(val_dir) if val_dir.is_dir() else []
+        train = _images_under(src, skip=val_dir if val_dir.is_dir() else None)
+        where = f"folder {src}"
+    if not train:
+        raise ImageFolderError(f"{where} holds no images ({', '.join(IMAGE_EXTENSIONS[:4])}, ...): point --src "
+                               "at a folder of images (searched recursively) or a file listing image paths")
+    if not val:
+        if len(train) < 2:
+            raise ImageFolderError(f"{where} holds 1 image: at least 2 are needed (one to train on, one held out)")
+        k = held_out(len(train), val_fraction)
+        pick = set(np.random.default_rng(seed).permutation(len(train))[:k].tolist())
+        val = [p for i, p in enumerate(train) if i in pick]
+        train = [p for i, p in enumerate(train) if i not in pick]
+    return {"train": [(p, schema.NO_LABEL) for p in train], "val": [(p, schema.NO_LABEL) for p in sorted(val)]}
+
+
+def list_images(src: Path, labels: str, class_list: Path | None, val_fraction: float, seed: int
+                ) -> tuple[list[str], dict[str, list[tuple[str, int]]]]:
+    """The class names and splits of an image source in the layout `labels` names (module docstring).
+
+    Returns:
+        (class names, {split: [(path, label), ...]}): no class names and `schema.NO_LABEL` everywhere
+        for an unlabelled source.
+
+    Raises:
+        ImageFolderError: see `list_image_folder` and `list_unlabelled`.
+    """
+    if labels == "auto":
+        labels = "folders" if src.is_dir() and (src / "train").is_dir() else "none"
+    if labels == "folders":
+        if src.is_file():
+            raise ImageFolderError(f"{src} is a file: a labelled source is a folder SRC/train/<class>/*; "
+                                   "use --labels none for a list of image paths")
+        return list_image_folder(src, class_list)
+    if class_list is not None:
+        raise ImageFolderError("--class-list picks classes of a labelled folder; drop it for unlabelled images "
+                               "(--labels none) or lay the folder out as SRC/train/<class>/*")
+    return [], list_unlabelled(src, val_fraction, seed)

@@ -277,12 +277,13 @@ def _write_folder(listing: ListedSource, staging: Path, plan: dict, engine, *, s
                 c.cancel()
     timings.update(res.seconds)
     known.update(res.checksums)
+    base = listing.src if listing.src.is_dir() else listing.src.parent       # a list file: its folder
     build.update(engine=engine.name, resumed_units=res.reused,
                  cpu_seconds={k: round(v, 3) for k, v in res.cpu_seconds.items()})
     return PreparedSource(splits=res.splits, params=listing.params, class_names=listing.class_names,
                           image_px=res.image_px, mean=res.mean, std=res.std,
                           size_policy={"side": listing.policy["side"], "max_side_px": listing.policy["max_side"]},
-                          skipped=tuple({**x, "path": os.path.relpath(x["path"], listing.src)} for x in res.skipped),
+                          skipped=tuple({**x, "path": os.path.relpath(x["path"], base)} for x in res.skipped),
                           stored=res.stored)
 
 
@@ -438,7 +439,7 @@ def summary(dataset_dir: Path) -> str:
     size = sum(f["bytes"] for f in m.files.values())
     secs = m.build.get("seconds", {})
     lines = [f"{m.dataset} ({m.source}): " + ", ".join(f"{k} {v}" for k, v in m.counts.items())
-             + f" images, {m.num_classes} classes, {m.image_mode} {m.image_px} px, masks "
+             + f" images, {f'{m.num_classes} classes' if m.labelled else 'no labels'}, {m.image_mode} {m.image_px} px, masks "
              + ("yes" if m.has_masks else "no")]
     by_kind: dict[str, list[int]] = {}
     for rel, f in m.files.items():

@@ -3,7 +3,8 @@
     SOURCES["synthetic"]     generated from a seed, with exact foreground masks (preprocess/synthetic.py)
     SOURCES["cifar10"]       --src: the official python-version batches (preprocess/cifar.py)
     SOURCES["cifar100"]      --src: the same, fine labels
-    SOURCES["imagefolder"]   --src: SRC/train|val/<class>/* (preprocess/imagefolder.py)
+    SOURCES["imagefolder"]   --src: SRC/train|val/<class>/*, or unlabelled: any folder of images or a
+                             file listing image paths (preprocess/imagefolder.py)
 
 `Source.prepare` checks the parameters and the source folder. A source held in memory (synthetic,
 CIFAR) is then made or read in one parallel pass per split (mean/std, ground-truth masks) and
@@ -43,7 +44,7 @@ class Param:
 
     name: str                                  # keyword, manifest `params` key and argparse dest
     default: Any
-    type: type = int                           # int | str | Path | bool (bool: a flag, default False)
+    type: type = int                           # int | float | str | Path | bool (bool: a flag, default False)
     help: str | None = None                    # CLI help
     choices: tuple[str, ...] | None = None     # the CLI accepts only these
 
@@ -96,6 +97,7 @@ class Source:
     name: str
     read: Callable[..., PreparedSource]
     needs_src: bool = False                    # --src is required and must be a readable folder
+    src_file_ok: bool = False                  # ... or a readable file (a list of image paths)
     params: tuple[Param, ...] = ()
     check: Callable[[dict], None] = _no_check  # raises PreprocessError on a bad parameter value
 
@@ -133,17 +135,21 @@ class Source:
         """
         resolved = self.resolve(params)
         if self.needs_src:
-            src = _check_src(self.name, src)
+            src = _check_src(self.name, src, self.src_file_ok)
         return self.read(src, resolved, workers=workers, progress=progress)
 
 
-def _check_src(dataset: str, src: Path | None) -> Path:
+def _check_src(dataset: str, src: Path | None, file_ok: bool = False) -> Path:
     if src is None:
         raise PreprocessError(f"--src is required for {dataset}: pass the folder holding the data")
     src = Path(src)
     if not src.exists():
         raise PreprocessError(f"source path {src} does not exist: pass --src with the folder holding "
                               f"the {dataset} data")
+    if file_ok and src.is_file():
+        if not os.access(src, os.R_OK):
+            raise PreprocessError(f"source file {src} is not readable: fix its permissions (chmod u+r)")
+        return src
     if not src.is_dir():
         raise PreprocessError(f"source path {src} is not a folder: pass --src with the folder holding "
                               f"the {dataset} data")
@@ -250,11 +256,16 @@ def _check_imagefolder(p: dict) -> None:
         raise PreprocessError(f"unknown --side {p['side']!r}; use one of {', '.join(imagefolder.SIDES)}")
     if int(p["max_side"]) < 0:
         raise PreprocessError(f"--max-side must be >= 0 (0: keep the size), got {p['max_side']}")
+    if p["labels"] not in imagefolder.LABELS:
+        raise PreprocessError(f"unknown --labels {p['labels']!r}; use one of {', '.join(imagefolder.LABELS)}")
+    if not 0 < float(p["val_fraction"]) <= 0.5:
+        raise PreprocessError(f"--val-fraction is the share of images held out, in (0, 0.5]; got {p['val_fraction']}"
+                              f" (default {imagefolder.VAL_FRACTION})")
 
 
 def _list_imagefolder(src: Path, p: dict, *, workers: int, progress: bool) -> ListedSource:
     class_list = Path(p["class_list"]) if p["class_list"] else None
-    names, files = imagefolder.list_image_folder(src, class_list)
+    names, files = imagefolder.list_images(src, p["labels"], class_list, float(p["val_fraction"]), int(p["val_seed"]))
     params = {**p, "src": str(src.resolve()), "class_list": str(class_list.resolve()) if class_list else None}
     return ListedSource(src=src, files=files, class_names=tuple(names), params=params,
                         policy={"max_side": int(p["max_side"]), "side": p["side"]})
@@ -275,11 +286,19 @@ SOURCES: dict[str, Source] = {
     )),
     "cifar10": Source("cifar10", functools.partial(_read_cifar, "cifar10"), needs_src=True),
     "cifar100": Source("cifar100", functools.partial(_read_cifar, "cifar100"), needs_src=True),
-    "imagefolder": Source("imagefolder", _list_imagefolder, needs_src=True, check=_check_imagefolder, params=(
+    "imagefolder": Source("imagefolder", _list_imagefolder, needs_src=True, src_file_ok=True,
+                          check=_check_imagefolder, params=(
         Param("max_side", schema.MAX_SIDE_PX,
               help="cap of the chosen side in px, only downscaling (0: keep sizes)"),
         Param("side", "longer", str, choices=imagefolder.SIDES),
         Param("class_list", None, Path, help="file with one class folder name per line (ImageNet-100)"),
+        Param("labels", "auto", str, choices=imagefolder.LABELS,
+              help="folders: SRC/train|val/<class>/*; none: any images under SRC (or a list file), unlabelled; "
+                   "auto: folders when SRC/train/ exists"),
+        Param("val_fraction", imagefolder.VAL_FRACTION, float,
+              help="unlabelled without SRC/val/: share held out as the val split (at least "
+                   f"{imagefolder.VAL_MIN} images when there are 10x as many)"),
+        Param("val_seed", 0, help="seed of the held-out draw"),
     )),
 }
 DATASETS = tuple(SOURCES)
