@@ -456,7 +456,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-stages", dest="stages", action="store_false",
                    help="skip the crops-only runs that split each backend's time into stages")
     p.add_argument("--quick", action="store_true", help="tiny data and runs (tests)")
-    p.add_argument("--out", default="bench/pipelines.json", help="JSON report; datasets are cached next to it")
+    p.add_argument("--out", default="reports/pipelines.json", help="JSON report; datasets are cached next to it")
     a = fill_sizes(p.parse_args(argv))
     if a.batch_size % 2 or a.batch_size < 2:
         raise BenchError(f"--batch-size must be even and >= 2, got {a.batch_size}")

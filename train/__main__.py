@@ -1,6 +1,6 @@
 """Command line: `python -m train [gpus=N] method=rsa data=synthetic key=value ...` trains;
 `python -m train eval ckpt=PATH [key=value ...]` evaluates a checkpoint's backbone against a
-random-init one.
+random-init one (kNN and the probe where the data has labels, the health metrics everywhere).
 
 `gpus=N` with N > 1 starts N processes with torch's elastic launcher (the launcher behind torchrun,
 `--standalone`), after the checks below passed here, once; `torchrun ... -m train ...` still works.
@@ -33,6 +33,7 @@ def evaluate_checkpoint(args: list[str]) -> dict[str, dict[str, float]]:
     (e.g. `data.root=...`, `run.max_eval_samples=...`)."""
     from train import checkpoint
     from train.evaluate import evaluate_backbone
+    from train.log import eval_line
     from train.setup import build_online, check_same_network, resolve_backend, select_device
 
     ckpt = [a.split("=", 1)[1] for a in args if a.startswith("ckpt=")]
@@ -51,7 +52,7 @@ def evaluate_checkpoint(args: list[str]) -> dict[str, dict[str, float]]:
                "random_init": evaluate_backbone(cfg, build_online(cfg, device).backbone, backend, device)}
     print(f"step {state['step']} {cfg.method} {cfg.model.backbone} on {cfg.data.name}")
     for name, r in results.items():
-        print(f"{name:>12}: kNN {100 * r['knn_top1']:.1f}% | linear {100 * r['linear_top1']:.1f}%")
+        print(f"{name:>12}: {eval_line(r)}")
     return results
 
 

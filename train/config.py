@@ -42,6 +42,7 @@ class ConfigError(ValueError):
 BackendChoice = Literal["auto", Backend]        # "auto": dali on CUDA, the fastest on CPU (train.setup)
 OptimName = Literal["lars", "sgd", "adamw"]     # timm optimiser names
 DeviceName = Literal["auto", "cpu", "cuda"]     # no "cuda:N": torchrun's LOCAL_RANK picks the GPU
+EvalName = Literal["auto", "knn", "probe", "none"]   # auto: kNN and probe when the data has labels
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class DataConfig:
     hw_decoder_load: float = 0.65   # DALI on a GPU: share of the JPEGs for the hardware decoder (A100/H100)
     decode_size_hint_px: int = 0    # DALI on a GPU: image side the decoder preallocates for; 0: none
     num_workers: int = 2            # decoding/augmentation workers per rank
-    num_classes: int = 10           # classes, for kNN / linear-probe evaluation
+    num_classes: int = 10           # classes, for kNN / linear-probe evaluation; 0: an unlabelled dataset
     mix: MixConfig = field(default_factory=MixConfig)
 
 
@@ -116,7 +117,8 @@ class RunConfig:
     amp: bool = True                # bf16 autocast (GPU only)
     dist_timeout_min: float = 30.0  # longest wait of one rank for the others in a collective, minutes
     device: DeviceName = "auto"     # "auto": torchrun's device; "cuda": cuda:<LOCAL_RANK>; "cpu"
-    max_eval_samples: int = 0       # cap on train/val samples for evaluation; 0: all
+    eval: EvalName = "auto"          # labelled evaluations besides the label-free health metrics
+    max_eval_samples: int = 0       # records per split for evaluation (evenly spread); 0: all up to a cap
     stop_after_steps: int = 0       # stop with a checkpoint after this step (resumable); 0: run to optim.steps
 
 
@@ -269,6 +271,21 @@ DERIVED_MAX_BATCH = 256         # the batch every lr in the presets is quoted at
 DERIVED_MIN_STEPS_PER_EPOCH = 8  # a small folder still gets several steps (BatchNorm batches) per epoch
 
 
+def eval_kinds(cfg: Config) -> tuple[str, ...]:
+    """The labelled evaluations `run.eval` asks for: kNN and the probe ("auto" on labelled data),
+    one of them, or none; the label-free health metrics run in every case.
+
+    Raises:
+        ConfigError: kNN or the probe asked for on a dataset without labels.
+    """
+    labelled = cfg.data.num_classes > 0
+    if cfg.run.eval in ("knn", "probe") and not labelled:
+        raise ConfigError(f"run.eval={cfg.run.eval} needs labels, and dataset {cfg.data.name!r} has none; use "
+                          "run.eval=auto (label-free health metrics) or train on a labelled dataset")
+    return {"auto": ("knn", "probe") if labelled else (), "knn": ("knn",), "probe": ("probe",),
+            "none": ()}[cfg.run.eval]
+
+
 def derived_from_manifest(manifest: Manifest) -> dict:
     """The data-preset values a dataset's manifest decides, as a config tree.
 
@@ -281,10 +298,9 @@ def derived_from_manifest(manifest: Manifest) -> dict:
         ConfigError: a manifest without train images or without classes (name the fix).
     """
     n_train = int(manifest.counts.get("train", 0))
-    if n_train < 2 or manifest.num_classes < 1:
-        raise ConfigError(f"dataset {manifest.dataset!r} has {n_train} train images and {manifest.num_classes} "
-                          "classes in its manifest; the trainer needs a train split of 2 or more labelled images: "
-                          "re-run make preprocess on a folder with one sub-folder per class")
+    if n_train < 2:
+        raise ConfigError(f"dataset {manifest.dataset!r} has {n_train} train images in its manifest; the trainer "
+                          "needs a train split of 2 or more images: re-run make preprocess on a folder with more")
     batch = 2
     while batch * 2 <= min(DERIVED_MAX_BATCH, n_train // DERIVED_MIN_STEPS_PER_EPOCH):
         batch *= 2
@@ -388,6 +404,7 @@ def load_config(args: list[str], config_dir: Path = CONFIG_DIR, world_size: int 
             tree.setdefault(section, {})[key] = 0
     objective = build_objective_config(method, tree.pop("objective", {}))
     cfg = dataclasses.replace(_build(Config, tree), objective=objective)
+    eval_kinds(cfg)                                     # a labelled evaluation of unlabelled data: stop now
     return for_world(cfg, world_size, int(manifest.counts.get("train", 0)) if manifest is not None else 0)
 
 

@@ -121,6 +121,18 @@ def gather_rows(x: Tensor) -> Tensor:
     return torch.cat([p[:int(k)] for p, k in zip(parts, sizes)], dim=0)          # (M, ...)
 
 
+@torch.no_grad()
+def all_reduce_sum(xs: list[Tensor]) -> list[Tensor]:
+    """The sums over all ranks of each tensor of `xs` (on this rank's device; NCCL: a GPU); the tensors
+    themselves in a single process. One collective per tensor."""
+    if not is_distributed():
+        return xs
+    out = [x.clone() for x in xs]
+    for x in out:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return out
+
+
 def broadcast_object(obj):
     """`obj` of rank 0 on every rank (e.g. a run folder name); `obj` itself in a single process."""
     if not is_distributed():

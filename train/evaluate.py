@@ -1,4 +1,5 @@
-"""Frozen-feature evaluation: weighted kNN and a linear probe, fitted on train, scored on val.
+"""Frozen-feature evaluation on every rank: weighted kNN and a linear probe where the data has labels,
+and label-free representation health everywhere.
 
 kNN follows Wu et al. 2018 ("Unsupervised Feature Learning via Non-Parametric Instance
 Discrimination", arXiv:1805.01978v1, its weighted k-nearest-neighbour classifier) as DINO uses it
@@ -6,18 +7,42 @@ Discrimination", arXiv:1805.01978v1, its weighted k-nearest-neighbour classifier
 the k = 20 nearest train features vote for their class with weight exp(s_i / T), T = 0.07, and the
 class with the largest summed weight wins.
 The linear probe is multinomial logistic regression on features standardised with the train
-mean/std: cross-entropy + l2 * ||W||^2, full batch, from zero weights, minimised with L-BFGS until
-the gradient vanishes (deterministic: no sampling, no augmentation).
+mean/std: cross-entropy + l2 * ||W||^2 from zero weights. Up to `PROBE_LBFGS_MAX` (train rows x
+feature width x classes) it is minimised full-batch with L-BFGS until the gradient vanishes (exact,
+deterministic, seconds on a CPU); above, by mini-batch SGD on the training device
+(`PROBE_SGD_EPOCHS` epochs of `PROBE_SGD_BATCH`, momentum 0.9, cosine learning rate, a seeded order:
+deterministic too), whose cost grows linearly with the rows instead of L-BFGS's ~1,000 full passes.
 
-Deviations: none for kNN. The linear probe is the l2-regularised L-BFGS logistic regression of
-SimCLR's transfer evaluation (arXiv:2002.05709v3, transfer-learning appendix; no augmentation)
-rather than DINO's SGD-trained linear layer on augmented crops: deterministic and seconds on CPU.
+Health (computed on the held-out val images, with or without labels):
+- `rankme`: the effective rank of the features, exp of the entropy of their normalised singular
+  values (Garrido et al., "RankMe", arXiv:2210.02885v3, Eq. 1: p_k = sigma_k / ||sigma||_1 + eps);
+- `feature_std`: the per-dimension std over samples of the l2-normalised features, averaged over
+  dimensions (Chen & He, SimSiam, arXiv:2011.10566v1, Sec. 4.1: about 1/sqrt(D) for features spread
+  over the sphere, 0 for collapsed ones);
+- `alignment`: E ||f(x1)/|f(x1)| - f(x2)/|f(x2)| ||^2 over two BYOL-augmented views of the same image
+  (Wang & Isola, arXiv:2005.10242v10, Eq. 4 with alpha = 2): 0 for views the network cannot tell
+  apart, 4 at most. The views are the `byol` recipe's for every method, so the figure compares.
 
-`evaluate_backbone` runs both on the data of a run's config; the loop and `python -m train eval` call it.
+Scale: every rank extracts the features of its shard of each split (`plain` views, index order). The
+train features are gathered to every rank; each rank then scores kNN and the probe on its own val
+shard and the health sums of its shard, and the counts and sums are added across ranks, so every rank
+gets the same result, that of one process, and no rank waits for work of another beyond the gathers.
+kNN runs on the training device in blocks of `KNN_ROWS` val rows x `KNN_COLUMNS` train rows (memory
+bounded whatever the split sizes). A split larger than `EVAL_CAP` is evaluated on that many records,
+evenly spread over it (`run.max_eval_samples` sets both caps instead).
+
+Deviations: none for kNN. The linear probe is the l2-regularised logistic regression of SimCLR's
+transfer evaluation (arXiv:2002.05709v3, transfer-learning appendix; no augmentation) rather than
+DINO's SGD-trained linear layer on augmented crops.
+
+`evaluate_backbone` runs everything on the data of a run's config; the loop and `python -m train eval`
+call it.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -25,58 +50,67 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipelines.batch import Batch
-from pipelines.loader import LoaderSpec, build_loader
+from pipelines.schema import NO_LABEL
+from pipelines.loader import DatasetInfo, LoaderSpec, build_loader
 from pipelines.views import load_recipe
 from train import dist
-from train.config import Config
+from train.config import Config, eval_kinds
 from train.setup import channels_last, decoder_hints
+
+EVAL_CAP = {"train": 100_000, "val": 50_000}   # records per split evaluated by default (ImageNet's val whole)
+KNN_ROWS, KNN_COLUMNS = 1024, 65_536           # kNN similarity block: 256 MiB of float32
+PROBE_LBFGS_MAX = 2e9                          # rows x width x classes up to which the probe is L-BFGS
+PROBE_SGD_EPOCHS, PROBE_SGD_BATCH, PROBE_SGD_LR = 30, 4096, 0.1
+RANKME_EPS = 1e-7                              # Garrido et al. Eq. 1's epsilon
+_NOTED: set[tuple] = set()                     # the caps this process has printed
 
 
 def _check_split(feats: Tensor, labels: Tensor, num_classes: int, split: str) -> None:
     if feats.dim() != 2 or labels.dim() != 1 or feats.shape[0] != labels.shape[0]:
         raise ValueError(f"{split} features must be (N, F) with labels (N,), got "
                          f"{tuple(feats.shape)} and {tuple(labels.shape)}")
-    if feats.shape[0] == 0:
+    if feats.shape[0] == 0 and split == "train":
         raise ValueError(f"the {split} split has no samples; evaluation needs a non-empty split")
-    if labels.min() < 0 or labels.max() >= num_classes:
+    if labels.numel() and (labels.min() < 0 or labels.max() >= num_classes):
         raise ValueError(f"{split} labels must lie in [0, {num_classes}), got "
                          f"[{int(labels.min())}, {int(labels.max())}]; check data.num_classes")
 
 
 @torch.no_grad()
 def extract_features(backbone: nn.Module, batches: Iterable[Batch], device: torch.device | str,
-                     view_px: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Backbone features of the first global view of every batch, in eval mode, without grad.
+                     view_px: int | None = None, view: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Backbone features of global view `view` of every batch, in eval mode, without grad, on `device`.
 
     The backbone's train/eval mode is restored afterwards.
 
     Args:
         backbone: (B, 3, H, W) -> (B, F) module, already on `device`.
-        batches: Batch objects with labels (recipe `plain`, no shuffling).
-        device: where the backbone runs.
+        batches: Batch objects (labels, or `schema.NO_LABEL` for unlabelled data; no shuffling).
+        device: where the backbone runs and the features stay.
         view_px: the views' side; given, no batches at all (a rank whose shard is empty) give empty
             features of the backbone's width instead of an error.
+        view: which global view of each batch.
 
     Returns:
-        (feats (N, F) float32 on CPU, labels (N,) int64 on CPU, index (N,) int64 on CPU).
+        (feats (N, F) float32, labels (N,) int64, index (N,) int64), on `device`.
 
     Raises:
-        ValueError: a batch without labels, or no batches at all (without `view_px`).
+        ValueError: no batches at all (without `view_px`).
     """
     was_training = backbone.training
     backbone.eval()
     feats, labels, index = [], [], []
     try:
         for batch in batches:
-            if batch.label is None:
-                raise ValueError("evaluation needs labels: build its loader from a labelled split")
-            x = batch.global_views[0].to(device, non_blocking=True)    # (B, 3, H, W)
-            feats.append(backbone(x).float().cpu())                    # (B, F) sync: once per batch
-            labels.append(batch.label.cpu().long())
-            index.append(batch.index.cpu().long())
+            x = batch.global_views[view].to(device, non_blocking=True)           # (B, 3, H, W)
+            feats.append(backbone(x).float())                                   # (B, F)
+            labels.append(batch.label.to(device).long() if batch.label is not None
+                          else torch.full((x.shape[0],), NO_LABEL, dtype=torch.long, device=device))
+            index.append(batch.index.to(device).long())
         if not feats and view_px is not None:        # an empty shard: no rows, the backbone's width
             width = backbone(torch.zeros(1, 3, view_px, view_px, device=device)).shape[1]
-            feats, labels, index = [torch.zeros(0, width)], [torch.zeros(0, dtype=torch.long)], [torch.zeros(0, dtype=torch.long)]
+            empty = torch.zeros(0, dtype=torch.long, device=device)
+            feats, labels, index = [torch.zeros(0, width, device=device)], [empty], [empty]
     finally:
         backbone.train(was_training)
     if not feats:
@@ -85,25 +119,27 @@ def extract_features(backbone: nn.Module, batches: Iterable[Batch], device: torc
 
 
 @torch.no_grad()
-def knn_top1(train_feats: Tensor, train_labels: Tensor, val_feats: Tensor, val_labels: Tensor,
-             num_classes: int, k: int = 20, temperature: float = 0.07, chunk: int = 1024) -> float:
-    """Top-1 accuracy of the temperature-weighted kNN vote on cosine similarity.
+def knn_correct(train_feats: Tensor, train_labels: Tensor, val_feats: Tensor, val_labels: Tensor,
+                num_classes: int, k: int = 20, temperature: float = 0.07, rows: int = KNN_ROWS,
+                columns: int = KNN_COLUMNS) -> int:
+    """How many val rows the temperature-weighted kNN vote on cosine similarity gets right.
 
     score_c(x) = sum_{i in top-k(x)} [y_i = c] exp(s_i / T), prediction argmax_c score_c
-    (Wu et al. 2018, weighted kNN).
+    (Wu et al. 2018, weighted kNN). Computed on the features' device in blocks of `rows` val rows x
+    `columns` train rows, the top k of each block merged into the running top k, so that memory is
+    bounded by rows x (columns + k) whatever N and M; a row's result does not depend on the others.
 
     Args:
         train_feats: (N, F) float features of the train split.
         train_labels: (N,) int labels in [0, num_classes).
-        val_feats: (M, F) float features of the val split.
+        val_feats: (M, F) float features of val rows (M may be 0).
         val_labels: (M,) int labels in [0, num_classes).
         num_classes: C.
         k: neighbours, >= 1 (capped at N).
         temperature: T > 0.
-        chunk: val rows per similarity block, bounds memory to chunk x N floats.
 
     Returns:
-        Accuracy in [0, 1].
+        The number of correct val rows.
 
     Raises:
         ValueError: inconsistent shapes, labels out of range, k < 1 or T <= 0.
@@ -112,125 +148,257 @@ def knn_top1(train_feats: Tensor, train_labels: Tensor, val_feats: Tensor, val_l
     _check_split(val_feats, val_labels, num_classes, "val")
     if k < 1 or temperature <= 0:
         raise ValueError(f"kNN needs k >= 1 and temperature > 0, got k={k}, T={temperature}")
-    train = F.normalize(train_feats.float(), dim=1)                      # (N, F)
-    train_labels = train_labels.long()
-    k = min(k, train.shape[0])
+    train = F.normalize(train_feats.float(), dim=1)                                # (N, F)
+    train_labels = train_labels.long().to(train.device)
+    n, k = train.shape[0], min(k, train.shape[0])
     correct = 0
-    for start in range(0, val_feats.shape[0], chunk):
-        q = F.normalize(val_feats[start:start + chunk].float(), dim=1)   # (m, F)
-        sim, idx = (q @ train.T).topk(k, dim=1)                          # (m, k)
-        votes = torch.zeros(q.shape[0], num_classes)                     # (m, C)
-        votes.scatter_add_(1, train_labels[idx], (sim / temperature).exp())
-        correct += int((votes.argmax(1) == val_labels[start:start + chunk].long()).sum())
-    return correct / val_feats.shape[0]
+    for start in range(0, val_feats.shape[0], rows):
+        q = F.normalize(val_feats[start:start + rows].float(), dim=1).to(train.device)  # (m, F)
+        best_sim = torch.full((q.shape[0], 0), -2.0, device=q.device)
+        best_idx = torch.zeros((q.shape[0], 0), dtype=torch.long, device=q.device)
+        for col in range(0, n, columns):
+            sim, idx = (q @ train[col:col + columns].T).topk(min(k, min(columns, n - col)), dim=1)  # (m, k')
+            best_sim, pick = torch.cat([best_sim, sim], 1).topk(min(k, best_sim.shape[1] + sim.shape[1]), dim=1)
+            best_idx = torch.cat([best_idx, idx + col], 1).gather(1, pick)                    # (m, k)
+        votes = torch.zeros(q.shape[0], num_classes, device=q.device)                         # (m, C)
+        votes.scatter_add_(1, train_labels[best_idx], (best_sim / temperature).exp())
+        correct += int((votes.argmax(1) == val_labels[start:start + rows].long().to(q.device)).sum())  # sync
+    return correct
 
 
-def linear_probe_top1(train_feats: Tensor, train_labels: Tensor, val_feats: Tensor,
-                      val_labels: Tensor, num_classes: int, l2: float = 1e-4,
-                      max_iter: int = 1000) -> float:
-    """Top-1 accuracy of a multinomial logistic regression on standardised frozen features.
+def knn_top1(train_feats: Tensor, train_labels: Tensor, val_feats: Tensor, val_labels: Tensor,
+             num_classes: int, k: int = 20, temperature: float = 0.07, chunk: int = KNN_ROWS) -> float:
+    """Top-1 accuracy in [0, 1] of `knn_correct` over all val rows (`chunk`: val rows per block)."""
+    if val_feats.shape[0] == 0:
+        raise ValueError("the val split has no samples; evaluation needs a non-empty split")
+    return knn_correct(train_feats, train_labels, val_feats, val_labels, num_classes, k, temperature,
+                       rows=chunk) / val_feats.shape[0]
 
-    Minimises mean cross-entropy + l2 * ||W||^2 (bias not penalised) over the full train split
-    with L-BFGS (strong Wolfe line search) from zero weights, in float32, until the largest
-    gradient entry is below 1e-5, the loss stops changing, or `max_iter` iterations. No
-    randomness: the same features give the same accuracy.
+
+@dataclass(frozen=True)
+class Probe:
+    """A fitted linear probe: standardisation, then logits x @ w + b."""
+
+    mean: Tensor          # (F,)
+    std: Tensor           # (F,)
+    w: Tensor             # (F, C)
+    b: Tensor             # (C,)
+    method: str           # "lbfgs" | "sgd"
+
+    @torch.no_grad()
+    def correct(self, feats: Tensor, labels: Tensor) -> int:
+        """How many rows of (feats (M, F), labels (M,)) the probe classifies right."""
+        if feats.shape[0] == 0:
+            return 0
+        x = (feats.float().to(self.w.device) - self.mean) / self.std
+        return int(((x @ self.w + self.b).argmax(1) == labels.long().to(self.w.device)).sum())   # sync
+
+
+def fit_probe(train_feats: Tensor, train_labels: Tensor, num_classes: int, l2: float = 1e-4,
+              max_iter: int = 1000, seed: int = 0) -> Probe:
+    """Multinomial logistic regression on standardised features: mean cross-entropy + l2 * ||W||^2
+    (bias not penalised) from zero weights, on the features' device.
+
+    Up to `PROBE_LBFGS_MAX` (N x F x C) full-batch L-BFGS (strong Wolfe) in float32 until the largest
+    gradient entry is below 1e-5, the loss stops changing, or `max_iter` iterations; above, mini-batch
+    SGD (module docstring) in an order seeded by `seed`. Both are deterministic.
 
     Args:
-        train_feats: (N, F) float features of the train split.
-        train_labels: (N,) int labels in [0, num_classes).
-        val_feats: (M, F) float features of the val split.
-        val_labels: (M,) int labels in [0, num_classes).
-        num_classes: C.
-        l2: weight of the squared-norm penalty on W, >= 0.
-        max_iter: L-BFGS iteration cap.
-
-    Returns:
-        Accuracy in [0, 1] on the val features.
-
-    Raises:
-        ValueError: inconsistent shapes or labels out of range.
+        train_feats: (N, F) float features. train_labels: (N,) int labels in [0, num_classes).
+        num_classes: C. l2: weight of the squared-norm penalty, >= 0.
     """
     _check_split(train_feats, train_labels, num_classes, "train")
-    _check_split(val_feats, val_labels, num_classes, "val")
     # float32, not float64: 1.9-5.6 s instead of 12-22 s on 10,000 x 512 features (2 busy CPU
     # cores), final loss within 0.2% of float64 and the same val accuracy in 3 measured cases.
     x = train_feats.float()
     mean, std = x.mean(0), x.std(0)
     std = torch.where(std > 1e-6, std, torch.ones_like(std))           # constant features stay 0
     x = (x - mean) / std                                               # (N, F)
-    xv = (val_feats.float() - mean) / std                              # (M, F)
-    y = train_labels.long()
-    w = torch.zeros(x.shape[1], num_classes, requires_grad=True)
-    b = torch.zeros(num_classes, requires_grad=True)
-    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, max_eval=2 * max_iter,
-                            tolerance_grad=1e-5, tolerance_change=1e-9, history_size=20,
-                            line_search_fn="strong_wolfe")
+    y = train_labels.long().to(x.device)
+    w = torch.zeros(x.shape[1], num_classes, device=x.device, requires_grad=True)
+    b = torch.zeros(num_classes, device=x.device, requires_grad=True)
+    lbfgs = x.shape[0] * x.shape[1] * num_classes <= PROBE_LBFGS_MAX
 
-    def closure() -> Tensor:
-        opt.zero_grad()
-        loss = F.cross_entropy(x @ w + b, y) + l2 * (w * w).sum()
-        loss.backward()
-        return loss
+    def loss_of(xb: Tensor, yb: Tensor) -> Tensor:
+        return F.cross_entropy(xb @ w + b, yb) + l2 * (w * w).sum()
 
     with torch.enable_grad():
-        opt.step(closure)
-    with torch.no_grad():
-        pred = (xv @ w + b).argmax(1)                                  # (M,)
-    return float((pred == val_labels.long()).double().mean())
+        if lbfgs:
+            opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, max_eval=2 * max_iter,
+                                    tolerance_grad=1e-5, tolerance_change=1e-9, history_size=20,
+                                    line_search_fn="strong_wolfe")
+
+            def closure() -> Tensor:
+                opt.zero_grad()
+                loss = loss_of(x, y)
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+        else:
+            opt = torch.optim.SGD([w, b], lr=PROBE_SGD_LR, momentum=0.9)
+            gen = torch.Generator().manual_seed(seed)
+            steps_per_epoch = math.ceil(x.shape[0] / PROBE_SGD_BATCH)
+            total = PROBE_SGD_EPOCHS * steps_per_epoch
+            for epoch in range(PROBE_SGD_EPOCHS):
+                order = torch.randperm(x.shape[0], generator=gen).to(x.device)
+                for k in range(steps_per_epoch):
+                    step = epoch * steps_per_epoch + k
+                    for g in opt.param_groups:
+                        g["lr"] = PROBE_SGD_LR * 0.5 * (1 + math.cos(math.pi * step / total))
+                    rows = order[k * PROBE_SGD_BATCH:(k + 1) * PROBE_SGD_BATCH]
+                    opt.zero_grad()
+                    loss_of(x[rows], y[rows]).backward()
+                    opt.step()
+    return Probe(mean, std, w.detach(), b.detach(), "lbfgs" if lbfgs else "sgd")
 
 
-def evaluate(backbone: nn.Module, train_batches: Iterable[Batch], val_batches: Iterable[Batch],
-             num_classes: int, device: torch.device | str) -> dict[str, float]:
-    """kNN and linear-probe top-1 of a frozen backbone: fitted on train, scored on val.
+def linear_probe_top1(train_feats: Tensor, train_labels: Tensor, val_feats: Tensor,
+                      val_labels: Tensor, num_classes: int, l2: float = 1e-4,
+                      max_iter: int = 1000) -> float:
+    """Top-1 accuracy in [0, 1] on the val features of `fit_probe` fitted on the train features."""
+    _check_split(val_feats, val_labels, num_classes, "val")
+    if val_feats.shape[0] == 0:
+        raise ValueError("the val split has no samples; evaluation needs a non-empty split")
+    probe = fit_probe(train_feats, train_labels, num_classes, l2, max_iter)
+    return probe.correct(val_feats, val_labels) / val_feats.shape[0]
 
-    Args:
-        backbone: (B, 3, H, W) -> (B, F) module on `device`.
-        train_batches: batches of the train split (recipe `plain`, no shuffle, no drop_last).
-        val_batches: batches of the val split, same settings.
-        num_classes: C.
-        device: where the backbone runs.
 
-    Returns:
-        {"knn_top1": accuracy in [0, 1], "linear_top1": accuracy in [0, 1]}.
-    """
-    tr_f, tr_y, _ = extract_features(backbone, train_batches, device)
-    va_f, va_y, _ = extract_features(backbone, val_batches, device)
-    return {"knn_top1": knn_top1(tr_f, tr_y, va_f, va_y, num_classes),
-            "linear_top1": linear_probe_top1(tr_f, tr_y, va_f, va_y, num_classes)}
+# ------------------------------------------------------------------------------------------------
+# Health: label-free, from sums that add up across ranks
+# ------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def health_sums(feats: Tensor) -> dict[str, Tensor]:
+    """The sums the health metrics need from (N, D) features: their Gram matrix (for the singular
+    values, float64), and the count, sum and sum of squares of the l2-normalised features."""
+    f = feats.double()
+    z = F.normalize(f, dim=1)
+    return {"gram": f.T @ f, "n": torch.tensor(float(f.shape[0]), dtype=torch.float64, device=f.device),
+            "z_sum": z.sum(0), "z_sq": (z * z).sum(0)}
+
+
+@torch.no_grad()
+def alignment_sums(backbone: nn.Module, batches: Iterable[Batch], device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """(sum over images of ||f(x1)/|f(x1)| - f(x2)/|f(x2)| ||^2, number of images) for the first two
+    global views of every batch, the backbone in eval mode (restored afterwards); float64 on `device`."""
+    was_training = backbone.training
+    backbone.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    n = 0
+    try:
+        for batch in batches:
+            f1, f2 = (F.normalize(backbone(batch.global_views[v].to(device, non_blocking=True)).float(), dim=1)
+                      for v in (0, 1))                                              # (B, F) each
+            total += ((f1 - f2) ** 2).sum().double()
+            n += f1.shape[0]
+    finally:
+        backbone.train(was_training)
+    return total, torch.tensor(float(n), dtype=torch.float64, device=device)
+
+
+def rankme(gram: Tensor) -> float:
+    """RankMe (Garrido et al. Eq. 1) of features whose Gram matrix X^T X is `gram` (D, D): the
+    singular values of X are the square roots of its eigenvalues."""
+    sigma = torch.linalg.eigvalsh(gram.double()).clamp_min(0).sqrt()       # (D,)
+    p = sigma / sigma.sum() + RANKME_EPS
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+def health(sums: dict[str, Tensor], align_sum: Tensor, align_n: Tensor) -> dict[str, float]:
+    """`rankme`, `feature_std` and `alignment` (module docstring) from `health_sums` and the summed
+    squared distances of `align_n` view pairs."""
+    n = float(sums["n"])
+    var = (sums["z_sq"] - sums["z_sum"] ** 2 / n) / max(n - 1, 1)           # (D,) unbiased, as torch.std
+    return {"rankme": rankme(sums["gram"]), "feature_std": float(var.clamp_min(0).sqrt().mean()),
+            "alignment": float(align_sum / align_n.clamp_min(1))}
+
+
+# ------------------------------------------------------------------------------------------------
+# The evaluation of a run
+# ------------------------------------------------------------------------------------------------
+
+
+def eval_limit(count: int, split: str, max_samples: int) -> int:
+    """Records of a split of `count` records that evaluation reads: `run.max_eval_samples` when set,
+    else `EVAL_CAP[split]` when the split is larger, else all (0)."""
+    if max_samples > 0:
+        return max_samples
+    return EVAL_CAP[split] if count > EVAL_CAP[split] else 0
 
 
 def evaluate_backbone(cfg: Config, backbone: nn.Module, backend: str, device: torch.device) -> dict[str, float]:
-    """`evaluate` of `backbone` on the data of `cfg` (train -> val split, `plain` views), on every rank.
-
-    Every rank extracts the features of its shard of each split (index order, `run.max_eval_samples`
-    records at most), the features are gathered to every rank, and every rank fits and scores kNN and
-    the probe on the same features. Both are deterministic, so every rank gets the same result, and
-    no rank waits for work of another beyond its share of the extraction.
+    """Evaluate `backbone` on the data of `cfg` on every rank (module docstring, Scale).
 
     Args:
-        cfg: the run's config (data, views.global_px, run.seed, run.max_eval_samples).
+        cfg: the run's config (data, views, run.eval, run.seed, run.max_eval_samples).
         backbone: (B, 3, H, W) -> (B, F) module on `device`; its train/eval mode is restored.
         backend: a resolved loader backend (not "auto").
-        device: where the backbone runs and the batches land.
+        device: where the backbone runs, the batches land and kNN and the probe run.
 
     Returns:
-        {"knn_top1": accuracy in [0, 1], "linear_top1": accuracy in [0, 1]}, the same on every rank.
+        {"rankme", "feature_std", "alignment"} and, per `run.eval` on labelled data, {"knn_top1",
+        "linear_top1"} in [0, 1], and the records read per split ("eval_train_samples",
+        "eval_val_samples"); the same on every rank.
     """
-    plain = load_recipe("plain", cfg.views.global_px, cfg.views.local_px)
     world, rank = dist.world_size(), dist.rank()
+    kinds = eval_kinds(cfg)
+    plain = load_recipe("plain", cfg.views.global_px, cfg.views.local_px)
+    counts = {s: DatasetInfo.read(cfg.data.root, cfg.data.name, s).count for s in ("train", "val")}
+    limits = {s: eval_limit(counts[s], s, cfg.run.max_eval_samples) for s in counts}
+    note = (cfg.data.name, tuple(limits.items()))
+    if rank == 0 and any(limits[s] and limits[s] < counts[s] for s in counts) and note not in _NOTED:
+        _NOTED.add(note)
+        print("evaluation reads " + ", ".join(f"{min(limits[s] or counts[s], counts[s]):,} of the {counts[s]:,} {s} "
+                                              f"records" for s in counts)
+              + " (evenly spread; run.max_eval_samples sets how many)", flush=True)
 
-    def features(split: str) -> tuple[Tensor, Tensor]:
-        spec = LoaderSpec(root=cfg.data.root, dataset=cfg.data.name, split=split, recipe=plain,
-                          batch_size=cfg.data.batch_size // world, rank=rank, world_size=world, seed=cfg.run.seed,
-                          device=str(device), num_workers=cfg.data.num_workers, shuffle=False, drop_last=False,
-                          limit=cfg.run.max_eval_samples, channels_last=channels_last(cfg, device),
-                          decoder=decoder_hints(cfg))
-        f, y, i = extract_features(backbone, build_loader(backend, spec), device, plain.global_px)
-        f, y, i = (dist.gather_rows(t.to(device)).cpu() for t in (f, y, i))   # NCCL gathers device tensors
-        order = i.argsort()
-        return f[order], y[order]
+    def loader(split: str, recipe):
+        return build_loader(backend, LoaderSpec(
+            root=cfg.data.root, dataset=cfg.data.name, split=split, recipe=recipe,
+            batch_size=cfg.data.batch_size // world, rank=rank, world_size=world, seed=cfg.run.seed,
+            device=str(device), num_workers=cfg.data.num_workers, shuffle=False, drop_last=False,
+            limit=limits[split], channels_last=channels_last(cfg, device), decoder=decoder_hints(cfg)))
 
-    tr_f, tr_y = features("train")
-    va_f, va_y = features("val")
-    return {"knn_top1": knn_top1(tr_f, tr_y, va_f, va_y, cfg.data.num_classes),
-            "linear_top1": linear_probe_top1(tr_f, tr_y, va_f, va_y, cfg.data.num_classes)}
+    va_f, va_y, _ = extract_features(backbone, loader("val", plain), device, plain.global_px)
+    align = alignment_sums(backbone, loader("val", load_recipe("byol", cfg.views.global_px, cfg.views.local_px)),
+                           device)
+    train = extract_features(backbone, loader("train", plain), device, plain.global_px) if kinds else None
+    return score_features(train, va_f, va_y, align, kinds, cfg.data.num_classes, cfg.run.seed)
+
+
+def score_features(train: tuple[Tensor, Tensor, Tensor] | None, val_feats: Tensor, val_labels: Tensor,
+                   align: tuple[Tensor, Tensor], kinds: tuple[str, ...], num_classes: int, seed: int = 0
+                   ) -> dict[str, float]:
+    """The figures of an evaluation from this rank's features (module docstring, Scale): the train
+    shard is gathered to every rank, the val shard stays, counts and sums are added across ranks.
+
+    Args:
+        train: this rank's (features (N_r, F), labels (N_r,), dataset indices (N_r,)), or None when
+            `kinds` is empty.
+        val_feats, val_labels: this rank's val shard (M_r, F), (M_r,).
+        align: this rank's `alignment_sums`.
+        kinds: the labelled evaluations (`config.eval_kinds`). num_classes: C. seed: the probe's order.
+
+    Returns:
+        See `evaluate_backbone`.
+    """
+    sums = health_sums(val_feats)
+    totals = dist.all_reduce_sum([*sums.values(), *align])
+    result = health(dict(zip(sums, totals[:len(sums)])), totals[-2], totals[-1])
+    result["eval_val_samples"] = float(totals[list(sums).index("n")])
+    if kinds:
+        tr_f, tr_y, tr_i = (dist.gather_rows(t) for t in train)          # every rank: the whole split
+        order = tr_i.argsort()
+        tr_f, tr_y = tr_f[order], tr_y[order]
+        right = []
+        if "knn" in kinds:
+            right.append(knn_correct(tr_f, tr_y, val_feats, val_labels, num_classes))
+        if "probe" in kinds:
+            right.append(fit_probe(tr_f, tr_y, num_classes, seed=seed).correct(val_feats, val_labels))
+        got = dist.all_reduce_sum([torch.tensor(float(r), dtype=torch.float64, device=val_feats.device) for r in right])
+        for kind, r in zip([k for k in ("knn", "probe") if k in kinds], got):
+            result["knn_top1" if kind == "knn" else "linear_top1"] = float(r) / result["eval_val_samples"]
+        result["eval_train_samples"] = float(tr_f.shape[0])
+    return result

@@ -183,7 +183,7 @@ def targets(report: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="reports/gpu-check", help="folder of gpu_check.json and gpu_check.md")
-    p.add_argument("--work", default="bench", help="folder of the generated data and the bench JSON files")
+    p.add_argument("--work", default="reports/gpu-check", help="folder of the generated data and the bench JSON files")
     p.add_argument("--tests", choices=("gpu", "all", "none"), default="gpu", help="which tests to run first")
     p.add_argument("--tests-timeout", type=int, default=900, help="seconds before the test run is stopped")
     p.add_argument("--sections", default="loader,views,train,tests", help="comma-separated sections to run")

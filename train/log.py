@@ -43,6 +43,22 @@ def format_duration(seconds: float) -> str:
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
+# The figures of an evaluation, in the order of the line: (key, label, format of the number).
+EVAL_FIGURES = (("knn_top1", "kNN", "{:.1%}"), ("linear_top1", "linear", "{:.1%}"), ("rankme", "rankme", "{:.1f}"),
+                ("feature_std", "std", "{:.4f}"), ("alignment", "alignment", "{:.3f}"))
+
+
+def eval_line(result: dict[str, float], random_init: dict[str, float] | None = None) -> str:
+    """`kNN 28.6% (random init 17.3%) | linear ... | rankme 41.2 (...) | std 0.0301 (...) | alignment ...`:
+    the figures `result` has, each with the random-init backbone's when given."""
+    parts = []
+    for key, label, fmt in EVAL_FIGURES:
+        if key in result:
+            ref = f" (random init {fmt.format(random_init[key])})" if random_init and key in random_init else ""
+            parts.append(f"{label} {fmt.format(result[key])}{ref}")
+    return " | ".join(parts)
+
+
 class Log:
     """Writes log lines to stdout, JSON lines to `<run_dir>/metrics.jsonl` and TensorBoard events to
     `<run_dir>/events.out.tfevents.*`, on rank 0 only; `close` flushes the events."""
@@ -108,10 +124,8 @@ class Log:
         self.scalars("train", step, numbers)
 
     def eval(self, step: int, epoch: float, result: dict[str, float], random_init: dict[str, float]) -> None:
-        """Evaluation line: kNN and linear-probe top-1 of the backbone and of a random-init one."""
-        self.print(f"eval step {step} (epoch {epoch:.1f}) | kNN {100 * result['knn_top1']:.1f}% "
-                   f"(random init {100 * random_init['knn_top1']:.1f}%) | linear "
-                   f"{100 * result['linear_top1']:.1f}% (random init {100 * random_init['linear_top1']:.1f}%)")
+        """Evaluation line: each figure of the backbone next to the random-init backbone's (`eval_line`)."""
+        self.print(f"eval step {step} (epoch {epoch:.1f}) | {eval_line(result, random_init)}")
         record = {**result, **{f"random_init/{k}": v for k, v in random_init.items()}}
         self.write({"kind": "eval", "step": step, "epoch": epoch, **record})
         self.scalars("eval", step, record)

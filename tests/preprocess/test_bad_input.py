@@ -132,8 +132,11 @@ def test_missing_not_a_folder_and_unreadable_src(tmp_path: Path, monkeypatch) ->
     assert "does not exist" in _one_line(e)
     (tmp_path / "file").write_text("x")
     with pytest.raises(PreprocessError) as e:
-        prepare_dataset("imagefolder", tmp_path / "out", src=tmp_path / "file")
+        prepare_dataset("cifar10", tmp_path / "out", src=tmp_path / "file")
     assert "not a folder" in _one_line(e)
+    with pytest.raises(ImageFolderError) as e:          # an image folder may be a list of image paths
+        prepare_dataset("imagefolder", tmp_path / "out", src=tmp_path / "file")
+    assert "files" in _one_line(e) and "do not exist" in _one_line(e)
     with pytest.raises(PreprocessError) as e:
         prepare_dataset("cifar100", tmp_path / "out")
     assert "--src is required" in _one_line(e)

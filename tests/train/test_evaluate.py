@@ -1,4 +1,5 @@
-"""kNN and linear-probe evaluation against a literal vote, known answers, and real batches."""
+"""kNN, the linear probe and the health metrics against literal transcriptions, known answers and real
+batches; the blocks, probe paths and per-rank sums give what one pass over everything gives."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from torch import nn
 
 from models.backbone import build_backbone
 from pipelines.batch import Batch
-from train.evaluate import evaluate, extract_features, knn_top1, linear_probe_top1
+import torch.nn.functional as F
+
+from train import evaluate
+from train.evaluate import (alignment_sums, extract_features, fit_probe, health, health_sums, knn_correct, knn_top1,
+                            linear_probe_top1)
 
 
 def _clusters(n: int, d: int, classes: int, spread: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,11 +39,13 @@ def _literal_knn(xt, yt, xv, yv, classes: int, k: int, t: float) -> float:
     return correct / xv.shape[0]
 
 
-@pytest.mark.parametrize("k, t, chunk", [(20, 0.07, 1024), (5, 0.5, 7), (200, 0.07, 16)])
-def test_knn_matches_a_literal_weighted_vote(k: int, t: float, chunk: int) -> None:
+@pytest.mark.parametrize("k, t, rows, columns", [(20, 0.07, 1024, 65536), (5, 0.5, 7, 3), (200, 0.07, 16, 33),
+                                                 (20, 0.07, 30, 20)])
+def test_knn_matches_a_literal_weighted_vote(k: int, t: float, rows: int, columns: int) -> None:
+    """Whatever the blocks of val rows and train columns (the running top k merged block by block)."""
     xt, yt = _clusters(80, 8, 4, spread=5.0, seed=1)      # overlapping clusters: votes matter
     xv, yv = _clusters(30, 8, 4, spread=5.0, seed=2)
-    got = knn_top1(xt, yt, xv, yv, num_classes=4, k=k, temperature=t, chunk=chunk)
+    got = knn_correct(xt, yt, xv, yv, num_classes=4, k=k, temperature=t, rows=rows, columns=columns) / 30
     assert got == _literal_knn(xt, yt, xv, yv, 4, min(k, 80), t)
     assert 0.3 < got < 1.0                                 # neither trivial nor chance
 
@@ -120,15 +127,52 @@ def test_extract_features_runs_the_backbone_in_eval_mode_on_the_first_global_vie
     with torch.no_grad():
         expected = backbone.eval()(torch.cat([bt.global_views[0] for bt in batches]))   # (6, F)
     torch.testing.assert_close(feats, expected, rtol=1e-4, atol=1e-5)
-    unlabelled = Batch(global_views=batches[0].global_views, local_views=None, weak_views=None,
-                       mixed=None, mix_lam=None, mix_partner=None, index=batches[0].index)
-    with pytest.raises(ValueError, match="needs labels"):
-        extract_features(backbone, [unlabelled], "cpu")
+    empty = extract_features(backbone, [], "cpu", view_px=16)                # a rank whose shard is empty
+    assert empty[0].shape == (0, f) and empty[1].shape == empty[2].shape == (0,)
 
 
-def test_evaluate_reports_both_accuracies_on_colour_coded_images() -> None:
-    mean_colour = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())   # (B, 3, H, W) -> (B, 3)
-    result = evaluate(mean_colour, _batches(4, 8, seed=11), _batches(2, 8, seed=12), 3, "cpu")
-    assert result == {"knn_top1": 1.0, "linear_top1": 1.0}
-    shuffled = [Batch(**{**vars(bt), "label": bt.label.roll(1)}) for bt in _batches(2, 8, seed=12)]
-    assert evaluate(mean_colour, _batches(4, 8, seed=11), shuffled, 3, "cpu")["knn_top1"] < 0.8
+def test_the_probe_fits_by_sgd_above_the_size_threshold_deterministically(monkeypatch) -> None:
+    xt, yt = _clusters(3000, 10, 4, spread=1.0, seed=6)
+    xv, yv = _clusters(500, 10, 4, spread=1.0, seed=7)
+    assert fit_probe(xt, yt, 4).method == "lbfgs"
+    monkeypatch.setattr(evaluate, "PROBE_LBFGS_MAX", 0)
+    a, b = fit_probe(xt, yt, 4, seed=3), fit_probe(xt, yt, 4, seed=3)
+    assert a.method == "sgd" and torch.equal(a.w, b.w)
+    assert a.correct(xv, yv) >= 0.99 * 500
+
+
+def _literal_rankme(x: torch.Tensor) -> float:
+    """Garrido et al. (arXiv:2210.02885v3) Eq. 1 on the singular values of the (N, D) matrix itself."""
+    sigma = torch.linalg.svdvals(x.double())
+    p = sigma / sigma.sum() + 1e-7
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+def test_health_metrics_match_their_definitions_and_add_up_over_shards() -> None:
+    g = torch.Generator().manual_seed(20)
+    spread = torch.randn(400, 32, generator=g)                               # isotropic: rank near 32
+    point = torch.randn(1, 32, generator=g) + 1e-3 * torch.randn(400, 32, generator=g)   # collapsed: one point
+    for x in (spread, point):
+        h = health(health_sums(x), torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+        assert h["rankme"] == pytest.approx(_literal_rankme(x), rel=1e-6)
+        assert h["feature_std"] == pytest.approx(float(F.normalize(x, dim=1).std(0).mean()), rel=1e-6)
+        halves = [health_sums(x[:150]), health_sums(x[150:])]                # two ranks' shards, summed
+        summed = {k: halves[0][k] + halves[1][k] for k in halves[0]}
+        assert health(summed, torch.tensor(0.0), torch.tensor(1.0))["rankme"] == pytest.approx(h["rankme"], rel=1e-6)
+    assert _literal_rankme(spread) > 28 and _literal_rankme(point) < 1.5    # collapse: one direction
+    assert health(health_sums(point), torch.tensor(0.0), torch.tensor(1.0))["feature_std"] < 0.01 < \
+        health(health_sums(spread), torch.tensor(0.0), torch.tensor(1.0))["feature_std"]    # ~1/sqrt(32)
+
+
+def test_alignment_is_the_mean_squared_distance_of_the_normalised_views() -> None:
+    mean_colour = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())      # (B, 3, H, W) -> (B, 3)
+    batches = _batches(3, 4, seed=13)
+    batches = [Batch(**{**vars(b), "global_views": torch.cat([b.global_views, b.global_views.flip(-1) + 0.5])})
+               for b in batches]                                            # view 2: mirrored and brighter
+    total, n = alignment_sums(mean_colour, batches, "cpu")
+    pairs = [(mean_colour(b.global_views[0][i:i + 1])[0], mean_colour(b.global_views[1][i:i + 1])[0])
+             for b in batches for i in range(4)]
+    literal = sum(float(((u / u.norm() - v / v.norm()) ** 2).sum()) for u, v in pairs) / len(pairs)
+    assert int(n) == 12 and float(total / n) == pytest.approx(literal, rel=1e-6)
+    same = [Batch(**{**vars(b), "global_views": b.global_views[:1].expand(2, -1, -1, -1, -1)}) for b in batches]
+    assert float(alignment_sums(mean_colour, same, "cpu")[0]) == 0.0
