@@ -64,7 +64,7 @@ class LoaderSpec:
     num_workers: int = 2               # CPU threads/processes for decoding and augmentation
     shuffle: bool = True               # False: records in index order (evaluation)
     drop_last: bool = True             # False: the last partial batch is kept (evaluation)
-    limit: int = 0                     # > 0: only records [0, limit) of the split (an evaluation's cap)
+    limit: int = 0                     # > 0: only that many records of the split, evenly spread (`EpochOrder`)
     channels_last: bool = False        # views in a channels-last network's memory layout (DALI; others: NCHW)
     decoder: DecoderHints = field(default_factory=DecoderHints)
 
@@ -132,14 +132,20 @@ def rank_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
 class EpochOrder:
     """The records one rank reads per epoch, in batches, and the loader position.
 
-    Order: a permutation of the split seeded by (seed, epoch), the same on every rank (`shuffle`),
-    or index order. Sharding: contiguous blocks of that order, with drop_last an equal number of
-    whole batches per rank (n // (world · batch) batches), otherwise `rank_range` of it, the last
-    batch possibly short. Resume: `load_state_dict` then iteration skips the batches already done.
+    Records: the whole split, or with `spec.limit` that many spread evenly over it (records
+    floor(j · n / limit), j < limit: every part of a split written in class order is represented).
+    Order: a permutation of them seeded by (seed, epoch), the same on every rank (`shuffle`), or
+    index order. Sharding: contiguous blocks of that order, with drop_last an equal number of whole
+    batches per rank (n // (world · batch) batches), otherwise `rank_range` of it, the last batch
+    possibly short. Resume: `load_state_dict` then iteration skips the batches already done.
     """
 
     def __init__(self, spec: LoaderSpec, count: int) -> None:
-        self.spec, self.count = spec, min(count, spec.limit) if spec.limit > 0 else count
+        self.spec = spec
+        self.records = np.arange(count)                  # the dataset indices read, in index order
+        if 0 < spec.limit < count:
+            self.records = np.arange(spec.limit) * count // spec.limit
+        self.count = len(self.records)
         self.epoch = 0
         self.batches_done = 0          # batches of `epoch` already handed out
 
@@ -155,10 +161,9 @@ class EpochOrder:
         reading order."""
         s, n = self.spec, self.count
         epoch = self.epoch if epoch is None else epoch
+        order = self.records
         if s.shuffle:
-            order = np.random.default_rng(derive_seed(s.seed, epoch, 7)).permutation(n)
-        else:
-            order = np.arange(n)
+            order = order[np.random.default_rng(derive_seed(s.seed, epoch, 7)).permutation(n)]
         if s.drop_last:
             per_rank = len(self) * s.batch_size
             return order[s.rank * per_rank:(s.rank + 1) * per_rank]

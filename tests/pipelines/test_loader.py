@@ -44,6 +44,17 @@ def test_keep_all_covers_every_record_once_in_contiguous_ranges(n, world):
     assert got == list(range(n))
 
 
+def test_a_limit_reads_records_spread_evenly_over_the_split():
+    """An evaluation's cap on a split written in class order still sees every part of it."""
+    got = []
+    for r in range(2):
+        o = EpochOrder(_spec(rank=r, world_size=2, batch_size=2, shuffle=False, drop_last=False, limit=5), 20)
+        got += np.concatenate([i for _, i in o.remaining()]).tolist()
+    assert got == [0, 4, 8, 12, 16]
+    assert sorted(EpochOrder(_spec(seed=3, limit=8, batch_size=2), 20).indices().tolist()) == [0, 2, 5, 7, 10, 12, 15, 17]
+    assert EpochOrder(_spec(limit=50, shuffle=False, drop_last=False), 20).indices().tolist() == list(range(20))
+
+
 def test_shuffle_is_per_epoch_and_shared_by_ranks():
     a, b = (EpochOrder(_spec(rank=r, world_size=2, seed=1), 40) for r in range(2))
     e0 = np.concatenate([a.indices(), b.indices()])
