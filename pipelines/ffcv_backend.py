@@ -29,6 +29,7 @@ Deviations:
 from __future__ import annotations
 
 import queue
+import time
 from typing import Iterator
 
 import cv2
@@ -156,9 +157,19 @@ class FFCVLoader:
         (CPython 3.11's `ast` raised "recursion depth mismatch" when FFCV generated code in one thread
         while an old epoch thread still ran)."""
         it, self._epoch_it = self._epoch_it, None
-        if it is not None:
-            it.close()
-            it.join(timeout=10.0)
+        if it is None:
+            return
+        it.close()
+        # FFCV's thread ends an epoch with a put(None) that blocks without a timeout: on the full
+        # queue of an abandoned epoch it would wait forever (and each `join(10 s)` for 10 s), so
+        # empty the queue until the thread is gone.
+        deadline = time.monotonic() + 30.0
+        while it.is_alive() and time.monotonic() < deadline:
+            try:
+                it.output_queue.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        it.join(timeout=1.0)
 
     def _to_batch(self, out: tuple) -> Batch:
         s, dev, o = self.spec, self.device, self.order
