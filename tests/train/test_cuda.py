@@ -46,7 +46,7 @@ def test_objective_trains_and_resumes_on_cuda(method: str, tiny_args, tmp_path, 
     cfg = load_config([*tiny_args(method, tmp_path / "a"), *words])
     online = build_online(cfg, torch.device("cuda"))
     assert next(online.parameters()).is_cuda
-    assert online.backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last)     # resnet18
+    assert online.backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last)     # the small stem
     full = _losses(train(cfg))
     assert sorted(full) == list(range(1, 7)) and all(math.isfinite(v) for v in full.values())
     assert len(set(full.values())) == 6                       # new batches every step

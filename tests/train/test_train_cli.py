@@ -41,7 +41,7 @@ def test_bad_input_ends_in_one_line_before_any_write(tiny_args, capsys, tmp_path
     byol = saved_checkpoint(tmp_path / "byol.pt", tiny_args("byol", out))
     fails_in_one_line(capsys, [*words, f"run.resume={byol}"], "method=byol (asked for rsa)", "same method")
     wide = saved_checkpoint(tmp_path / "wide.pt", [*words, "model.backbone=resnet34"])
-    fails_in_one_line(capsys, [*words, f"run.resume={wide}"], "model.backbone=resnet34 (asked for resnet18)")
+    fails_in_one_line(capsys, [*words, f"run.resume={wide}"], "model.backbone=resnet34 (asked for test_resnet)")
     fails_in_one_line(capsys, [*words, f"run.resume={tmp_path / 'gone.pt'}"], "not found")
     bare = checkpoint.save(tmp_path / "bare.pt", {"conv1.weight": torch.zeros(1)})    # an exported backbone
     fails_in_one_line(capsys, [*words, f"run.resume={bare}"], "not a training checkpoint")
@@ -49,7 +49,7 @@ def test_bad_input_ends_in_one_line_before_any_write(tiny_args, capsys, tmp_path
     assert not out.exists()
     rsa = saved_checkpoint(tmp_path / "rsa.pt", words)
     fails_in_one_line(capsys, ["eval", f"ckpt={rsa}", "model.backbone=resnet50"],
-                      "model.backbone=resnet18 (asked for resnet50)", "drop the override")
+                      "model.backbone=test_resnet (asked for resnet50)", "drop the override")
     fails_in_one_line(capsys, ["eval"], "make eval CKPT=")
 
 
