@@ -26,7 +26,6 @@ import errno
 import fcntl
 import hashlib
 import importlib.util
-import multiprocessing as mp
 import os
 import shutil
 import sys
@@ -42,6 +41,7 @@ from pipelines import schema
 from pipelines.schema import DatasetError, Manifest
 from preprocess import stream
 from preprocess.sources import SOURCES, ListedSource, PreparedSource, PreprocessError
+from preprocess.workers import fork_context
 from preprocess.write_dali import write_dali
 from preprocess.write_ffcv import warm_up as warm_up_ffcv, write_ffcv
 
@@ -265,7 +265,7 @@ def _write_folder(listing: ListedSource, staging: Path, plan: dict, engine, *, s
     if with_ffcv:
         warm_up_ffcv()
     # Forked from this (main) thread: FFCV's writer forks again, which numba refuses from a thread.
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as ffcv_pool:
+    with ProcessPoolExecutor(1, mp_context=fork_context()) as ffcv_pool:
         try:
             res = stream.write_folder(listing.files, staging, plan, listing.policy, shard_size=shard_size,
                                       engine=engine, progress=progress, on_split=on_split)

@@ -17,7 +17,6 @@ dataset name.
 from __future__ import annotations
 
 import functools
-import multiprocessing as mp
 import os
 import sys
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from tqdm import tqdm
 from pipelines import schema
 from preprocess import cifar, imagefolder, synthetic
 from preprocess.records import ArraySplit, PreparedSplit, mean_std, pixel_sums
+from preprocess.workers import fork_context
 
 _CHUNK = 256                    # records per worker task in the synthetic check pass
 
@@ -208,7 +208,7 @@ def _generate_synthetic(split: synthetic.SyntheticSplit, workers: int, progress:
             results = map(_synthetic_chunk, jobs)
             pool = None
         else:
-            pool = mp.get_context("fork").Pool(min(workers, len(jobs)))
+            pool = fork_context().Pool(min(workers, len(jobs)))
             results = pool.imap_unordered(_synthetic_chunk, jobs)
         try:
             for a, im, m in results:

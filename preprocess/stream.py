@@ -29,7 +29,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import shutil
 import sys
@@ -49,6 +48,7 @@ from pipelines import schema
 from pipelines.shards import ShardReader, ShardRecord
 from preprocess import imagefolder
 from preprocess.records import Record, mean_std, pixel_sums
+from preprocess.workers import fork_context
 from preprocess.write_dali import ShardWriter, encode_image, record_members, renumber_shard
 
 PLAN_NAME = ".plan.json"
@@ -186,7 +186,7 @@ class LocalEngine:
                 for u in units:
                     yield fn(u, policy)
                 return
-            pool = ProcessPoolExecutor(min(self.workers, len(units)), mp_context=mp.get_context("fork"))
+            pool = ProcessPoolExecutor(min(self.workers, len(units)), mp_context=fork_context())
             try:
                 futures = [pool.submit(fn, u, policy) for u in units]
                 for f in as_completed(futures):

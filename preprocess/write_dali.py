@@ -16,7 +16,6 @@ record indices. Every file is written under a temporary name and renamed into pl
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
 import os
 import sys
 import tarfile
@@ -28,6 +27,7 @@ from tqdm import tqdm
 
 from pipelines import schema
 from preprocess.records import PreparedSplit, Record, check_record, mask_coverage
+from preprocess.workers import fork_context
 
 
 
@@ -211,7 +211,7 @@ def write_dali(split: PreparedSplit, out_dir: Path, *, shard_size: int = 1000, n
                 paths.append(_write_shard(split, s, a, b, Path(d)))
                 bar.update(b - a)
         else:
-            with mp.get_context("fork").Pool(min(num_workers, len(jobs)), _init_worker, (split,)) as pool:
+            with fork_context().Pool(min(num_workers, len(jobs)), _init_worker, (split,)) as pool:
                 for (s, a, b, _), p in zip(jobs, pool.imap(_worker_shard, jobs)):
                     paths.append(Path(p))
                     bar.update(b - a)

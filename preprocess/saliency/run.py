@@ -23,7 +23,6 @@ accuracy than no masks, so a mask's quality is measured before it is used):
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import sys
@@ -40,6 +39,7 @@ from pipelines.shards import ShardReader, scan_shards
 from preprocess.prepare import DatasetLock
 from preprocess.saliency import handcrafted, quality, refine
 from preprocess.saliency.write import write_masks
+from preprocess.workers import fork_context
 
 SUBSET = 2500
 
@@ -123,7 +123,7 @@ def map_records(split_dir: Path, count: int, indices: list[int], settings: Setti
         results = map(_maps_of, jobs)
         pool = None
     else:
-        pool = mp.get_context("fork").Pool(settings.workers, _init, (str(split_dir), count, settings))
+        pool = fork_context().Pool(settings.workers, _init, (str(split_dir), count, settings))
         results = pool.imap(_maps_of, jobs)
     try:
         return _drain(zip(jobs, results), len(indices), settings, what, f"{settings.workers} workers", sink)
