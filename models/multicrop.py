@@ -121,7 +121,7 @@ def _cat_views(embs: list[ViewEmbeddings]) -> ViewEmbeddings:
 
 
 def build_model(backbone: str, image_px: int, proj_hidden: int, proj_out: int, pred_hidden: int,
-                proj_layers: int = 2, bn_per_view: bool = False) -> SSLModel:
+                proj_layers: int = 2, bn_per_view: bool = False, proj_last_bn: bool = False) -> SSLModel:
     """Build an online network with randomly initialised weights.
 
     Args:
@@ -132,11 +132,12 @@ def build_model(backbone: str, image_px: int, proj_hidden: int, proj_out: int, p
         pred_hidden: predictor hidden width; 0 means no predictor.
         proj_layers: number of Linear layers of the projector, >= 1.
         bn_per_view: one backbone call per view in train mode (module docstring).
+        proj_last_bn: an affine-free BatchNorm on the projector's output (MoCo v3's projector).
 
     Returns:
         The SSLModel, in train mode.
     """
     net, feat_dim = build_backbone(backbone, image_px)
-    projector = mlp(feat_dim, proj_hidden, proj_out, num_layers=proj_layers)
+    projector = mlp(feat_dim, proj_hidden, proj_out, num_layers=proj_layers, last_bn=proj_last_bn)
     predictor = mlp(proj_out, pred_hidden, proj_out, num_layers=2) if pred_hidden > 0 else None
     return SSLModel(net, feat_dim, projector, predictor, bn_per_view)

@@ -14,8 +14,8 @@ Laws (DESIGN §4; torchvision's transforms where the papers name them):
   hue shift ~ U(-a, a) turns, applied in a random order per view, each clamped to [0, 1]
   (torchvision's ColorJitter; contrast blends with the mean gray of the current image, hue rotates
   in HSV); then grayscale (p gray_p, `GRAY_WEIGHTS`); Gaussian blur (p blur_p, sigma ~ U(blur_sigma)
-  px at `BLUR_REFERENCE_PX` scaled to the view size, or px of the view itself with
-  `blur_sigma_at: view`; window `blur_kernel_px`, reflect padding);
+  px of a view of `blur_reference_px` (default `BLUR_REFERENCE_PX`) scaled to the view size, or px
+  of the view itself with `blur_sigma_at: view`; window `blur_kernel_px`, reflect padding);
   solarize (p solarize_p, pixels >= 0.5 inverted).
 - saliency background removal (RELICv2 App. A.2, global crops): with p saliency_p, and only when
   the sample's mask covers at least `SALIENCY_MIN_COVERAGE` of the image, pixels whose mask (cropped
@@ -47,20 +47,31 @@ BLUR_KERNEL_FRACTION = 0.1                 # blur window side: 10 % of the view 
 JITTER_OPS = ("brightness", "contrast", "saturation", "hue")
 
 
-def blur_kernel_px(group: ViewGroup) -> int:
-    """Odd Gaussian window side of the group's views: 10 % of the side (23 px at 224, BYOL / SimCLR's
-    rule) when sigma scales with the view; with `blur_sigma_at: view` at least 2·ceil(3·sigma_max)+1
-    (MoCo v2's sigma of up to 2 px on a 32-px view needs 13 px, not 10 % of 32), at most the side."""
-    k = int(round(BLUR_KERNEL_FRACTION * group.size_px))
+def blur_scale(group: ViewGroup) -> float:
+    """View px per px of the size the group's blur is given at (`blur_sigma_at`, `blur_reference_px`)."""
     if group.blur_sigma_at == "view":
-        k = min(max(k, 2 * math.ceil(3 * group.blur_sigma[1]) + 1), group.size_px)
+        return 1.0
+    return group.size_px / (group.blur_reference_px or BLUR_REFERENCE_PX)
+
+
+def blur_kernel_px(group: ViewGroup) -> int:
+    """Odd Gaussian window side of the group's views, at most the side (+1 to stay odd): the recipe's
+    `blur_kernel_px` scaled like sigma when set (RELICv2's 23 at 224 and at 96); else 10 % of the side
+    (23 px at 224, BYOL / SimCLR's rule) when sigma scales with the view; with `blur_sigma_at: view` at
+    least 2·ceil(3·sigma_max)+1 (MoCo v2's sigma of up to 2 px on a 32-px view needs 13 px, not 10 % of 32)."""
+    if group.blur_kernel_px:
+        k = min(int(round(group.blur_kernel_px * blur_scale(group))), group.size_px)
+    else:
+        k = int(round(BLUR_KERNEL_FRACTION * group.size_px))
+        if group.blur_sigma_at == "view":
+            k = min(max(k, 2 * math.ceil(3 * group.blur_sigma[1]) + 1), group.size_px)
     return k if k % 2 == 1 else k + 1
 
 
 def blur_sigma_px(group: ViewGroup) -> tuple[float, float]:
-    """The group's blur sigma range in px of its own views: `blur_sigma` scaled from
-    `BLUR_REFERENCE_PX` to the view size, or as given with `blur_sigma_at: view`."""
-    scale = 1.0 if group.blur_sigma_at == "view" else group.size_px / BLUR_REFERENCE_PX
+    """The group's blur sigma range in px of its own views: `blur_sigma` scaled from the size it is
+    given at (`blur_scale`)."""
+    scale = blur_scale(group)
     return group.blur_sigma[0] * scale, group.blur_sigma[1] * scale
 
 

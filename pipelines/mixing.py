@@ -20,9 +20,11 @@ Laws (one home; DESIGN §4):
   Sec. 3.1: each positive (mixed view) draws its own partner, uniformly among the other samples,
   and its own lam ~ U(alpha, 1); Linear Mixup Eq. (3) x+ = lam x + (1 - lam) x~; Geometric Mixup Eq. (5)
   x+ = x^lam * x~^(1 - lam) on [0, 1] pixels; Binary Mixup Eq. (6) x+ = x * m + x~ * (1 - m),
-  m ~ Bernoulli(rho) per pixel and channel. rho is `MixSpec.binary_rho` when set (Sec. 5 searches it
-  in {0.1, 0.3, 0.5}, while Sec. 3.1 asks for "a high rho"; we read rho as Eq. (6) writes it, the
-  probability of keeping x's own element), else rho = lam (high, as Sec. 3.1 asks, with no search).
+  m ~ Bernoulli(rho) per pixel and channel. Sec. 3.1 asks for "a high rho" and Sec. 5 searches
+  {0.1, 0.3, 0.5}; both hold when the searched value is the probability that an element is swapped
+  (`MixSpec.binary_swap`), so Eq. (6)'s rho, the probability of keeping x's own element, is
+  1 - binary_swap in {0.9, 0.7, 0.5}: the anchor stays the larger part, as lam ~ U(alpha, 1) keeps
+  it for the other noises. The default 0.3 is the middle of the grid (the paper reports no choice).
   Plain DACL (Algorithm 1) is Linear Mixup alone, the default `dacl_noises`. DACL+ (Sec. 3.1) lists
   several and draws one noise function per sample, used for both of the sample's positives ("apply
   this function to create both of the positive samples").
@@ -64,7 +66,7 @@ class MixSpec:
     alpha: float = 1.0                 # SDMP: lam ~ Beta(alpha, alpha); DACL: lam ~ U(alpha, 1)
     sdmp_mixers: tuple[str, ...] = SDMP_MIXERS    # one drawn uniformly per batch
     dacl_noises: tuple[str, ...] = ("linear",)    # plain DACL (Algorithm 1); several: DACL+, one drawn per sample
-    binary_rho: float = 0.0            # Binary Mixup: P(keep own element); 0: rho = lam
+    binary_swap: float = 0.3           # Binary Mixup: P(an element comes from the partner) = 1 - rho
     source: MixSource = "global"       # "global": mix every global view; "image": the whole image,
                                        # resized to the global size without ops, mixed twice
 
@@ -180,8 +182,8 @@ def check_mix(mix: MixSpec) -> None:
             raise ValueError(f"unknown DACL noise(s) {bad}; use some of {', '.join(DACL_NOISES)}")
         if not 0.0 <= mix.alpha < 1.0:
             raise ValueError(f"DACL draws lam ~ U(alpha, 1): mix.alpha must be in [0, 1), got {mix.alpha}")
-        if not 0.0 <= mix.binary_rho <= 1.0:
-            raise ValueError(f"mix.binary_rho is a probability, got {mix.binary_rho}; use 0 (rho = lam) or a value in (0, 1]")
+        if not 0.0 < mix.binary_swap < 1.0:
+            raise ValueError(f"mix.binary_swap is a probability in (0, 1), got {mix.binary_swap}; the paper searches 0.1, 0.3, 0.5")
 
 
 def with_mix_source(recipe: Recipe, mix: MixSpec) -> Recipe:
@@ -301,8 +303,9 @@ def apply_sdmp(x: Tensor, d: MixDraw, mix: MixSpec) -> tuple[Tensor, Tensor]:
 
 
 def binary_rho(mix: MixSpec, lam: Tensor) -> Tensor:
-    """(V, B) rho of Binary Mixup, Eq. (6): `mix.binary_rho` when set, else the positive's own lam."""
-    return lam if mix.binary_rho == 0 else torch.full_like(lam, mix.binary_rho)
+    """(V, B) rho of Binary Mixup, Eq. (6), like `lam`: the probability of keeping x's own element,
+    1 - `mix.binary_swap` (module docstring)."""
+    return torch.full_like(lam, 1.0 - mix.binary_swap)
 
 
 def sample_dacl(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generator, device, *,

@@ -56,8 +56,10 @@ class ViewGroup:
     gray_p: float = 0.0                         # grayscale probability (augment.GRAY_WEIGHTS)
     blur_p: float = 0.0                         # Gaussian-blur probability
     blur_sigma: tuple[float, float] = (0.1, 2.0)  # sigma range in px, drawn uniformly; px of what: blur_sigma_at
-    blur_sigma_at: str = "reference"            # "reference": px at augment.BLUR_REFERENCE_PX, scaled to the
-                                                # view; "view": px of the view itself, whatever its size
+    blur_sigma_at: str = "reference"            # "reference": px of a view of blur_reference_px, scaled to
+                                                # this view; "view": px of the view itself, whatever its size
+    blur_reference_px: int = 0                  # the view side blur_sigma is given at; 0: augment.BLUR_REFERENCE_PX
+    blur_kernel_px: int = 0                     # blur window side where sigma is given, scaled like it; 0: augment's rule
     solarize_p: float = 0.0                     # solarize probability, threshold at half range
     saliency_p: float = 0.0                     # background-removal probability (global crops only)
     parent: str | None = None                   # staged group: name of the weak group it builds on
@@ -192,6 +194,9 @@ def validate_recipe(recipe: Recipe) -> Recipe:
             raise RecipeError(f"{where}: ratio {list(g.ratio)} must satisfy 0 < min <= max")
         if not (0 < g.blur_sigma[0] <= g.blur_sigma[1]):
             raise RecipeError(f"{where}: blur_sigma {list(g.blur_sigma)} must satisfy 0 < min <= max")
+        if g.blur_kernel_px < 0 or g.blur_reference_px < 0:
+            raise RecipeError(f"{where}: blur_kernel_px and blur_reference_px must be >= 0 (0: the default rule), "
+                              f"got {g.blur_kernel_px} and {g.blur_reference_px}")
         if g.blur_sigma_at not in BLUR_SIGMA_AT:
             raise RecipeError(f"{where}: blur_sigma_at {g.blur_sigma_at!r}; use one of {', '.join(BLUR_SIGMA_AT)}")
         if g.interpolation not in INTERPOLATIONS:

@@ -40,7 +40,7 @@ class ConfigError(ValueError):
 
 
 BackendChoice = Literal["auto", Backend]        # "auto": dali on CUDA, the fastest on CPU (train.setup)
-OptimName = Literal["lars", "sgd", "adamw"]     # timm optimiser names
+OptimName = Literal["lars", "sgd", "momentum", "adamw"]   # timm's: sgd is Nesterov, momentum is plain
 DeviceName = Literal["auto", "cpu", "cuda"]     # no "cuda:N": torchrun's LOCAL_RANK picks the GPU
 EvalName = Literal["auto", "knn", "probe", "none"]   # auto: kNN and probe when the data has labels
 
@@ -52,7 +52,7 @@ class MixConfig:
     source: MixSource = "global"    # what is mixed: "global" views or the whole "image" (DACL)
     sdmp_mixers: tuple[str, ...] = ("mixup", "cutmix", "resizemix")  # SDMP: one drawn per batch
     dacl_noises: tuple[str, ...] = ("linear",)  # DACL: linear alone is Algorithm 1; several: DACL+
-    binary_rho: float = 0.0         # DACL Binary Mixup keep probability; 0: rho = lam
+    binary_swap: float = 0.3        # DACL Binary Mixup: P(a pixel from the partner) = 1 - rho of Eq. (6)
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,7 @@ class ModelConfig:
     proj_hidden: int = 2048         # projector hidden width
     proj_out: int = 256             # projector output dim D
     proj_layers: int = 2            # projector Linear layers
+    proj_last_bn: bool = False      # BatchNorm (no affine) on the projector's output (MoCo v3)
     pred_hidden: int = 2048         # predictor hidden width; 0: no predictor
     channels_last: bool = True      # channels-last memory format (GPU only)
     bn_per_view: bool = False       # one backbone call (BatchNorm batch) per view, not per resolution
@@ -90,7 +91,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    name: OptimName = "lars"        # "lars" | "sgd" | "adamw"
+    name: OptimName = "lars"        # "lars" | "sgd" (Nesterov) | "momentum" (plain SGD) | "adamw"
+    decay_all: bool = False         # weight decay on biases and norms too (default: on weights only)
     lr: float = 0.3                 # at global batch 256; scaled linearly with the batch
     weight_decay: float = 1e-6      # at step 0; cosine to `final_weight_decay`
     final_weight_decay: float = 1e-6  # weight decay at the last step
@@ -405,7 +407,21 @@ def load_config(args: list[str], config_dir: Path = CONFIG_DIR, world_size: int 
     objective = build_objective_config(method, tree.pop("objective", {}))
     cfg = dataclasses.replace(_build(Config, tree), objective=objective)
     eval_kinds(cfg)                                     # a labelled evaluation of unlabelled data: stop now
-    return for_world(cfg, world_size, int(manifest.counts.get("train", 0)) if manifest is not None else 0)
+    return resolve_objective(for_world(cfg, world_size, int(manifest.counts.get("train", 0)) if manifest is not None else 0))
+
+
+def resolve_objective(cfg: Config) -> Config:
+    """`cfg` with the objective's config resolved against the run (`Objective.resolve`).
+
+    Raises:
+        ConfigError: a setup the objective refuses.
+    """
+    from train.objectives import OBJECTIVES
+
+    try:
+        return dataclasses.replace(cfg, objective=OBJECTIVES[cfg.method].resolve(cfg))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def for_world(cfg: Config, world_size: int, train_size: int) -> Config:
@@ -471,7 +487,7 @@ def config_from_dict(tree: dict, overrides: Sequence[str] = ()) -> Config:
         _merge(checked, _dotted_to_nested(key, value), Config)
     objective.update(checked.pop("objective", {}))
     cfg = _build(Config, checked)
-    return dataclasses.replace(cfg, method=method, objective=build_objective_config(method, objective))
+    return resolve_objective(dataclasses.replace(cfg, method=method, objective=build_objective_config(method, objective)))
 
 
 def to_dict(cfg: Any) -> dict:

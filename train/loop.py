@@ -65,6 +65,8 @@ def train(cfg: Config) -> Path:
 
     log.print(f"training {cfg.method} on {cfg.data.name} ({backend} backend, {world} rank(s), {device}) "
               f"from step {start_step} to {cfg.optim.steps}, {steps_per_epoch} steps/epoch")
+    if note := parts.objective.describe(cfg.optim.steps, steps_per_epoch):
+        log.print(note)
     meter = Meter()
     stop = cfg.optim.steps if not cfg.run.stop_after_steps else min(cfg.run.stop_after_steps, cfg.optim.steps)
     for step in range(start_step, stop):

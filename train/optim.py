@@ -10,13 +10,14 @@ from train.config import Config
 
 
 def build_optimizer(cfg: Config, modules: list[nn.Module]) -> torch.optim.Optimizer:
-    """LARS / SGD / AdamW from timm; biases and norm weights get no weight decay (nor LARS adaptation)."""
+    """LARS / SGD (Nesterov) / plain momentum SGD / AdamW from timm; biases and norm weights get no
+    weight decay (nor LARS adaptation) unless `optim.decay_all`."""
     from timm.optim import create_optimizer_v2
 
     holder = nn.ModuleList(modules)
     kwargs = {"betas": (cfg.optim.momentum, 0.999)} if cfg.optim.name == "adamw" else {"momentum": cfg.optim.momentum}
-    optimizer = create_optimizer_v2(holder, opt=cfg.optim.name, lr=cfg.optim.lr,
-                                    weight_decay=cfg.optim.weight_decay, **kwargs)
+    optimizer = create_optimizer_v2(holder, opt=cfg.optim.name, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                                    filter_bias_and_bn=not cfg.optim.decay_all, **kwargs)
     for group in optimizer.param_groups:
         group["wd_scale"] = 1.0 if group["weight_decay"] > 0 else 0.0
     return optimizer

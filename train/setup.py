@@ -55,7 +55,7 @@ def resolve_backend(cfg: Config, device: torch.device) -> str:
 # The parts of a saved config that fix the network's layout: a checkpoint only loads into a network
 # built with the same values (views.global_px decides the small-image stem).
 LAYOUT_KEYS = ("method", "model.backbone", "model.proj_hidden", "model.proj_out", "model.proj_layers",
-               "model.pred_hidden", "views.global_px")
+               "model.proj_last_bn", "model.pred_hidden", "views.global_px")
 
 
 def check_same_network(cfg: Config, saved: dict, path: str, fix: str) -> None:
@@ -70,14 +70,16 @@ def check_same_network(cfg: Config, saved: dict, path: str, fix: str) -> None:
     Raises:
         ConfigError: naming each differing `LAYOUT_KEYS` value, saved and asked for.
     """
-    def value(tree: dict, dotted: str):
+    def value(tree: dict, dotted: str, default=None):
         for part in dotted.split("."):
-            tree = tree.get(part, {}) if isinstance(tree, dict) else {}
+            if not isinstance(tree, dict) or part not in tree:
+                return default
+            tree = tree[part]
         return tree
 
-    ours = to_dict(cfg)
-    diffs = [f"{k}={value(saved, k)} (asked for {value(ours, k)})" for k in LAYOUT_KEYS
-             if value(saved, k) != value(ours, k)]
+    ours, defaults = to_dict(cfg), to_dict(Config())
+    saved = {k: value(saved, k, value(defaults, k)) for k in LAYOUT_KEYS}   # a key added since: its default
+    diffs = [f"{k}={saved[k]} (asked for {value(ours, k)})" for k in LAYOUT_KEYS if saved[k] != value(ours, k)]
     if diffs:
         raise ConfigError(f"checkpoint {path} was trained with {', '.join(diffs)}; {fix}")
 
@@ -156,7 +158,7 @@ def build_online(cfg: Config, device: torch.device) -> nn.Module:
     """The online `SSLModel` of `cfg.model` on `device` (channels-last on a GPU), randomly initialised."""
     m = cfg.model
     online = build_model(m.backbone, cfg.views.global_px, m.proj_hidden, m.proj_out, m.pred_hidden,
-                         m.proj_layers, m.bn_per_view).to(device)
+                         m.proj_layers, m.bn_per_view, m.proj_last_bn).to(device)
     if channels_last(cfg, device):
         online = online.to(memory_format=torch.channels_last)
     return online

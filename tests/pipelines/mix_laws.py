@@ -64,30 +64,57 @@ def check_sdmp_laws(mixer: str, lam_drawn: torch.Tensor, lam: torch.Tensor, boxe
     return int((~inner & (side > 0) & ((h < side) | (w < side))).sum())
 
 
-def noise_kinds(mixed: torch.Tensor, source: torch.Tensor, tol: float) -> torch.Tensor:
-    """(V, B) long: the kind of each DACL mix of constant-colour images: 1 binary (its pixels take
-    more than one colour), 0 a blend (one colour other than its own: linear or geometric), -1 cannot
-    tell (every pixel kept its own colour: lam near 1, or a blend rounded back to it)."""
-    flat = mixed.flatten(3)                                                      # (V, B, 3, S*S)
-    several = (flat - flat[..., :1]).abs().amax((2, 3)) > tol
-    own = (mixed - source).abs().amax((2, 3, 4)) <= tol
-    return torch.where(several, 1, torch.where(own, -1, 0))
+NO_LAW, UNKNOWN = -2, -1     # noise_kinds' codes besides the indices of mixing.DACL_NOISES
+
+
+def noise_kinds(mixed: torch.Tensor, source: torch.Tensor, partner: torch.Tensor, lam: torch.Tensor,
+                tol: float) -> torch.Tensor:
+    """(V, B) long: which DACL noise made each mix, as an index into `mixing.DACL_NOISES`, read back
+    from the pixels: linear (Eq. 3) lam x + (1 - lam) x~, geometric (Eq. 5) x^lam x~^(1 - lam) on
+    [0, 1] levels, binary (Eq. 6) every element x's or x~'s; UNKNOWN where more
+    than one law fits (lam near 1, or x and x~ too alike), NO_LAW where none does.
+
+    Args:
+        mixed, source: (V, B, 3, H, W) pixel levels in [0, 255]; source: the views before mixing.
+        partner: (V, B) each positive's partner in the batch. lam: (V, B) its reported lam.
+        tol: largest difference that still counts as equal (rounding).
+    """
+    v = mixed.shape[0]
+    other = torch.stack([source[k][partner[k]] for k in range(v)])              # (V, B, 3, H, W)
+    lam5 = lam.view(*lam.shape, 1, 1, 1).to(mixed.dtype)
+    linear = lam5 * source + (1 - lam5) * other
+    geometric = (source / 255).clamp_min(0) ** lam5 * (other / 255).clamp_min(0) ** (1 - lam5) * 255
+
+    def fits(want: torch.Tensor) -> torch.Tensor:
+        return (mixed - want).abs().amax((2, 3, 4)) <= tol
+
+    binary = (((mixed - source).abs() <= tol) | ((mixed - other).abs() <= tol)).flatten(2).all(2)
+    laws = torch.stack([fits(linear), fits(geometric), binary], -1)             # (V, B, 3): DACL_NOISES order
+    n = laws.sum(-1)
+    return torch.where(n == 1, laws.long().argmax(-1), torch.where(n == 0, NO_LAW, UNKNOWN))
 
 
 def check_dacl_laws(partner: torch.Tensor, lam: torch.Tensor, kinds: torch.Tensor, alpha: float,
-                    own: torch.Tensor) -> None:
+                    own: torch.Tensor, noises: set[int], drawn: torch.Tensor | None = None) -> None:
     """DACL: a partner other than itself per positive, independent across positives; lam in
-    [alpha, 1]; one noise function per sample, shared by its positives (DACL+).
+    [alpha, 1]; every mix made by one of the noises; one noise function per sample, shared by its
+    positives (DACL+: "apply this function to create both of the positive samples").
 
     Args:
         partner, lam: (V, B). kinds: (V, B) `noise_kinds` of the mixes.
         own: (B,) each column's own position in its batch (columns may span several batches).
+        noises: the indices into `mixing.DACL_NOISES` the spec lists; all of them must be seen.
+        drawn: (B,) the noise each sample drew, as an index into `mixing.DACL_NOISES`, where the
+            engine reports it: the law read from its pixels must be that one.
     """
     v, b = lam.shape
     assert not bool((partner == own).any())
     assert float(lam.min()) >= alpha - 1e-6 and float(lam.max()) <= 1 + 1e-6
     assert bool((partner[0] != partner[1]).any()), "positives share their partners"
+    assert not bool((kinds == NO_LAW).any()), f"{int((kinds == NO_LAW).sum())} mixes follow none of the DACL laws"
     known = (kinds >= 0).all(0)                                                  # (B,) both positives told apart
     assert int(known.sum()) >= b // 2, "too few mixes told apart"
     assert torch.equal(kinds[0][known], kinds[1][known]), "the positives of a sample use different noises"
-    assert set(kinds[0][known].tolist()) == {0, 1}, "only one noise kind drawn"
+    assert set(kinds[0][known].tolist()) == set(noises), "not the listed noises"
+    if drawn is not None:
+        assert torch.equal(kinds[0][known], drawn[known]), "a mix follows another law than the noise drawn for it"

@@ -174,3 +174,17 @@ def test_rsa_blur_is_mocov2s_sigma_in_view_px_and_not_the_identity_at_32_px():
     x = (torch.arange(32).view(1, 32) + torch.arange(32).view(32, 1)) % 2 * torch.ones(1, 3, 1, 1)   # checkerboard
     y = augment.gaussian_blur(x, torch.tensor([1.0]), augment.blur_kernel_px(aggressive))
     assert float((y - x).abs().mean()) > 0.3
+
+
+def test_relicv2_blur_is_a_23_px_window_with_sigma_0_1_to_2_on_every_view():
+    """RELICv2 App. A.1 step 5: "a 23 x 23 Gaussian kernel with standard deviation sampled uniformly
+    in [0.1, 2.0]", for the 224-px large and the 96-px small crops alike (the small ones were given
+    sigma in [0.04, 0.86], scaled from 224); both scale with the view at other sizes."""
+    from pipelines.views import load_recipe
+
+    recipe = load_recipe("relicv2", 224, 96)
+    assert len(recipe.groups) == 6
+    for g in recipe.groups:
+        assert augment.blur_kernel_px(g) == 23 and augment.blur_sigma_px(g) == pytest.approx((0.1, 2.0)), g.name
+    small = load_recipe("relicv2", 224, 48).groups[-1]
+    assert augment.blur_sigma_px(small) == pytest.approx((0.05, 1.0)) and augment.blur_kernel_px(small) == 13

@@ -190,3 +190,49 @@ def test_evaluation_order_and_plain_views_agree_across_backends(root: Path) -> N
     for backend, (views, labels) in got.items():
         assert torch.equal(labels, ref_labels), backend
         assert float((_pixels(views, root) - _pixels(ref_views, root)).abs().max()) <= 1.01, backend
+
+
+@pytest.fixture(scope="module")
+def wide_and_tall(tmp_path_factory) -> tuple[Path, list[torch.Tensor]]:
+    """An image folder of non-square images (aspect 4:1 to 1:3), each a gradient rising left to right
+    in red and top to bottom in green, written by the real preprocessor; and the images themselves."""
+    from PIL import Image
+
+    from preprocess.__main__ import main as preprocess_main
+
+    src, out = tmp_path_factory.mktemp("nonsquare-src"), tmp_path_factory.mktemp("nonsquare")
+    images = []
+    for i, (h, w) in enumerate([(24, 96), (96, 32), (40, 64), (64, 40)] * 2):
+        y, x = torch.meshgrid(torch.linspace(0, 1, h), torch.linspace(0, 1, w), indexing="ij")
+        img = torch.stack([x * 255, y * 255, torch.full_like(x, 40.0 + 20 * i)]).round().to(torch.uint8)
+        folder = src / ("train" if i < 6 else "val") / f"c{i % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(img.permute(1, 2, 0).numpy()).save(folder / f"img{i}.png")
+        images.append(img)
+    assert preprocess_main(["--dataset", "imagefolder", "--src", str(src), "--out", str(out), "--name", "nonsquare",
+                            "--workers", "1"]) == 0
+    return out, images
+
+
+def test_whole_image_views_of_non_square_images_are_the_whole_image_on_every_backend(wide_and_tall) -> None:
+    """A view with no random crop (`plain`, and DACL's `image` mix source) is the whole image resized to
+    the square (squashed), on every backend: not a centre crop with the ratio clamped to [3/4, 4/3]
+    (which on a 4:1 image would lose the left and right thirds of the red gradient)."""
+    from torchvision.transforms import functional as tvf
+
+    root, images = wide_and_tall
+    plain = load_recipe("plain", PX, PX // 2)
+    err = {}
+    for backend in INSTALLED:
+        spec = LoaderSpec(root=str(root), dataset="nonsquare", recipe=plain, split="train", batch_size=6,
+                          num_workers=1, shuffle=False, drop_last=False)
+        for b in build_loader(backend, spec):
+            m = read_manifest(root / "nonsquare")
+            mean, std = torch.tensor(m.mean).view(3, 1, 1), torch.tensor(m.std).view(3, 1, 1)
+            got = (b.global_views[0] * std + mean) * 255                          # (B, 3, PX, PX)
+            for k in range(b.batch_size):
+                img = next(im for im in images if abs(float(im[2, 0, 0]) - float(got[k, 2].mean())) < 6)
+                want = tvf.resize(img.float(), [PX, PX], antialias=True)
+                err[backend] = max(err.get(backend, 0.0), float((got[k] - want).abs().amax()))
+                assert float(got[k, 0, :, 0].mean()) < 20 and float(got[k, 0, :, -1].mean()) > 235, backend
+    assert max(err.values()) <= 12, err            # JPEG re-encoding and resizers differ by a few levels

@@ -14,7 +14,7 @@ from scipy import stats
 
 pytest.importorskip("nvidia.dali")
 
-from pipelines import dali_backend  # noqa: E402
+from pipelines import dali_backend, mixing  # noqa: E402
 from pipelines.loader import DatasetInfo, LoaderSpec  # noqa: E402
 from pipelines.mixing import MixSpec, with_mix_source  # noqa: E402
 from pipelines.views import Recipe, ViewGroup  # noqa: E402
@@ -25,6 +25,12 @@ from tests.pipelines import mix_laws  # noqa: E402
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 N = 48
+
+
+def _colour(i: int) -> list[int]:
+    """Record i's colour: never gray, unique, spread over the levels (mixes of two records tell
+    DACL's linear and geometric laws apart)."""
+    return [200, 20 + 4 * i, 90]
 
 
 @dataclass
@@ -39,7 +45,7 @@ class _Split:
         return N
 
     def __getitem__(self, i: int) -> Record:
-        colour = np.array([200, 40 + i, 90], dtype=np.uint8)     # never gray, unique per record
+        colour = np.array(_colour(i), dtype=np.uint8)
         img = np.broadcast_to(colour, (32, 32, 3)).copy()
         mask = np.zeros((32, 32), np.uint8)
         mask[:, : 8 + i % 16] = 255
@@ -120,7 +126,7 @@ def test_saliency_never_grays_foreground(shards, device) -> None:
             fg_width = 8 + i % 16
             y0, x0, h, w = win[k, :4]
             src_x = x0 + (np.arange(16) + 0.5) * w / 16 - 0.5             # source column of each output column
-            colour = torch.tensor([200, 40 + i, 90], dtype=torch.float32).view(3, 1)
+            colour = torch.tensor(_colour(i), dtype=torch.float32).view(3, 1)
             px = x[k].round()
             fg = src_x < fg_width - 1.5                                  # clear of the interpolated edge
             assert torch.equal(px[:, :, fg].reshape(3, -1), colour.expand(3, int(fg.sum()) * 16))
@@ -251,7 +257,6 @@ def test_resizemix_pastes_partner_in_box(mixed_batches) -> None:
 
 @pytest.mark.parametrize("kind", ["mixup", "cutmix", "resizemix", "linear", "geometric", "binary"])
 def test_dali_mix_equals_torch_reference(mixed_batches, kind: str) -> None:
-    from pipelines import mixing
 
     b, dbg = mixed_batches[kind]
     for v in range(2):
@@ -351,7 +356,7 @@ def test_fused_jitter_matches_torchvision_sequence(shards, device) -> None:
                     assert got[0, 0] == got[1, 0] == got[2, 0]
                     grays += 1
                     continue
-                x = torch.tensor([200.0, 40 + i, 90.0]).view(3, 1, 1) / 255
+                x = torch.tensor(_colour(i), dtype=torch.float32).view(3, 1, 1) / 255
                 seqs = []
                 for order in ((0, 1, 2), (2, 1, 0)):
                     y = x
@@ -382,11 +387,17 @@ def test_sdmp_laws_of_the_graph(shards, device, mixer: str) -> None:
 
 def test_dacl_laws_of_the_graph(shards, device) -> None:
     recipe = Recipe("mix", (ViewGroup("g", 2, 16, area=(0.3, 1.0)),))
-    loader = _loader(shards, recipe, device, seed=14, mix=MixSpec("dacl", alpha=0.5, dacl_noises=("linear", "binary")))
-    batches = [b for _ in range(2) for b in loader]
-    kinds = torch.cat([mix_laws.noise_kinds(_pixels(b.mixed), _pixels(b.global_views), tol=0.6) for b in batches], 1)
+    loader = _loader(shards, recipe, device, seed=14, mix=MixSpec("dacl", alpha=0.5, dacl_noises=mixing.DACL_NOISES))
+    batches, drawn = [], []
+    for _ in range(2):
+        for b in loader:
+            batches.append(b)
+            drawn.append(loader.last_draws.mix.noise)
+    kinds = torch.cat([mix_laws.noise_kinds(_pixels(b.mixed), _pixels(b.global_views), b.mix_partner, b.mix_lam, tol=0.6)
+                       for b in batches], 1)
     mix_laws.check_dacl_laws(torch.cat([b.mix_partner for b in batches], 1), torch.cat([b.mix_lam for b in batches], 1),
-                             kinds, 0.5, own=torch.arange(8).repeat(len(batches)))
+                             kinds, 0.5, own=torch.arange(8).repeat(len(batches)), noises={0, 1, 2},
+                             drawn=torch.cat(drawn).cpu())
 
 
 @pytest.mark.gpu

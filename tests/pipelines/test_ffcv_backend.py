@@ -29,6 +29,7 @@ from pipelines.mixing import MixSpec, with_mix_source  # noqa: E402
 from pipelines.views import Recipe, ViewGroup  # noqa: E402
 from preprocess.records import Record  # noqa: E402
 from preprocess.write_ffcv import write_ffcv  # noqa: E402
+from tests.pipelines import mix_laws  # noqa: E402
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 
@@ -409,24 +410,21 @@ def test_sdmp_mix_batch_contract_and_torch_reference(small, mixer: str) -> None:
 
 
 def test_dacl_mix_batch_contract_and_torch_reference(small) -> None:
+    """DACL+ through the loader: each positive follows one of Eqs. (3), (5), (6) with its own partner
+    and lam, and both positives of a sample use the same noise (tests/pipelines/mix_laws.py)."""
     path, _ = small
-    noises = ("linear", "geometric")
-    lams = []
-    for b in loader(path, MIX_RECIPE, mix=MixSpec("dacl", alpha=0.6, dacl_noises=noises), seed=4):
+    lams, kinds, partners, lam_vb = [], [], [], []
+    for b in loader(path, MIX_RECIPE, mix=MixSpec("dacl", alpha=0.6, dacl_noises=mixing.DACL_NOISES), seed=4):
         x = unnormalize(b.global_views)                                       # (2, 8, 3, 16, 16)
         assert b.mixed.shape == x.shape and b.mix_lam.shape == b.mix_partner.shape == (2, 8)
         check_range(b.mixed)
-        assert b.mix_partner.dtype == torch.int64
-        assert bool((b.mix_partner != torch.arange(8)).all()) and bool((b.mix_partner < 8).all())
-        assert bool(((b.mix_lam >= 0.6) & (b.mix_lam <= 1)).all())           # lam ~ U(alpha, 1)
-        got = unnormalize(b.mixed)
-        for v in range(2):
-            lin = mixing.dacl_linear(x[v], b.mix_partner[v], b.mix_lam[v])
-            geo = mixing.dacl_geometric(x[v], b.mix_partner[v], b.mix_lam[v])
-            is_lin = (got[v] - lin).flatten(1).abs().amax(1) < 1e-5
-            is_geo = (got[v] - geo).flatten(1).abs().amax(1) < 1e-5
-            assert bool((is_lin | is_geo).all())                              # each sample: one noise
+        assert b.mix_partner.dtype == torch.int64 and bool((b.mix_partner < 8).all())
+        kinds.append(mix_laws.noise_kinds(unnormalize(b.mixed) * 255, x * 255, b.mix_partner, b.mix_lam, tol=1e-3))
+        partners.append(b.mix_partner)
+        lam_vb.append(b.mix_lam)
         lams.append(b.mix_lam.flatten())
+    mix_laws.check_dacl_laws(torch.cat(partners, 1), torch.cat(lam_vb, 1), torch.cat(kinds, 1), 0.6,
+                             own=torch.arange(8).repeat(len(kinds)), noises={0, 1, 2})
     lams = torch.cat(lams).numpy()
     assert stats.kstest(lams, stats.uniform(0.6, 0.4).cdf).pvalue > 1e-3
 

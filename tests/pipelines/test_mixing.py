@@ -121,10 +121,11 @@ def test_sdmp_laws_of_the_reference(mixer):
 def test_dacl_laws_of_the_reference():
     b, s = 32, 16
     x = _constant_colour_views(b, s)
-    spec = mixing.MixSpec("dacl", alpha=0.5, dacl_noises=("linear", "binary"))
+    spec = mixing.MixSpec("dacl", alpha=0.5, dacl_noises=mixing.DACL_NOISES)
     out = mixing.mix_views(x / 255, spec, torch.Generator().manual_seed(6))
-    mix_laws.check_dacl_laws(out.partner, out.lam, mix_laws.noise_kinds(out.mixed * 255, x, tol=1e-3), 0.5,
-                             own=torch.arange(b))
+    kinds = mix_laws.noise_kinds(out.mixed * 255, x, out.partner, out.lam, tol=1e-3)
+    mix_laws.check_dacl_laws(out.partner, out.lam, kinds, 0.5, own=torch.arange(b), noises={0, 1, 2},
+                             drawn=out.draw.noise)
     g = torch.Generator().manual_seed(1)
     d = mixing.sample_dacl(2, 4000, 4, 4, mixing.MixSpec("dacl", alpha=0.6, dacl_noises=mixing.DACL_NOISES), g, "cpu")
     assert not (d.partner == torch.arange(4000)).any()
@@ -132,14 +133,14 @@ def test_dacl_laws_of_the_reference():
     assert set(d.noise.tolist()) == {0, 1, 2}
 
 
-def test_binary_mixup_keeps_its_own_pixels_at_rate_lam():
+def test_binary_mixup_keeps_its_own_pixels_where_the_mask_says():
     x = torch.zeros(1, 8, 3, 16, 16)
     x[:, ::2] = 1.0                                                 # even samples 1, partners (odd) 0
     d = mixing.MixDraw(partner=torch.arange(8).roll(1).view(1, 8), lam=torch.full((1, 8), 0.7),
                        noise=torch.zeros(8, dtype=torch.long),
                        keep=torch.rand(1, 8, 3, 16, 16, generator=torch.Generator().manual_seed(2)) < 0.7)
     y, _ = mixing.apply_dacl(x, d, mixing.MixSpec("dacl", dacl_noises=("binary",)))
-    kept = (y[0, ::2] == 1.0).float().mean().item()                # even samples keep their own 1s at rate rho = lam
+    kept = (y[0, ::2] == 1.0).float().mean().item()                # even samples keep their own 1s at the mask's rate
     assert abs(kept - 0.7) < 0.03
 
 
@@ -156,9 +157,11 @@ def test_plain_dacl_is_linear_mixup_alone():
     torch.testing.assert_close(out.mixed, want, atol=1e-6, rtol=0)
 
 
-def test_binary_mixup_rho_when_set_replaces_lam():
-    spec = mixing.MixSpec("dacl", alpha=0.9, dacl_noises=("binary",), binary_rho=0.3)
+@pytest.mark.parametrize("swap", [0.1, 0.5])
+def test_binary_mixup_swaps_the_set_share_of_elements_whatever_lam(swap):
+    """Eq. (6) with rho = 1 - binary_swap (the grid {0.1, 0.3, 0.5} read as the swapped share)."""
+    spec = mixing.MixSpec("dacl", alpha=0.9, dacl_noises=("binary",), binary_swap=swap)
     d = mixing.sample_dacl(2, 64, 16, 16, spec, torch.Generator().manual_seed(8), "cpu")
-    assert float(d.lam.min()) >= 0.9 and abs(d.keep.float().mean().item() - 0.3) < 0.01
-    with pytest.raises(ValueError, match="binary_rho is a probability"):
-        mixing.check_mix(mixing.MixSpec("dacl", alpha=0.5, binary_rho=1.5))
+    assert float(d.lam.min()) >= 0.9 and abs(d.keep.float().mean().item() - (1 - swap)) < 0.01
+    with pytest.raises(ValueError, match="binary_swap is a probability"):
+        mixing.check_mix(mixing.MixSpec("dacl", alpha=0.5, binary_swap=1.5))

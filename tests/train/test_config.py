@@ -80,7 +80,7 @@ def test_every_method_preset_resolves_and_round_trips(method: str) -> None:
 
 @pytest.mark.parametrize("key, value, choices", [
     ("data.backend", "torhc", "auto, torch, torchvision, ffcv, dali"),
-    ("optim.name", "adam", "lars, sgd, adamw"),
+    ("optim.name", "adam", "lars, sgd, momentum, adamw"),
     ("data.mix.kind", "cutmix", "none, sdmp, dacl"),
     ("data.mix.source", "views", "global, image"),
     ("run.device", "cuda:1", "auto, cpu, cuda"),
@@ -151,10 +151,10 @@ def test_dacl_preset_is_plain_dacl_and_dacl_plus_reaches_the_loader() -> None:
     from train.setup import mix_spec
 
     plain = mix_spec(load_config(["method=dacl"]))
-    assert plain.kind == "dacl" and plain.dacl_noises == ("linear",) and plain.binary_rho == 0.0
+    assert plain.kind == "dacl" and plain.dacl_noises == ("linear",) and plain.binary_swap == 0.3
     plus = mix_spec(load_config(["method=dacl", "data.mix.dacl_noises=[linear,geometric,binary]",
-                                 "data.mix.binary_rho=0.3"]))
-    assert plus.dacl_noises == ("linear", "geometric", "binary") and plus.binary_rho == 0.3
+                                 "data.mix.binary_swap=0.1"]))
+    assert plus.dacl_noises == ("linear", "geometric", "binary") and plus.binary_swap == 0.1
 
 
 @pytest.mark.parametrize("data", ["synthetic", "cifar10", "cifar100", "imagenet"])
@@ -163,17 +163,58 @@ def test_relicv2_online_and_target_have_the_same_form_on_every_data_preset(data:
     assert load_config(["method=relicv2", f"data={data}"]).model.pred_hidden == 0
 
 
+@pytest.mark.parametrize("method, layers, last_bn, out, tau", [
+    ("mocov3", 3, True, None, 1.0),     # MoCo v3's ResNet recipe: tau 1.0, 3-layer projector, last BN
+    ("sdmp", 3, True, None, 1.0),       # SDMP's code on ResNets: MoCo v3's ResNet setting
+    ("dacl", 3, False, 128, None),      # DACL Sec. 5.2: "a 3-layer MLP projection-head ... 128-dimensional"
+])
+def test_method_presets_use_the_heads_and_temperatures_their_papers_state(method, layers, last_bn, out, tau) -> None:
+    for data in ("synthetic", "cifar10", "imagenet"):
+        cfg = load_config([f"method={method}", f"data={data}"])
+        assert (cfg.model.proj_layers, cfg.model.proj_last_bn) == (layers, last_bn), data
+        assert out is None or cfg.model.proj_out == out
+        assert tau is None or cfg.objective.tau == tau
+
+
+def test_relicv2_loss_weights_are_the_only_ones_the_paper_states() -> None:
+    """App. C.1: contrast scale 0.3 (alpha) and invariance scale 2.0 (beta), tau 0.2."""
+    obj = load_config(["method=relicv2", "data=synthetic"]).objective
+    assert (obj.alpha, obj.beta, obj.tau) == (0.3, 2.0, 0.2)
+
+
 @pytest.mark.parametrize("data", ["cifar10", "cifar100"])
 def test_cifar_rsa_preset_is_the_papers_small_dataset_setting(data: str) -> None:
     """RSA Sec. 4.1: beta_base 0.3 on CIFAR-10/100 with SGD lr 0.1, wd 5e-4, batch 256, 1024/128 heads;
     other methods on CIFAR keep the data preset's values, and a CLI override still wins."""
     cfg = load_config(["method=rsa", f"data={data}"])
     assert cfg.objective.beta_base == 0.3 and cfg.data.batch_size == 256
-    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay) == ("sgd", 0.1, 5e-4)
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay) == ("momentum", 0.1, 5e-4)
     assert (cfg.model.proj_hidden, cfg.model.proj_out, cfg.model.pred_hidden) == (1024, 128, 1024)
     assert load_config(["method=rsa", "data=synthetic"]).objective.beta_base == 0.4
     assert load_config(["method=byol", f"data={data}"]).optim.name == "lars"
     assert load_config(["method=rsa", f"data={data}", "objective.beta_base=0.5"]).objective.beta_base == 0.5
+
+
+@pytest.mark.parametrize("data", ["cifar10", "cifar100"])
+def test_cifar_rsa_schedule_is_the_official_codes(tmp_path, data: str) -> None:
+    """RSA on CIFAR: 200 epochs of the written split (800 by optim.epochs), no warm-up, plain momentum
+    SGD (timm's "sgd" is Nesterov) with weight decay on every parameter, biases and norms included."""
+    import torch
+    from torch import nn
+
+    from train.optim import build_optimizer
+
+    write_manifest(tmp_path, data, train=50_000, px=32, classes=10)
+    cfg = load_config(["method=rsa", f"data={data}", f"data.root={tmp_path}"])
+    assert (cfg.optim.steps, cfg.optim.warmup_steps) == (200 * (50_000 // 256), 0)
+    assert load_config(["method=rsa", f"data={data}", f"data.root={tmp_path}", "optim.epochs=800"]).optim.steps == 800 * 195
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    opt = build_optimizer(cfg, [net])
+    assert isinstance(opt, torch.optim.SGD) and all(not g["nesterov"] and g["momentum"] == 0.9 for g in opt.param_groups)
+    assert all(g["weight_decay"] == 5e-4 for g in opt.param_groups)
+    assert sum(len(g["params"]) for g in opt.param_groups) == 4
+    byol = build_optimizer(load_config(["method=byol", "data=synthetic"]), [net])        # weights only, as before
+    assert sorted(len(g["params"]) for g in byol.param_groups if g["weight_decay"] > 0) == [1]
 
 
 def write_manifest(root: Path, name: str, *, train: int, px: int, classes: int = 7) -> Path:
@@ -257,3 +298,21 @@ def test_the_imagenet_preset_is_a_per_gpu_batch_that_fits_on_any_number_of_gpus(
     own = load_config(["method=byol", "data=imagenet", f"data.root={tmp_path}", f"data.batch_size={128 * world}",
                        "optim.steps=77"], world_size=world)
     assert (own.data.batch_size, own.optim.steps) == (128 * world, 77)
+
+
+def test_a_checkpoint_is_checked_for_the_network_it_builds_keys_added_since_taking_their_defaults() -> None:
+    """`check_same_network`: a saved config of another layout is a one-line error naming the key; a
+    config saved before a layout key existed (`model.proj_last_bn`) reads as that key's default."""
+    from train.setup import check_same_network
+
+    byol = load_config(["method=byol", "data=synthetic"])
+    saved = to_dict(byol)
+    check_same_network(byol, saved, "ck.pt", "fix")
+    del saved["model"]["proj_last_bn"]                                    # written before the key existed
+    check_same_network(byol, saved, "ck.pt", "fix")
+    mocov3 = to_dict(load_config(["method=mocov3", "data=synthetic"]))
+    del mocov3["model"]["proj_last_bn"]
+    with pytest.raises(ConfigError, match=r"model.proj_last_bn=False \(asked for True\)"):
+        check_same_network(load_config(["method=mocov3", "data=synthetic"]), mocov3, "ck.pt", "fix")
+    with pytest.raises(ConfigError, match=r"checkpoint ck.pt was trained with method=byol \(asked for mocov3\)"):
+        check_same_network(load_config(["method=mocov3", "data=synthetic"]), to_dict(byol), "ck.pt", "fix")

@@ -24,30 +24,59 @@ from train.objectives import OBJECTIVES
 from train.objectives.base import StepValues
 
 B, PX = 8, 32
-METHODS = ["byol", "mocov3", "simclr"]          # global views only; simclr/mocov3 gather negatives
+# Global views only (simclr / mocov3 gather negatives), and SDMP: its mixes pair samples within each
+# rank's batch (partner B-1-i), its keys are gathered from every rank.
+METHODS = ["byol", "mocov3", "simclr", "sdmp"]
 
 
 def full_batch() -> Batch:
+    """Two global views, and (read by SDMP only) two mixed views with their lam."""
     g = torch.Generator().manual_seed(1)
     return Batch(global_views=torch.randn(2, B, 3, PX, PX, generator=g), local_views=None, weak_views=None,
-                 mixed=None, mix_lam=None, mix_partner=None, index=torch.arange(B))
+                 mixed=torch.randn(2, B, 3, PX, PX, generator=g), mix_lam=torch.rand(1, B, generator=g).expand(2, B),
+                 mix_partner=None, index=torch.arange(B))
 
 
-def one_step(method: str, rank: int, world: int) -> dict:
-    """Loss, gradients and EMA target after one SGD step on this rank's slice of `full_batch()`."""
+def rank_batch(rank: int, world: int) -> Batch:
+    b, part = full_batch(), slice(rank * B // world, (rank + 1) * B // world)
+    return Batch(global_views=b.global_views[:, part], local_views=None, weak_views=None, mixed=b.mixed[:, part],
+                 mix_lam=b.mix_lam[:, part], mix_partner=None, index=b.index[part])
+
+
+def two_ranks_in_one_process(objective, online, target, batch, s: StepValues, monkeypatch=None):
+    """SDMP's loss as two ranks compute it, in one process: each half of the batch is a rank's, whose
+    own keys come first and the other rank's after them (what the gather gives each rank); the loss
+    is the mean of the two (DDP averages the gradients)."""
+    from train.objectives import sdmp
+
+    halves = [rank_batch(r, 2) for r in range(2)]
+    with torch.no_grad():
+        keys = [target([h.global_views[:2], h.mixed[:2]]) for h in halves]       # (clean, mixed) per rank
+    loss = 0.0
+    for r in range(2):
+        other = [keys[1 - r][0].z[0], keys[1 - r][0].z[1], keys[1 - r][1].z[0], keys[1 - r][1].z[1]]
+        monkeypatch.setattr(sdmp, "gather_nograd_local_first", lambda x: torch.cat([x.detach(), other.pop(0)]))
+        loss = loss + objective(online, target, halves[r], s).loss / 2
+        assert not other                                  # all four gathers of the objective were seen
+    return loss
+
+
+def one_step(method: str, rank: int, world: int, monkeypatch=None) -> dict:
+    """Loss, gradients and EMA target after one SGD step on this rank's slice of `full_batch()` (SDMP
+    on one process: `two_ranks_in_one_process`)."""
     cls = OBJECTIVES[method]
     objective = cls(cls.Config())
     torch.manual_seed(0)
     online = build_model("resnet18", PX, 32, 16, 32 if cls.needs.target else 0).eval()
     target = make_target(online).eval() if cls.needs.target else None
     model = DistributedDataParallel(online) if world > 1 else online
-    b, part = full_batch(), slice(rank * B // world, (rank + 1) * B // world)
-    batch = Batch(global_views=b.global_views[:, part], local_views=None, weak_views=None, mixed=None,
-                  mix_lam=None, mix_partner=None, index=b.index[part])
     s = StepValues(step=0, total_steps=10, epoch=0.0, lr=0.1, weight_decay=0.0, ema=0.9)
-    out = objective(model, target, batch, s)
-    out.loss.backward()
-    loss = out.loss.detach().clone()
+    if method == "sdmp" and world == 1:
+        total = two_ranks_in_one_process(objective, online, target, full_batch(), s, monkeypatch)
+    else:
+        total = objective(model, target, rank_batch(rank, world), s).loss
+    total.backward()
+    loss = total.detach().clone()
     if world > 1:
         tdist.all_reduce(loss)
         loss /= world
@@ -76,9 +105,9 @@ def free_port() -> int:
 
 @pytest.mark.ddp
 @pytest.mark.parametrize("method", METHODS)
-def test_two_ranks_equal_one_process_on_the_whole_batch(method: str, tmp_path) -> None:
+def test_two_ranks_equal_one_process_on_the_whole_batch(method: str, tmp_path, monkeypatch) -> None:
     torch.set_num_threads(1)
-    single = one_step(method, 0, 1)
+    single = one_step(method, 0, 1, monkeypatch)
     mp.spawn(worker, args=(2, free_port(), method, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for r in ranks:

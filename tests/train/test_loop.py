@@ -30,9 +30,9 @@ def test_objective_smoke(method: str, tiny_args, tmp_path) -> None:
 
     state = checkpoint.load(run_dir / "checkpoint.pt")
     assert state["step"] == 3 and config_from_dict(state["config"]) == cfg
-    from models.multicrop import build_model
+    from train.setup import build_online
 
-    model = build_model("test_resnet", 32, 32, 16, cfg.model.pred_hidden)
+    model = build_online(cfg, torch.device("cpu"))                   # the method's own head (3 layers for MoCo v3)
     model.load_state_dict(state["online"])
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, state["online"][name]), name

@@ -94,6 +94,20 @@ class Objective(nn.Module):
         """Update the objective's own state after the optimiser step; by default it has none (the
         EMA target is not objective state: the loop updates it)."""
 
+    def describe(self, total_steps: int, steps_per_epoch: int) -> str | None:
+        """A line the loop prints once at the start of a run (e.g. when a phase begins), or None."""
+        return None
+
+    @classmethod
+    def resolve(cls, cfg: Any) -> Any:
+        """The objective's config for the whole run config `cfg` (values it takes from the model or
+        the data, checks that need them); by default `cfg.objective` unchanged.
+
+        Raises:
+            ValueError: a setup the objective refuses (one line naming the fix).
+        """
+        return cfg.objective
+
 
 def online_and_target(online: nn.Module, target: nn.Module, online_views: list[Tensor],
                       target_views: list[Tensor]):

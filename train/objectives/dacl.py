@@ -10,10 +10,14 @@ DACL+ noises (Eqs. 5-6, one per sample for both positives) with `data.mix.dacl_n
 as the sum of the SimCLR and DACL losses (Sec. 5.1).
 Reference code: none published with the paper (unknown).
 
+Projection head: Sec. 5.2's "3-layer MLP projection-head to project the representation to a
+128-dimensional latent space" (`dacl.yaml`: `model.proj_layers: 3`, `model.proj_out: 128`; the hidden
+width is the project's 2048, as SimCLR's).
+Binary Mixup's rho (Eq. 6): Sec. 3.1's "high rho" and Sec. 5's grid {0.1, 0.3, 0.5} are read
+together as the grid giving the probability of swapping an element (`data.mix.binary_swap`, default
+0.3), so rho = P(keep) in {0.9, 0.7, 0.5} (`pipelines.mixing`).
+
 Deviations:
-- Projection head: the project's projector (`model.proj_layers`, `model.proj_out`: 2 layers, 256-d by
-  default). The paper says it follows SimCLR's head; the text we follow gives no depth or width, so
-  no other head is claimed as the paper's.
 - SimCLR+DACL's two views use the `byol` recipe (see `simclr.py`).
 """
 

@@ -13,6 +13,10 @@ Online and target networks have the same form (encoder + comparison network, Lis
 preset sets no predictor (`model.pred_hidden: 0`); a predictor, if one is configured, is a
 deviation and is used on the online side.
 
+Loss weights: alpha = 0.3 and beta = 2.0, App. C.1's "contrast scale" and "invariance scale" of the
+JFT-300M runs (1000 and 5000 epochs; 1.0 at 3000), the only values the paper states; it gives none
+for ImageNet. tau = 0.2 from the same appendix.
+
 Deviations:
 - Embeddings are L2-normalised before the inner product of phi_tau (the paper leaves it implicit;
   RELIC and BYOL normalise).
@@ -128,8 +132,8 @@ def sample_negatives(m: int, n_e: int, generator: torch.Generator) -> Tensor:
 @dataclass(frozen=True)
 class ReLICv2Config:
     tau: float = 0.2            # temperature of phi_tau (JFT setting, App. C.1)
-    alpha: float = 1.0          # weight of the contrastive term, Eq. (3)
-    beta: float = 1.0           # weight of the KL invariance term, Eq. (3)
+    alpha: float = 0.3          # weight of the contrastive term, Eq. (3): App. C.1's "contrast scale"
+    beta: float = 2.0           # weight of the KL invariance term, Eq. (3): App. C.1's "invariance scale"
     num_negatives: int = 10     # n_e, negatives sampled per anchor (Sec. 2)
     seed: int = 0               # base seed of the negative draws (seed + step)
 
