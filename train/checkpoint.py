@@ -3,17 +3,27 @@
 A checkpoint holds only tensors and primitive containers: `online`, `target` and `objective` state
 dicts, `optimizer`, `scaler`, `step`, the loader position, the RNG states, the resolved config (as
 plain dicts), the random-init evaluation and the git commit.
+
+In a run folder the newest checkpoint is always `checkpoint.pt`; with `run.keep_last=N` the N - 1
+before it stay as `checkpoint-<step>.pt` (`save_latest`). A write reaches the disk (fsync) before the
+rename that publishes it, so neither a killed process nor a lost machine leaves a half-written
+checkpoint under a checkpoint's name. `latest` lists a folder's checkpoints newest first.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import torch
+
+
+LATEST = "checkpoint.pt"                         # the newest checkpoint of a run folder
+HISTORY = re.compile(r"checkpoint-(\d+)\.pt")    # an older one, named by its step (`run.keep_last` > 1)
 
 
 class CheckpointError(FileNotFoundError):
@@ -57,7 +67,8 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(path: Path, state: dict) -> Path:
-    """Write `state` to `path` atomically (temp file in the same folder, then os.replace).
+    """Write `state` to `path` atomically and durably: a temp file in the same folder, flushed to the
+    disk, then `os.replace`. A kill at any point leaves the old file or the new one, never a mix.
 
     Args:
         path: destination file; its folder is created.
@@ -68,10 +79,97 @@ def save(path: Path, state: dict) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(state, tmp)
+    tmp = _write_durably(path.with_name(f".{path.name}.tmp{os.getpid()}"), state)
     os.replace(tmp, path)                   # atomic: a kill leaves the old file or the new one
+    _sync_folder(path.parent)
     return path
+
+
+def _write_durably(tmp: Path, state: dict) -> Path:
+    """`torch.save` into `tmp` and flush it to the disk (deleted again if the write fails)."""
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())            # on the disk before a rename publishes it (a lost machine)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush a folder's entries (a rename) to the disk; a no-op where a folder cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def history(run_dir: str | os.PathLike) -> dict[int, Path]:
+    """The older checkpoints `save_latest` kept in `run_dir`: {step: `checkpoint-<step>.pt`}."""
+    found = {}
+    for p in Path(run_dir).glob("checkpoint-*.pt"):
+        if m := HISTORY.fullmatch(p.name):
+            found[int(m.group(1))] = p
+    return found
+
+
+def latest(run_dir: str | os.PathLike) -> list[Path]:
+    """The checkpoints of a run folder, newest first: `checkpoint.pt`, then `checkpoint-<step>.pt` by
+    falling step (empty when the folder or its checkpoints do not exist)."""
+    run_dir = Path(run_dir)
+    older = [p for _, p in sorted(history(run_dir).items(), reverse=True)]
+    return ([run_dir / LATEST] if (run_dir / LATEST).is_file() else []) + older
+
+
+def saved_step(path: Path) -> int | None:
+    """The `step` of a checkpoint file, read without loading its tensors (mmap); None if unreadable."""
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
+    except Exception:  # torch raises several types for a corrupt or foreign file
+        return None
+
+
+def save_latest(run_dir: str | os.PathLike, state: dict, keep_last: int) -> Path:
+    """Write `state` as `<run_dir>/checkpoint.pt`, keeping the newest `keep_last` checkpoints.
+
+    With `keep_last` > 1 the previous `checkpoint.pt` becomes `checkpoint-<its step>.pt` (an unreadable
+    one is replaced). Then `checkpoint-<step>.pt` files beyond the newest `keep_last` - 1, those of a
+    step at or after this one (the abandoned future of a run resumed from an earlier checkpoint) and
+    the temp files of killed writes are deleted. The new data is on the disk before anything moves: a
+    kill at any point leaves the newest complete checkpoint readable in the folder (`latest`).
+
+    Args:
+        run_dir: the run folder (created).
+        state: tensors and primitive containers, with the int `step` after which it was taken.
+        keep_last: checkpoints to keep, >= 1 (1: `checkpoint.pt` alone).
+
+    Returns:
+        The path of the new `checkpoint.pt`.
+    """
+    run_dir, step = Path(run_dir), int(state["step"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    newest = run_dir / LATEST
+    tmp = _write_durably(run_dir / f".{LATEST}.tmp{os.getpid()}", state)
+    if keep_last > 1 and newest.is_file():
+        previous = saved_step(newest)
+        if previous is not None and previous < step:
+            os.replace(newest, run_dir / f"checkpoint-{previous}.pt")
+    os.replace(tmp, newest)
+    _sync_folder(run_dir)
+    older = sorted((s for s in history(run_dir) if s < step), reverse=True)
+    for s in [s for s in history(run_dir) if s >= step] + older[keep_last - 1:]:
+        (run_dir / f"checkpoint-{s}.pt").unlink(missing_ok=True)
+    for stale in run_dir.glob(f".{LATEST}.tmp*"):                   # what killed writes left behind
+        stale.unlink(missing_ok=True)
+    return newest
 
 
 def load(path: str | os.PathLike) -> dict:

@@ -116,12 +116,18 @@ class RunConfig:
     ckpt_every: int = 500           # steps between checkpoints (and one at the end)
     eval_every_epochs: int = 0      # kNN + linear probe every K epochs; 0: only at start and end
     resume: str = ""                # checkpoint file to resume from; "": fresh run
+    keep_last: int = 1              # checkpoints kept in the run folder: checkpoint.pt and the N-1 before it
     amp: bool = True                # bf16 autocast (GPU only)
     dist_timeout_min: float = 30.0  # longest wait of one rank for the others in a collective, minutes
     device: DeviceName = "auto"     # "auto": torchrun's device; "cuda": cuda:<LOCAL_RANK>; "cpu"
     eval: EvalName = "auto"          # labelled evaluations besides the label-free health metrics
     max_eval_samples: int = 0       # records per split for evaluation (evenly spread); 0: all up to a cap
     stop_after_steps: int = 0       # stop with a checkpoint after this step (resumable); 0: run to optim.steps
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise ConfigError(f"run.keep_last={self.keep_last} keeps no checkpoint; use run.keep_last=1 (the newest "
+                              "alone) or more")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ class NonFiniteLossError(RuntimeError):
 
 def train(cfg: Config) -> Path:
     """Train `cfg.method` on `cfg.data`; returns the run folder (config.yaml, metrics.jsonl, TensorBoard
-    events, checkpoint.pt, backbone.pt, backbone.safetensors)."""
+    events, checkpoint.pt (and checkpoint-<step>.pt with run.keep_last > 1), backbone.pt,
+    backbone.safetensors)."""
     device = select_device(cfg.run.device, cfg.run.dist_timeout_min)
     backend = resolve_backend(cfg, device)
     world, rank = dist.world_size(), dist.rank()
@@ -59,9 +60,9 @@ def train(cfg: Config) -> Path:
     def save_checkpoint(step: int) -> None:
         rng, position = dist.gather_objects(checkpoint.rng_state()), dist.gather_objects(parts.loader.state_dict())
         if dist.is_main():
-            checkpoint.save(run_dir / "checkpoint.pt", {
+            checkpoint.save_latest(run_dir, {
                 **parts.state_dict(), "step": step, "loader": position, "rng": rng, "config": to_dict(cfg),
-                "random_init": random_init, "git_commit": checkpoint.git_commit()})
+                "random_init": random_init, "git_commit": checkpoint.git_commit()}, cfg.run.keep_last)
 
     log.print(f"training {cfg.method} on {cfg.data.name} ({backend} backend, {world} rank(s), {device}) "
               f"from step {start_step} to {cfg.optim.steps}, {steps_per_epoch} steps/epoch")

@@ -1,4 +1,5 @@
-"""Stop at a checkpoint and resume: the next losses equal those of an uninterrupted run."""
+"""Stop at a checkpoint and resume: the next losses equal those of an uninterrupted run; `run.keep_last`
+keeps that many checkpoints, and a write killed midway keeps the last good one."""
 
 from __future__ import annotations
 
@@ -52,3 +53,32 @@ def test_stop_and_resume_repeats_the_uninterrupted_run(method, tiny_args, tmp_pa
     assert sorted(resumed) == list(range(1, 11))
     for step in range(6, 11):
         assert resumed[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), step
+
+
+def test_a_killed_write_leaves_the_last_good_checkpoint_and_keep_last_keeps_the_newest(tmp_path, monkeypatch) -> None:
+    """`save_latest`: a write killed midway changes no checkpoint and leaves no temp file; the next write
+    removes a killed process's temp file; keep_last=3 keeps checkpoint.pt and the two steps before it,
+    and `latest` lists them newest first."""
+    run = tmp_path / "run"
+    checkpoint.save_latest(run, {"step": 1}, keep_last=1)
+    real_save = torch.save
+
+    def killed(obj, f) -> None:            # a partial file, then the job is killed
+        real_save(obj, f)
+        f.truncate(10)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_latest(run, {"step": 2}, keep_last=1)
+    monkeypatch.undo()
+    assert [p.name for p in run.iterdir()] == ["checkpoint.pt"] and checkpoint.load(run / "checkpoint.pt")["step"] == 1
+
+    (run / ".checkpoint.pt.tmp999999").write_bytes(b"half a checkpoint")   # another process, killed
+    for step in (2, 3, 4, 5):
+        checkpoint.save_latest(run, {"step": step}, keep_last=3)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-3.pt", "checkpoint-4.pt", "checkpoint.pt"]
+    assert [checkpoint.load(p)["step"] for p in checkpoint.latest(run)] == [5, 4, 3]
+    checkpoint.save_latest(run, {"step": 6}, keep_last=1)              # fewer kept from now on
+    assert [p.name for p in run.iterdir()] == ["checkpoint.pt"]
+
