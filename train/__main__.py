@@ -7,8 +7,9 @@ random-init one (kNN and the probe where the data has labels, the health metrics
 
 Bad input ends in one line `error: ...` on stderr and exit status 2, before any file is written and
 without a launcher traceback: the config (method, dataset, preset, key, value), the dataset's
-manifest, `run.resume`'s or `ckpt=`'s checkpoint (missing, unreadable, another method or network),
-`gpus=N` beyond this machine's devices (or cores), a batch that does not split over N processes.
+manifest, `run.resume`'s or `ckpt=`'s checkpoint (missing, unreadable, another method or network;
+under `run.resume=auto` a run folder of another method or network), `gpus=N` beyond this machine's
+devices (or cores), a batch that does not split over N processes.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ plain dicts), the random-init evaluation and the git commit.
 In a run folder the newest checkpoint is always `checkpoint.pt`; with `run.keep_last=N` the N - 1
 before it stay as `checkpoint-<step>.pt` (`save_latest`). A write reaches the disk (fsync) before the
 rename that publishes it, so neither a killed process nor a lost machine leaves a half-written
-checkpoint under a checkpoint's name. `latest` lists a folder's checkpoints newest first.
+checkpoint under a checkpoint's name. `latest` lists a folder's checkpoints newest first, for
+`run.resume=auto`.
 """
 
 from __future__ import annotations

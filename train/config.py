@@ -115,7 +115,7 @@ class RunConfig:
     log_every: int = 10             # steps between log lines (the only host syncs)
     ckpt_every: int = 500           # steps between checkpoints (and one at the end)
     eval_every_epochs: int = 0      # kNN + linear probe every K epochs; 0: only at start and end
-    resume: str = ""                # checkpoint file to resume from; "": fresh run
+    resume: str = ""                # checkpoint file to resume from; "auto": the run folder's newest readable one, if any; "": fresh run
     keep_last: int = 1              # checkpoints kept in the run folder: checkpoint.pt and the N-1 before it
     amp: bool = True                # bf16 autocast (GPU only)
     dist_timeout_min: float = 30.0  # longest wait of one rank for the others in a collective, minutes
@@ -128,6 +128,9 @@ class RunConfig:
         if self.keep_last < 1:
             raise ConfigError(f"run.keep_last={self.keep_last} keeps no checkpoint; use run.keep_last=1 (the newest "
                               "alone) or more")
+        if self.resume == "auto" and not self.name:
+            raise ConfigError("run.resume=auto needs a run folder that the next start finds again; set run.name=<name> "
+                              "(the same on every restart)")
 
 
 @dataclass(frozen=True)

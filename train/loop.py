@@ -8,6 +8,7 @@ this loop and `train.bench` run.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from train.evaluate import evaluate_backbone
 from train.log import Log, Meter
 from train.objectives.base import LossOut, StepValues
 from train.optim import apply_lr_wd, clip_and_step
-from train.setup import Parts, build_parts, resolve_backend, resume_state, select_device
+from train.setup import Parts, build_parts, resolve_backend, resume_state, run_folder, select_device
 
 
 class NonFiniteLossError(RuntimeError):
@@ -36,16 +37,21 @@ def train(cfg: Config) -> Path:
     device = select_device(cfg.run.device, cfg.run.dist_timeout_min)
     backend = resolve_backend(cfg, device)
     world, rank = dist.world_size(), dist.rank()
-    state = resume_state(cfg)                        # checked before any write
+    resumed = resume_state(cfg)                     # checked before any write
+    state = resumed.state
     parts = build_parts(cfg, device, backend)       # checks views against the objective: before any write
     online = dist.unwrap(parts.online)
-    run_dir = Path(cfg.run.resume).parent if cfg.run.resume else Path(cfg.run.out_dir) / dist.broadcast_object(
-        cfg.run.name or f"{cfg.method}-{cfg.data.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = run_folder(cfg)
     log = Log(run_dir, enabled=dist.is_main())
     if dist.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+        (run_dir / ".config.yaml.tmp").write_text(dump_yaml(cfg))     # whole or not at all: auto reads it
+        os.replace(run_dir / ".config.yaml.tmp", run_dir / "config.yaml")
         log.print(f"config ({run_dir / 'config.yaml'}):\n{dump_yaml(cfg)}")
+    for note in resumed.skipped:
+        log.print(f"skipped {note}")
+    if resumed.path is not None:
+        log.print(f"resuming from {resumed.path} (step {state['step']})")
 
     start_step, random_init, position = 0, None, None
     steps_per_epoch = len(parts.loader)
@@ -93,7 +99,8 @@ def train(cfg: Config) -> Path:
     log.print(f"data stall: {100 * log.stall_fraction():.1f}% of the step time waited for batches (after warm-up)")
     if stop < cfg.optim.steps:
         log.close()
-        log.print(f"stopped after step {stop}; resume with run.resume={run_dir / 'checkpoint.pt'}")
+        again = "run.resume=auto" if cfg.run.resume == "auto" else f"run.resume={run_dir / checkpoint.LATEST}"
+        log.print(f"stopped after step {stop}; resume with {again} and a later run.stop_after_steps (or none)")
         return run_dir
 
     result = evaluate_backbone(cfg, online.backbone, backend, device)

@@ -1,5 +1,6 @@
-"""Stop at a checkpoint and resume: the next losses equal those of an uninterrupted run; `run.keep_last`
-keeps that many checkpoints, and a write killed midway keeps the last good one."""
+"""Stop at a checkpoint and resume: the next losses equal those of an uninterrupted run; a killed job
+re-run with the same command (`run.resume=auto`) continues from its run folder's newest readable
+checkpoint, and `run.keep_last` keeps that many."""
 
 from __future__ import annotations
 
@@ -82,3 +83,75 @@ def test_a_killed_write_leaves_the_last_good_checkpoint_and_keep_last_keeps_the_
     checkpoint.save_latest(run, {"step": 6}, keep_last=1)              # fewer kept from now on
     assert [p.name for p in run.iterdir()] == ["checkpoint.pt"]
 
+
+def train_steps(run_dir) -> list[int]:
+    """The step of every train record of metrics.jsonl, in the order written (a resumed run appends)."""
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r["step"] for r in records if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_args, tmp_path_factory) -> dict[int, float]:
+    """Losses of a 10-step byol run with a checkpoint every 2 steps, never stopped."""
+    from train.loop import train
+
+    out = tmp_path_factory.mktemp("uninterrupted")
+    return losses(train(load_config([*tiny_args("byol", out), "optim.steps=10", "run.ckpt_every=2"])))
+
+
+class Preempted(Exception):
+    """The job killed by the cluster, right after a checkpoint."""
+
+
+def test_auto_resume_with_the_same_command_repeats_the_uninterrupted_run(uninterrupted, tiny_args, tmp_path,
+                                                                         monkeypatch) -> None:
+    """The first start (no run folder yet) trains from step 0; killed after step 4's checkpoint, the same
+    command continues at step 5 (not from 0 again) and every later loss equals the uninterrupted run's."""
+    from train.loop import train
+
+    words = [*tiny_args("byol", tmp_path), "optim.steps=10", "run.ckpt_every=2", "run.resume=auto"]
+    save_latest = checkpoint.save_latest
+
+    def save_then_kill(run_dir, state, keep_last):
+        save_latest(run_dir, state, keep_last)
+        if state["step"] == 4:
+            raise Preempted
+
+    monkeypatch.setattr(checkpoint, "save_latest", save_then_kill)
+    with pytest.raises(Preempted):
+        train(load_config(words))
+    monkeypatch.undo()
+    run = tmp_path / "run"
+    assert train_steps(run) == [1, 2, 3, 4] and losses(run)[1] == pytest.approx(uninterrupted[1], rel=1e-5)
+
+    train(load_config(words))
+    assert train_steps(run) == list(range(1, 11))
+    for step in range(5, 11):
+        assert losses(run)[step] == pytest.approx(uninterrupted[step], rel=1e-5, abs=1e-6), step
+    assert (run / "backbone.safetensors").is_file()
+
+
+def test_auto_skips_a_damaged_newest_checkpoint_and_keep_last_2_keeps_two(uninterrupted, tiny_args, tmp_path,
+                                                                          capsys) -> None:
+    """keep_last=2 with checkpoints at steps 2, 4, 6 leaves checkpoint.pt (6) and checkpoint-4.pt; with
+    checkpoint.pt cut short (a disk that lost its end), auto resumes from step 4 and repeats the
+    uninterrupted run."""
+    from train.loop import train
+
+    words = [*tiny_args("byol", tmp_path), "optim.steps=10", "run.ckpt_every=2", "run.resume=auto",
+             "run.keep_last=2"]
+    run = train(load_config([*words, "run.stop_after_steps=6"]))
+    assert sorted(p.name for p in run.glob("checkpoint*.pt")) == ["checkpoint-4.pt", "checkpoint.pt"]
+    newest = run / "checkpoint.pt"
+    assert checkpoint.load(newest)["step"] == 6
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    capsys.readouterr()
+
+    train(load_config(words))
+    out = capsys.readouterr().out
+    assert "skipped cannot read checkpoint" in out and f"resuming from {run / 'checkpoint-4.pt'} (step 4)" in out
+    assert train_steps(run) == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10]
+    for step in range(5, 11):
+        assert losses(run)[step] == pytest.approx(uninterrupted[step], rel=1e-5, abs=1e-6), step
+    assert sorted(p.name for p in run.glob("checkpoint*.pt")) == ["checkpoint-8.pt", "checkpoint.pt"]
+    assert checkpoint.load(newest)["step"] == 10

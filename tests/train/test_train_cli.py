@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from train import checkpoint
 from train.__main__ import main
@@ -51,6 +52,23 @@ def test_bad_input_ends_in_one_line_before_any_write(tiny_args, capsys, tmp_path
     fails_in_one_line(capsys, ["eval", f"ckpt={rsa}", "model.backbone=resnet50"],
                       "model.backbone=test_resnet (asked for resnet50)", "drop the override")
     fails_in_one_line(capsys, ["eval"], "make eval CKPT=")
+
+
+def test_auto_resume_of_another_network_ends_in_one_line_and_writes_nothing(tiny_args, capsys, tmp_path) -> None:
+    """`run.resume=auto` on a run folder of another method (by its checkpoint, or by its config.yaml when
+    it stopped before one), without a run name or with keep_last 0 stops before any write."""
+    out = tmp_path / "runs"
+    words = tiny_args("rsa", out, "run.resume=auto")
+    byol = saved_checkpoint(out / "run" / "checkpoint.pt", tiny_args("byol", out))
+    before = byol.read_bytes()
+    fails_in_one_line(capsys, words, "method=byol (asked for rsa)", "run.resume=auto continues the run in")
+    assert [p.name for p in (out / "run").iterdir()] == ["checkpoint.pt"] and byol.read_bytes() == before
+    byol.unlink()
+    (out / "run" / "config.yaml").write_text(yaml.safe_dump(to_dict(load_config(tiny_args("byol", out)))))
+    fails_in_one_line(capsys, words, "config.yaml was trained with method=byol (asked for rsa)")
+    assert [p.name for p in (out / "run").iterdir()] == ["config.yaml"]
+    fails_in_one_line(capsys, [*words, "run.name="], "run.resume=auto needs", "set run.name=")
+    fails_in_one_line(capsys, [*words, "run.keep_last=0"], "run.keep_last=0", "use run.keep_last=1")
 
 
 @pytest.mark.ddp
