@@ -185,3 +185,83 @@ def load_backbone(path: str | os.PathLike) -> nn.Module:
     model, _ = build_backbone(meta["timm_model"], int(meta["image_px"]))
     model.load_state_dict(safetensors.torch.load_file(str(path)))
     return model
+
+
+def init_weights(path: str | os.PathLike, backbone: nn.Module, name: str, image_px: int) -> dict[str, Tensor]:
+    """The weights in `path` for `backbone` (built by `build_backbone(name, image_px)`), checked to fit it
+    exactly: the same keys and shapes, for `backbone.load_state_dict`.
+
+    Two kinds of file:
+    - a `save_backbone` file (`backbone.safetensors` of a finished run): its metadata must name the same
+      timm model, stem and timm arguments as `name` at `image_px`;
+    - a timm checkpoint: a state dict in a .pth / .pt / .bin / .safetensors file, possibly nested under
+      `state_dict` or `model`, read with timm's conventions (`timm.models.load_state_dict`: its EMA
+      weights when it has them, DDP and torch.compile prefixes removed); the classifier's keys
+      (`pretrained_cfg["classifier"]`) are dropped, as the backbone is built with num_classes=0.
+
+    Args:
+        path: the weights file.
+        backbone: the network the weights are for (its keys and shapes are the reference).
+        name: its timm name.
+        image_px: the global-view side it is built for, in px.
+
+    Returns:
+        {parameter or buffer name: tensor} with exactly the keys and shapes of `backbone.state_dict()`.
+
+    Raises:
+        ValueError: no such file, one that does not read, or weights of another network (another timm
+            model or stem, keys missing or left over, other shapes), naming the fix.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no file {path}; pass a backbone.safetensors of a finished run or a timm checkpoint file")
+    meta = {}
+    if path.suffix == ".safetensors":
+        try:
+            with safetensors.safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+        except Exception as e:  # safetensors raises its own types for a damaged header
+            raise ValueError(f"cannot read {path} ({e}); pass a backbone.safetensors or a timm checkpoint") from None
+    small_stem = str(image_px <= SMALL_IMAGE_PX).lower()
+    if "timm_model" in meta:
+        saved = (meta["timm_model"], meta.get("small_stem"), meta.get("timm_kwargs"))
+        if saved != (name, small_stem, json.dumps(backbone_kwargs(name, image_px))):
+            raise ValueError(f"{path} holds a {meta['timm_model']} backbone trained at {meta.get('image_px')} px "
+                             f"(small_stem {meta.get('small_stem')}) but this run builds {name} at {image_px} px "
+                             f"(small_stem {small_stem}); set model.backbone={meta['timm_model']} "
+                             f"views.global_px={meta.get('image_px')}, or pass weights of {name}")
+        state = safetensors.torch.load_file(str(path))
+    else:
+        try:
+            state = timm.models.load_state_dict(str(path))
+        except Exception as e:  # torch and safetensors raise several types for a damaged or foreign file
+            raise ValueError(f"cannot read {path} as a timm checkpoint ({e}); pass a backbone.safetensors "
+                             "or a state dict saved with torch.save / safetensors") from None
+        if isinstance(state, dict) and "online" in state and "config" in state:
+            raise ValueError(f"{path} is a training checkpoint; run.resume={path} continues that run, and the "
+                             "backbone.safetensors its finished run exported starts a new one")
+        heads = (getattr(backbone, "pretrained_cfg", None) or {}).get("classifier") or ()
+        heads = (heads,) if isinstance(heads, str) else tuple(heads)
+        state = {k: v for k, v in state.items() if not any(k.startswith(f"{h}.") for h in heads)}
+    ours = backbone.state_dict()
+    for key in ours:                        # a BatchNorm counter, absent from older (torchvision) files
+        if key.endswith("num_batches_tracked") and key not in state:
+            state[key] = ours[key]
+    missing = [k for k in ours if k not in state]
+    unexpected = [k for k in state if k not in ours]
+    shapes = [f"{k} {_shape(state[k])} (needs {_shape(ours[k])})" for k in ours
+              if k in state and _shape(state[k]) != _shape(ours[k])]
+    if missing or unexpected or shapes:
+        found = [f"{what} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+                 for what, keys in (("missing", missing), ("unexpected", unexpected), ("other shapes:", shapes))
+                 if keys]
+        stem = (f"; at {image_px} px a ResNet has the small-image stem (3x3 conv1): views.global_px above "
+                f"{SMALL_IMAGE_PX} keeps timm's" if small_stem == "true" and is_resnet(backbone) else "")
+        raise ValueError(f"{path} does not fit a {name} backbone at {image_px} px ({'; '.join(found)}); "
+                         f"pass weights of {name}, or set model.backbone to the network they are for{stem}")
+    return state
+
+
+def _shape(value) -> str:
+    """A tensor's shape as text, e.g. "(64, 3, 3, 3)" (a value that is no tensor: its type)."""
+    return str(tuple(value.shape)) if isinstance(value, Tensor) else type(value).__name__

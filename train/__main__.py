@@ -8,8 +8,9 @@ random-init one (kNN and the probe where the data has labels, the health metrics
 Bad input ends in one line `error: ...` on stderr and exit status 2, before any file is written and
 without a launcher traceback: the config (method, dataset, preset, key, value), the dataset's
 manifest, `run.resume`'s or `ckpt=`'s checkpoint (missing, unreadable, another method or network;
-under `run.resume=auto` a run folder of another method or network), `gpus=N` beyond this machine's
-devices (or cores), a batch that does not split over N processes.
+under `run.resume=auto` a run folder of another method or network), `model.init`'s weights (missing,
+unreadable, another network), `gpus=N` beyond this machine's devices (or cores), a batch that does not
+split over N processes.
 """
 
 from __future__ import annotations
@@ -72,13 +73,15 @@ def preflight(cfg: Config, processes: int) -> None:
     Raises:
         ConfigError, DatasetError, CheckpointError: one line each (see the module docstring).
     """
-    from train.setup import check_batch_split, check_processes, resume_state
+    from models.backbone import build_backbone
+    from train.setup import check_batch_split, check_processes, init_backbone, resume_state
 
     check_processes(processes, cfg.run.device)
     check_batch_split(cfg.data.batch_size, processes)
     check_dataset(cfg)
-    if processes > 1:               # one process checks it in the loop, before any write
-        resume_state(cfg)
+    if processes > 1:               # one process checks them in the loop, before any write
+        if resume_state(cfg).state is None:
+            init_backbone(cfg, build_backbone(cfg.model.backbone, cfg.views.global_px)[0])
 
 
 def launch(processes: int, argv: list[str]) -> int:

@@ -87,6 +87,7 @@ class ModelConfig:
     pred_hidden: int = 2048         # predictor hidden width; 0: no predictor
     channels_last: bool = True      # channels-last memory format (GPU only)
     bn_per_view: bool = False       # one backbone call (BatchNorm batch) per view, not per resolution
+    init: str = ""                  # a fresh run's backbone weights: a backbone.safetensors or a timm checkpoint; "": random
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ def train(cfg: Config) -> Path:
     world, rank = dist.world_size(), dist.rank()
     resumed = resume_state(cfg)                     # checked before any write
     state = resumed.state
-    parts = build_parts(cfg, device, backend)       # checks views against the objective: before any write
+    parts = build_parts(cfg, device, backend, init=state is None)   # views, model.init: before any write
     online = dist.unwrap(parts.online)
     run_dir = run_folder(cfg)
     log = Log(run_dir, enabled=dist.is_main())
@@ -52,6 +52,8 @@ def train(cfg: Config) -> Path:
         log.print(f"skipped {note}")
     if resumed.path is not None:
         log.print(f"resuming from {resumed.path} (step {state['step']})")
+    elif cfg.model.init:
+        log.print(f"backbone initialised from {cfg.model.init}")
 
     start_step, random_init, position = 0, None, None
     steps_per_epoch = len(parts.loader)

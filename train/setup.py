@@ -17,6 +17,7 @@ import yaml
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from models.backbone import init_weights
 from models.ema import make_target
 from models.multicrop import build_model
 from pipelines.loader import DecoderHints, Loader, LoaderSpec, auto_backend, build_loader
@@ -145,6 +146,21 @@ def resume_state(cfg: Config) -> Resume:
     return Resume(skipped=skipped)
 
 
+def init_backbone(cfg: Config, backbone: nn.Module) -> None:
+    """Load `model.init`'s weights into `backbone` (built from `cfg`), in place; nothing when it is "".
+
+    Raises:
+        ConfigError: a missing or unreadable file, or weights of another network (`init_weights`).
+    """
+    if not cfg.model.init:
+        return
+    try:
+        weights = init_weights(cfg.model.init, backbone, cfg.model.backbone, cfg.views.global_px)
+    except ValueError as e:
+        raise ConfigError(f"model.init: {e}") from None
+    backbone.load_state_dict(weights)
+
+
 def check_processes(n: int, device_name: str) -> None:
     """Refuse `gpus=N` beyond this machine: N CUDA devices on a GPU machine, N CPU cores without one.
 
@@ -242,15 +258,20 @@ class Parts:
         self.scaler.load_state_dict(state["scaler"])
 
 
-def build_parts(cfg: Config, device: torch.device, backend: str) -> Parts:
+def build_parts(cfg: Config, device: torch.device, backend: str, init: bool = True) -> Parts:
     """Objective, loader, networks, optimiser and scaler of `cfg` for this rank.
 
     The objective comes first: its `ViewNeeds` are checked against the recipe before any other work.
     The networks are built from `run.seed` on every rank, so online and target start identical
-    everywhere.
+    everywhere; with `init`, the online backbone takes `model.init`'s weights before the target is
+    copied from it.
+
+    Args:
+        init: load `model.init` (a run that resumes from a checkpoint passes False: it holds the weights).
 
     Raises:
-        ConfigError: views or mixes that cannot feed the objective, or a batch that does not split.
+        ConfigError: views or mixes that cannot feed the objective, a batch that does not split, or a
+            `model.init` that does not fit the backbone.
     """
     objective = OBJECTIVES[cfg.method](cfg.objective).to(device)
     recipe = load_recipe(cfg.views.recipe, cfg.views.global_px, cfg.views.local_px)
@@ -258,6 +279,8 @@ def build_parts(cfg: Config, device: torch.device, backend: str) -> Parts:
     loader = build_train_loader(cfg, recipe, backend, device)
     torch.manual_seed(cfg.run.seed)
     online = build_online(cfg, device)
+    if init:
+        init_backbone(cfg, online.backbone)
     if dist.world_size() > 1:
         # SyncBatchNorm needs CUDA; on CPU/gloo each rank normalises with its own batch statistics.
         sync_bn = device.type == "cuda"

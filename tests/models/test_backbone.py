@@ -1,4 +1,5 @@
-"""Backbones: small-image stem shapes, bad names, and the timm-loadable export."""
+"""Backbones: small-image stem shapes, bad names, the timm-loadable export, and the weights `model.init`
+reads."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 from models.backbone import (apply_small_stem, backbone_kwargs, build_backbone, export_backbone_state,
-                             load_backbone, save_backbone)
+                             init_weights, load_backbone, save_backbone)
 
 
 def test_resnet_small_stem_keeps_full_resolution_and_large_inputs_keep_the_imagenet_stem() -> None:
@@ -131,3 +132,33 @@ def test_safetensors_export_loads_with_one_timm_call_and_records_the_small_stem(
     assert torch.allclose(load_backbone(path).eval()(x), small.eval()(x))
     with pytest.raises(RuntimeError, match="size mismatch"):       # timm's 7x7 stem cannot take it
         timm.create_model("resnet18", pretrained=True, num_classes=0, pretrained_cfg_overlay={"file": str(path)})
+
+
+def test_init_weights_read_timm_checkpoints_by_timm_conventions_and_refuse_other_networks(tmp_path) -> None:
+    """`init_weights`: a timm state dict nested under `state_dict` with DDP prefixes (its EMA weights
+    when present), or a plain safetensors file, gives the backbone without the classifier; missing keys,
+    another stem and a trainer's backbone.safetensors of another model are one-line ValueErrors."""
+    import safetensors.torch
+
+    backbone, _ = build_backbone("test_resnet", 96)              # timm's own stem above 64 px
+    trained = timm.create_model("test_resnet", pretrained=False, num_classes=10).state_dict()
+    ema = {k: v + 1 if v.is_floating_point() else v for k, v in trained.items()}
+    torch.save({"epoch": 3, "state_dict": {f"module.{k}": v for k, v in trained.items()}}, tmp_path / "a.pth")
+    torch.save({"state_dict": trained, "state_dict_ema": ema}, tmp_path / "ema.pth.tar")
+    safetensors.torch.save_file(trained, str(tmp_path / "model.safetensors"))
+    for name, expected in (("a.pth", trained), ("ema.pth.tar", ema), ("model.safetensors", trained)):
+        weights = init_weights(tmp_path / name, backbone, "test_resnet", 96)
+        assert weights.keys() == backbone.state_dict().keys() and "fc.weight" in expected
+        assert all(torch.equal(v, expected[k]) for k, v in weights.items()), name
+        backbone.load_state_dict(weights)
+
+    del trained["layer1.0.conv1.weight"]
+    torch.save(trained, tmp_path / "missing.bin")
+    with pytest.raises(ValueError, match=r"does not fit a test_resnet backbone at 96 px \(missing layer1.0.conv1"):
+        init_weights(tmp_path / "missing.bin", backbone, "test_resnet", 96)
+    small, _ = build_backbone("test_resnet", 32)
+    with pytest.raises(ValueError, match=r"other shapes: conv1.weight|unexpected conv1.0.weight"):
+        init_weights(tmp_path / "a.pth", small, "test_resnet", 32)
+    other = save_backbone(build_backbone("resnet18", 96)[0], tmp_path / "backbone.safetensors", "resnet18", 96)
+    with pytest.raises(ValueError, match=r"holds a resnet18 backbone .* set model.backbone=resnet18"):
+        init_weights(other, backbone, "test_resnet", 96)

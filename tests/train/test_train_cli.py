@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import timm
 import torch
 import yaml
 
@@ -69,6 +70,23 @@ def test_auto_resume_of_another_network_ends_in_one_line_and_writes_nothing(tiny
     assert [p.name for p in (out / "run").iterdir()] == ["config.yaml"]
     fails_in_one_line(capsys, [*words, "run.name="], "run.resume=auto needs", "set run.name=")
     fails_in_one_line(capsys, [*words, "run.keep_last=0"], "run.keep_last=0", "use run.keep_last=1")
+
+
+def test_model_init_of_another_network_ends_in_one_line_and_writes_nothing(tiny_args, capsys, tmp_path) -> None:
+    """`model.init` weights of another timm model, of timm's stem where the small-image stem is built, or
+    no file at all stop before any write."""
+    from models.backbone import build_backbone, save_backbone
+
+    words = tiny_args("rsa", tmp_path / "runs")
+    resnet18 = save_backbone(build_backbone("resnet18", 32)[0], tmp_path / "r18.safetensors", "resnet18", 32)
+    fails_in_one_line(capsys, [*words, f"model.init={resnet18}"], "model.init:", "holds a resnet18 backbone",
+                      "set model.backbone=resnet18")
+    imagenet_stem = tmp_path / "test_resnet.pth"                   # timm's stem: the small stem's conv1 differs
+    torch.save({"state_dict": timm.create_model("test_resnet", num_classes=10).state_dict()}, imagenet_stem)
+    fails_in_one_line(capsys, [*words, f"model.init={imagenet_stem}"], "does not fit a test_resnet backbone",
+                      "conv1", "views.global_px above 64")
+    fails_in_one_line(capsys, [*words, f"model.init={tmp_path / 'gone.safetensors'}"], "no file")
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.ddp
