@@ -68,28 +68,28 @@ saliency: install  ## saliency masks for a written dataset (both formats) + repo
 
 saliency-check: install  ## after make saliency: relicv2 with p_m 0, 0.1 on the masks, 0.1 on centred rectangles (ARGS: steps=, seeds=)
 	$(PY) -m preprocess.saliency.control --dataset $(DATASET) --root $(OUT)
-	$(PY) -m train.saliency_check dataset=$(DATASET) data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
+	$(PY) -m bench.saliency_check dataset=$(DATASET) data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
 
 eval: install  ## kNN + linear probe of CKPT's backbone against random init
 	$(PY) -m train eval ckpt=$(CKPT) $(ARGS)
 
 profile: install  ## throughput report: loader stages vs baseline and ceilings, training steps, scaling
-	$(PY) -m train.profile $(if $(filter command line environment,$(origin DATASET)),--dataset $(DATASET)) \
+	$(PY) -m bench.profile $(if $(filter command line environment,$(origin DATASET)),--dataset $(DATASET)) \
 	  $(if $(RECIPES),--recipes $(RECIPES)) $(if $(METHODS),--methods $(METHODS)) \
 	  $(if $(BACKENDS),--backends $(BACKENDS)) $(if $(QUICK),--quick) $(if $(TRACE),--trace) $(ARGS)
 
 profile-compare: install  ## ratios between two profile reports: make profile-compare A=reports/profile-... B=...
-	$(PY) -m train.profile compare $(A) $(B) $(ARGS)
+	$(PY) -m bench.profile compare $(A) $(B) $(ARGS)
 
 bench-data: install  ## data pipelines alone: backends vs torchvision baseline and decode ceilings
-	$(PY) -m pipelines.bench $(ARGS)
+	$(PY) -m bench.data $(ARGS)
 
 bench-train: install  ## training steps/s, images/s, memory, accuracy per objective (ARGS="minutes=12": the README table)
 	$(PY) -m preprocess --dataset synthetic --out $(OUT)
-	$(PY) -m train.bench data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
+	$(PY) -m bench.train data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
 
 bench-preprocess: install-test  ## preprocessing throughput (images/s), 1 worker and all cores
-	$(PY) -m preprocess.bench $(ARGS)
+	$(PY) -m bench.preprocess $(ARGS)
 
 gpu-check: install  ## on a GPU machine: gpu tests, DALI GPU vs CPU graph vs torchvision, ResNet-50 data stall
-	$(PY) -m train.gpu_check $(ARGS)
+	$(PY) -m bench.gpu_check $(ARGS)

@@ -14,7 +14,7 @@ Staged groups (RSA) take the finished view of their parent and apply only their 
 grayscale, blur and solarize ops to it: one decode and one crop give both outputs. Views stay uint8
 until they reach `spec.device`, where `pipelines.batch.make_batch` mixes and normalises them.
 
-It is the measured baseline of `pipelines/bench.py`; speed tricks that users do not apply (e.g. PIL
+It is the measured baseline of `bench/data.py`; speed tricks that users do not apply (e.g. PIL
 draft-mode decoding) are deliberately left out.
 
 Randomness: every sample draws from its own torch generator state seeded by (seed, epoch, index),

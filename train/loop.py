@@ -3,7 +3,7 @@ backward, optimiser, EMA target, objective state, log, evaluate, checkpoint — 
 
 One code path for a single CPU process and torchrun DDP (train/dist.py). Host syncs happen only at
 log, evaluation and checkpoint steps, each marked `# sync:`. `train_step` is the one step that both
-this loop and `train.bench` run.
+this loop and `bench.train` (and `make profile`) run.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Start-up, written once for the loop, `python -m train eval` and `python -m train.bench`: the device,
+"""Start-up, written once for the loop, `python -m train eval` and `python -m bench.train`: the device,
 the loader backend, and the parts a training step touches (objective, loader, online and target
 networks, optimiser, gradient scaler), built in the same order everywhere so that one seed gives the
 same networks.

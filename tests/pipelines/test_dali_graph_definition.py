@@ -75,7 +75,7 @@ def root(tmp_path_factory):
 
 
 def test_the_loader_reports_its_graphs_operators_for_the_benches(root) -> None:
-    from pipelines.bench import operator_lines
+    from bench.data import operator_lines
 
     info = DatasetInfo.read(root, "synthetic", "train")
     spec = LoaderSpec(root=str(root), dataset="synthetic", split="train", recipe=load_recipe("relicv2", 32, 16),

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from train import profile, profile_report
+from bench import profile, profile_report
 
 
 def test_quick_profile_writes_a_schema_valid_report_with_stages_split_and_charts(tiny_data_root, tmp_path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from preprocess import bench
+from bench import preprocess as bench
 
 
 def test_the_folders_and_the_reported_pass_through_share(tmp_path: Path) -> None:

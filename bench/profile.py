@@ -1,5 +1,5 @@
-"""`python -m train.profile` (`make profile`): one throughput report, where the time goes, against the
-torchvision baseline and the decode ceilings; `python -m train.profile compare A B`
+"""`python -m bench.profile` (`make profile`): one throughput report, where the time goes, against the
+torchvision baseline and the decode ceilings; `python -m bench.profile compare A B`
 (`make profile-compare`) compares two reports.
 
 Sections, each figure the median of `--repeats` timed runs after warm-up with its min and max:
@@ -7,11 +7,11 @@ Sections, each figure the median of `--repeats` timed runs after warm-up with it
 1. **loader**: per recipe × backend on `--dataset` (the loader alone, batches on `--device`): source
    images/s, views/s, the machine's CPU utilisation while timed, the ratios to the torchvision
    baseline and to the read / decode / decode + crops ceilings measured on the same shard files
-   (`pipelines.bench`), and the time per image split into stages by an ablation ladder: the
+   (`bench.data`), and the time per image split into stages by an ablation ladder: the
    backend with the recipe's mix off, then blur off, then every colour op off (crops only).
    A recipe may name an intra-batch mix: `byol+sdmp`, `plain+dacl`.
 2. **train**: per method, the loop's `train_step` with the real loader and with the same batch kept
-   on the device (`train.bench.time_steps`), the data-stall fraction `1 - real / on-device`, the
+   on the device (`bench.train.time_steps`), the data-stall fraction `1 - real / on-device`, the
    step split into data wait, forward, backward, optimiser and EMA (the `train.loop.phase` ranges,
    read from one torch.profiler round; `--trace` also writes its Chrome trace) and peak memory.
    Each method runs in a fresh process, so that the CPU peak (ru_maxrss) is its own.
@@ -23,7 +23,7 @@ back, so that a slow spell of the machine falls on all of them alike; a method's
 runs alternate the same way. On a CPU the trainer runs the `synthetic` preset (the demo's network);
 on a GPU, ResNet-50 with bf16 and channels-last on the loader's dataset. The report states the
 device of every figure. Writes `<out>/profile-<UTC time>/` with `profile.json` (schema:
-`train/profile_schema.json`, version 1), `profile.md` and PNG charts.
+`bench/profile_schema.json`, version 1), `profile.md` and PNG charts.
 """
 
 from __future__ import annotations
@@ -40,13 +40,14 @@ from pathlib import Path
 
 import torch
 
-from pipelines import bench as loader_bench
+from bench import data as loader_bench
+from bench import profile_report
+from bench.train import in_fresh_process, peak_memory_mb, sync, time_steps
 from pipelines.loader import BACKENDS, LoaderSpec, build_loader
 from pipelines.mixing import MIX_KINDS, MixSpec
 from pipelines.shards import scan_shards
 from pipelines.views import Recipe, load_recipe
-from train import profile_report, schedules
-from train.bench import in_fresh_process, peak_memory_mb, sync, time_steps
+from train import schedules
 from train.config import ConfigError, load_config, to_dict
 from train.loop import STEP_PHASES, epochs_from, phase, train_step
 from train.objectives import OBJECTIVES
@@ -289,7 +290,7 @@ def _csv(value: str, allowed, what: str) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m train.profile", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", default="imagenet-like", choices=loader_bench.DATASETS,
                    help="the loader's data (generated, cached under <out>/bench-data)")
     p.add_argument("--recipes", default=RECIPES, help="view recipes, each optionally +sdmp or +dacl")

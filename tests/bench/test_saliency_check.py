@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from bench import saliency_check
 from pipelines.views import load_recipe
 from preprocess.prepare import prepare_dataset
 from preprocess.saliency.control import write_control
-from train import saliency_check
 from train.config import load_config, to_dict
 
 

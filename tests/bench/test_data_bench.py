@@ -1,10 +1,10 @@
-"""`python -m pipelines.bench --quick`: a real run on tiny generated data writes a complete report."""
+"""`python -m bench.data --quick`: a real run on tiny generated data writes a complete report."""
 
 from __future__ import annotations
 
 import json
 
-from pipelines import bench
+from bench import data as bench
 
 
 def test_quick_bench_writes_report(tmp_path) -> None:

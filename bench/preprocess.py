@@ -1,4 +1,4 @@
-"""`python -m preprocess.bench` (`make bench-preprocess`): preprocessing throughput against its ceiling.
+"""`python -m bench.preprocess` (`make bench-preprocess`): preprocessing throughput against its ceiling.
 
 Two generated image folders of `--n` JPEGs each (10 classes, 90 % train / 10 % val):
 - `jpeg`: about 480x360 px at quality 90, all within the default size cap (longer side <= 512), so
@@ -206,7 +206,7 @@ def table(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, write the JSON and Markdown, print the tables."""
-    p = argparse.ArgumentParser(prog="python -m preprocess.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.preprocess", description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=2000, help="images per generated folder")
     p.add_argument("--synthetic-n", type=int, default=2000, help="synthetic train size (val: n/5)")
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration (medians)")

@@ -1,11 +1,11 @@
-"""`python -m train.bench` measures each objective end to end: timings and peak memory first, then
+"""`python -m bench.train` measures each objective end to end: timings and peak memory first, then
 accuracy after a run of an equal time budget."""
 
 from __future__ import annotations
 
 import math
 
-from train.bench import steps_in, time_one, train_one
+from bench.train import steps_in, time_one, train_one
 
 
 def test_bench_times_then_trains_one_objective_for_its_time_budget(tiny_args, tmp_path) -> None:
@@ -29,7 +29,7 @@ def test_bench_times_then_trains_one_objective_for_its_time_budget(tiny_args, tm
 
 
 def test_a_bad_word_is_one_line_before_any_process_starts(capsys) -> None:
-    from train.bench import main
+    from bench.train import main
 
     assert main(["methods=rsa,nosuch"]) == 2
     err = capsys.readouterr().err.strip()

@@ -1,5 +1,5 @@
 """The `make profile` report on disk: its schema check, Markdown, charts, and the comparison of two
-reports (`python -m train.profile compare A B`, `make profile-compare A=... B=...`).
+reports (`python -m bench.profile compare A B`, `make profile-compare A=... B=...`).
 
 A figure in a report is a Stat (`median`, `min`, `max`, `runs`). Two reports are compared figure by
 figure: the ratio B / A of the medians, flagged as a change when the two min–max spreads do not
@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from pipelines.bench import operator_lines
+from bench.data import operator_lines
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("profile_schema.json")
@@ -292,7 +292,7 @@ def compare(a: dict, b: dict) -> tuple[list[str], int]:
 
 
 def compare_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.profile compare",
+    p = argparse.ArgumentParser(prog="python -m bench.profile compare",
                                 description="ratios B / A between two make profile reports")
     p.add_argument("a", help="the reference report (folder or profile.json)")
     p.add_argument("b", help="the report to compare with it")

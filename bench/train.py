@@ -1,4 +1,4 @@
-"""`python -m train.bench [methods=rsa,byol] [steps=20] [repeats=3] [minutes=M] [key=value ...]`: full
+"""`python -m bench.train [methods=rsa,byol] [steps=20] [repeats=3] [minutes=M] [key=value ...]`: full
 training steps per objective on the synthetic dataset.
 
 Per objective: median steps/s and images/s with the real loader and with one batch already on the

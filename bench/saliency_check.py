@@ -1,4 +1,4 @@
-"""`python -m train.saliency_check [dataset=synthetic] [steps=150] [seeds=2] [key=value ...]`
+"""`python -m bench.saliency_check [dataset=synthetic] [steps=150] [seeds=2] [key=value ...]`
 (`make saliency-check`): the check RELICv2 ends its saliency study with (App. D.2, Tables 13 and 14),
 on one machine.
 
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from bench.train import accuracy_after, in_fresh_process, last_eval
 from pipelines.views import RECIPE_DIR
-from train.bench import accuracy_after, in_fresh_process, last_eval
 from train.config import CONFIG_DIR, ConfigError, dump_yaml, load_config
 
 ARMS = ("p_m = 0", "p_m = 0.1, saliency", "p_m = 0.1, centred control")

@@ -1,4 +1,4 @@
-"""Loader throughput benchmark: `python -m pipelines.bench`.
+"""Loader throughput benchmark: `python -m bench.data`.
 
 For every recipe × dataset × backend it measures source images/s and views/s of the loader alone
 (batches normalised on `--device`; a backend written `name@cpu` or `name@cuda` runs there instead, so
@@ -442,7 +442,7 @@ def fill_sizes(a: argparse.Namespace) -> argparse.Namespace:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pipelines.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.data", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe presets")
     p.add_argument("--datasets", default=",".join(DATASETS), help="imagenet-like, synthetic")
     p.add_argument("--backends", default="dali,ffcv,torchvision,torch", help=f"from {', '.join(BACKENDS)}")

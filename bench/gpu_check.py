@@ -1,13 +1,13 @@
-"""`python -m train.gpu_check --out DIR`: the GPU-resident path checked and measured in one go, one report.
+"""`python -m bench.gpu_check --out DIR`: the GPU-resident path checked and measured in one go, one report.
 
 Run on a GPU machine (`make gpu-check`; without `make install` there: `PYTHONPATH=$PWD python3 -m
-train.gpu_check`). In order, each section writing its part of the report as soon as it is done:
+bench.gpu_check`). In order, each section writing its part of the report as soon as it is done:
 
-1. **loader** — `pipelines.bench` on the same generated ImageNet-like JPEGs: the DALI GPU graph
+1. **loader** — `bench.data` on the same generated ImageNet-like JPEGs: the DALI GPU graph
    (`dali`), the DALI CPU graph (`dali@cpu`) and the torchvision baseline, for `relicv2` and `rsa`
    at batch 128 and 256, source images/s and views/s, with the decode ceilings of the CPU;
 2. **views** — the GPU graph with 1 view (relicv2's first large crop) against relicv2's 6 views;
-3. **train** — ResNet-50 `relicv2` at 224/96, bf16, channels-last: `train.bench.time_steps` with the
+3. **train** — ResNet-50 `relicv2` at 224/96, bf16, channels-last: `bench.train.time_steps` with the
    DALI GPU loader against the same steps fed one batch already on the device (the data-stall
    fraction `1 - real/on-device`);
 4. **tests** — the `gpu`-marked tests (`--tests all`: the whole suite, in parallel processes when
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines import bench as loader_bench
+from bench import data as loader_bench
 from pipelines.loader import LoaderSpec, build_loader
 from pipelines.views import Recipe, load_recipe
 
@@ -74,7 +74,7 @@ def run_tests(which: str, out: Path, timeout_s: int) -> dict:
 
 
 def run_loader(work: Path, batch_size: int, cores: int, n: int, repeats: int, quick: bool, device: str) -> dict:
-    """`pipelines.bench` on the ImageNet-like JPEGs: the GPU graph, the CPU graph and torchvision."""
+    """`bench.data` on the ImageNet-like JPEGs: the GPU graph, the CPU graph and torchvision."""
     images = 2048 if not quick else 32                         # timed source images per run
     argv = ["--datasets", "imagenet-like", "--recipes", "relicv2,rsa", "--backends", "dali,dali@cpu,torchvision",
             "--device", device, "--batch-size", str(batch_size), "--batches", str(max(2, images // batch_size)),
@@ -108,7 +108,7 @@ def run_views(work: Path, batch_size: int, cores: int, repeats: int, quick: bool
 
 def run_train(work: Path, batch_size: int, cores: int, steps: int, repeats: int, quick: bool, device: str) -> dict:
     """ResNet-50 relicv2 steps with the DALI GPU loader against one batch kept on the device."""
-    from train.bench import time_steps
+    from bench.train import time_steps
     from train.config import load_config, to_dict
 
     gpx, lpx = loader_bench.QUICK_SIZES_PX if quick else loader_bench.SIZES_PX["imagenet-like"]
@@ -127,7 +127,7 @@ def run_train(work: Path, batch_size: int, cores: int, steps: int, repeats: int,
 
 
 def table(report: dict) -> str:
-    """The report as Markdown: the loader tables (`pipelines.bench.format_table`), the view cost, training,
+    """The report as Markdown: the loader tables (`bench.data.format_table`), the view cost, training,
     tests, targets."""
     lines = []
     for key, rep in sorted(report.get("loader", {}).items()):
@@ -181,7 +181,7 @@ def targets(report: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.gpu_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="reports/gpu-check", help="folder of gpu_check.json and gpu_check.md")
     p.add_argument("--work", default="reports/gpu-check", help="folder of the generated data and the bench JSON files")
     p.add_argument("--tests", choices=("gpu", "all", "none"), default="gpu", help="which tests to run first")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from train.gpu_check import targets
+from bench.gpu_check import targets
 
 
 def _report(img_s: float, cost: float, stall: float) -> dict:
