@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import io
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.report import header, header_lines
 from pipelines import schema
 from pipelines.loader import BACKENDS, LoaderSpec, build_loader
 from pipelines.shards import ShardReader, scan_shards
@@ -300,49 +299,6 @@ def _seed_worker(worker_id: int) -> None:
 # ----------------------------------------------------------------------------- report
 
 
-def machine() -> dict:
-    """CPU model, cores and GPU of this machine."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "platform": platform.platform()}
-
-
-def versions() -> dict:
-    """Versions of the packages that decide the numbers (read from metadata: nothing is imported)."""
-    out = {"python": platform.python_version()}
-    for key, dists in (("torch", ["torch"]), ("torchvision", ["torchvision"]), ("pillow", ["pillow"]),
-                       ("numpy", ["numpy"]), ("ffcv", ["ffcv"]),
-                       ("dali", ["nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali-cuda110"])):
-        out[key] = None
-        for d in dists:
-            try:
-                out[key] = importlib.metadata.version(d)
-                break
-            except importlib.metadata.PackageNotFoundError:
-                continue
-    return out
-
-
-def git_commit() -> dict:
-    """The checkout's commit and whether it has uncommitted changes (None outside git)."""
-    repo = Path(__file__).resolve().parent.parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
-                                    text=True, check=True).stdout.strip())
-        return {"commit": sha, "dirty": dirty}
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None, "dirty": None}
-
-
 def operator_counts(loader) -> dict[str, dict[str, int]] | None:
     """Operators per iteration, by device, of a loader that runs a graph (DALI: as defined on the CPU
     and for a GPU), or None."""
@@ -482,7 +438,7 @@ def run(a: argparse.Namespace) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(a.cores)
     report: dict = {
-        "machine": machine(), "versions": versions(), "git": git_commit(),
+        **header(),
         "settings": {"recipes": recipes, "datasets": datasets, "backends": backends, "n_images": a.n,
                      "repeats": a.repeats, "batch_size": a.batch_size, "timed_batches": a.batches,
                      "warmup_batches": a.warmup_batches, "cores": a.cores, "device": a.device, "stages": a.stages,
@@ -562,9 +518,7 @@ def run(a: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     report = run(a)
-    m, v = report["machine"], report["versions"]
-    print(f"\nmachine: {m['cpu']}, {m['cores']} cores, GPU {m['gpu']}; cores used {a.cores}; device {a.device}")
-    print("versions: " + ", ".join(f"{k} {val}" for k, val in v.items()))
+    print("\n" + "\n".join(header_lines(report)) + f"\ncores used {a.cores}; device {a.device}")
     print(format_table(report))
     for r in report["ratios"]:
         print(f"{r['dataset']} {r['recipe']}: best {r['best_backend']} "

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
+from bench.report import header
 from pipelines.loader import rank_range
 from train.evaluate import PROBE_LBFGS_MAX, score_features
 
@@ -74,7 +75,7 @@ def main(argv: list[str]) -> int:
     repeats = int(words.get("repeats", 3))
     out_dir = Path(words.get("out", "reports"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"width": width, "classes": classes, "repeats": repeats, "cores": os.cpu_count(), "runs": []}
+    report = {**header(), "width": width, "classes": classes, "repeats": repeats, "runs": []}
     for rows in rows_list:
         for world in procs:
             tmp = out_dir / f".bench-evaluation-{rows}-{world}.json"

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from bench import data as loader_bench
+from bench.report import header, header_lines
 from pipelines.loader import LoaderSpec, build_loader
 from pipelines.views import Recipe, load_recipe
 
@@ -199,10 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("error: torch sees no CUDA device; run this on a GPU machine (or --quick --device cpu to try it)")
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": loader_bench.machine(),
-              "versions": {**loader_bench.versions(), "cuda": torch.version.cuda,
-                           "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None},
-              "git": loader_bench.git_commit(), "settings": vars(a)}
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **header(), "settings": vars(a)}
     sections = a.sections.split(",")
 
     def save() -> None:
@@ -236,8 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         section("train", lambda: run_train(work, a.train_batch, a.cores, 8, a.repeats, a.quick, a.device))
     if "tests" in sections and a.tests != "none":        # last: the measurements come back even if they hang
         section("tests", lambda: run_tests(a.tests, out, timeout_s=a.tests_timeout))
-    m, v = report["machine"], report["versions"]
-    print(f"\n{m['gpu']} | {m['cpu']}, {m['cores']} cores | " + ", ".join(f"{k} {x}" for k, x in v.items()))
+    print("\n" + "\n".join(header_lines(report)))
     print(table(report))
     print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
     return 0

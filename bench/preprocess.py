@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import statistics
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
+from bench.report import header, header_lines
 from pipelines import schema
 from preprocess import imagefolder
 from preprocess.prepare import default_workers, prepare_dataset
@@ -79,25 +78,6 @@ def ceiling(src: Path, max_side: int = schema.MAX_SIDE_PX) -> dict:
     return {"images": len(files), "img_per_s": len(files) / (time.perf_counter() - t)}
 
 
-def machine() -> dict:
-    """CPU model, cores and package versions."""
-    model = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions = {}
-    for pkg in ("numpy", "pillow", "opencv-python", "ffcv", "ray"):
-        try:
-            versions[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            versions[pkg] = None
-    return {"cpu": model, "cores": default_workers(), "python": platform.python_version(), "versions": versions}
-
-
 def _timed(dataset: str, out: Path, src: Path | None, workers: int, engine, repeats: int, **params) -> dict:
     """Median images/s and per-stage seconds of `repeats` fresh writes."""
     runs = []
@@ -117,7 +97,7 @@ def run(n: int, synthetic_n: int, work: Path, cores: int, repeats: int, with_ray
     """Every workload; returns the result dict."""
     prepare_dataset("synthetic", work / "warmup", force=True, workers=cores, train_size=16, val_size=8,
                     image_px=32)                    # excluded: first-use imports and compiles
-    res: dict = {"machine": machine(), "n": n, "repeats": repeats, "folders": {}}
+    res: dict = {**header(), "workers": cores, "n": n, "repeats": repeats, "folders": {}}
     ray_engine, ray_start = None, None
     if with_ray:
         import ray
@@ -162,10 +142,8 @@ def estimate_imagenet(row: dict, cores: int) -> float:
 
 def table(res: dict) -> str:
     """The results as Markdown."""
-    mc, cores = res["machine"], res["machine"]["cores"]
-    lines = [f"machine: {mc['cpu']}, {cores} cores, Python {mc['python']}, "
-             + ", ".join(f"{k} {v}" for k, v in mc["versions"].items() if v)
-             + f"; medians of {res['repeats']} runs", "",
+    cores = res["workers"]
+    lines = [*header_lines(res), f"all cores: {cores} workers; medians of {res['repeats']} runs", "",
              f"| folder | stored as they are | ceiling, 1 core | {cores} × ceiling | local, 1 worker | "
              f"local, {cores} workers | {cores} ÷ 1 | of the ceiling | Ray, {cores} workers | local ÷ Ray |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]

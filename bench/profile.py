@@ -42,6 +42,7 @@ import torch
 
 from bench import data as loader_bench
 from bench import profile_report
+from bench.report import header
 from bench.train import in_fresh_process, peak_memory_mb, sync, time_steps
 from pipelines.loader import BACKENDS, LoaderSpec, build_loader
 from pipelines.mixing import MIX_KINDS, MixSpec
@@ -359,10 +360,11 @@ def run(a: argparse.Namespace) -> tuple[dict, Path]:
         batch_scaling = in_fresh_process(profile_batches, first_ok["method"], words, sizes_b,
                                          a.train_steps, a.repeats)
     configs = {r["method"]: r.pop("config") for r in train_rows if "config" in r}
+    head = header()                      # the schema keeps the commit under config
     report = {
         "schema_version": profile_report.SCHEMA_VERSION, "created": created.isoformat(timespec="seconds"),
-        "machine": loader_bench.machine(), "versions": loader_bench.versions(),
-        "config": {"git": loader_bench.git_commit(), "dataset": a.dataset, "recipes": a.recipes,
+        "machine": head["machine"], "versions": head["versions"],
+        "config": {"git": head["git"], "dataset": a.dataset, "recipes": a.recipes,
                    "backends": a.backends, "methods": a.methods, "repeats": a.repeats,
                    "warmup_batches": a.warmup_batches, "warmup_steps": 2, "batch_size": a.batch_size,
                    "batches": a.batches, "train_steps": a.train_steps, "cores": a.cores, "device": a.device,

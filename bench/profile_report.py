@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from bench.data import operator_lines
+from bench.report import commit_text, machine_text, versions_text
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("profile_schema.json")
@@ -82,11 +83,10 @@ def _x(v: float | None) -> str:
 
 
 def header(report: dict) -> list[str]:
-    m, c, v = report["machine"], report["config"], report["versions"]
-    commit = (c["git"]["commit"] or "unknown")[:10] + (" (uncommitted changes)" if c["git"]["dirty"] else "")
-    return [f"Machine: {m['cpu']}, {m['cores']} cores, GPU {m['gpu'] or 'none'}; device {c['device']}, "
-            f"{c['cores']} loader workers. Commit {commit}, {report['created']}.",
-            "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val) + ".",
+    c = report["config"]
+    return [f"Machine: {machine_text(report['machine'])}; device {c['device']}, "
+            f"{c['cores']} loader workers. Commit {commit_text(c['git'])}, {report['created']}.",
+            f"Versions: {versions_text(report['versions'])}.",
             f"Loader: `{c['dataset']}` at {c['sizes_px'][0]}/{c['sizes_px'][1]} px, batch {c['batch_size']}, "
             f"{c['batches']} timed batches after {c['warmup_batches']}; trainer: {c['train_steps']} timed steps "
             f"after {c['warmup_steps']}. Every figure: median (min–max) of {c['repeats']} runs, timed in rounds."

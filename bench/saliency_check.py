@@ -9,7 +9,7 @@ The same `relicv2` run, `steps` steps each and `seeds` seeds each, three ways:
   each saliency mask's coverage (`python -m preprocess.saliency.control`, run first by the make
   target).
 kNN and linear-probe top-1 on the val split after each run (the trainer's final evaluation), each run
-in a fresh process. Writes `check.json` (configs, numbers) and `check.md` into
+in a fresh process. Writes `check.json` (machine, versions, commit, configs, numbers) and `check.md` into
 `reports/saliency-check-<dataset>/` and prints the table.
 """
 
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from bench.report import header
 from bench.train import accuracy_after, in_fresh_process, last_eval
 from pipelines.views import RECIPE_DIR
 from train.config import CONFIG_DIR, ConfigError, dump_yaml, load_config
@@ -93,7 +94,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    (report / "check.json").write_text(json.dumps({"steps": steps, "seeds": seeds, "results": results}, indent=1))
+    (report / "check.json").write_text(json.dumps({**header(), "steps": steps, "seeds": seeds, "results": results},
+                                                  indent=1))
     md = table(results, steps)
     (report / "check.md").write_text(md + "\n")
     print(md)

@@ -6,8 +6,8 @@ device (their ratio gives the data-stall fraction), peak memory, and kNN / linea
 a training run next to a random-init backbone. Every objective is timed first; then each trains for
 `optim.steps`, or with `minutes=M` for as many steps as its measured rate fits into M minutes (an
 equal time budget per objective: the fair comparison on one machine, whatever each objective costs
-per step). Writes `bench_train.json` (resolved configs, git commit, versions, numbers) into
-`run.out_dir` and prints a table.
+per step). Writes `bench_train.json` (the report header of `bench.report`: machine, versions, commit;
+then the resolved configs and the numbers) into `run.out_dir` and prints a table.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
-import platform
 import resource
 import statistics
 import sys
@@ -25,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from train import checkpoint, schedules
+from bench.report import header, header_lines
+from train import schedules
 from train.config import Config, ConfigError, load_config, to_dict
 from train.loop import check_finite, epochs_from, train, train_step
 from train.objectives import OBJECTIVES
@@ -153,8 +153,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     device = select_device("auto")
-    print(f"bench-train | {torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}"
-          f" | torch {torch.__version__} | python {platform.python_version()} | {steps} steps x {repeats}")
+    head = header()
+    print("\n".join(header_lines(head)) + f"\nbench-train on {device}: {steps} steps x {repeats}")
     # Two rounds: every objective is timed first, back to back, then trained for the steps its rate
     # fits into the budget. The budgets are fixed before any long run starts, so a busy spell of the
     # machine during training makes the bench slower but cannot give one objective fewer steps.
@@ -177,8 +177,7 @@ def main(argv: list[str]) -> int:
               f"{100 * r['linear_top1']:>5.1f}% {100 * r['random_init/linear_top1']:>6.1f}%")
     out = Path(next(iter(configs.values()))["run"]["out_dir"]) / "bench_train.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"git_commit": checkpoint.git_commit(), "torch": torch.__version__,
-                               "device": str(device), "steps": steps, "repeats": repeats, "minutes": minutes,
+    out.write_text(json.dumps({**head, "device": str(device), "steps": steps, "repeats": repeats, "minutes": minutes,
                                "results": rows, "configs": configs}, indent=1))
     print(f"wrote {out}")
     return 0

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import data as bench
 
 
+@pytest.mark.slow
 def test_quick_bench_writes_report(tmp_path) -> None:
     out = tmp_path / "bench" / "pipelines.json"
     bench.main(["--quick", "--recipes", "rsa", "--datasets", "imagenet-like",

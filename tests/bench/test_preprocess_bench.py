@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from bench import preprocess as bench
 
 
+@pytest.mark.slow
 def test_the_folders_and_the_reported_pass_through_share(tmp_path: Path) -> None:
     res = bench.run(100, 40, tmp_path, cores=2, repeats=1, with_ray=False)
+    assert {"machine", "versions", "git"} <= set(res) and res["workers"] == 2
     for name in ("jpeg", "mixed"):
         files = sorted(p for p in (tmp_path / name).rglob("*") if p.is_file())
         assert len(files) == 100

@@ -11,6 +11,7 @@ import pytest
 from bench import profile, profile_report
 
 
+@pytest.mark.slow
 def test_quick_profile_writes_a_schema_valid_report_with_stages_split_and_charts(tiny_data_root, tmp_path) -> None:
     # The tiny dataset stands in for the profile's cached synthetic data (no preprocessing here).
     (tmp_path / "bench-data" / "data").mkdir(parents=True)

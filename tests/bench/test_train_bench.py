@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from bench.train import steps_in, time_one, train_one
 
 
+@pytest.mark.slow
 def test_bench_times_then_trains_one_objective_for_its_time_budget(tiny_args, tmp_path) -> None:
     rest = [w for w in tiny_args("simclr", tmp_path) if not w.startswith(("method=", "data=", "run.name="))]
     timing = time_one("simclr", rest, steps=2, repeats=2)
