@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -35,7 +34,9 @@ from pathlib import Path
 import torch
 
 from bench import data as loader_bench
+from bench.datasets import CLASSES, prepare, view_px
 from bench.report import header, header_lines
+from bench.timing import time_loader, views_per_sample
 from pipelines.loader import LoaderSpec, build_loader
 from pipelines.views import Recipe, load_recipe
 
@@ -77,47 +78,46 @@ def run_tests(which: str, out: Path, timeout_s: int) -> dict:
 def run_loader(work: Path, batch_size: int, cores: int, n: int, repeats: int, quick: bool, device: str) -> dict:
     """`bench.data` on the ImageNet-like JPEGs: the GPU graph, the CPU graph and torchvision."""
     images = 2048 if not quick else 32                         # timed source images per run
-    argv = ["--datasets", "imagenet-like", "--recipes", "relicv2,rsa", "--backends", "dali,dali@cpu,torchvision",
-            "--device", device, "--batch-size", str(batch_size), "--batches", str(max(2, images // batch_size)),
-            "--warmup-batches", "2", "--repeats", str(repeats), "--cores", str(cores), "--n", str(n),
-            "--no-stages", "--out", str(work / f"pipelines-b{batch_size}.json")] + (["--quick"] if quick else [])
-    return loader_bench.run(loader_bench.parse_args(argv))
+    return loader_bench.run(loader_bench.Settings(
+        recipes=("relicv2", "rsa"), datasets=("imagenet-like",), backends=("dali", "dali@cpu", "torchvision"),
+        n=n, repeats=repeats, batch_size=batch_size, batches=max(2, images // batch_size), warmup_batches=2,
+        cores=cores, device=device, stages=False, quick=quick, out=work / f"pipelines-b{batch_size}.json"))
 
 
-def run_views(work: Path, batch_size: int, cores: int, repeats: int, quick: bool, device: str) -> dict:
+def run_views(work: Path, batch_size: int, cores: int, n: int, repeats: int, quick: bool, device: str) -> dict:
     """Images/s of the GPU graph with relicv2's 6 views and with its first large crop alone."""
-    gpx, lpx = loader_bench.QUICK_SIZES_PX if quick else loader_bench.SIZES_PX["imagenet-like"]
-    six = load_recipe("relicv2", gpx, lpx)
+    six = load_recipe("relicv2", *view_px("imagenet-like", quick))
     one = Recipe("relicv2-1view", (six.groups[0],))
-    root = work / "bench-data" / "data"
+    root, name = prepare("imagenet-like", work / "bench-data", n, quick, cores)     # the loader section's data
     batches = 2 if quick else max(2, 2048 // batch_size)
     out = {}
     for recipe in (six, one):
         def make(epoch, recipe=recipe):
-            loader = build_loader("dali", LoaderSpec(root=str(root), dataset="imagenet-like", split="train",
+            loader = build_loader("dali", LoaderSpec(root=str(root), dataset=name, split="train",
                                                      recipe=recipe, batch_size=batch_size, device=device,
                                                      num_workers=cores))
             loader.set_epoch(epoch)
             return loader
-        runs = loader_bench.time_loader(make, batches, 2, repeats, device)
-        views = loader_bench.views_per_sample(recipe)
-        out[recipe.name] = {"views": views, "runs": runs, "img_per_s": statistics.median(runs),
-                            "views_per_s": statistics.median(runs) * views}
+        timing = time_loader(make, batches, 2, repeats, device)
+        views = views_per_sample(recipe)
+        out[recipe.name] = {"views": views, "runs": list(timing.img_per_s), "img_per_s": timing.median,
+                            "views_per_s": timing.median * views}
     out["cost_6_vs_1"] = out["relicv2-1view"]["img_per_s"] / out["relicv2"]["img_per_s"]
     return out
 
 
-def run_train(work: Path, batch_size: int, cores: int, steps: int, repeats: int, quick: bool, device: str) -> dict:
+def run_train(work: Path, batch_size: int, cores: int, n: int, steps: int, repeats: int, quick: bool,
+              device: str) -> dict:
     """ResNet-50 relicv2 steps with the DALI GPU loader against one batch kept on the device."""
     from bench.train import time_steps
     from train.config import load_config, to_dict
 
-    gpx, lpx = loader_bench.QUICK_SIZES_PX if quick else loader_bench.SIZES_PX["imagenet-like"]
-    cfg = load_config(["method=relicv2", "data=imagenet", "data.name=imagenet-like",
-                       f"data.root={work / 'bench-data' / 'data'}", "data.backend=dali",
-                       f"data.batch_size={batch_size}", f"data.num_workers={cores}", "data.num_classes=10",
-                       f"views.global_px={gpx}", f"views.local_px={lpx}", "model.backbone=resnet50",
-                       "run.amp=true", "model.channels_last=true", f"run.device={device}"])
+    gpx, lpx = view_px("imagenet-like", quick)
+    root, name = prepare("imagenet-like", work / "bench-data", n, quick, cores)     # the loader section's data
+    cfg = load_config(["method=relicv2", "data=imagenet", f"data.name={name}", f"data.root={root}",
+                       "data.backend=dali", f"data.batch_size={batch_size}", f"data.num_workers={cores}",
+                       f"data.num_classes={CLASSES}", f"views.global_px={gpx}", f"views.local_px={lpx}",
+                       "model.backbone=resnet50", "run.amp=true", "model.channels_last=true", f"run.device={device}"])
     torch.backends.cudnn.benchmark = True
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -229,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             save()
     bs = max(int(x) for x in a.batch_sizes.split(","))
     if "views" in sections:
-        section("views", lambda: {"batch_size": bs, **run_views(work, bs, a.cores, a.repeats, a.quick, a.device)})
+        section("views", lambda: {"batch_size": bs, **run_views(work, bs, a.cores, a.n, a.repeats, a.quick, a.device)})
     if "train" in sections:
-        section("train", lambda: run_train(work, a.train_batch, a.cores, 8, a.repeats, a.quick, a.device))
+        section("train", lambda: run_train(work, a.train_batch, a.cores, a.n, 8, a.repeats, a.quick, a.device))
     if "tests" in sections and a.tests != "none":        # last: the measurements come back even if they hang
         section("tests", lambda: run_tests(a.tests, out, timeout_s=a.tests_timeout))
     print("\n" + "\n".join(header_lines(report)))

@@ -1,10 +1,11 @@
 """`python -m bench.preprocess` (`make bench-preprocess`): preprocessing throughput against its ceiling.
 
-Two generated image folders of `--n` JPEGs each (10 classes, 90 % train / 10 % val):
-- `jpeg`: about 480x360 px at quality 90, all within the default size cap (longer side <= 512), so
-  every image is stored as its own bytes;
-- `mixed`: the same, but 30 % of the images 700-1000 px (resized and re-encoded), 5 % PNG, 5 %
-  grayscale and 3 % CMYK JPEG (converted and re-encoded).
+Two generated image folders of `--n` images each (10 classes, 90 % train / 10 % val), written by
+`bench.datasets.write_images`, the generator of the loader bench's textured scenes:
+- `jpeg`: about 445x334 px (each side within ±15 %) at quality 90, all within the default size cap
+  (longer side <= 512), so every image is stored as its own bytes;
+- `mixed`: the same, but 30 % of the images with a longer side of 700-1000 px (resized and
+  re-encoded), 5 % PNG, 5 % grayscale and 3 % CMYK JPEG (converted and re-encoded).
 The ceiling is measured on the same files in the same run: one process reads, decodes, converts,
 resizes and JPEG-encodes every file (`imagefolder.read_image` + `encode_image`, what a unit does
 at most); cores x that rate is the ceiling the issue sets. Each folder is then written by the local
@@ -26,9 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-from PIL import Image
-
+from bench.datasets import write_images
 from bench.report import header, header_lines
 from pipelines import schema
 from preprocess import imagefolder
@@ -37,40 +36,17 @@ from preprocess.write_dali import encode_image
 
 IMAGENET_1K = 1_281_167         # training images
 TARGET_CORES = 32
+FOLDER_IMAGE_PX = (445, 334)    # (W, H); each side within ±15 %, so the longer one stays <= 512 px (the cap)
 
 
-def make_folder(root: Path, n: int, *, mixed: bool = False, seed: int = 0) -> Path:
-    """Write n images as SRC/train|val/<class>/: smooth colour fields, an object with edges and grain;
-    `mixed`: 30 % large, 5 % PNG, 5 % grayscale, 3 % CMYK (see the module docstring)."""
-    rng = np.random.default_rng(seed)
-    for i in range(n):
-        split = "val" if (i // 10) % 10 == 9 else "train"        # 10 % val, every class
-        kind = rng.random() if mixed else 1.0
-        big = kind < 0.30
-        w = int(rng.integers(700, 1001)) if big else int(rng.integers(440, 513))
-        h = int(w * rng.uniform(0.70, 0.78))
-        low = rng.random((6, 8, 3)) * 255
-        img = Image.fromarray(low.astype(np.uint8)).resize((w, h), Image.Resampling.BICUBIC)
-        a = np.asarray(img, dtype=np.float32) + rng.normal(0, 10, (h, w, 3)).astype(np.float32)
-        y0, x0 = int(rng.integers(0, h // 2)), int(rng.integers(0, w // 2))
-        a[y0:y0 + h // 3, x0:x0 + w // 3] = rng.random(3) * 255                # an object with edges
-        pil = Image.fromarray(np.clip(a, 0, 255).astype(np.uint8))
-        d = root / split / f"class{i % 10:02d}"
-        d.mkdir(parents=True, exist_ok=True)
-        if 0.30 <= kind < 0.35:
-            pil.save(d / f"{i:06d}.png", compress_level=1)
-        elif 0.35 <= kind < 0.40:
-            pil.convert("L").save(d / f"{i:06d}.jpg", quality=90)
-        elif 0.40 <= kind < 0.43:
-            pil.convert("CMYK").save(d / f"{i:06d}.jpg", quality=90)
-        else:
-            pil.save(d / f"{i:06d}.jpg", quality=90)
-    return root
+def make_folder(root: Path, n: int, *, mixed: bool = False, workers: int = 1) -> Path:
+    """`n` generated images in `root/{train,val}/<class>/`, 10 % of them val (module docstring)."""
+    return write_images(root, n - n // 10, n // 10, size_px=FOLDER_IMAGE_PX, mixed=mixed, workers=workers)
 
 
 def ceiling(src: Path, max_side: int = schema.MAX_SIDE_PX) -> dict:
     """Images/s of one process that reads, decodes, converts, resizes and JPEG-encodes every file."""
-    files = sorted(p for p in src.rglob("*") if p.is_file())
+    files = sorted(p for p in src.rglob("*") if p.is_file() and p.suffix.lower() in imagefolder.IMAGE_EXTENSIONS)
     t = time.perf_counter()
     for f in files:
         image, _ = imagefolder.read_image(f, max_side, "longer")
@@ -107,13 +83,13 @@ def run(n: int, synthetic_n: int, work: Path, cores: int, repeats: int, with_ray
         t = time.perf_counter()
         ray_engine._connect()
         ray_start = time.perf_counter() - t
-        tiny = make_folder(work / "tiny", 100)          # Ray Data's first execution starts its workers
+        tiny = make_folder(work / "tiny", 100, workers=cores)   # Ray Data's first execution starts its workers
         prepare_dataset("imagefolder", work / "warmup", src=tiny, force=True, workers=cores, engine=ray_engine,
                         shard_size=25)
     res["ray_start_s"] = ray_start
     try:
         for name in ("jpeg", "mixed"):
-            src = make_folder(work / name, n, mixed=name == "mixed")
+            src = make_folder(work / name, n, mixed=name == "mixed", workers=cores)
             ceil = [ceiling(src) for _ in range(repeats)]
             row = {"ceiling_img_per_s_one_core": statistics.median(c["img_per_s"] for c in ceil)}
             row["local_1"] = _timed("imagefolder", work / "out", src, 1, "local", repeats)

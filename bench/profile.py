@@ -7,8 +7,9 @@ Sections, each figure the median of `--repeats` timed runs after warm-up with it
 1. **loader**: per recipe × backend on `--dataset` (the loader alone, batches on `--device`): source
    images/s, views/s, the machine's CPU utilisation while timed, the ratios to the torchvision
    baseline and to the read / decode / decode + crops ceilings measured on the same shard files
-   (`bench.data`), and the time per image split into stages by an ablation ladder: the
-   backend with the recipe's mix off, then blur off, then every colour op off (crops only).
+   (`bench.timing`, as the data bench times them), and the time per image split into stages by an
+   ablation ladder: the backend with the recipe's mix off, then blur off, then every colour op off
+   (crops only).
    A recipe may name an intra-batch mix: `byol+sdmp`, `plain+dacl`.
 2. **train**: per method, the loop's `train_step` with the real loader and with the same batch kept
    on the device (`bench.train.time_steps`), the data-stall fraction `1 - real / on-device`, the
@@ -40,10 +41,12 @@ from pathlib import Path
 
 import torch
 
-from bench import data as loader_bench
 from bench import profile_report
+from bench.data import fill_sizes, operator_counts
+from bench.datasets import DATASETS, BenchError, prepare, view_px
 from bench.report import header
-from bench.train import in_fresh_process, peak_memory_mb, sync, time_steps
+from bench.timing import crops_only, sync, time_ceiling, time_loader, views_per_sample, without_blur
+from bench.train import in_fresh_process, peak_memory_mb, time_steps
 from pipelines.loader import BACKENDS, LoaderSpec, build_loader
 from pipelines.mixing import MIX_KINDS, MixSpec
 from pipelines.shards import scan_shards
@@ -97,8 +100,8 @@ def _ladder(recipe: Recipe, mix: MixSpec) -> dict[str, tuple[Recipe, MixSpec]]:
     if mix.kind != "none":
         runs["no_mix"] = (recipe, no_mix)
     if any(g.blur_p > 0 for g in recipe.groups):
-        runs["no_blur"] = (loader_bench.without_blur(recipe), no_mix)
-    runs["crops_only"] = (loader_bench.crops_only(recipe), no_mix)
+        runs["no_blur"] = (without_blur(recipe), no_mix)
+    runs["crops_only"] = (crops_only(recipe), no_mix)
     return runs
 
 
@@ -121,7 +124,7 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
     entries = scan_shards(root / name / "train")
     ceil_args = (a.batch_size, a.batches, a.warmup_batches)
     # The ceiling decoder: the faster of two libjpeg-turbo decoders, from one probe run each.
-    probe = {d: loader_bench.time_ceiling(entries, d, None, *ceil_args, 1, a.cores)[0]
+    probe = {d: time_ceiling(entries, d, None, *ceil_args, 1, a.cores)[0]
              for d in ("pil", "torchvision.io")}
     decoder = max(probe, key=probe.get)
     cells = {rc: recipe_cell(rc, *sizes) for rc in recipes}
@@ -140,23 +143,23 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
                        "ladder": {k: [] for k in _ladder(*cells[rc])}, "util": []}
             for rc in recipes for be in backends}
     for rnd in range(a.repeats):
-        read_runs += loader_bench.time_ceiling(entries, "read", None, *ceil_args, 1, a.cores, first_seed=rnd)
-        decode_runs += loader_bench.time_ceiling(entries, decoder, None, *ceil_args, 1, a.cores, first_seed=rnd)
+        read_runs += time_ceiling(entries, "read", None, *ceil_args, 1, a.cores, first_seed=rnd)
+        decode_runs += time_ceiling(entries, decoder, None, *ceil_args, 1, a.cores, first_seed=rnd)
         for rc, (recipe, mix) in cells.items():
-            crop_ceiling[rc] += loader_bench.time_ceiling(entries, decoder, recipe, *ceil_args, 1, a.cores,
-                                                          first_seed=rnd)
+            crop_ceiling[rc] += time_ceiling(entries, decoder, recipe, *ceil_args, 1, a.cores, first_seed=rnd)
             for be in backends:
                 row = rows[(rc, be)]
                 if row["status"] != "ok":
                     continue
                 try:
                     for step, (r, m) in _ladder(recipe, mix).items():
-                        util = row["util"] if step == "full" else None
-                        row["ladder"][step] += loader_bench.time_loader(
-                            lambda e, r=r, m=m: make(be, r, m, a.cores, rnd + e), a.batches, a.warmup_batches,
-                            1, row["device"], utilisation=util)
+                        timing = time_loader(lambda e, r=r, m=m: make(be, r, m, a.cores, rnd + e), a.batches,
+                                             a.warmup_batches, 1, row["device"])
+                        row["ladder"][step] += timing.img_per_s
+                        if step == "full":
+                            row["util"] += timing.cpu_utilisation
                     if rnd == 0:
-                        row["operators"] = loader_bench.operator_counts(make(be, recipe, mix, a.cores, 0))
+                        row["operators"] = operator_counts(make(be, recipe, mix, a.cores, 0))
                 except Exception as exc:   # a broken backend is reported, never skipped silently
                     row.update(status="failed", error=f"{type(exc).__name__}: {exc}".splitlines()[0],
                                traceback=traceback.format_exc(limit=4))
@@ -172,7 +175,7 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
         ladder, util = row.pop("ladder"), [u for u in row.pop("util") if u is not None]
         if row["status"] == "ok":
             full = stat(ladder["full"])
-            row.update(img_per_s=full, views_per_s=full["median"] * loader_bench.views_per_sample(cells[rc][0]),
+            row.update(img_per_s=full, views_per_s=full["median"] * views_per_sample(cells[rc][0]),
                        cpu_utilisation=statistics.median(util) if util else None,
                        vs_ceiling_decode=full["median"] / decode["median"],
                        vs_ceiling_decode_crops=statistics.median(crop_ceiling[rc]) / full["median"],
@@ -192,9 +195,8 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
     runs = {(r["backend"], w): [] for r in ok for w in counts}
     for rnd in range(a.repeats):
         for (be, w) in runs:
-            runs[(be, w)] += loader_bench.time_loader(lambda e, be=be, w=w: make(be, *cells[rc0], w, rnd + e),
-                                                      a.batches, a.warmup_batches, 1,
-                                                      be.partition("@")[2] or a.device)
+            runs[(be, w)] += time_loader(lambda e, be=be, w=w: make(be, *cells[rc0], w, rnd + e), a.batches,
+                                         a.warmup_batches, 1, be.partition("@")[2] or a.device).img_per_s
     for (be, w), r in runs.items():
         scaling.append({"recipe": rc0, "backend": be, "workers": w, "img_per_s": stat(r)})
     if a.scaling:
@@ -267,13 +269,13 @@ def profile_batches(method: str, words: list[str], sizes: list[int], steps: int,
 def train_words(a: argparse.Namespace, work: Path) -> list[str]:
     """The trainer's config words: the demo preset on a CPU, ResNet-50 on the loader's data on a GPU."""
     if a.device == "cuda":
-        root, name = loader_bench.prepare(a.dataset, work, a.n, a.quick, a.cores)
-        gpx, lpx = loader_bench.QUICK_SIZES_PX if a.quick else loader_bench.SIZES_PX[a.dataset]
+        root, name = prepare(a.dataset, work, a.n, a.quick, a.cores)
+        gpx, lpx = view_px(a.dataset, a.quick)
         words = ["data=imagenet", f"data.name={name}", f"data.root={root}", "data.backend=dali",
                  f"views.global_px={gpx}", f"views.local_px={lpx}", "model.backbone=resnet50",
                  "run.amp=true", "model.channels_last=true", "run.device=cuda", "data.batch_size=128"]
     else:
-        root, name = loader_bench.prepare("synthetic", work, a.n, a.quick, a.cores)
+        root, name = prepare("synthetic", work, a.n, a.quick, a.cores)
         words = ["data=synthetic", f"data.root={root}", "run.device=cpu"]
     words += [f"data.num_workers={a.cores}"] + (["data.batch_size=8"] if a.quick else [])
     return words + a.train_args
@@ -292,7 +294,7 @@ def _csv(value: str, allowed, what: str) -> list[str]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dataset", default="imagenet-like", choices=loader_bench.DATASETS,
+    p.add_argument("--dataset", default="imagenet-like", choices=DATASETS,
                    help="the loader's data (generated, cached under <out>/bench-data)")
     p.add_argument("--recipes", default=RECIPES, help="view recipes, each optionally +sdmp or +dacl")
     p.add_argument("--backends", default="dali,ffcv,torchvision,torch", help="from " + ", ".join(BACKENDS))
@@ -310,7 +312,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--trace", action="store_true", help="write a torch.profiler Chrome trace per method")
     p.add_argument("--quick", action="store_true", help="tiny data and runs (seconds: tests, smoke checks)")
     p.add_argument("--out", default="reports", help="the report folder goes here")
-    a = loader_bench.fill_sizes(p.parse_args(argv))
+    a = fill_sizes(p.parse_args(argv))
     a.train_steps = a.train_steps or (2 if a.quick else 10)
     a.train_args = a.train_args.split()
     a.recipes = _csv(a.recipes, ("relicv2", "rsa", "byol", "multicrop8", "plain"), "recipe")
@@ -337,10 +339,10 @@ def run(a: argparse.Namespace) -> tuple[dict, Path]:
     for method in a.methods:                       # bad trainer words fail here, before any timing
         load_config([f"method={method}", *words])
     out.mkdir(parents=True)
-    sizes = loader_bench.QUICK_SIZES_PX if a.quick else loader_bench.SIZES_PX[a.dataset]
+    sizes = view_px(a.dataset, a.quick)
     print(f"profile → {out}: loader on {a.dataset} ({', '.join(a.recipes)}; {', '.join(a.backends)}), "
           f"{a.repeats} rounds", flush=True)
-    root, name = loader_bench.prepare(a.dataset, work, a.n, a.quick, a.cores)
+    root, name = prepare(a.dataset, work, a.n, a.quick, a.cores)
     t0 = time.perf_counter()
     rows, ceilings, loader_scaling = profile_loader(a, root, name, a.recipes, a.backends, sizes)
     print(f"  loader: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -384,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             return profile_report.compare_main(argv[1:])
         a = parse_args(argv)
         report, out = run(a)
-    except (ProfileError, ConfigError, profile_report.ReportError, loader_bench.BenchError) as exc:
+    except (ProfileError, ConfigError, profile_report.ReportError, BenchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     profile_report.write(report, out)

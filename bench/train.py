@@ -25,16 +25,12 @@ from pathlib import Path
 import torch
 
 from bench.report import header, header_lines
+from bench.timing import sync
 from train import schedules
 from train.config import Config, ConfigError, load_config, to_dict
 from train.loop import check_finite, epochs_from, train, train_step
 from train.objectives import OBJECTIVES
 from train.setup import Parts, build_parts, resolve_backend, select_device
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()  # sync: timing boundary of a benchmark
 
 
 def time_steps(cfg: Config, device: torch.device, steps: int, repeats: int, warmup_steps: int = 2,

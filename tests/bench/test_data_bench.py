@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bench import data as bench
+from bench.datasets import prepare
 
 
 @pytest.mark.slow
@@ -29,5 +30,7 @@ def test_quick_bench_writes_report(tmp_path) -> None:
     # The datasets are cached: preparing again runs no new preprocessing.
     log = out.parent / "bench-data" / "preprocess.log"
     runs = log.read_text().count("$ ")
-    bench.prepare("imagenet-like", out.parent / "bench-data", 48, True, 1)
+    assert prepare("imagenet-like", out.parent / "bench-data", 48, True, 1) == (out.parent / "bench-data" / "data",
+                                                                               "imagenet-like")
     assert log.read_text().count("$ ") == runs == 1
+    assert log.read_text().startswith("$ python -m preprocess --dataset imagefolder ")

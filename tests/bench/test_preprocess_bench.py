@@ -16,7 +16,7 @@ def test_the_folders_and_the_reported_pass_through_share(tmp_path: Path) -> None
     res = bench.run(100, 40, tmp_path, cores=2, repeats=1, with_ray=False)
     assert {"machine", "versions", "git"} <= set(res) and res["workers"] == 2
     for name in ("jpeg", "mixed"):
-        files = sorted(p for p in (tmp_path / name).rglob("*") if p.is_file())
+        files = sorted(p for p in (tmp_path / name).rglob("*") if p.is_file() and not p.name.startswith("."))
         assert len(files) == 100
         images = [Image.open(p) for p in files]
         plain = sum(im.format == "JPEG" and im.mode == "RGB" and max(im.size) <= 512 for im in images)

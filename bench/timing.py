@@ -1,0 +1,194 @@
+"""Timing of the loaders and of their ceilings, one way for every bench (`bench.data`, `make profile`,
+the GPU check).
+
+    timing = time_loader(lambda r: build(epoch=r), batches=16, warmup=3, repeats=3, device="cuda")
+    timing.median, timing.img_per_s, timing.cpu_utilisation
+    ceiling = time_ceiling(scan_shards(split), "pil", recipe, 32, 16, 3, repeats=3, cores=2)
+
+A loader run builds a fresh loader, skips its warm-up batches and times the next ones between two
+device syncs; the machine's CPU share in each timed window is read from /proc/stat (every process
+counts). A ceiling reads the same shard records in `cores` DataLoader workers with one of two
+libjpeg-turbo decoders (PIL, `torchvision.io.decode_image`): the bytes alone (`read`), decode-only, or
+decode + the recipe's crops and resizes (one decode per sample, every crop view resized to its size,
+no colour ops). The recipe variants here (`crops_only`, `without_blur`) are the ablations that split a
+loader's time into stages.
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pipelines.loader import Loader
+from pipelines.shards import ShardReader
+from pipelines.views import Recipe
+
+
+def crops_only(recipe: Recipe) -> Recipe:
+    """The recipe with every colour, grayscale, blur, solarize and saliency op switched off."""
+    off = dict(jitter_p=0.0, gray_p=0.0, blur_p=0.0, solarize_p=0.0, saliency_p=0.0)
+    return Recipe(name=f"{recipe.name}-crops", groups=tuple(replace(g, **off) for g in recipe.groups))
+
+
+def without_blur(recipe: Recipe) -> Recipe:
+    """The recipe with Gaussian blur switched off (everything else as it is)."""
+    return Recipe(name=f"{recipe.name}-noblur", groups=tuple(replace(g, blur_p=0.0) for g in recipe.groups))
+
+
+def views_per_sample(recipe: Recipe) -> int:
+    """Views a sample yields: every group's count (weak parents of staged groups included)."""
+    return sum(g.count for g in recipe.groups)
+
+
+def sync(device: str | torch.device) -> None:
+    """Wait for the device's queued work: the boundary of every timed window."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()  # sync: close the timed window on the device
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all cores since boot, from /proc/stat (None where there is none)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)       # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def cpu_utilisation(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float | None:
+    """Share of the machine's cores busy between two `cpu_ticks()` readings (every process counts)."""
+    if start is None or end is None or end[1] <= start[1]:
+        return None
+    return (end[0] - start[0]) / (end[1] - start[1])
+
+
+@dataclass(frozen=True)
+class LoaderTiming:
+    """Timed runs of one loader, each on a fresh loader after its warm-up batches."""
+    img_per_s: tuple[float, ...]                 # source images per second, one per run
+    cpu_utilisation: tuple[float | None, ...]    # share of the machine's cores busy in each run (None: unknown)
+
+    @property
+    def median(self) -> float:
+        """The median images/s over the runs."""
+        return statistics.median(self.img_per_s)
+
+
+def time_loader(make: Callable[[int], Loader], batches: int, warmup: int, repeats: int,
+                device: str | torch.device) -> LoaderTiming:
+    """Time `repeats` runs of a loader: run r builds a fresh one (`make(r)`), takes `warmup` batches
+    untimed, then times `batches` batches between two device syncs.
+
+    Args:
+        make: builds the loader of run r (and sets its epoch).
+        batches: timed batches per run, >= 1.
+        warmup: untimed batches per run before them (worker start-up, graph build, first decodes).
+        repeats: runs, >= 1.
+        device: where the batches land; a CUDA device is synced around the timed window.
+
+    Returns:
+        Source images/s of every run, and the machine's CPU share in each timed window.
+    """
+    rates, utilisation = [], []
+    for r in range(repeats):
+        loader = make(r)
+        it = iter(loader)
+        for _ in range(warmup):
+            next(it)
+        sync(device)
+        ticks, t0 = cpu_ticks(), time.perf_counter()
+        n = 0
+        for _ in range(batches):
+            n += next(it).batch_size
+        sync(device)
+        rates.append(n / (time.perf_counter() - t0))
+        utilisation.append(cpu_utilisation(ticks, cpu_ticks()))
+        del it, loader
+    return LoaderTiming(tuple(rates), tuple(utilisation))
+
+
+class _CeilingDataset(torch.utils.data.Dataset):
+    """Reads one record's image bytes from its shard, decodes it and (optionally) crops the views."""
+
+    def __init__(self, reader: ShardReader, decoder: str, crop_groups: list | None) -> None:
+        self.reader, self.decoder, self.crop_groups = reader, decoder, crop_groups
+
+    def __len__(self) -> int:
+        return len(self.reader.records)
+
+    def __getitem__(self, i: int):
+        import torchvision.transforms as T
+        data = self.reader.image(i)
+        if self.decoder == "read":                    # the bytes alone: the read ceiling
+            return len(data)
+        if self.decoder == "pil":
+            from PIL import Image
+            img = Image.open(io.BytesIO(data)).convert("RGB")
+            if self.crop_groups is None:
+                return img.width
+            out = []
+            for g in self.crop_groups:
+                interp = Image.BICUBIC if g.interpolation == "bicubic" else Image.BILINEAR
+                for _ in range(g.count):
+                    top, left, h, w = T.RandomResizedCrop.get_params(img, list(g.area), list(g.ratio))
+                    v = img.resize((g.size_px, g.size_px), interp, box=(left, top, left + w, top + h))
+                    out.append(torch.from_numpy(np.asarray(v).copy()))
+            return out
+        import torchvision.io as tvio
+        import torchvision.transforms.v2.functional as F
+        img = tvio.decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=tvio.ImageReadMode.RGB)
+        if self.crop_groups is None:
+            return int(img.shape[-1])
+        out = []
+        for g in self.crop_groups:
+            interp = (T.InterpolationMode.BICUBIC if g.interpolation == "bicubic"
+                      else T.InterpolationMode.BILINEAR)
+            for _ in range(g.count):
+                top, left, h, w = T.RandomResizedCrop.get_params(img, list(g.area), list(g.ratio))
+                out.append(F.resized_crop(img, top, left, h, w, [g.size_px, g.size_px], interp, antialias=True))
+        return out
+
+
+def _collate_views(items):
+    if isinstance(items[0], int):
+        return len(items)
+    return [torch.stack([it[k] for it in items]) for k in range(len(items[0]))]  # each (B, ...)
+
+
+def time_ceiling(entries, decoder: str, recipe: Recipe | None, batch_size: int, batches: int,
+                 warmup: int, repeats: int, cores: int, first_seed: int = 0) -> list[float]:
+    """Images/s of decode-only (`recipe` None) or decode + crops of `recipe`, in `cores` workers;
+    run r reads the records in the order seeded with `first_seed + r`. `decoder="read"` times
+    reading the bytes alone."""
+    groups = None if recipe is None else list(recipe.crop_groups)
+    ds = _CeilingDataset(ShardReader(entries), decoder, groups)
+    need = (warmup + batches) * batch_size
+    runs = []
+    for r in range(repeats):
+        g = torch.Generator().manual_seed(first_seed + r)
+        order = torch.randperm(len(entries), generator=g).tolist()
+        order = (order * (need // len(order) + 1))[:need]
+        dl = torch.utils.data.DataLoader(
+            torch.utils.data.Subset(ds, order), batch_size=batch_size, num_workers=cores,
+            collate_fn=_collate_views, worker_init_fn=_seed_worker)
+        it = iter(dl)
+        for _ in range(warmup):
+            next(it)
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            next(it)
+        runs.append(batches * batch_size / (time.perf_counter() - t0))
+        del it, dl
+    return runs
+
+
+def _seed_worker(worker_id: int) -> None:
+    torch.manual_seed(1000 + worker_id)
