@@ -128,6 +128,8 @@ def main() -> int:
     ("preprocess", "from pipelines import views\n", "only pipelines.schema"),
     ("train", "from bench.evaluation import main\n", "nothing imports bench"),
     ("pipelines", "def f():\n    import bench\n", "nothing imports bench"),
+    ("models", "import bench.report\n", "nothing imports bench"),
+    ("preprocess", "from bench.datasets import write_images\n", "nothing imports bench"),
 ])
 def test_each_rule_catches_its_edge(tmp_path, monkeypatch, package, source, fragment) -> None:
     fake_root = tmp_path
