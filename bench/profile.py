@@ -30,7 +30,6 @@ device of every figure. Writes `<out>/profile-<UTC time>/` with `profile.json` (
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import os
 import statistics
