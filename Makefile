@@ -15,6 +15,8 @@ CKPT     ?=
 INIT     ?=
 RUNS     ?= runs
 ENGINE   ?= local
+# pytest-xdist processes for `make test` / `make test-fast` (2 fits 2 cores; more on a bigger machine)
+TEST_PROCS ?= 2
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The install stamp changes whenever the dependency pins change, so `make install` reinstalls then
 # and is a no-op (seconds) otherwise.
@@ -50,11 +52,11 @@ demo: install  ## preprocess synthetic, pretrain dacl for a few CPU minutes, eva
 	$(PY) -m preprocess --dataset synthetic --out $(OUT)
 	$(PY) -m train method=dacl data=synthetic data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
 
-test: install-test  ## the whole test suite (what CI runs), with its 15 slowest tests
-	$(PY) -m pytest --durations=15
+test: install-test  ## the whole test suite (what CI runs) in TEST_PROCS processes, with its 15 slowest tests
+	$(PY) -m pytest -n $(TEST_PROCS) --durations=15
 
-test-fast: install-test  ## the test suite without tests marked slow or ddp
-	$(PY) -m pytest -m "not slow and not ddp"
+test-fast: install-test  ## the test suite without tests marked slow or ddp (the inner loop: under 3 minutes)
+	$(PY) -m pytest -n $(TEST_PROCS) -m "not slow and not ddp"
 
 preprocess: install  ## DATASET, SRC, OUT → FFCV + DALI files and manifest; resumes; ENGINE=ray (ARGS: more options)
 	$(if $(filter ray,$(ENGINE)),@$(MAKE) --no-print-directory install-test)

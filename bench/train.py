@@ -162,9 +162,9 @@ def main(argv: list[str]) -> int:
         accuracy, configs[method] = in_fresh_process(train_one, method, rest, budget)
         rows[method].update(accuracy)
         print(f"{method}: {accuracy['train_steps']} steps, kNN {100 * accuracy['knn_top1']:.1f}%", flush=True)
-    header = (f"{'method':<8} {'steps/s (min-max)':>18} {'img/s':>8} {'cached steps/s':>18} {'stall':>6} {'peak MiB':>9}"
+    columns = (f"{'method':<8} {'steps/s (min-max)':>18} {'img/s':>8} {'cached steps/s':>18} {'stall':>6} {'peak MiB':>9}"
               f" {'steps':>6} {'kNN':>6} {'kNN rnd':>7} {'linear':>6} {'lin rnd':>7}")
-    print(header)
+    print(columns)
     spread = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}"   # noqa: E731
     for m, r in rows.items():
         print(f"{m:<8} {r['steps_per_s']:>6.2f} ({spread(r['steps_per_s_runs']):>9}) {r['img_per_s']:>8.1f} "

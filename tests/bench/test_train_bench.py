@@ -3,17 +3,23 @@ accuracy after a run of an equal time budget."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
-from bench.train import steps_in, time_one, train_one
+from bench.train import main, steps_in
 
 
 @pytest.mark.slow
-def test_bench_times_then_trains_one_objective_for_its_time_budget(tiny_args, tmp_path) -> None:
+def test_bench_times_then_trains_one_objective_for_its_time_budget(tiny_args, tmp_path, capsys) -> None:
+    """The command as a user runs it: timing in a fresh process, then a run of the steps the measured
+    rate fits into the budget, then the table and `bench_train.json`."""
     rest = [w for w in tiny_args("simclr", tmp_path) if not w.startswith(("method=", "data=", "run.name="))]
-    timing = time_one("simclr", rest, steps=2, repeats=2)
+    assert main(["methods=simclr", "steps=2", "repeats=2", "minutes=0.05", *rest]) == 0
+    report = json.loads((tmp_path / "bench_train.json").read_text())
+    assert set(report) >= {"machine", "versions", "git", "results", "configs"}
+    timing, config = report["results"]["simclr"], report["configs"]["simclr"]
     assert timing["steps_per_s"] > 0 and timing["cached_steps_per_s"] > 0
     assert math.isclose(timing["img_per_s"], timing["steps_per_s"] * 16)
     assert 0.0 <= timing["data_stall_fraction"] < 1.0
@@ -22,18 +28,16 @@ def test_bench_times_then_trains_one_objective_for_its_time_budget(tiny_args, tm
     # The time budget becomes the run length: the steps the measured rate fits into 3 seconds.
     budget = steps_in(0.05, timing["steps_per_s"])
     assert budget == max(1, round(3 * timing["steps_per_s"]))
-    row, config = train_one("simclr", rest, budget)
     assert config["method"] == "simclr" and config["data"]["batch_size"] == 16
-    assert row["train_steps"] == config["optim"]["steps"] == budget
+    assert timing["train_steps"] == config["optim"]["steps"] == budget
     assert config["optim"]["warmup_steps"] == budget // 10
     for key in ("knn_top1", "linear_top1", "random_init/knn_top1", "random_init/linear_top1"):
-        assert 0.0 <= row[key] <= 1.0
+        assert 0.0 <= timing[key] <= 1.0
     assert (tmp_path / "bench-simclr" / "metrics.jsonl").exists()
+    assert "simclr" in capsys.readouterr().out.splitlines()[-2]          # its row of the table
 
 
 def test_a_bad_word_is_one_line_before_any_process_starts(capsys) -> None:
-    from bench.train import main
-
     assert main(["methods=rsa,nosuch"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: unknown method 'nosuch'") and "\n" not in err

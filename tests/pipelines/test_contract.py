@@ -125,7 +125,8 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("backend", EVERY_BACKEND)
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.slow) if b == "ffcv" else b  # ffcv compiles
+                                     for b in EVERY_BACKEND])                                   # per case: ~6 s
 def test_contract(root: Path, backend: str, case: str) -> None:
     recipe, mix = CASES[case]
     ranks = [_loader(backend, _spec(root, recipe, mix, rank=r, world_size=2)) for r in range(2)]
@@ -173,6 +174,7 @@ def test_contract_fails_on_a_view_in_the_wrong_role(root: Path) -> None:
         _check_odd_roles(moved, root)
 
 
+@pytest.mark.slow
 def test_evaluation_order_and_plain_views_agree_across_backends(root: Path) -> None:
     """Keep-all, index order, two ranks: every backend yields the val split once, in order, with the
     same labels and the same whole-image views (within one level: decoders and resizers differ)."""

@@ -4,6 +4,7 @@ self-training rounds' bookkeeping, and that a network trained on noisy labels re
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from preprocess.saliency import cases, quality
@@ -43,6 +44,7 @@ def test_the_loss_over_several_targets_is_their_mean() -> None:
         assert abs(float(pixel_loss(logits, t, kind, 4.0)) - np.mean(each)) < 1e-9
 
 
+@pytest.mark.slow
 def test_rounds_train_on_noisy_labels_and_recover_the_objects() -> None:
     """Discs on smooth backgrounds whose 'handcrafted' labels are the true mask shifted by 4 px and with
     a false blob in a corner for a third of the images: the networks, which must generalise across

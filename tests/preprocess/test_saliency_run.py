@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from pipelines import schema
 from preprocess.prepare import prepare_dataset
@@ -14,6 +15,7 @@ from preprocess.saliency.__main__ import main
 from tests.readers import _Beton, read_masks
 
 
+@pytest.mark.slow
 def test_make_saliency_writes_the_best_stage_into_both_formats_with_a_report(tmp_path, capsys) -> None:
     root = tmp_path / "data"
     ds = prepare_dataset("synthetic", root, workers=1, train_size=24, val_size=8, image_px=32, seed=4)
@@ -59,6 +61,7 @@ def test_bad_input_is_one_line(tmp_path, capsys) -> None:
     assert "unknown saliency method dsr" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_init_starts_the_networks_from_a_viewmill_backbone_and_the_manifest_says_so(tmp_path) -> None:
     from models.backbone import build_backbone, save_backbone
 

@@ -168,6 +168,7 @@ def test_a_full_disk_during_a_shard_keeps_no_partial_shard_and_the_rerun_finishe
     assert _contents(run()) == expect
 
 
+@pytest.mark.slow
 def test_workers_forked_after_opencv_started_its_threads_do_not_hang(tmp_path: Path, clean) -> None:
     """A forked child that changes OpenCV's thread count while the parent's pool exists deadlocks; the
     engine sets it in the parent before forking (this hung the test suite once)."""
@@ -245,6 +246,7 @@ def test_progress_says_one_line_per_split_without_a_terminal(tmp_path: Path, cle
     assert any(ln.startswith("train: 26 images, 26 stored (") and "0 skipped" in ln for ln in err)
 
 
+@pytest.mark.slow
 def test_two_runs_at_once_the_second_refuses_in_one_line(tmp_path: Path, clean) -> None:
     src, expect = clean
     cmd = [sys.executable, "-m", "preprocess", "--dataset", "imagefolder", "--src", str(src), "--out",
@@ -266,6 +268,7 @@ def test_two_runs_at_once_the_second_refuses_in_one_line(tmp_path: Path, clean) 
     assert _contents(tmp_path / "imagefolder") == expect
 
 
+@pytest.mark.slow
 def test_the_ray_engine_writes_the_same_dataset_and_redoes_a_killed_worker_s_shard(tmp_path: Path, clean) -> None:
     pytest.importorskip("ray")
     from preprocess.ray_engine import RayEngine

@@ -35,6 +35,7 @@ def write(src: Path, out: Path, *extra: str) -> int:
                             "--workers", "1", *extra])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
 def test_a_folder_of_images_without_classes_is_an_unlabelled_dataset_with_a_held_out_split(tmp_path, nested) -> None:
     files = images(tmp_path / "src", 60, nested)

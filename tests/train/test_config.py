@@ -109,6 +109,7 @@ def test_enumerated_value_in_a_preset_is_checked(tmp_path) -> None:
         load_config(["method=simclr", "data=synthetic", "objective.tau=0"])
 
 
+@pytest.mark.slow
 def test_cli_rejects_a_bad_choice_before_writing_the_run_folder(tmp_path) -> None:
     out = tmp_path / "runs"
     done = subprocess.run([sys.executable, "-m", "train", "method=rsa", "data=synthetic", "data.backend=torhc",

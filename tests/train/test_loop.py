@@ -75,6 +75,7 @@ def assert_tensorboard_has(run_dir, steps: list[dict], evals: list[dict]) -> Non
             assert logged == pytest.approx({r["step"]: r[key] for r in records}, rel=1e-6), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, method", [("ffcv", "relicv2"), ("dali", "sdmp")])
 def test_loop_trains_on_the_ffcv_and_dali_loaders(backend: str, method: str, tiny_args, tmp_path) -> None:
     """Multi-crop (relicv2: 4 + 2 views) and in-graph mixes (sdmp) from the real loaders: 3 finite

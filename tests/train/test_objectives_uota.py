@@ -66,6 +66,7 @@ def test_the_pseudo_code_reweights_nothing_at_byol_s_shapes_and_shrinkage_does()
     assert float(w.std()) > 0.01 and float(w[:, 5].max()) == float(w.min()) < 0.9 * float(w.median())
 
 
+@pytest.mark.slow
 def test_the_default_config_spreads_its_weights_on_real_features(tiny_data_root, tmp_path):
     """The uota preset on synthetic (BYOL+UOTA, batch 64 against a 128-d predictor: the degenerate
     shape), trained a few steps past N_warm: uota/w_std in metrics.jsonl well above 0."""

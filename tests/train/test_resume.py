@@ -38,6 +38,7 @@ def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["byol", "mocov3"])   # EMA target; mocov3 also has objective state
 def test_stop_and_resume_repeats_the_uninterrupted_run(method, tiny_args, tmp_path) -> None:
     # 10 steps over 64 images at batch 8: the stop (step 5) is mid-epoch, the run crosses an epoch.
@@ -103,6 +104,7 @@ class Preempted(Exception):
     """The job killed by the cluster, right after a checkpoint."""
 
 
+@pytest.mark.slow
 def test_auto_resume_with_the_same_command_repeats_the_uninterrupted_run(uninterrupted, tiny_args, tmp_path,
                                                                          monkeypatch) -> None:
     """The first start (no run folder yet) trains from step 0; killed after step 4's checkpoint, the same
@@ -131,6 +133,7 @@ def test_auto_resume_with_the_same_command_repeats_the_uninterrupted_run(uninter
     assert (run / "backbone.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_auto_skips_a_damaged_newest_checkpoint_and_keep_last_2_keeps_two(uninterrupted, tiny_args, tmp_path,
                                                                           capsys) -> None:
     """keep_last=2 with checkpoints at steps 2, 4, 6 leaves checkpoint.pt (6) and checkpoint-4.pt; with

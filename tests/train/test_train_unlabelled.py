@@ -8,12 +8,14 @@ import json
 import math
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from preprocess.__main__ import main as preprocess_main
 from train.__main__ import main as train_main
 
 
+@pytest.mark.slow
 def test_an_unlabelled_folder_trains_and_reports_health_against_random_init(tmp_path, capsys) -> None:
     rng = np.random.default_rng(0)
     for i in range(80):                                    # a nested camera dump: no classes anywhere
