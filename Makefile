@@ -53,10 +53,10 @@ demo: install  ## preprocess synthetic, pretrain dacl for a few CPU minutes, eva
 	$(PY) -m train method=dacl data=synthetic data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
 
 test: install-test  ## the whole test suite (what CI runs) in TEST_PROCS processes, with its 15 slowest tests
-	$(PY) -m pytest -n $(TEST_PROCS) --durations=15
+	$(PY) -m pytest -n $(TEST_PROCS) --dist worksteal --durations=15
 
 test-fast: install-test  ## the test suite without tests marked slow or ddp (the inner loop: under 3 minutes)
-	$(PY) -m pytest -n $(TEST_PROCS) -m "not slow and not ddp"
+	$(PY) -m pytest -n $(TEST_PROCS) --dist worksteal -m "not slow and not ddp"
 
 preprocess: install  ## DATASET, SRC, OUT → FFCV + DALI files and manifest; resumes; ENGINE=ray (ARGS: more options)
 	$(if $(filter ray,$(ENGINE)),@$(MAKE) --no-print-directory install-test)

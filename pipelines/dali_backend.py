@@ -31,11 +31,10 @@ from nvidia.dali.plugin.pytorch import feed_ndarray
 from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers
 from pipelines.dali_graph import Draws, Outputs, dali_type, draw_inputs, graph, input_specs
-from pipelines.loader import DatasetInfo, EpochOrder, LoaderSpec, derive_seed
+from pipelines.loader import DatasetInfo, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.shards import ShardReader, image_size, scan_shards
 
 _NO_BYTES = np.empty(0, np.uint8)           # a mask that no view of the sample composites: never decoded
-_GRAPH_SEED_PURPOSE = 3                     # the pipeline's own seed (the Binary Mixup masks)
 
 
 @dataclass
@@ -202,7 +201,7 @@ def define_pipeline(spec: LoaderSpec, masks: bool, mean, std, device_id: int | N
         (pipeline, the graph's `Outputs`).
     """
     kinds = [("image", np.uint8, 1)] + ([("mask", np.uint8, 1)] if masks else []) + input_specs(spec, masks)
-    seed = derive_seed(spec.seed, spec.rank, _GRAPH_SEED_PURPOSE) % (2**31 - 1)
+    seed = derive_seed(spec.seed, spec.rank, Stream.DALI_GRAPH) % (2**31 - 1)
     in_graph = spec.mix.kind == "dacl" and "binary" in spec.mix.dacl_noises
     built: dict = {}
 

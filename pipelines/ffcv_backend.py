@@ -46,7 +46,7 @@ from pipelines import ffcv_ops, schema
 from pipelines.augment import ViewParams, draw_color_params, finish_views, saliency_usable
 from pipelines.batch import Batch, ReusedBuffers, mix_batch, normalize
 from pipelines.ffcv_decode import CropLayout, DecodeViews, view_params
-from pipelines.loader import DatasetInfo, EpochOrder, LoaderError, LoaderSpec
+from pipelines.loader import DatasetInfo, EpochOrder, LoaderError, LoaderSpec, Stream
 from pipelines.views import ViewGroup
 
 
@@ -140,8 +140,8 @@ class FFCVLoader:
         o, s = self.order, self.spec
         if not o.remaining():
             return
-        self.key[0] = np.uint64(o.batch_seed(0, purpose=1))    # per (seed, rank, epoch): batch 0's seed
-        self.key[1] = np.uint64(o.batch_seed(0, purpose=2))
+        self.key[0] = np.uint64(o.batch_seed(0, Stream.FFCV_KEY_LO))    # per (seed, rank, epoch)
+        self.key[1] = np.uint64(o.batch_seed(0, Stream.FFCV_KEY_HI))
         self._stop()
         it = self._epoch_it = iter(self.loader)
         try:
@@ -179,7 +179,7 @@ class FFCVLoader:
         views, windows, params = self.layout.split(torch.from_numpy(rows))
         lay = self.layout
         self.last_windows = {g.name: windows[v0:v0 + g.count].clone() for g, v0 in zip(lay.groups, lay.first_view)}
-        gen = torch.Generator().manual_seed(o.batch_seed(o.batches_done, purpose=4))
+        gen = torch.Generator().manual_seed(o.batch_seed(o.batches_done, Stream.FFCV_MIXES))
         if self.ops:
             self.last_params = {g.name: view_params(params[v0:v0 + g.count].reshape(g.count * rows.shape[0], -1))
                                 for g, v0 in zip(lay.all_groups, lay.all_first_views)}

@@ -6,7 +6,8 @@ Everything the four backends share lives here, once:
 - `EpochOrder`: which records a rank reads in an epoch, in which batches (per-epoch shuffle, rank
   sharding, skip for a mid-epoch resume) and the loader state-dict schema ({"epoch", "batches_done"}:
   the next batch to read); every loader iterates it (DALI's reads ahead along `EpochOrder.schedule`);
-- `derive_seed`: how every per-(rank, epoch, batch) seed is mixed from the spec's seed.
+- `derive_seed`: how every per-(rank, epoch, batch) seed is mixed from the spec's seed, and `Stream`,
+  the one list of the independent random streams it separates.
 
 Backends: `torch_backend.py` (plain tensor ops, the reference recipe of `augment.py`),
 `torchvision_backend.py` (PIL + torchvision, the measured baseline), `ffcv_backend.py` and
@@ -16,6 +17,7 @@ optional package only matters to the backend that needs it; a backend imports FF
 
 from __future__ import annotations
 
+import enum
 import importlib
 import importlib.util
 import sys
@@ -114,8 +116,22 @@ class Loader(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+@enum.unique
+class Stream(enum.IntEnum):
+    """The loaders' independent random streams: the last part of `derive_seed`, so that a draw added
+    to one stream never shifts another."""
+    BATCH = 0              # a batch's views and mixes: the reference's draws, DALI's host-drawn parameters
+    FFCV_KEY_LO = 1        # the two words of the ffcv kernels' counter-based key, per (seed, rank, epoch)
+    FFCV_KEY_HI = 2
+    DALI_GRAPH = 3         # the DALI pipeline's own seed (the Binary Mixup masks made in the graph)
+    FFCV_MIXES = 4         # the batch mixes the ffcv loader makes after its kernels
+    TORCHVISION_MIXES = 5  # the same for the torchvision baseline
+    TORCHVISION_VIEWS = 6  # the torchvision baseline's per-sample view draws (with the record index)
+    SHUFFLE = 7            # the per-epoch permutation (seed and epoch only: the same on every rank)
+
+
 def derive_seed(*parts: int) -> int:
-    """A 63-bit seed mixed from integer parts (seed, rank, epoch, batch, purpose, ...); distinct
+    """A 63-bit seed mixed from integer parts (seed, rank, epoch, batch, `Stream`, ...); distinct
     parts give unrelated seeds (FNV-style multiply, then xor-shift, per part)."""
     h = 0x243F6A8885A308D3
     for p in parts:
@@ -163,7 +179,7 @@ class EpochOrder:
         epoch = self.epoch if epoch is None else epoch
         order = self.records
         if s.shuffle:
-            order = order[np.random.default_rng(derive_seed(s.seed, epoch, 7)).permutation(n)]
+            order = order[np.random.default_rng(derive_seed(s.seed, epoch, Stream.SHUFFLE)).permutation(n)]
         if s.drop_last:
             per_rank = len(self) * s.batch_size
             return order[s.rank * per_rank:(s.rank + 1) * per_rank]
@@ -175,11 +191,10 @@ class EpochOrder:
         idx, bs = self.indices(), self.spec.batch_size
         return [(k, idx[k * bs:(k + 1) * bs]) for k in range(self.batches_done, len(self))]
 
-    def batch_seed(self, k: int, purpose: int = 0, epoch: int | None = None) -> int:
-        """The seed of batch k of this rank and `epoch` (default: the current one); `purpose` separates
-        independent streams (0: the reference's draws of a batch's views and mixes)."""
+    def batch_seed(self, k: int, stream: Stream = Stream.BATCH, epoch: int | None = None) -> int:
+        """The seed of `stream` for batch k of this rank and `epoch` (default: the current one)."""
         s = self.spec
-        return derive_seed(s.seed, s.rank, self.epoch if epoch is None else epoch, k, purpose)
+        return derive_seed(s.seed, s.rank, self.epoch if epoch is None else epoch, k, stream)
 
     def schedule(self) -> Iterator[tuple[int, int, np.ndarray]]:
         """(epoch, batch number, (≤B,) int64 indices) of every batch from the current position on,

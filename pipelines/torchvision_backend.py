@@ -36,7 +36,7 @@ from torch import Tensor
 
 from pipelines.augment import SALIENCY_MIN_COVERAGE, blur_sigma_px
 from pipelines.batch import Batch, make_batch
-from pipelines.loader import DatasetInfo, EpochOrder, LoaderSpec, derive_seed
+from pipelines.loader import DatasetInfo, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.shards import ShardReader, scan_shards
 from pipelines.views import Recipe, ViewGroup
 
@@ -153,7 +153,7 @@ class _Batches:
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         s, epoch = self.order.spec, self.order.epoch
         for _, idx in self.order.remaining():
-            yield [(int(i), derive_seed(s.seed, epoch, int(i))) for i in idx]
+            yield [(int(i), derive_seed(s.seed, epoch, Stream.TORCHVISION_VIEWS, int(i))) for i in idx]
 
 
 def _collate(items: list[dict]) -> dict:
@@ -192,7 +192,7 @@ class TorchvisionLoader:
     def __iter__(self) -> Iterator[Batch]:
         s, o = self.spec, self.order
         for raw in self.loader:
-            gen = torch.Generator().manual_seed(o.batch_seed(o.batches_done, purpose=5))
+            gen = torch.Generator().manual_seed(o.batch_seed(o.batches_done, Stream.TORCHVISION_MIXES))
             batch = make_batch(raw["views"], s.recipe, s.mix, gen, self.info.mean, self.info.std,
                                raw["index"], raw["label"], self.device)
             o.advance()

@@ -1,5 +1,5 @@
 """Shared fixtures: a tiny synthetic dataset written once per session by the real preprocessor; tests
-marked `gpu` are skipped where torch sees no CUDA device."""
+marked `gpu` are skipped where torch sees no CUDA device; tests marked `long`, then `slow`, run first."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    # Longest first: under `make test` (two processes, work stealing) the minutes-long tests start at
+    # once instead of ending the run alone. The sort is stable: the rest keep their file order.
+    items.sort(key=lambda item: ("long" not in item.keywords, "slow" not in item.keywords))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -37,7 +37,7 @@ def test_quick_profile_writes_a_schema_valid_report_with_stages_split_and_charts
 
     (row,) = report["train"]["rows"]
     assert row["status"] == "ok", row.get("error")
-    assert row["method"] == "byol" and row["device"] == "cpu" and row["batch_size"] == 8
+    assert row["method"] == "byol" and row["device"] == "cpu" and row["batch_size"] == 12
     # The loop's phase ranges reached the profiler: forward, backward, optimiser and BYOL's EMA target.
     assert all(row["split_ms"][k] > 0 for k in ("forward", "backward", "optimizer", "ema"))
     assert row["data_stall_fraction"] == max(0.0, 1 - row["steps_per_s"]["median"] / row["on_device_steps_per_s"]["median"])
@@ -46,11 +46,11 @@ def test_quick_profile_writes_a_schema_valid_report_with_stages_split_and_charts
     assert any(e.get("name") == "step/backward" for e in trace["traceEvents"])
 
     assert [s["workers"] for s in report["scaling"]["loader"] if s["backend"] == "torch"] == [1, 2]
-    assert [s["batch_size"] for s in report["scaling"]["batch"]] == [2, 4, 8, 16]
+    assert [s["batch_size"] for s in report["scaling"]["batch"]] == [2, 6, 12, 24]
     for chart in ("loader.png", "train.png", "scaling.png"):
         assert chart in report["charts"] and (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "profile.md").read_text()
-    assert "| byol+sdmp | torch | cpu |" in md and "| byol | cpu | 8 |" in md and "![loader](loader.png)" in md
+    assert "| byol+sdmp | torch | cpu |" in md and "| byol | cpu | 12 |" in md and "![loader](loader.png)" in md
 
 
 def test_stages_are_differences_of_the_ablation_ladder() -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipelines import schema
-from pipelines.loader import DatasetInfo, EpochOrder, LoaderError, LoaderSpec, build_loader, rank_range
+from pipelines.loader import DatasetInfo, EpochOrder, LoaderError, LoaderSpec, Stream, build_loader, rank_range
 from pipelines.mixing import MixSpec
 from pipelines.views import load_recipe
 
@@ -82,6 +82,14 @@ def test_position_names_the_next_batch_and_resumes_there():
     o.set_epoch(1)
     assert o.state_dict() == {"epoch": 1, "batches_done": 0}
     assert o.batch_seed(0) != r.batch_seed(0) and r.batch_seed(1) != r.batch_seed(2)
+
+
+def test_each_random_stream_has_its_own_seeds_for_every_batch_and_epoch():
+    """The streams of `Stream` never share a seed: no two (stream, batch, epoch) give the same one,
+    so the ffcv key, the mixes or the shuffle cannot draw what another stream draws."""
+    o = EpochOrder(_spec(seed=3), 20)
+    seeds = [o.batch_seed(k, stream, epoch) for stream in Stream for k in range(4) for epoch in range(3)]
+    assert len(set(seeds)) == len(seeds) == len(Stream) * 12
 
 
 def test_bad_specs_are_one_loader_error(tmp_path):

@@ -97,6 +97,7 @@ def test_non_finite_loss_stops_with_step_and_terms(tiny_args, tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_demo_run_beats_random_init(tmp_path_factory, tmp_path) -> None:
     """`make demo` as it runs (dacl on the default synthetic dataset, data/synthetic.yaml: 600 steps,
     about 6 minutes on 2 CPU cores) visibly learns: the README's target is kNN top-1 10 points and
