@@ -31,7 +31,7 @@ from nvidia.dali.plugin.pytorch import feed_ndarray
 from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers
 from pipelines.dali_graph import Draws, Outputs, dali_type, draw_inputs, graph, input_specs
-from pipelines.loader import DatasetInfo, EpochOrder, LoaderSpec, Stream, derive_seed
+from pipelines.loader import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.shards import ShardReader, image_size, scan_shards
 
 _NO_BYTES = np.empty(0, np.uint8)           # a mask that no view of the sample composites: never decoded
@@ -69,7 +69,7 @@ def _feed(tls: list, dev: torch.device, buffers: ReusedBuffers, channels_last: b
     return out.permute(0, 1, 4, 2, 3) if channels_last else out
 
 
-class DaliLoader:
+class DaliLoader(EpochLoader):
     """The DALI `Loader` of one rank (see `pipelines.loader.Loader`)."""
 
     def __init__(self, spec: LoaderSpec, info: DatasetInfo, *, debug: bool = False, gpu_branches: bool = False) -> None:
@@ -90,20 +90,14 @@ class DaliLoader:
         self.last_draws: Draws | None = None         # the draws of the last batch handed out
         self.last_debug: dict[str, np.ndarray] = {}  # debug: the graph's own draws of that batch
 
-    def __len__(self) -> int:
-        return len(self.order)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.order.set_epoch(epoch)
-
     def state_dict(self) -> dict:
         dali = self._dali_state
         if self.draws_in_graph and self._pipe is not None and self._pipe_at == self._position():
             dali = self._pipe.checkpoint()
-        return {**self.order.state_dict(), "dali": dali}
+        return {**super().state_dict(), "dali": dali}
 
     def load_state_dict(self, state: dict) -> None:
-        self.order.load_state_dict(state)
+        super().load_state_dict(state)
         self._pipe, self._dali_state = None, state.get("dali")
 
     def operator_counts(self) -> dict[str, dict[str, int]]:

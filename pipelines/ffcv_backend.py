@@ -46,7 +46,7 @@ from pipelines import ffcv_ops, schema
 from pipelines.augment import ViewParams, draw_color_params, finish_views, saliency_usable
 from pipelines.batch import Batch, ReusedBuffers, mix_batch, normalize
 from pipelines.ffcv_decode import CropLayout, DecodeViews, view_params
-from pipelines.loader import DatasetInfo, EpochOrder, LoaderError, LoaderSpec, Stream
+from pipelines.loader import DatasetInfo, EpochLoader, EpochOrder, LoaderError, LoaderSpec, Stream
 from pipelines.views import ViewGroup
 
 
@@ -89,7 +89,7 @@ def _next_guarded(it) -> tuple | None:
     return result
 
 
-class FFCVLoader:
+class FFCVLoader(EpochLoader):
     """The FFCV loader of one rank (see the module docstring and `pipelines.loader.Loader`)."""
 
     def __init__(self, spec: LoaderSpec, info: DatasetInfo, ops: bool | None = None) -> None:
@@ -123,18 +123,6 @@ class FFCVLoader:
                              num_workers=max(1, spec.num_workers), os_cache=True,
                              order=_EpochTraversal(self.order), pipelines=pipelines, drop_last=spec.drop_last,
                              batches_ahead=2)
-
-    def __len__(self) -> int:
-        return len(self.order)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.order.set_epoch(epoch)
-
-    def state_dict(self) -> dict:
-        return self.order.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.order.load_state_dict(state)
 
     def __iter__(self) -> Iterator[Batch]:
         o, s = self.order, self.spec

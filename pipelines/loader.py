@@ -5,7 +5,8 @@ Everything the four backends share lives here, once:
 - `DatasetInfo`: the manifest, read and verified once, as the typed facts a loader needs;
 - `EpochOrder`: which records a rank reads in an epoch, in which batches (per-epoch shuffle, rank
   sharding, skip for a mid-epoch resume) and the loader state-dict schema ({"epoch", "batches_done"}:
-  the next batch to read); every loader iterates it (DALI's reads ahead along `EpochOrder.schedule`);
+  the next batch to read); every loader iterates it (DALI's reads ahead along `EpochOrder.schedule`)
+  and inherits `EpochLoader`, which answers len, set_epoch and the state dict from it;
 - `derive_seed`: how every per-(rank, epoch, batch) seed is mixed from the spec's seed, and `Stream`,
   the one list of the independent random streams it separates.
 
@@ -225,6 +226,26 @@ class EpochOrder:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.batches_done = int(state["epoch"]), int(state["batches_done"])
+
+
+class EpochLoader:
+    """What every backend's loader shares, once: its `EpochOrder` (`self.order`, set by the backend)
+    answers `len`, `set_epoch` and the position (`state_dict`); a backend adds `__iter__` and, where it
+    has more state (DALI's pipeline checkpoint), extends the two state methods."""
+
+    order: EpochOrder
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.order.set_epoch(epoch)
+
+    def state_dict(self) -> dict:
+        return self.order.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order.load_state_dict(state)
 
 
 def check_spec(spec: LoaderSpec, info: DatasetInfo) -> None:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from pipelines.augment import render_views
 from pipelines.batch import Batch, make_batch
-from pipelines.loader import DatasetInfo, EpochOrder, LoaderSpec
+from pipelines.loader import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec
 from pipelines.shards import ShardReader, scan_shards
 
 
@@ -58,25 +58,13 @@ class _BatchReader(torch.utils.data.Dataset):
         return make_batch(views, s.recipe, s.mix, gen, self.info.mean, self.info.std, index, label, "cpu")
 
 
-class TorchLoader:
+class TorchLoader(EpochLoader):
     """The reference loader of one rank (see `pipelines.loader.Loader`)."""
 
     def __init__(self, spec: LoaderSpec, info: DatasetInfo) -> None:
         self.spec = spec
         self.order = EpochOrder(spec, info.count)
         self.batches = _BatchReader(spec, info, ShardReader(scan_shards(info.dir / spec.split, info.count)))
-
-    def __len__(self) -> int:
-        return len(self.order)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.order.set_epoch(epoch)
-
-    def state_dict(self) -> dict:
-        return self.order.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.order.load_state_dict(state)
 
     def __iter__(self) -> Iterator[Batch]:
         items = [(self.order.batch_seed(k), idx) for k, idx in self.order.remaining()]

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from pipelines.augment import SALIENCY_MIN_COVERAGE, blur_sigma_px
 from pipelines.batch import Batch, make_batch
-from pipelines.loader import DatasetInfo, EpochOrder, LoaderSpec, Stream, derive_seed
+from pipelines.loader import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.shards import ShardReader, scan_shards
 from pipelines.views import Recipe, ViewGroup
 
@@ -163,7 +163,7 @@ def _collate(items: list[dict]) -> dict:
             "label": torch.tensor([it["label"] for it in items], dtype=torch.long)}
 
 
-class TorchvisionLoader:
+class TorchvisionLoader(EpochLoader):
     """PIL + torchvision loader for one rank (see `pipelines.loader.Loader`)."""
 
     def __init__(self, spec: LoaderSpec, info: DatasetInfo) -> None:
@@ -176,18 +176,6 @@ class TorchvisionLoader:
             ShardDataset(reader, spec.recipe, masks), batch_sampler=_Batches(self.order),
             num_workers=spec.num_workers, collate_fn=_collate, pin_memory=self.device.type == "cuda",
             persistent_workers=spec.num_workers > 0)
-
-    def __len__(self) -> int:
-        return len(self.order)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.order.set_epoch(epoch)
-
-    def state_dict(self) -> dict:
-        return self.order.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.order.load_state_dict(state)
 
     def __iter__(self) -> Iterator[Batch]:
         s, o = self.spec, self.order
