@@ -32,7 +32,8 @@ def test_quick_profile_writes_a_schema_valid_report_with_stages_split_and_charts
     # byol+sdmp has blur and a mix: every rung of the ladder ran, so every stage has a time.
     assert set(tv["ladder_img_per_s"]) == {"full", "no_mix", "no_blur", "crops_only"}
     assert all(tv["stages_ms"][s] is not None and tv["stages_ms"][s] >= 0 for s in profile_report.STAGES)
-    assert 0.0 < tv["cpu_utilisation"] <= 1.0
+    # None only where the timed window is shorter than the kernel's tick (quick mode's tiny batches)
+    assert tv["cpu_utilisation"] is None or 0.0 < tv["cpu_utilisation"] <= 1.0
     assert {c["kind"] for c in report["loader"]["ceilings"]} == {"read", "decode", "decode+crops"}
 
     (row,) = report["train"]["rows"]

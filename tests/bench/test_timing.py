@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.timing import LoaderTiming, time_loader
+from bench.timing import LoaderTiming, cpu_utilisation, time_loader
 
 
 @dataclass
@@ -37,3 +37,9 @@ def test_each_run_builds_a_fresh_loader_skips_its_warmup_and_times_the_rest() ->
     assert len(timing.img_per_s) == len(timing.cpu_utilisation) == 3 and all(r > 0 for r in timing.img_per_s)
     assert all(u is None or 0.0 <= u <= 1.0 for u in timing.cpu_utilisation)
     assert min(timing.img_per_s) <= timing.median <= max(timing.img_per_s)
+
+
+def test_cpu_utilisation_is_the_busy_share_of_the_ticks_and_unknown_without_any() -> None:
+    assert cpu_utilisation((100, 400), (250, 600)) == 0.75          # 150 busy of 200 ticks
+    assert cpu_utilisation((100, 400), (100, 400)) is None          # a window shorter than a tick
+    assert cpu_utilisation(None, (1, 2)) is None                    # no /proc/stat
