@@ -19,7 +19,7 @@ from torch import Tensor
 
 from pipelines.augment import render_views
 from pipelines.batch import Batch, make_batch
-from pipelines.loader import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec
+from pipelines.loader import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, collect_before_fork
 from pipelines.shards import ShardReader, scan_shards
 
 
@@ -69,6 +69,7 @@ class TorchLoader(EpochLoader):
     def __iter__(self) -> Iterator[Batch]:
         items = [(self.order.batch_seed(k), idx) for k, idx in self.order.remaining()]
         if self.spec.num_workers > 0 and len(items) > 1:
+            collect_before_fork()
             batches = torch.utils.data.DataLoader(self.batches, batch_size=None, sampler=items,
                                                   num_workers=self.spec.num_workers, prefetch_factor=2)
         else:

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from pipelines.augment import SALIENCY_MIN_COVERAGE, blur_sigma_px
 from pipelines.batch import Batch, make_batch
-from pipelines.loader import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
+from pipelines.loader import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, collect_before_fork, derive_seed
 from pipelines.shards import ShardReader, scan_shards
 from pipelines.views import Recipe, ViewGroup
 
@@ -179,6 +179,8 @@ class TorchvisionLoader(EpochLoader):
 
     def __iter__(self) -> Iterator[Batch]:
         s, o = self.spec, self.order
+        if s.num_workers > 0:
+            collect_before_fork()          # the first epoch forks the (persistent) workers
         for raw in self.loader:
             gen = torch.Generator().manual_seed(o.batch_seed(o.batches_done, Stream.TORCHVISION_MIXES))
             batch = make_batch(raw["views"], s.recipe, s.mix, gen, self.info.mean, self.info.std,
