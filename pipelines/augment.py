@@ -40,6 +40,7 @@ from torch import Tensor
 from pipelines.views import Recipe, ViewGroup
 
 CROP_TRIES = 10                            # torchvision RandomResizedCrop attempts before the fallback
+CROP_DRAWS = 1 + 4 * CROP_TRIES            # uniforms of one view's crop (`crop_boxes`'s layout)
 GRAY_WEIGHTS = (0.2989, 0.5870, 0.1140)    # torchvision rgb_to_grayscale (ITU-R 601-2 luma)
 SALIENCY_MIN_COVERAGE = 0.05               # RELICv2 App. A.2: a mask below 5 % of the image is not used
 BLUR_REFERENCE_PX = 224                    # ViewGroup.blur_sigma is given in px at this view size
@@ -81,37 +82,54 @@ def blur_sigma_px(group: ViewGroup) -> tuple[float, float]:
 
 
 def sample_crop_boxes(hw: Tensor, group: ViewGroup, gen: torch.Generator) -> Tensor:
-    """RandomResizedCrop boxes, torchvision's rules, vectorised over samples.
-
-    Area ~ U(area) * A, log(ratio) ~ U(log ratio); up to 10 tries, the first that fits wins; else the
-    central crop with the ratio clamped to the range. With probability 1 - crop_p the whole image.
+    """RandomResizedCrop boxes, torchvision's rules (`crop_boxes`), vectorised over samples.
 
     Args:
         hw: (N, 2) long image heights and widths.
         group: the view group (area, ratio, crop_p).
-        gen: CPU generator.
+        gen: CPU generator; the uniforms are drawn per kind (areas, ratios, y, x of every try, then
+            the whole-image draw) and laid out in `crop_boxes`'s order.
+
+    Returns:
+        (N, 4) long boxes (y0, x0, h, w).
+    """
+    n = hw.shape[0]
+    area, log_ratio, ry, rx = (torch.rand(n, CROP_TRIES, generator=gen, dtype=torch.float64) for _ in range(4))
+    crop = torch.rand(n, generator=gen).double()
+    tries = torch.stack([area, log_ratio, ry, rx], 2).reshape(n, 4 * CROP_TRIES)     # try t: 4t .. 4t + 3
+    return crop_boxes(hw, group, torch.cat([crop[:, None], tries], 1))
+
+
+def crop_boxes(hw: Tensor, group: ViewGroup, u: Tensor) -> Tensor:
+    """The crop law on given uniforms: RandomResizedCrop with probability crop_p, else the whole image.
+
+    Area ~ U(area) * H * W, log(w / h) ~ U(log ratio); up to `CROP_TRIES` tries, the first that fits
+    wins; else the central crop with the ratio clamped to the range. The compiled FFCV decoder runs
+    the same law on the same layout (`ffcv_ops.crop_window`; tests/pipelines/test_ffcv_backend.py).
+
+    Args:
+        hw: (N, 2) long image heights and widths.
+        group: the view group (area, ratio, crop_p).
+        u: (N, CROP_DRAWS) float64 uniforms: column 0 decides the crop (u < crop_p), columns
+            1 + 4t .. 4 + 4t are try t's area, log-ratio, y and x.
 
     Returns:
         (N, 4) long boxes (y0, x0, h, w).
     """
     n = hw.shape[0]
     h, w = hw[:, 0].double(), hw[:, 1].double()
-    tries = CROP_TRIES
-    area = h * w
-    u = torch.rand(n, tries, generator=gen, dtype=torch.float64)
-    target = area[:, None] * (group.area[0] + (group.area[1] - group.area[0]) * u)       # (N, 10)
+    tries = u[:, 1:].reshape(n, CROP_TRIES, 4)
+    target = (h * w)[:, None] * (group.area[0] + (group.area[1] - group.area[0]) * tries[..., 0])    # (N, tries)
     lr = (math.log(group.ratio[0]), math.log(group.ratio[1]))
-    ar = torch.exp(lr[0] + (lr[1] - lr[0]) * torch.rand(n, tries, generator=gen, dtype=torch.float64))
+    ar = torch.exp(lr[0] + (lr[1] - lr[0]) * tries[..., 1])
     cw = torch.round(torch.sqrt(target * ar))
     ch = torch.round(torch.sqrt(target / ar))
-    ok = (cw > 0) & (ch > 0) & (cw <= w[:, None]) & (ch <= h[:, None])                  # (N, 10)
+    ok = (cw > 0) & (ch > 0) & (cw <= w[:, None]) & (ch <= h[:, None])                  # (N, tries)
     first = torch.where(ok.any(1), ok.float().argmax(1), torch.full((n,), -1, dtype=torch.long))
-    ry = torch.rand(n, tries, generator=gen, dtype=torch.float64)
-    rx = torch.rand(n, tries, generator=gen, dtype=torch.float64)
     idx = first.clamp_min(0)[:, None]
     bh, bw = ch.gather(1, idx)[:, 0], cw.gather(1, idx)[:, 0]
-    y0 = torch.floor(ry.gather(1, idx)[:, 0] * (h - bh + 1))
-    x0 = torch.floor(rx.gather(1, idx)[:, 0] * (w - bw + 1))
+    y0 = torch.floor(tries[..., 2].gather(1, idx)[:, 0] * (h - bh + 1))
+    x0 = torch.floor(tries[..., 3].gather(1, idx)[:, 0] * (w - bw + 1))
     # Fallback: central crop, ratio clamped into range.
     in_ratio = w / h
     fw = torch.where(in_ratio < group.ratio[0], w, torch.where(in_ratio > group.ratio[1], torch.round(h * group.ratio[1]), w))
@@ -121,7 +139,7 @@ def sample_crop_boxes(hw: Tensor, group: ViewGroup, gen: torch.Generator) -> Ten
     bh, bw = torch.where(fb, fh, bh), torch.where(fb, fw, bw)
     y0 = torch.where(fb, torch.floor((h - bh) / 2), y0)
     x0 = torch.where(fb, torch.floor((w - bw) / 2), x0)
-    whole = torch.rand(n, generator=gen) >= group.crop_p
+    whole = u[:, 0] >= group.crop_p
     boxes = torch.stack([y0, x0, bh, bw], 1).long()                                    # (N, 4)
     full = torch.stack([torch.zeros_like(h), torch.zeros_like(w), h, w], 1).long()
     return torch.where(whole[:, None], full, boxes)

@@ -39,7 +39,7 @@ from ffcv.pipeline.operation import Operation
 from torch import Tensor
 
 from pipelines import ffcv_ops
-from pipelines.augment import CROP_TRIES, ViewParams
+from pipelines.augment import CROP_DRAWS, ViewParams
 from pipelines.views import Recipe, ViewGroup
 
 WINDOW_BYTES = 8                 # per crop view: y0, x0, h, w as little-endian uint16 (FFCV sides < 65536)
@@ -51,7 +51,7 @@ class CropLayout:
 
     Views are numbered over the crop groups in recipe order; with compiled ops (`staged` set, CPU
     loaders) the staged groups' views follow them, and a block of drawn per-view parameters
-    (`ffcv_ops.PARAM_FIELDS`, float32) follows the crop windows.
+    (columns `ffcv_ops.Param`, float32) follows the crop windows.
     """
 
     groups: tuple[ViewGroup, ...]     # crop groups, recipe order
@@ -129,12 +129,14 @@ def view_params(q: Tensor) -> ViewParams:
     """The drawn parameters of N views, as `augment.ViewParams` (what the compiled ops applied).
 
     Args:
-        q: (N, N_PARAMS) float32, columns `ffcv_ops.PARAM_FIELDS`.
+        q: (N, N_PARAMS) float32, columns `ffcv_ops.Param`.
     """
-    q = q.float()
-    return ViewParams(flip=q[:, 0] > 0.5, jitter=q[:, 1] > 0.5, factors=q[:, 2:6].clone(), order=q[:, 6:10].long(),
-                      gray=q[:, 10] > 0.5, blur=q[:, 11] > 0.5, sigma=q[:, 12].clone(), solarize=q[:, 13] > 0.5,
-                      saliency=q[:, 14] > 0.5, gray_level=q[:, 15].clone())
+    q, P = q.float(), ffcv_ops.Param
+    return ViewParams(flip=q[:, P.FLIP] > 0.5, jitter=q[:, P.JITTER] > 0.5,
+                      factors=q[:, P.FACTORS:P.FACTORS + 4].clone(), order=q[:, P.ORDER:P.ORDER + 4].long(),
+                      gray=q[:, P.GRAY] > 0.5, blur=q[:, P.BLUR] > 0.5, sigma=q[:, P.SIGMA].clone(),
+                      solarize=q[:, P.SOLARIZE] > 0.5, saliency=q[:, P.SALIENCY] > 0.5,
+                      gray_level=q[:, P.GRAY_LEVEL].clone())
 
 
 _JPG = IMAGE_MODES["jpg"]
@@ -197,7 +199,7 @@ class DecodeViews(Operation):
         area = np.array([g.area for g in lay.groups], np.float64)                # (G, 2)
         log_ratio = np.log(np.array([g.ratio for g in lay.groups], np.float64))  # (G, 2)
         windows_offset = lay.windows_offset
-        tries = CROP_TRIES
+        crop_window, crop_draws = ffcv_ops.crop_window, CROP_DRAWS
         # Compiled per-view ops (CPU loaders): group laws, and each staged view's parent view.
         with_ops = lay.params_offset >= 0
         ops = ffcv_ops.compiled()
@@ -235,40 +237,18 @@ class DecodeViews(Operation):
                 memcpy(key_address, key.ctypes.data, 16)
                 out = destination[dst_ix]
                 u = np.empty(n_draws, np.float64)
+                uc = np.empty(crop_draws, np.float64)
+                box = np.empty(4, np.int64)
                 buf = np.empty(scratch, np.float32)
                 child = np.empty(scratch, np.float32)
                 tmp = np.empty(scratch, np.float32)
                 pad = np.empty(pad_len, np.float32)
                 for v in range(n_views):
                     g = view_group[v]
-                    y0, x0, h, w = 0, 0, height, width
-                    if uniform_c(key[0], key[1], sample, v, 0) < crop_p[g]:
-                        # RandomResizedCrop (augment.sample_crop_boxes): area ~ U(area) * H * W,
-                        # log(w / h) ~ U(log ratio); CROP_TRIES tries, then the centre crop below.
-                        found = False
-                        for t in range(tries):
-                            a = area[g, 0] + (area[g, 1] - area[g, 0]) * uniform_c(key[0], key[1], sample, v, 1 + 4 * t)
-                            lr = log_ratio[g, 0] + (log_ratio[g, 1] - log_ratio[g, 0]) * uniform_c(key[0], key[1], sample, v, 2 + 4 * t)
-                            target = a * height * width
-                            aspect = np.exp(lr)
-                            cw = int(np.round(np.sqrt(target * aspect)))
-                            ch = int(np.round(np.sqrt(target / aspect)))
-                            if 0 < cw <= width and 0 < ch <= height:
-                                y0 = int(uniform_c(key[0], key[1], sample, v, 3 + 4 * t) * (height - ch + 1))
-                                x0 = int(uniform_c(key[0], key[1], sample, v, 4 + 4 * t) * (width - cw + 1))
-                                h, w = ch, cw
-                                found = True
-                                break
-                        if not found:
-                            in_ratio = width / height
-                            if in_ratio < np.exp(log_ratio[g, 0]):
-                                w = width
-                                h = int(np.round(w / np.exp(log_ratio[g, 0])))
-                            elif in_ratio > np.exp(log_ratio[g, 1]):
-                                h = height
-                                w = int(np.round(h * np.exp(log_ratio[g, 1])))
-                            y0 = (height - h) // 2
-                            x0 = (width - w) // 2
+                    for d in range(crop_draws):
+                        uc[d] = uniform_c(key[0], key[1], sample, v, d)
+                    crop_window(uc, height, width, crop_p[g], area[g], log_ratio[g], box)
+                    y0, x0, h, w = box[0], box[1], box[2], box[3]
                     s = sizes[v]
                     resize(0, img.ctypes.data, height, width, y0, y0 + h, x0, x0 + w, out.ctypes.data + offsets[v], s, s)
                     p8 = windows_offset + 8 * v

@@ -16,8 +16,9 @@ A view that draws saliency is left raw by `finish_view` and finished on the host
 
 Parameters are drawn by the caller's counter hash as uniforms `u` (draws `FIRST_DRAW + k` of the
 view, after the crop draws) and turned into a view's parameters by `draw_params` with the laws of
-`augment.sample_color_params`. A view's parameters are `N_PARAMS` float32 values in the order
-of `PARAM_FIELDS`; the decoder writes them into the row so that Python reads them back.
+`augment.sample_color_params`. A view's parameters are `N_PARAMS` float32 values, columns `Param`;
+the decoder writes them into the row so that Python reads them back. The crop is drawn before, by
+`crop_window` (`augment.crop_boxes` on the view's first `CROP_DRAWS` uniforms).
 
 Deviation: the Gaussian window is truncated at radius min(kernel_px // 2, ceil(4 sigma)) and
 renormalised. The weights beyond 4 sigma hold < 1e-4 of the mass (< 0.02 of a uint8 level); the
@@ -27,39 +28,67 @@ renormalised. The weights beyond 4 sigma hold < 1e-4 of the mass (< 0.02 of a ui
 from __future__ import annotations
 
 import functools
+from enum import IntEnum
 from types import SimpleNamespace
 
 import numba
 import numpy as np
 
-from pipelines.augment import GRAY_WEIGHTS, blur_kernel_px, blur_sigma_px
+from pipelines.augment import CROP_DRAWS, CROP_TRIES, GRAY_WEIGHTS, blur_kernel_px, blur_sigma_px
 from pipelines.views import ViewGroup
 
-PARAM_FIELDS = ("flip", "jitter", "brightness", "contrast", "saturation", "hue",
-                "order0", "order1", "order2", "order3", "gray", "blur", "sigma", "solarize",
-                "saliency", "gray_level")
-N_PARAMS = len(PARAM_FIELDS)      # float32 values per view in the row
+class Param(IntEnum):
+    """The columns of a view's drawn parameters (float32 in the row), and the draw each comes from
+    (uniform `FIRST_DRAW + column` of the view)."""
+
+    FLIP = 0
+    JITTER = 1
+    FACTORS = 2        # 4 columns: brightness, contrast, saturation factors, hue shift (`augment.JITTER_OPS`)
+    ORDER = 6          # 4 columns: the jitter ops' order, a permutation of 0..3
+    GRAY = 10
+    BLUR = 11
+    SIGMA = 12
+    SOLARIZE = 13
+    SALIENCY = 14
+    GRAY_LEVEL = 15
+
+
+class Law(IntEnum):
+    """The columns of a group's law row (`group_table`, float64)."""
+
+    FLIP_P = 0
+    JITTER_P = 1
+    STRENGTH = 2       # 4 columns: brightness, contrast, saturation, hue strengths
+    GRAY_P = 6
+    BLUR_P = 7
+    SIGMA_PX = 8       # 2 columns: the blur sigma range in px of the view
+    SOLARIZE_P = 10
+    SALIENCY_P = 11
+    SIZE_PX = 12
+    KERNEL_PX = 13
+    STAGED = 14
+
+
+N_PARAMS = Param.GRAY_LEVEL + 1   # float32 values per view in the row
 PARAM_BYTES = 4 * N_PARAMS
-FIRST_DRAW = 41                   # the crop draws of a view are 0..40 (crop_p, then 10 tries x 4)
-GROUP_FIELDS = ("flip_p", "jitter_p", "brightness", "contrast", "saturation", "hue", "gray_p",
-                "blur_p", "sigma0_px", "sigma1_px", "solarize_p", "saliency_p", "size_px", "kernel_px",
-                "staged")
+N_LAWS = Law.STAGED + 1
+FIRST_DRAW = CROP_DRAWS           # a view's crop draws come first (`augment.crop_boxes`)
 
 
 def group_table(groups: tuple[ViewGroup, ...], saliency: bool = True) -> np.ndarray:
-    """The laws of each group as one float64 row per group, columns `GROUP_FIELDS`.
+    """The laws of each group as one float64 row per group, columns `Law`.
 
     Args:
         groups: the groups, in the decoder's view-number order.
         saliency: False (a dataset without masks): no view draws saliency, so none waits for a mask.
 
     Returns:
-        (G, len(GROUP_FIELDS)) float64.
+        (G, N_LAWS) float64.
     """
     rows = [(g.flip_p, g.jitter_p, g.brightness, g.contrast, g.saturation, g.hue, g.gray_p, g.blur_p,
              *blur_sigma_px(g), g.solarize_p, g.saliency_p if saliency else 0.0, g.size_px,
              blur_kernel_px(g), float(g.role == "staged")) for g in groups]
-    return np.array(rows, np.float64).reshape(len(groups), len(GROUP_FIELDS))
+    return np.array(rows, np.float64).reshape(len(groups), N_LAWS)
 
 
 _F32 = np.float32
@@ -72,30 +101,58 @@ jit = numba.njit(nogil=True, cache=True)
 
 @jit
 def draw_params(u, gp, p):
-    """u: (N_PARAMS,) float64 uniforms of the view; gp: its group row; p: (N_PARAMS,) float32 out."""
-    staged = gp[14] > 0.5
+    """u: (N_PARAMS,) float64 uniforms of the view; gp: its group row (`Law`); p: (N_PARAMS,) float32
+    out (`Param`)."""
+    staged = gp[Law.STAGED] > 0.5
     # Staged views have no crop of their own: no flip, no saliency (as in torch_backend).
-    p[0] = 1.0 if (u[0] < gp[0] and not staged) else 0.0
-    on = u[1] < gp[1]
-    p[1] = 1.0 if on else 0.0
+    p[Param.FLIP] = 1.0 if (u[Param.FLIP] < gp[Law.FLIP_P] and not staged) else 0.0
+    on = u[Param.JITTER] < gp[Law.JITTER_P]
+    p[Param.JITTER] = 1.0 if on else 0.0
     for k in range(4):
-        f = (2.0 * u[2 + k] - 1.0) * gp[2 + k]
+        f = (2.0 * u[Param.FACTORS + k] - 1.0) * gp[Law.STRENGTH + k]
         if k < 3:
             f = max(f + 1.0, 0.0)
-        p[2 + k] = f if on else (1.0 if k < 3 else 0.0)
+        p[Param.FACTORS + k] = f if on else (1.0 if k < 3 else 0.0)
     # Order: argsort of four uniforms (a uniformly random permutation of the four ops).
     for pos in range(4):
         rank = 0
         for k in range(4):
-            if u[6 + k] < u[6 + pos] or (u[6 + k] == u[6 + pos] and k < pos):
+            if u[Param.ORDER + k] < u[Param.ORDER + pos] or (u[Param.ORDER + k] == u[Param.ORDER + pos] and k < pos):
                 rank += 1
-        p[6 + rank] = pos
-    p[10] = 1.0 if u[10] < gp[6] else 0.0
-    p[11] = 1.0 if u[11] < gp[7] else 0.0
-    p[12] = gp[8] + (gp[9] - gp[8]) * u[12]
-    p[13] = 1.0 if u[13] < gp[10] else 0.0
-    p[14] = 1.0 if (u[14] < gp[11] and not staged) else 0.0
-    p[15] = u[15]
+        p[Param.ORDER + rank] = pos
+    p[Param.GRAY] = 1.0 if u[Param.GRAY] < gp[Law.GRAY_P] else 0.0
+    p[Param.BLUR] = 1.0 if u[Param.BLUR] < gp[Law.BLUR_P] else 0.0
+    p[Param.SIGMA] = gp[Law.SIGMA_PX] + (gp[Law.SIGMA_PX + 1] - gp[Law.SIGMA_PX]) * u[Param.SIGMA]
+    p[Param.SOLARIZE] = 1.0 if u[Param.SOLARIZE] < gp[Law.SOLARIZE_P] else 0.0
+    p[Param.SALIENCY] = 1.0 if (u[Param.SALIENCY] < gp[Law.SALIENCY_P] and not staged) else 0.0
+    p[Param.GRAY_LEVEL] = u[Param.GRAY_LEVEL]
+
+
+@jit
+def crop_window(u, height, width, crop_p, area, log_ratio, box):
+    """`augment.crop_boxes` for one view: u, its CROP_DRAWS float64 uniforms in that layout; area and
+    log_ratio, the group's (2,) ranges; box, (4,) int64 out: y0, x0, h, w."""
+    box[0], box[1], box[2], box[3] = 0, 0, height, width
+    if u[0] >= crop_p:
+        return
+    for t in range(CROP_TRIES):
+        a = area[0] + (area[1] - area[0]) * u[1 + 4 * t]
+        aspect = np.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * u[2 + 4 * t])
+        target = a * height * width
+        cw = int(np.round(np.sqrt(target * aspect)))
+        ch = int(np.round(np.sqrt(target / aspect)))
+        if 0 < cw <= width and 0 < ch <= height:
+            box[0] = int(u[3 + 4 * t] * (height - ch + 1))
+            box[1] = int(u[4 + 4 * t] * (width - cw + 1))
+            box[2], box[3] = ch, cw
+            return
+    # Fallback: central crop, ratio clamped into range.
+    h, w = height, width
+    if width / height < np.exp(log_ratio[0]):
+        h = int(np.round(width / np.exp(log_ratio[0])))
+    elif width / height > np.exp(log_ratio[1]):
+        w = int(np.round(height * np.exp(log_ratio[1])))
+    box[0], box[1], box[2], box[3] = (height - h) // 2, (width - w) // 2, h, w
 
 
 @jit
@@ -283,12 +340,12 @@ def color_ops(buf, s, p, gp, tmp, pad):
     skipped, as there), grayscale, blur, solarize; buf (3 s s float32, HWC) in place."""
     npx = s * s
     n = 3 * npx
-    if p[1] > 0.5:
+    if p[Param.JITTER] > 0.5:
         for pos in range(4):
-            op = int(p[6 + pos])
-            if gp[2 + op] == 0.0:
+            op = int(p[Param.ORDER + pos])
+            if gp[Law.STRENGTH + op] == 0.0:
                 continue
-            f = p[2 + op]
+            f = p[Param.FACTORS + op]
             if op == 0:
                 blend_(buf, n, f, _ZERO)
             elif op == 1:
@@ -297,11 +354,11 @@ def color_ops(buf, s, p, gp, tmp, pad):
                 saturation_(buf, npx, f)
             else:
                 hue_(buf, npx, f)
-    if p[10] > 0.5:
+    if p[Param.GRAY] > 0.5:
         gray_(buf, npx)
-    if p[11] > 0.5:
-        blur_(buf, s, np.float64(p[12]), int(gp[13]), tmp, pad)
-    if p[13] > 0.5:
+    if p[Param.BLUR] > 0.5:
+        blur_(buf, s, np.float64(p[Param.SIGMA]), int(gp[Law.KERNEL_PX]), tmp, pad)
+    if p[Param.SOLARIZE] > 0.5:
         for i in range(n):
             if buf[i] >= _HALF:
                 buf[i] = _ONE - buf[i]
@@ -310,9 +367,11 @@ def color_ops(buf, s, p, gp, tmp, pad):
 @jit
 def needs_pixels(p, gp):
     """Whether the view's drawn ops change any pixel beyond the flip."""
-    if p[1] > 0.5 and (gp[2] != 0.0 or gp[3] != 0.0 or gp[4] != 0.0 or gp[5] != 0.0):
-        return True
-    return p[10] > 0.5 or p[11] > 0.5 or p[13] > 0.5
+    if p[Param.JITTER] > 0.5:
+        for k in range(4):
+            if gp[Law.STRENGTH + k] != 0.0:
+                return True
+    return p[Param.GRAY] > 0.5 or p[Param.BLUR] > 0.5 or p[Param.SOLARIZE] > 0.5
 
 
 def finish_view(crop, s, u, gp, p, buf, tmp, pad, keep):
@@ -327,16 +386,16 @@ def finish_view(crop, s, u, gp, p, buf, tmp, pad, keep):
     n = 3 * s * s
     crop_a = numba.carray(crop, n, np.uint8)
     p_a = numba.carray(p, N_PARAMS, np.float32)
-    gp_a = numba.carray(gp, len(GROUP_FIELDS), np.float64)
+    gp_a = numba.carray(gp, N_LAWS, np.float64)
     draw_params(numba.carray(u, N_PARAMS, np.float64), gp_a, p_a)
-    if p_a[14] > 0.5:
+    if p_a[Param.SALIENCY] > 0.5:
         return
     if keep != 0 or needs_pixels(p_a, gp_a):
         buf_a = numba.carray(buf, n, np.float32)
-        load(crop_a, 0, s, p_a[0] > 0.5, buf_a)
+        load(crop_a, 0, s, p_a[Param.FLIP] > 0.5, buf_a)
         color_ops(buf_a, s, p_a, gp_a, numba.carray(tmp, n, np.float32), numba.carray(pad, 3 * (3 * s + 2), np.float32))
         store(buf_a, crop_a, 0, s)
-    elif p_a[0] > 0.5:
+    elif p_a[Param.FLIP] > 0.5:
         flip_u8(crop_a, 0, s)
 
 
@@ -354,16 +413,16 @@ def finish_salient(crop, s, p, gp, mask, use, buf, tmp, pad):
     crop_a = numba.carray(crop, n, np.uint8)
     p_a = numba.carray(p, N_PARAMS, np.float32)
     buf_a = numba.carray(buf, n, np.float32)
-    load(crop_a, 0, s, p_a[0] > 0.5, buf_a)
+    load(crop_a, 0, s, p_a[Param.FLIP] > 0.5, buf_a)
     if use != 0:
         mask_a = numba.carray(mask, s * s, np.float32)
-        level = p_a[15]
+        level = p_a[Param.GRAY_LEVEL]
         for q in range(s * s):
             if mask_a[q] < _HALF:
                 buf_a[3 * q] = level
                 buf_a[3 * q + 1] = level
                 buf_a[3 * q + 2] = level
-    color_ops(buf_a, s, p_a, numba.carray(gp, len(GROUP_FIELDS), np.float64), numba.carray(tmp, n, np.float32),
+    color_ops(buf_a, s, p_a, numba.carray(gp, N_LAWS, np.float64), numba.carray(tmp, n, np.float32),
               numba.carray(pad, 3 * (3 * s + 2), np.float32))
     store(buf_a, crop_a, 0, s)
 
@@ -376,7 +435,7 @@ def finish_staged(parent, s, u, gp, p, out, child, tmp, pad):
     """
     n = 3 * s * s
     p_a = numba.carray(p, N_PARAMS, np.float32)
-    gp_a = numba.carray(gp, len(GROUP_FIELDS), np.float64)
+    gp_a = numba.carray(gp, N_LAWS, np.float64)
     draw_params(numba.carray(u, N_PARAMS, np.float64), gp_a, p_a)
     child_a = numba.carray(child, n, np.float32)
     child_a[:] = numba.carray(parent, n, np.float32)

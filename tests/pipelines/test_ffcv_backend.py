@@ -316,7 +316,8 @@ def test_compiled_ops_equal_torch_ops_within_one_level(size: int) -> None:
         ref = torch_reference(crop[None], vp, group)[0].permute(1, 2, 0).mul(255).numpy()   # (S, S, 3)
         err = np.abs(out.astype(np.float64) - ref)
         assert err.max() < 1.5, (t, p)                # one level of rounding, plus float32 noise
-        seen += [p[0] > 0.5, p[1] > 0.5, p[10] > 0.5, p[11] > 0.5, p[13] > 0.5]
+        P = ffcv_ops.Param
+        seen += [p[P.FLIP] > 0.5, p[P.JITTER] > 0.5, p[P.GRAY] > 0.5, p[P.BLUR] > 0.5, p[P.SOLARIZE] > 0.5]
     assert (seen > 0).all()                                                # every op was exercised
 
 
@@ -327,16 +328,45 @@ def test_compiled_identity_and_extreme_factors() -> None:
     crop = colour_image(rng, 24)
     idle = ViewGroup("idle", size_px=24, flip_p=1.0)
     out, p, _ = run_finish_view(crop, np.full(ffcv_ops.N_PARAMS, 0.5), idle)
-    assert p[0] == 1 and np.array_equal(out, crop[:, ::-1])
+    assert p[ffcv_ops.Param.FLIP] == 1 and np.array_equal(out, crop[:, ::-1])
     strong = ViewGroup("s", size_px=24, flip_p=0.0, jitter_p=1.0, brightness=1.0, contrast=1.0, saturation=1.0,
                        hue=0.5)
     for edge in (0.0, 1.0 - 1e-12):
         u = np.full(ffcv_ops.N_PARAMS, 0.9)
-        u[2:6] = edge                                                          # factors 0 or 2, hue -+0.5
-        u[6:10] = rng.random(4)
+        P = ffcv_ops.Param
+        u[P.FACTORS:P.FACTORS + 4] = edge                                      # factors 0 or 2, hue -+0.5
+        u[P.ORDER:P.ORDER + 4] = rng.random(4)
         out, p, _ = run_finish_view(crop, u, strong)
         ref = torch_reference(crop[None], params_of(p), strong)[0].permute(1, 2, 0).mul(255).numpy()
         assert np.abs(out - ref).max() < 1.5
+
+
+@pytest.mark.parametrize("group", [
+    ViewGroup("global", size_px=224, area=(0.08, 1.0)),
+    ViewGroup("local", size_px=96, area=(0.05, 0.14), ratio=(0.5, 2.0), crop_p=0.7),
+    ViewGroup("narrow", size_px=32, area=(0.9, 1.0), ratio=(3.0, 4.0)),          # mostly the fallback
+], ids=lambda g: g.name)
+def test_compiled_crop_law_equals_the_reference_law(group: ViewGroup) -> None:
+    """`ffcv_ops.crop_window` (the decoder's compiled crop) gives the box of `augment.crop_boxes` on the
+    same uniforms, for images from 1 px wide to panoramas; the fallback and the whole image are hit."""
+    rng = np.random.default_rng(7)
+    n = 3000
+    hw = torch.from_numpy(np.stack([rng.integers(1, 900, n), rng.integers(1, 900, n)], 1))
+    hw[:50, 1] = 1                                                               # one pixel wide
+    hw[50:100, 1] = hw[50:100, 0] * 6                                            # panoramas
+    u = torch.from_numpy(rng.random((n, augment.CROP_DRAWS)))
+    ref = augment.crop_boxes(hw, group, u).numpy()
+    log_ratio = np.log(np.array(group.ratio, np.float64))
+    area = np.array(group.area, np.float64)
+    got = np.empty((n, 4), np.int64)
+    for i in range(n):
+        ffcv_ops.crop_window(u[i].numpy(), int(hw[i, 0]), int(hw[i, 1]), group.crop_p, area, log_ratio, got[i])
+    assert np.array_equal(got, ref), np.flatnonzero((got != ref).any(1))[:5]
+    whole = (ref == np.concatenate([np.zeros((n, 2), np.int64), hw.numpy()], 1)).all(1)
+    assert (~whole).any() and (whole.any() or group.crop_p == 1)
+    if group.name == "narrow":
+        centred = (ref[:, 0] == (hw[:, 0].numpy() - ref[:, 2]) // 2) & (ref[:, 1] == (hw[:, 1].numpy() - ref[:, 3]) // 2)
+        assert (centred & ~whole).sum() > n // 10                               # the fallback, often
 
 
 def staged_recipe(ops_on: bool) -> Recipe:
