@@ -54,7 +54,7 @@ from train import schedules
 from train.config import ConfigError, load_config, to_dict
 from train.loop import STEP_PHASES, epochs_from, phase, train_step
 from train.objectives import OBJECTIVES
-from train.setup import build_parts, mix_spec, resolve_backend, select_device
+from train.setup import build_parts, resolve_backend, select_device
 
 RECIPES = "relicv2,rsa,byol+sdmp"
 
@@ -85,7 +85,7 @@ def recipe_cell(name: str, gpx: int, lpx: int) -> tuple[Recipe, MixSpec]:
     if mix and mix not in MIX_KINDS:
         raise ProfileError(f"unknown mix {mix!r} in recipe {name!r}; write <recipe>+<mix> with a mix from "
                            f"{', '.join(k for k in MIX_KINDS if k != 'none')}")
-    spec = mix_spec(load_config([f"method={mix}", "data=synthetic"])) if mix else MixSpec()
+    spec = load_config([f"method={mix}", "data=synthetic"]).data.mix if mix else MixSpec()
     return load_recipe(recipe, gpx, lpx), spec
 
 

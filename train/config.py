@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 import yaml
 
 from pipelines.loader import Backend
-from pipelines.mixing import MixKind, MixSource
+from pipelines.mixing import MixSpec
 from pipelines.schema import DatasetError, Manifest, read_manifest
 from pipelines.views import Recipe, dataset_sizes
 
@@ -46,16 +46,6 @@ EvalName = Literal["auto", "knn", "probe", "none"]   # auto: kNN and probe when 
 
 
 @dataclass(frozen=True)
-class MixConfig:
-    kind: MixKind = "none"          # intra-batch mix: "none" | "sdmp" | "dacl"
-    alpha: float = 1.0              # SDMP: lam ~ Beta(alpha, alpha); DACL: lam ~ U(alpha, 1)
-    source: MixSource = "global"    # what is mixed: "global" views or the whole "image" (DACL)
-    sdmp_mixers: tuple[str, ...] = ("mixup", "cutmix", "resizemix")  # SDMP: one drawn per batch
-    dacl_noises: tuple[str, ...] = ("linear",)  # DACL: linear alone is Algorithm 1; several: DACL+
-    binary_swap: float = 0.3        # DACL Binary Mixup: P(a pixel from the partner) = 1 - rho of Eq. (6)
-
-
-@dataclass(frozen=True)
 class DataConfig:
     name: str = "synthetic"         # dataset folder under `root` (written by `python -m preprocess`)
     root: str = "data"              # data root folder
@@ -67,7 +57,7 @@ class DataConfig:
     decode_size_hint_px: int = 0    # DALI on a GPU: image side the decoder preallocates for; 0: none
     num_workers: int = 2            # decoding/augmentation workers per rank
     num_classes: int = 10           # classes, for kNN / linear-probe evaluation; 0: an unlabelled dataset
-    mix: MixConfig = field(default_factory=MixConfig)
+    mix: MixSpec = field(default_factory=MixSpec)   # intra-batch mixes: pipelines.mixing.MixSpec's fields
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ same networks.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -21,7 +20,6 @@ from models.backbone import init_weights
 from models.ema import make_target
 from models.multicrop import build_model
 from pipelines.loader import DecoderHints, Loader, LoaderSpec, auto_backend, build_loader
-from pipelines.mixing import MixSpec
 from pipelines.views import Recipe, load_recipe
 from train import checkpoint, dist
 from train.config import Config, ConfigError, check_needs, to_dict
@@ -185,11 +183,6 @@ def check_batch_split(batch_size: int, processes: int) -> None:
                           f"{processes} processes (GPUS={processes}); use a multiple of {2 * processes}")
 
 
-def mix_spec(cfg: Config) -> MixSpec:
-    """The pipelines' `MixSpec` of `data.mix` (every field passed through)."""
-    return MixSpec(**dataclasses.asdict(cfg.data.mix))
-
-
 def build_train_loader(cfg: Config, recipe: Recipe, backend: str, device: torch.device) -> Loader:
     """This rank's training loader: its share of `data.batch_size`, shuffled, drop-last, with the mixes.
 
@@ -200,7 +193,7 @@ def build_train_loader(cfg: Config, recipe: Recipe, backend: str, device: torch.
     check_batch_split(cfg.data.batch_size, world)
     return build_loader(backend, LoaderSpec(
         root=cfg.data.root, dataset=cfg.data.name, split="train", recipe=recipe,
-        batch_size=cfg.data.batch_size // world, mix=mix_spec(cfg), rank=dist.rank(), world_size=world,
+        batch_size=cfg.data.batch_size // world, mix=cfg.data.mix, rank=dist.rank(), world_size=world,
         seed=cfg.run.seed, device=str(device), num_workers=cfg.data.num_workers,
         channels_last=channels_last(cfg, device), decoder=decoder_hints(cfg)))
 

@@ -149,12 +149,10 @@ def test_needs_check_counts_the_roles_the_recipe_resolved() -> None:
 
 def test_dacl_preset_is_plain_dacl_and_dacl_plus_reaches_the_loader() -> None:
     """Algorithm 1 (linear mixup) by default; the noise list and rho of `data.mix` reach the MixSpec."""
-    from train.setup import mix_spec
-
-    plain = mix_spec(load_config(["method=dacl"]))
+    plain = load_config(["method=dacl"]).data.mix
     assert plain.kind == "dacl" and plain.dacl_noises == ("linear",) and plain.binary_swap == 0.3
-    plus = mix_spec(load_config(["method=dacl", "data.mix.dacl_noises=[linear,geometric,binary]",
-                                 "data.mix.binary_swap=0.1"]))
+    plus = load_config(["method=dacl", "data.mix.dacl_noises=[linear,geometric,binary]",
+                        "data.mix.binary_swap=0.1"]).data.mix
     assert plus.dacl_noises == ("linear", "geometric", "binary") and plus.binary_swap == 0.1
 
 
