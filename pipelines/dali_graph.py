@@ -42,7 +42,7 @@ from nvidia.dali import math as dmath
 
 from pipelines.augment import GRAY_WEIGHTS, ViewParams, draw_color_params, draw_crop_boxes
 from pipelines.loader import LoaderSpec
-from pipelines.mixing import MIXES, MixDraw, MixSpec, binary_rho, mix_lam
+from pipelines.mixing import MIXES, MixDraw, MixSpec, binary_rho, mix_lam, mix_source_views
 from pipelines.views import ViewGroup
 
 _INTERP = {"bilinear": types.INTERP_LINEAR, "bicubic": types.INTERP_CUBIC}
@@ -310,13 +310,8 @@ def _dacl(noises: tuple[str, ...], x, xp, v: int, inputs: dict, keep):
 
 
 def mix_sources(spec: LoaderSpec) -> list[str]:
-    """The view tags the mixes start from (`mixing.mix_sources`): every global view, or the whole
-    image twice."""
-    recipe = spec.recipe
-    if spec.mix.source == "image":
-        image = next(g.name for g in recipe.groups if g.role == "image")
-        return [f"{image}/0", f"{image}/0"]
-    return [f"{g.name}/{v}" for g in recipe.fields["global_views"] for v in range(g.count)]
+    """The view tags the mixes start from (`mixing.mix_source_views`)."""
+    return [f"{name}/{v}" for name, v in mix_source_views(spec.recipe, spec.mix)]
 
 
 def mixes(spec: LoaderSpec, views: dict[str, object], inputs: dict, device: str, debug: dict, seed: int) -> list:

@@ -196,20 +196,26 @@ def with_mix_source(recipe: Recipe, mix: MixSpec) -> Recipe:
     return replace(recipe, groups=recipe.groups + (image,))
 
 
+def mix_source_views(recipe: Recipe, mix: MixSpec) -> list[tuple[str, int]]:
+    """The views a batch's mixes start from, as (group name, view number) (module docstring, sources):
+    every global view in `Recipe.fields` order ("global"), or the whole image twice ("image")."""
+    if mix.source == "image":
+        image = next(g.name for g in recipe.groups if g.role == "image")
+        return [(image, 0), (image, 0)]
+    return [(g.name, v) for g in recipe.fields["global_views"] for v in range(g.count)]
+
+
 def mix_sources(views: dict[str, Tensor], recipe: Recipe, mix: MixSpec) -> Tensor:
-    """The views a batch's mixes start from (module docstring, sources).
+    """The source views of `mix_source_views`, stacked.
 
     Args:
         views: {group name: (count, B, 3, S, S)} rendered views in [0, 1] (the recipe of
             `with_mix_source`).
 
     Returns:
-        (V, B, 3, S, S): the global views in `Recipe.fields` order ("global"), or the image twice ("image").
+        (V, B, 3, S, S).
     """
-    if mix.source == "image":
-        image = views[next(g.name for g in recipe.groups if g.role == "image")][0]
-        return torch.stack([image, image])
-    return torch.cat([views[g.name] for g in recipe.fields["global_views"]])
+    return torch.stack([views[name][v] for name, v in mix_source_views(recipe, mix)])
 
 
 # ------------------------------------------------------------------------------------------------
