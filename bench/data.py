@@ -40,8 +40,9 @@ from bench.datasets import DATASETS, IMAGE_PX, QUICK_IMAGE_PX, BenchError, prepa
 from bench.report import header, header_lines
 from bench.timing import crops_only, time_ceiling, time_loader, views_per_sample
 from pipelines import schema
-from pipelines.loader import BACKENDS, LoaderSpec, build_loader
+from pipelines.loader import BACKENDS, build_loader
 from pipelines.shards import scan_shards
+from pipelines.spec import LoaderSpec
 from pipelines.views import load_recipe
 
 RECIPES = ("relicv2", "rsa")

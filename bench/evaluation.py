@@ -23,7 +23,7 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 from bench.report import header
-from pipelines.loader import rank_range
+from pipelines.spec import rank_range
 from train.evaluate import PROBE_LBFGS_MAX, score_features
 
 

@@ -37,7 +37,8 @@ from bench import data as loader_bench
 from bench.datasets import CLASSES, prepare, view_px
 from bench.report import header, header_lines
 from bench.timing import time_loader, views_per_sample
-from pipelines.loader import LoaderSpec, build_loader
+from pipelines.loader import build_loader
+from pipelines.spec import LoaderSpec
 from pipelines.views import Recipe, load_recipe
 
 TARGET_IMG_S, FLOOR_IMG_S = 6000, 3000      # relicv2 source images/s on one H100 (target, floor)

@@ -46,9 +46,10 @@ from bench.datasets import DATASETS, BenchError, prepare, view_px
 from bench.report import header
 from bench.timing import crops_only, sync, time_ceiling, time_loader, views_per_sample, without_blur
 from bench.train import in_fresh_process, peak_memory_mb, time_steps
-from pipelines.loader import BACKENDS, LoaderSpec, build_loader
+from pipelines.loader import BACKENDS, build_loader
 from pipelines.mixing import MIX_KINDS, MixSpec
 from pipelines.shards import scan_shards
+from pipelines.spec import LoaderSpec
 from pipelines.views import Recipe, load_recipe
 from train import schedules
 from train.config import ConfigError, load_config, to_dict

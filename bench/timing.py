@@ -26,8 +26,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pipelines.loader import Loader
 from pipelines.shards import ShardReader
+from pipelines.spec import Loader
 from pipelines.views import Recipe
 
 

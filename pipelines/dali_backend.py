@@ -1,4 +1,4 @@
-"""DALI backend: the records of `loader.EpochOrder`'s batches → the graph of `dali_graph` → `Batch`.
+"""DALI backend: the records of `spec.EpochOrder`'s batches → the graph of `dali_graph` → `Batch`.
 
 One DALI pipeline per loader, built once and fed through one `fn.external_source`: per batch the host
 reads the records' encoded images (and the masks of the samples that draw background removal) with
@@ -31,8 +31,8 @@ from nvidia.dali.plugin.pytorch import feed_ndarray
 from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers
 from pipelines.dali_graph import Draws, Outputs, dali_type, draw_inputs, graph, input_specs
-from pipelines.loader import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.shards import ShardReader, image_size, scan_shards
+from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 
 _NO_BYTES = np.empty(0, np.uint8)           # a mask that no view of the sample composites: never decoded
 
@@ -70,7 +70,7 @@ def _feed(tls: list, dev: torch.device, buffers: ReusedBuffers, channels_last: b
 
 
 class DaliLoader(EpochLoader):
-    """The DALI `Loader` of one rank (see `pipelines.loader.Loader`)."""
+    """The DALI `Loader` of one rank (see `pipelines.spec.Loader`)."""
 
     def __init__(self, spec: LoaderSpec, info: DatasetInfo, *, debug: bool = False, gpu_branches: bool = False) -> None:
         self.spec, self.info, self.debug, self.gpu_branches = spec, info, debug, gpu_branches

@@ -41,8 +41,8 @@ from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 
 from pipelines.augment import GRAY_WEIGHTS, ViewParams, draw_color_params, draw_crop_boxes
-from pipelines.loader import LoaderSpec
 from pipelines.mixing import MIXES, MixDraw, MixSpec, binary_rho, mix_lam, mix_source_views
+from pipelines.spec import LoaderSpec
 from pipelines.views import ViewGroup
 
 _INTERP = {"bilinear": types.INTERP_LINEAR, "bicubic": types.INTERP_CUBIC}

@@ -1,6 +1,6 @@
 """FFCV backend: the `.beton` file → decode once → every view of the recipe → `Batch` on the device.
 
-The wiring of FFCV's `Loader`: its traversal order is `pipelines.loader.EpochOrder`'s, its image
+The wiring of FFCV's `Loader`: its traversal order is `pipelines.spec.EpochOrder`'s, its image
 field goes through our decode-once multi-crop operation (`ffcv_decode.DecodeViews`), label, index,
 mask and coverage through FFCV's own decoders. After the crops, two paths, one semantics (the
 reference order of `augment.finish_views`: flip, saliency composite, colour jitter in a per-view
@@ -46,7 +46,7 @@ from pipelines import ffcv_ops, schema
 from pipelines.augment import ViewParams, draw_color_params, finish_views, saliency_usable
 from pipelines.batch import Batch, ReusedBuffers, mix_batch, normalize
 from pipelines.ffcv_decode import CropLayout, DecodeViews, view_params
-from pipelines.loader import DatasetInfo, EpochLoader, EpochOrder, LoaderError, LoaderSpec, Stream
+from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderError, LoaderSpec, Stream
 from pipelines.views import ViewGroup
 
 
@@ -90,7 +90,7 @@ def _next_guarded(it) -> tuple | None:
 
 
 class FFCVLoader(EpochLoader):
-    """The FFCV loader of one rank (see the module docstring and `pipelines.loader.Loader`)."""
+    """The FFCV loader of one rank (see the module docstring and `pipelines.spec.Loader`)."""
 
     def __init__(self, spec: LoaderSpec, info: DatasetInfo, ops: bool | None = None) -> None:
         """Args: ops: run the per-view pixel ops compiled inside FFCV's pipeline (True) or as torch ops

@@ -5,7 +5,7 @@ Each DataLoader worker reads a whole batch of records from the DALI-format webda
 with PIL, renders every view of the recipe with `augment.render_views` and the mixes with
 `pipelines.mixing`, all drawn from one generator seeded per (seed, rank, epoch, batch)
 (`EpochOrder.batch_seed`), so a run is reproducible whatever the number of workers and resumes
-mid-epoch exactly. The epoch order, sharding and resume position are `pipelines.loader.EpochOrder`'s.
+mid-epoch exactly. The epoch order, sharding and resume position are `pipelines.spec.EpochOrder`'s.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from torch import Tensor
 
 from pipelines.augment import render_views
 from pipelines.batch import Batch, make_batch
-from pipelines.loader import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, collect_before_fork
 from pipelines.shards import ShardReader, scan_shards
+from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, collect_before_fork
 
 
 def decode(data: bytes, mode: str) -> Tensor:
@@ -59,7 +59,7 @@ class _BatchReader(torch.utils.data.Dataset):
 
 
 class TorchLoader(EpochLoader):
-    """The reference loader of one rank (see `pipelines.loader.Loader`)."""
+    """The reference loader of one rank (see `pipelines.spec.Loader`)."""
 
     def __init__(self, spec: LoaderSpec, info: DatasetInfo) -> None:
         self.spec = spec

@@ -36,8 +36,8 @@ from torch import Tensor
 
 from pipelines.augment import SALIENCY_MIN_COVERAGE, blur_sigma_px
 from pipelines.batch import Batch, make_batch
-from pipelines.loader import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, collect_before_fork, derive_seed
 from pipelines.shards import ShardReader, scan_shards
+from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, collect_before_fork, derive_seed
 from pipelines.views import Recipe, ViewGroup
 
 _INTERPOLATION = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}
@@ -164,7 +164,7 @@ def _collate(items: list[dict]) -> dict:
 
 
 class TorchvisionLoader(EpochLoader):
-    """PIL + torchvision loader for one rank (see `pipelines.loader.Loader`)."""
+    """PIL + torchvision loader for one rank (see `pipelines.spec.Loader`)."""
 
     def __init__(self, spec: LoaderSpec, info: DatasetInfo) -> None:
         self.spec, self.info = spec, info

@@ -5,7 +5,7 @@ A forked child inherits the parent's unreachable objects, and the first collecti
 finaliser waits on its worker threads, which the child does not have, and so a child forked from a
 process that once built a pipeline (a test session, a notebook) can hang before it runs anything.
 Collecting first finalises such objects in the parent, where their threads exist. The loaders' torch
-workers do the same (`pipelines.loader.collect_before_fork`; the import rules keep preprocess off it).
+workers do the same (`pipelines.spec.collect_before_fork`; the import rules keep preprocess off it).
 """
 
 from __future__ import annotations

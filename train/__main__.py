@@ -22,8 +22,8 @@ import uuid
 
 import torch
 
-from pipelines.loader import LoaderError
 from pipelines.schema import DatasetError, read_manifest
+from pipelines.spec import LoaderError
 from train.config import Config, ConfigError, config_from_dict, load_config
 
 EXIT_BAD_INPUT = 2

@@ -50,8 +50,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipelines.batch import Batch
+from pipelines.loader import build_loader
 from pipelines.schema import NO_LABEL
-from pipelines.loader import DatasetInfo, LoaderSpec, build_loader
+from pipelines.spec import DatasetInfo, LoaderSpec
 from pipelines.views import load_recipe
 from train import dist
 from train.config import Config, eval_kinds

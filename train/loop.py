@@ -16,7 +16,7 @@ import torch
 
 from models.backbone import export_backbone_state, save_backbone
 from pipelines.batch import Batch
-from pipelines.loader import Loader
+from pipelines.spec import Loader
 from train import checkpoint, dist, schedules
 from train.config import Config, dump_yaml, to_dict
 from train.evaluate import evaluate_backbone

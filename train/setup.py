@@ -19,7 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 from models.backbone import init_weights
 from models.ema import make_target
 from models.multicrop import build_model
-from pipelines.loader import DecoderHints, Loader, LoaderSpec, auto_backend, build_loader
+from pipelines.loader import auto_backend, build_loader
+from pipelines.spec import DecoderHints, Loader, LoaderSpec
 from pipelines.views import Recipe, load_recipe
 from train import checkpoint, dist
 from train.config import Config, ConfigError, check_needs, to_dict

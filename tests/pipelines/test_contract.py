@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.loader import BACKENDS, LoaderSpec, build_loader
+from pipelines.spec import LoaderSpec
+
+from pipelines.loader import BACKENDS, build_loader
 from pipelines.mixing import DACL_NOISES, MixSpec
 from pipelines.schema import read_manifest
 from pipelines.views import PRESETS, Recipe, ViewGroup, load_recipe

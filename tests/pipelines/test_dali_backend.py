@@ -15,8 +15,8 @@ from scipy import stats
 pytest.importorskip("nvidia.dali")
 
 from pipelines import dali_backend, mixing  # noqa: E402
-from pipelines.loader import DatasetInfo, LoaderSpec  # noqa: E402
 from pipelines.mixing import MixSpec, with_mix_source  # noqa: E402
+from pipelines.spec import DatasetInfo, LoaderSpec  # noqa: E402
 from pipelines.views import Recipe, ViewGroup  # noqa: E402
 from preprocess.records import Record  # noqa: E402
 from preprocess.write_dali import write_dali  # noqa: E402

@@ -18,8 +18,8 @@ pytest.importorskip("nvidia.dali")
 import nvidia.dali.backend as dali_registry  # noqa: E402
 
 from pipelines.dali_backend import DaliLoader, define_pipeline, graph_operators  # noqa: E402
-from pipelines.loader import DatasetInfo, LoaderSpec  # noqa: E402
 from pipelines.mixing import DACL_NOISES, MixSpec, with_mix_source  # noqa: E402
+from pipelines.spec import DatasetInfo, LoaderSpec  # noqa: E402
 from pipelines.views import PRESETS, load_recipe  # noqa: E402
 
 MIXES = {"none": MixSpec(), "sdmp": MixSpec("sdmp"), "sdmp-image": MixSpec("sdmp", source="image"),

@@ -24,8 +24,9 @@ pytest.importorskip("ffcv")
 from pipelines import augment, ffcv_ops, mixing  # noqa: E402
 from pipelines.ffcv_backend import FFCVLoader  # noqa: E402
 from pipelines.ffcv_decode import view_params  # noqa: E402
-from pipelines.loader import DatasetInfo, LoaderSpec, build_loader  # noqa: E402
+from pipelines.loader import build_loader  # noqa: E402
 from pipelines.mixing import MixSpec, with_mix_source  # noqa: E402
+from pipelines.spec import DatasetInfo, LoaderSpec  # noqa: E402
 from pipelines.views import Recipe, ViewGroup  # noqa: E402
 from preprocess.records import Record  # noqa: E402
 from preprocess.write_ffcv import write_ffcv  # noqa: E402

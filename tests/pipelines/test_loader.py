@@ -1,4 +1,5 @@
-"""pipelines/loader.py: the epoch order every loader shares, the spec checks and their errors."""
+"""pipelines/spec.py and loader.py: the epoch order every loader shares, the spec checks and their errors, the
+choice of a backend."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import numpy as np
 import pytest
 
 from pipelines import schema
-from pipelines.loader import DatasetInfo, EpochOrder, LoaderError, LoaderSpec, Stream, build_loader, rank_range
+from pipelines.loader import build_loader
 from pipelines.mixing import MixSpec
+from pipelines.spec import DatasetInfo, EpochOrder, LoaderError, LoaderSpec, Stream, rank_range
 from pipelines.views import load_recipe
 
 RECIPE = load_recipe("byol", 32, 16)

@@ -14,7 +14,9 @@ import pytest
 import torch
 from scipy import stats
 
-from pipelines.loader import LoaderSpec, build_loader
+from pipelines.spec import LoaderSpec
+
+from pipelines.loader import build_loader
 from pipelines.views import Recipe, load_recipe
 
 GLOBAL_PX, LOCAL_PX = 32, 16

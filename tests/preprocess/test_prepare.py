@@ -181,7 +181,8 @@ def test_without_ffcv_the_dali_files_are_written_and_ffcv_refuses_with_the_fix(t
                                                                               capsys) -> None:
     """A machine without FFCV (the GPU machine reads with DALI): the DALI shards and the manifest are
     written, the manifest lists DALI only, the DALI loader reads it and the ffcv backend names the fix."""
-    from pipelines.loader import LoaderSpec, build_loader
+    from pipelines.loader import build_loader
+    from pipelines.spec import LoaderSpec
     from pipelines.views import load_recipe
 
     monkeypatch.setattr(prepare, "ffcv_installed", lambda: False)
