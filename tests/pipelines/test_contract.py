@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.spec import LoaderSpec
-
 from pipelines.loader import BACKENDS, build_loader
 from pipelines.mixing import DACL_NOISES, MixSpec
 from pipelines.schema import read_manifest
+from pipelines.spec import LoaderSpec
 from pipelines.views import PRESETS, Recipe, ViewGroup, load_recipe
 from tests.devices import OnHost
 

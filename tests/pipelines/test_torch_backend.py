@@ -10,10 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from pipelines.spec import LoaderSpec
-
 from pipelines.loader import build_loader
 from pipelines.schema import read_manifest
+from pipelines.spec import LoaderSpec
 from pipelines.views import Recipe, load_recipe
 
 
