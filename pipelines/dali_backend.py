@@ -33,6 +33,7 @@ from pipelines.batch import Batch, ReusedBuffers
 from pipelines.dali_graph import Draws, Outputs, dali_type, draw_inputs, graph, input_specs
 from pipelines.shards import ShardReader, image_size, scan_shards
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
+from pipelines.views import FIELDS
 
 _NO_BYTES = np.empty(0, np.uint8)           # a mask that no view of the sample composites: never decoded
 
@@ -122,12 +123,8 @@ class DaliLoader(EpochLoader):
         self._fed.append(_Fed(epoch, k, index, draws))
         fed = [[np.frombuffer(b, np.uint8) for b in data]]
         if self.masks:       # read only the masks of samples that composite in some view
-            need = np.zeros(len(index), bool)
-            for name, on in draws.inputs.items():
-                if name.endswith("/saliency"):
-                    need |= on
             fed.append([np.frombuffer(self.reader.mask(int(i)), np.uint8) if n else _NO_BYTES
-                        for i, n in zip(index, need)])
+                        for i, n in zip(index, draws.reads_mask)])
         return fed + [draws.inputs[name] for name in self.input_names]
 
     def _pipeline(self):
@@ -164,7 +161,7 @@ class DaliLoader(EpochLoader):
             self.last_draws = d
             self.last_debug = {n: _host(tl) for n, tl in zip(self._debug_names, outs[len(self._fields):])}
             fields = {f: _feed(views.get(f, []), dev, self._buffers, s.channels_last)
-                      for f in ("global_views", "local_views", "weak_views", "mixed")}
+                      for f in (*FIELDS, "mixed")}
             index = torch.from_numpy(fed.index.astype(np.int64))
             batch = Batch(**fields, index=index.to(dev, non_blocking=True),
                           label=torch.from_numpy(self.labels[fed.index]).to(dev, non_blocking=True),

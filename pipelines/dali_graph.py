@@ -99,6 +99,7 @@ class Draws:
     mix: MixDraw | None                                  # the mixes' draws (no pixel masks)
     mix_lam: torch.Tensor | None                         # (V, B) lam of each mixed view (Batch.mix_lam)
     inputs: dict[str, np.ndarray] = field(default_factory=dict)   # graph input name → (B, ...) batch
+    reads_mask: np.ndarray | None = None                 # (B,) bool: the sample composites saliency in some view
 
 
 def _uses_colour(g: ViewGroup) -> bool:
@@ -125,6 +126,7 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
     boxes = draw_crop_boxes(hw, recipe, gen)
     params = draw_color_params(recipe, b, gen)
     inputs: dict[str, np.ndarray] = {}
+    reads_mask = np.zeros(b, bool)
     for g in recipe.crop_groups:
         y0, x0, h, w = boxes[g.name].double().numpy().T                                    # (N,) each
         flip = params[g.name].flip.numpy()
@@ -138,6 +140,7 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
             inputs[f"{tag}/roi_start"], inputs[f"{tag}/roi_end"] = start[v], end[v]
             if masks and g.saliency_p > 0:
                 inputs[f"{tag}/saliency"], inputs[f"{tag}/level"] = sal[v], level[v]
+                reads_mask |= sal[v]
     for g in recipe.crop_groups + recipe.by_role("staged"):
         p = params[g.name]
         m, t = colour_matrices(p) if _uses_colour(g) else (None, None)
@@ -162,7 +165,7 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
             mix = MIXES["sdmp"].sample(v, b, size, size, spec.mix, gen, "cpu")
         lam = mix_lam(mix, size, size)
         inputs.update(_mix_inputs(spec.mix, mix, lam, size))
-    return Draws(hw=hw, boxes=boxes, params=params, mix=mix, mix_lam=lam, inputs=inputs)
+    return Draws(hw=hw, boxes=boxes, params=params, mix=mix, mix_lam=lam, inputs=inputs, reads_mask=reads_mask)
 
 
 def _mix_inputs(mix: MixSpec, d: MixDraw, lam: torch.Tensor, size: int) -> dict[str, np.ndarray]:
