@@ -39,13 +39,13 @@ $(STAMP): pyproject.toml requirements.lock
 	  || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq pkg-config libopencv-dev libturbojpeg0-dev; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c requirements.lock "setuptools>=64" wheel numpy torch torchvision
-	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile]'
+	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile,ffcv,dali]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
 install-test: $(TEST_STAMP)  ## install, plus the optional extras the tests cover (Ray for ENGINE=ray)
 
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile,ray]'
+	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile,ffcv,dali,ray]'
 	@touch $@
 
 demo: install  ## preprocess synthetic, pretrain dacl for a few CPU minutes, evaluate vs random init
