@@ -31,6 +31,7 @@ help:  ## list targets and variables
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-17s %s\n", $$1, $$2}'
 	@echo "variables: DATASET=$(DATASET) (synthetic|cifar10|cifar100|imagefolder; train: any dataset under OUT)  SRC=$(SRC)  OUT=$(OUT)  ENGINE=$(ENGINE) (local|ray)"
 	@echo "           METHOD=$(METHOD) (sdmp|relicv2|rsa|uota|dacl|byol|mocov3|simclr)  GPUS=$(GPUS)  PRESET=$(PRESET)  ARGS=\"key=value ...\"  CKPT=<checkpoint>"
+	@echo "installed as a command: $(VENV)/bin/viewmill preprocess|train|eval|saliency|profile (viewmill COMMAND --help)"
 
 install: $(STAMP)  ## system packages FFCV needs, .venv, the project (editable); idempotent
 
