@@ -31,6 +31,7 @@ help:  ## list targets and variables
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-17s %s\n", $$1, $$2}'
 	@echo "variables: DATASET=$(DATASET) (synthetic|cifar10|cifar100|imagefolder; train: any dataset under OUT)  SRC=$(SRC)  OUT=$(OUT)  ENGINE=$(ENGINE) (local|ray)"
 	@echo "           METHOD=$(METHOD) (sdmp|relicv2|rsa|uota|dacl|byol|mocov3|simclr)  GPUS=$(GPUS)  PRESET=$(PRESET)  ARGS=\"key=value ...\"  CKPT=<checkpoint>"
+	@echo "installed as a command: $(VENV)/bin/viewmill preprocess|train|eval|saliency|profile (viewmill COMMAND --help)"
 
 install: $(STAMP)  ## system packages FFCV needs, .venv, the project (editable); idempotent
 
@@ -39,13 +40,13 @@ $(STAMP): pyproject.toml requirements.lock
 	  || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq pkg-config libopencv-dev libturbojpeg0-dev; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c requirements.lock "setuptools>=64" wheel numpy torch torchvision
-	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile]'
+	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile,ffcv,dali]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
 install-test: $(TEST_STAMP)  ## install, plus the optional extras the tests cover (Ray for ENGINE=ray)
 
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile,ray]'
+	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile,ffcv,dali,ray]'
 	@touch $@
 
 demo: install  ## preprocess synthetic, pretrain dacl for a few CPU minutes, evaluate vs random init

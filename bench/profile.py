@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import statistics
 import sys
@@ -298,8 +299,8 @@ def _csv(value: str, allowed, what: str) -> list[str]:
     return items
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str], prog: str = "python -m bench.profile") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", default="imagenet-like", choices=DATASETS,
                    help="the loader's data (generated, cached under <out>/bench-data)")
     p.add_argument("--recipes", default=RECIPES, help="view recipes, each optionally +sdmp or +dacl")
@@ -385,12 +386,16 @@ def run(a: argparse.Namespace) -> tuple[dict, Path]:
     return report, out
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m bench.profile") -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["compare"]:
             return profile_report.compare_main(argv[1:])
-        a = parse_args(argv)
+        a = parse_args(argv, prog)
+        missing = [m for m in ("matplotlib", "jsonschema") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ProfileError(f"the profile report needs {' and '.join(missing)}; install them with "
+                               "pip install 'viewmill[profile]' (a checkout: make install)")
         report, out = run(a)
     except (ProfileError, ConfigError, profile_report.ReportError, BenchError) as exc:
         print(f"error: {exc}", file=sys.stderr)

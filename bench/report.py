@@ -11,7 +11,6 @@ machine without them) is `None` and nothing is imported to find out.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import platform
 import subprocess
@@ -19,12 +18,7 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import git_commit as commit_sha
-
-# Report key -> distributions that provide it, first found wins (DALI ships one per CUDA major).
-PACKAGES = {"torch": ("torch",), "torchvision": ("torchvision",), "pillow": ("pillow",), "numpy": ("numpy",),
-            "opencv": ("opencv-python", "opencv-python-headless"), "ffcv": ("ffcv",),
-            "dali": ("nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali-cuda110"), "ray": ("ray",)}
+from train.checkpoint import git_commit as commit_sha, library_versions
 
 
 def machine() -> dict:
@@ -42,19 +36,9 @@ def machine() -> dict:
 
 
 def versions() -> dict[str, str | None]:
-    """Python, the packages of `PACKAGES` (None where absent), and the CUDA and cuDNN torch uses."""
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for key, dists in PACKAGES.items():
-        out[key] = None
-        for d in dists:
-            try:
-                out[key] = importlib.metadata.version(d)
-                break
-            except importlib.metadata.PackageNotFoundError:
-                continue
-    out["cuda"] = torch.version.cuda
-    out["cudnn"] = str(torch.backends.cudnn.version()) if torch.cuda.is_available() else None
-    return out
+    """Python, the packages of `train.checkpoint.LIBRARIES` (None where absent), and the CUDA and cuDNN
+    torch uses: what a run folder's versions.json holds."""
+    return library_versions()
 
 
 def git_commit() -> dict:

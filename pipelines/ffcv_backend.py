@@ -282,5 +282,5 @@ def build(spec: LoaderSpec, info: DatasetInfo) -> FFCVLoader:
     beton = info.dir / f"{spec.split}.beton"
     if not beton.is_file():
         raise schema.DatasetError(f"FFCV file {beton} not found (the dataset was written without ffcv "
-                                  "installed?); install ffcv (`make install`) and re-run preprocessing with --force")
+                                  "installed?); install it (pip install 'viewmill[ffcv]') and re-run preprocessing with --force")
     return FFCVLoader(spec, info)

@@ -6,7 +6,8 @@ seeds) is `pipelines.spec`; this module picks a backend (`auto_backend`) and bui
 Backends: `torch_backend.py` (plain tensor ops, the reference recipe of `augment.py`),
 `torchvision_backend.py` (PIL + torchvision, the measured baseline), `ffcv_backend.py` and
 `dali_backend.py`. This module is the only one that imports a backend, lazily, so that a missing
-optional package only matters to the backend that needs it; a backend imports FFCV or DALI at its top.
+optional package (FFCV, DALI: the project's extras) only matters to the backend that needs it, which
+then says so in one line (`not_installed`); a backend imports FFCV or DALI at its top.
 """
 
 from __future__ import annotations
@@ -27,10 +28,36 @@ Backend = Literal["torch", "torchvision", "ffcv", "dali"]
 BACKENDS: tuple[str, ...] = typing.get_args(Backend)
 
 
+# The package each accelerated backend imports, and the extra of the project that installs it
+# (`pip install 'viewmill[ffcv]'`): without it that backend alone is unavailable, said in one line.
+ACCELERATORS: dict[str, tuple[str, str]] = {"ffcv": ("ffcv", "ffcv"), "dali": ("nvidia.dali", "dali")}
+
+
+def installed(backend: str) -> bool:
+    """Whether the package `backend` needs (`ACCELERATORS`; none for torch and torchvision) can be
+    found, without importing it."""
+    if backend not in ACCELERATORS:
+        return True
+    try:
+        return importlib.util.find_spec(ACCELERATORS[backend][0]) is not None
+    except (ImportError, ValueError):           # an absent parent package, or an import blocked on purpose
+        return False
+
+
+def not_installed(backend: str) -> str:
+    """The one line that says `backend`'s package is missing and how to install it."""
+    package, extra = ACCELERATORS[backend]
+    others = ", ".join(b for b in BACKENDS if b != backend and installed(b))
+    return (f"the {backend} backend needs {package}, which is not installed; install it with "
+            f"pip install 'viewmill[{extra}]' (a checkout: make install), or read with another backend: {others}")
+
+
 # `data.backend=auto` on a CPU: the first of these the dataset was written for and this machine
 # can import. Order measured by `make bench-data` (README): ffcv ~6x the torchvision baseline on the
-# relicv2 and rsa recipes, the torch reference ~0.9x. On a GPU, auto is the GPU-resident DALI graph.
+# relicv2 and rsa recipes, the torch reference ~0.9x. On a GPU, auto is the GPU-resident DALI graph
+# where DALI is installed, else the same order.
 CPU_PREFERENCE: tuple[tuple[str, str], ...] = (("ffcv", "ffcv"), ("torch", "dali"))  # (backend, files it reads)
+_NOTED: set[Path | str] = set()    # what this process has mentioned: datasets without masks, "dali" missing
 
 
 def auto_backend(device_type: str, root: str | Path, dataset: str) -> str:
@@ -45,15 +72,17 @@ def auto_backend(device_type: str, root: str | Path, dataset: str) -> str:
         schema.DatasetError: a missing, incomplete or damaged dataset.
     """
     if device_type == "cuda":
-        return "dali"
+        if installed("dali"):
+            return "dali"
+        if "dali" not in _NOTED:        # once per process
+            _NOTED.add("dali")
+            print(f"note: {not_installed('dali').split(';')[0]}, so the GPU pipeline is not used; "
+                  "pip install 'viewmill[dali]' installs it", file=sys.stderr, flush=True)
     formats = schema.read_manifest(Path(root) / dataset, verify="size").formats
     for backend, files in CPU_PREFERENCE:
-        if files in formats and importlib.util.find_spec(backend) is not None:
+        if files in formats and installed(backend):
             return backend
     return "torch"
-
-
-_NOTED: set[Path] = set()          # datasets whose missing masks this process has mentioned
 
 
 def build_loader(backend: str, spec: LoaderSpec) -> Loader:
@@ -61,11 +90,14 @@ def build_loader(backend: str, spec: LoaderSpec) -> Loader:
     source group to the recipe (`mixing.with_mix_source`), then builds the backend.
 
     Raises:
-        LoaderError: unknown backend or bad spec (see `check_spec`).
+        LoaderError: unknown backend, a backend whose package is not installed (`not_installed`), or
+            bad spec (see `check_spec`).
         schema.DatasetError: a missing, incomplete or damaged dataset.
     """
     if backend not in BACKENDS:
         raise LoaderError(f"unknown pipeline backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if not installed(backend):
+        raise LoaderError(not_installed(backend))
     info = DatasetInfo.read(spec.root, spec.dataset, spec.split)
     check_spec(spec, info)
     if removes_backgrounds(spec.recipe) and not info.has_masks and spec.rank == 0 and info.dir not in _NOTED:

@@ -33,9 +33,9 @@ def _add_option(group: argparse._ArgumentGroup, param: Param) -> None:
                            help=param.help)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None, prog: str = "python -m preprocess") -> argparse.Namespace:
     """The command line; see the module docstring."""
-    p = _Parser(prog="python -m preprocess", description=__doc__.splitlines()[0])
+    p = _Parser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="synthetic", help=f"one of {', '.join(SOURCES)} (default synthetic)")
     p.add_argument("--src", type=Path, help="source: CIFAR batches, SRC/train|val/<class>/, any folder of images "
                    "or a file listing image paths")
@@ -55,9 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (0 ok, 2 bad input or failed write)."""
-    a = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m preprocess") -> int:
+    """Run the CLI (`prog`: its name in the usage); returns the exit code (0 ok, 2 bad input or failed write)."""
+    a = parse_args(argv, prog)
     source = SOURCES.get(a.dataset)
     if source is None:
         print(f"preprocess: error: unknown dataset {a.dataset!r}; choose one of {', '.join(SOURCES)}",

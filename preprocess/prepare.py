@@ -133,7 +133,11 @@ class DatasetLock:
 
 
 def ffcv_installed() -> bool:
-    return importlib.util.find_spec("ffcv") is not None
+    """Whether FFCV (the extra `viewmill[ffcv]`) can be found, without importing it."""
+    try:
+        return importlib.util.find_spec("ffcv") is not None
+    except (ImportError, ValueError):           # an import blocked on purpose counts as absent
+        return False
 
 
 def _manifest(name: str, dataset: str, prepared: PreparedSource, files: dict[str, dict], shard_size: int,
@@ -341,8 +345,8 @@ def _prepare(source, dataset: str, src: Path | None, source_params: dict, out_ro
                               "writable --out") from None
     with_ffcv = ffcv_installed()
     if not with_ffcv:
-        print("ffcv is not installed: writing the DALI shards only (the ffcv backend cannot read this "
-              "dataset; `make install` installs ffcv)", file=sys.stderr)
+        print("ffcv is not installed: writing the DALI shards only, which every backend but ffcv reads "
+              "(pip install 'viewmill[ffcv]', then --force, adds the .beton files)", file=sys.stderr)
     build: dict = {}
     known: dict[str, dict] = {}
 

@@ -1,7 +1,9 @@
 """Import rules between packages (STYLE §1), checked by parsing every module's imports: the library
-packages by their table, and `bench` (measurement) on top: it imports anything, nothing imports it.
-Inside `pipelines`, the backends take their contract from `pipelines.spec` and only `pipelines.loader`
-imports a backend, so the dispatcher and its backends form no cycle."""
+packages by their table, `bench` (measurement) on top: it imports anything, nothing imports it; and
+`viewmill`, the command: it imports each package's entry module (`ENTRY_MODULES`) and nothing else of the
+project, and nothing imports it. Inside `pipelines`, the backends take their contract from
+`pipelines.spec` and only `pipelines.loader` imports a backend, so the dispatcher and its backends
+form no cycle."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("pipelines", "models", "train", "preprocess", "bench")
+PACKAGES = ("pipelines", "models", "train", "preprocess", "bench", "viewmill")
+# What the `viewmill` command dispatches to: the module behind each `python -m` entry point.
+ENTRY_MODULES = ("preprocess.__main__", "train.__main__", "preprocess.saliency.__main__", "bench.profile")
 ACCEL = ("ffcv", "nvidia.dali")
 # The backends of `pipelines`, each a family of modules: `<name>_backend.py` plus its helpers
 # `<prefix>*.py`, and the accelerator package only that family may import.
@@ -67,7 +71,12 @@ def violations(path: Path) -> list[str]:
     out = []
     for name, line, top in imports_of(path):
         why = None
-        if under(name, ("bench",)) and package != "bench":
+        if package == "viewmill":
+            if under(name, PACKAGES[:-1]) and name not in ENTRY_MODULES:
+                why = "viewmill only dispatches: it imports each package's entry module (" + ", ".join(ENTRY_MODULES) + ")"
+        elif under(name, ("viewmill",)):
+            why = "nothing imports viewmill (the command sits on top of every package)"
+        elif under(name, ("bench",)) and package != "bench":
             why = "nothing imports bench (measurement sits on top of every package)"
         elif package == "bench":
             pass                            # measurement may import every package
@@ -134,7 +143,12 @@ def main() -> int:
     ("pipelines", "def f():\n    import bench\n", "nothing imports bench"),
     ("models", "import bench.report\n", "nothing imports bench"),
     ("preprocess", "from bench.datasets import write_images\n", "nothing imports bench"),
+    ("viewmill", "def f():\n    from train.loop import train\n", "viewmill only dispatches"),
+    ("viewmill", "from bench.report import header\n", "viewmill only dispatches"),
+    ("train", "def f():\n    from viewmill.cli import main\n", "nothing imports viewmill"),
+    ("bench", "import viewmill\n", "nothing imports viewmill"),
 ])
+
 def test_each_rule_catches_its_edge(tmp_path, monkeypatch, package, source, fragment) -> None:
     fake_root = tmp_path
     path = fake_root / package / "probe.py"
@@ -142,6 +156,15 @@ def test_each_rule_catches_its_edge(tmp_path, monkeypatch, package, source, frag
     path.write_text(source)
     monkeypatch.setattr(__import__(__name__), "ROOT", fake_root)
     assert any(fragment in v for v in violations(path))
+
+
+def test_viewmill_may_import_each_entry_module(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    path = tmp_path / "viewmill" / "cli.py"
+    path.parent.mkdir()
+    path.write_text("".join(f"def f{i}():\n    from {m} import main\n" for i, m in enumerate(ENTRY_MODULES))
+                    + "import argparse\nfrom viewmill import cli\n")
+    assert violations(path) == []
 
 
 def test_backend_families_import_their_accelerator_and_not_each_other(tmp_path, monkeypatch) -> None:

@@ -1,4 +1,5 @@
-"""Command line: `python -m train [gpus=N] method=rsa data=synthetic key=value ...` trains;
+"""Command line (also `viewmill train` / `viewmill eval`; `--help` lists methods, presets and keys):
+`python -m train [gpus=N] method=rsa data=synthetic [config=FILE.yaml] key=value ...` trains;
 `python -m train eval ckpt=PATH [key=value ...]` evaluates a checkpoint's backbone against a
 random-init one (kNN and the probe where the data has labels, the health metrics everywhere).
 
@@ -8,13 +9,15 @@ random-init one (kNN and the probe where the data has labels, the health metrics
 Bad input ends in one line `error: ...` on stderr and exit status 2, before any file is written and
 without a launcher traceback: the config (method, dataset, preset, key, value), the dataset's
 manifest, `run.resume`'s or `ckpt=`'s checkpoint (missing, unreadable, another method or network;
-under `run.resume=auto` a run folder of another method or network), `model.init`'s weights (missing,
+under `run.resume=auto` a run folder of another method or network), a `config=` file (missing,
+unreadable, an unknown key or a bad value), `model.init`'s weights (missing,
 unreadable, another network), `gpus=N` beyond this machine's devices (or cores), a batch that does not
 split over N processes.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -106,6 +109,43 @@ def launch(processes: int, argv: list[str]) -> int:
     return 0
 
 
+def usage(prog: str = "python -m train") -> str:
+    """`--help`: the two command lines, the methods, the data presets and every key with its default."""
+    import dataclasses
+    import textwrap
+
+    from train.config import CONFIG_DIR, to_dict
+    from train.objectives import OBJECTIVES
+
+    def written(v) -> str:                  # as a key=value word reads it back
+        return f"[{','.join(map(str, v))}]" if isinstance(v, list) else str(v).lower() if isinstance(v, bool) else str(v)
+
+    def flat(tree: dict, prefix: str = "") -> list[str]:
+        return [w for k, v in tree.items() if k not in ("method", "objective")
+                for w in (flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}={written(v)}"])]
+
+    presets = ", ".join(sorted(p.stem for p in (CONFIG_DIR / "data").glob("*.yaml")))
+    defaults = flat(to_dict(dataclasses.replace(Config(), objective=None)))
+    wrap = functools.partial(textwrap.fill, width=110, initial_indent="  ", subsequent_indent="  ")
+    return "\n".join([
+        f"usage: {prog} [gpus=N] [method=METHOD] [data=DATASET] [preset=PRESET] [config=FILE.yaml] [key=value ...]",
+        f"       {prog} eval ckpt=CHECKPOINT [key=value ...]",
+        "",
+        "Pretrain METHOD on DATASET, then evaluate its backbone (kNN, linear probe) against a random-init one;",
+        "eval does the evaluation for a checkpoint. Errors are one line on stderr, exit status 2, nothing written.",
+        "",
+        "  gpus=N            processes (DDP), 1 by default",
+        f"  method=METHOD     {', '.join(sorted(OBJECTIVES))} (default {Config.method})",
+        "  data=DATASET      a dataset folder under data.root that preprocess wrote (its manifest sets the",
+        f"                    classes, view sizes, batch and length), or a data preset: {presets}",
+        "  preset=PRESET     the data preset for a dataset folder of another name",
+        "  config=FILE.yaml  a config file, after the presets and before key=value (a run's config.yaml re-runs it)",
+        "  key=value         override one key (dotted; objective.<key> for the method's own); the keys, with",
+        "                    their defaults before any preset:",
+        wrap("  ".join(defaults)),
+    ])
+
+
 def take_processes(argv: list[str]) -> tuple[int, list[str]]:
     """(N of a `gpus=N` word, default 1; the other words)."""
     words = [a for a in argv if a.startswith("gpus=")]
@@ -118,7 +158,10 @@ def take_processes(argv: list[str]) -> tuple[int, list[str]]:
         raise ConfigError(f"{words[-1]!r}: GPUS must be a whole number of processes, e.g. GPUS=2") from None
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], prog: str = "python -m train") -> int:
+    if {"-h", "--help"} & set(argv):
+        print(usage(prog))
+        return 0
     from train.loop import NonFiniteLossError
 
     try:

@@ -2,7 +2,8 @@
 
 A checkpoint holds only tensors and primitive containers: `online`, `target` and `objective` state
 dicts, `optimizer`, `scaler`, `step`, the loader position, the RNG states, the resolved config (as
-plain dicts), the random-init evaluation and the git commit.
+plain dicts), the random-init evaluation, the git commit and the library versions (`library_versions`,
+also the run folder's `versions.json`).
 
 In a run folder the newest checkpoint is always `checkpoint.pt`; with `run.keep_last=N` the N - 1
 before it stay as `checkpoint-<step>.pt` (`save_latest`). A write reaches the disk (fsync) before the
@@ -13,7 +14,9 @@ checkpoint under a checkpoint's name. `latest` lists a folder's checkpoints newe
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import platform
 import random
 import re
 import subprocess
@@ -39,6 +42,32 @@ def git_commit() -> str:
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+# Version key -> the distributions that provide it, the first one installed wins (DALI ships one per CUDA major).
+LIBRARIES = {"viewmill": ("viewmill",), "torch": ("torch",), "torchvision": ("torchvision",), "timm": ("timm",),
+             "numpy": ("numpy",), "pillow": ("pillow",), "opencv": ("opencv-python", "opencv-python-headless"),
+             "ffcv": ("ffcv",), "dali": ("nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali-cuda110"),
+             "ray": ("ray",)}
+
+
+def library_versions() -> dict[str, str | None]:
+    """Python, the version of each of `LIBRARIES` (None where it is not installed), and the CUDA and cuDNN
+    versions torch uses; read from package metadata (torch's from torch, with its build tag), so nothing
+    is imported to find out."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for key, dists in LIBRARIES.items():
+        out[key] = None
+        for d in dists:
+            try:
+                out[key] = importlib.metadata.version(d)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    out["torch"] = str(torch.__version__)       # with its build's tag (e.g. +cu130), which the metadata lacks
+    out["cuda"] = torch.version.cuda
+    out["cudnn"] = str(torch.backends.cudnn.version()) if torch.cuda.is_available() else None
+    return out
 
 
 def rng_state() -> dict:

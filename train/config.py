@@ -4,8 +4,9 @@ Merge order (STYLE §4): dataclass defaults → `configs/base.yaml` → the valu
 dataset's `manifest.json` (`derived_from_manifest`: classes, view sizes, batch and schedule; any
 dataset `make preprocess` wrote trains without a YAML) → `configs/data/<DATASET>.yaml` (or the one
 named by `preset=`, when it exists) → `configs/method/<METHOD>.yaml` → the data preset's `per_method: {<METHOD>: ...}` section (a paper's
-setting for one method on that data, e.g. RSA's beta_base 0.3 on CIFAR) → dotted `key=value` CLI
-overrides. Unknown keys and values that do
+setting for one method on that data, e.g. RSA's beta_base 0.3 on CIFAR) → `config=<file.yaml>` files
+(`read_config_file`; a run's saved `config.yaml` holds every key, so it re-runs that run) → dotted
+`key=value` CLI overrides. Unknown keys and values that do
 not parse to the field's type are `ConfigError`s with a one-line message; so is a value outside the
 choices of an enumerated (`typing.Literal`) field, whichever source it comes from (a preset, a CLI
 override, a checkpoint's config), so that a typo stops the run before anything is written. The
@@ -334,24 +335,77 @@ def dataset_manifest(root: str | Path, name: str) -> Manifest | None:
         raise ConfigError(str(e)) from None
 
 
+PICKS = ("method", "data", "preset", "config")    # CLI words that choose layers rather than set a key
+
+
+def read_config_file(path: str) -> dict:
+    """The tree of a `config=<file.yaml>` layer, its keys and values checked against the schema (the
+    `objective:` section's keys once the method is known, `check_objective_keys`).
+
+    Raises:
+        ConfigError: a missing or unreadable file, a file that is not a mapping, an unknown key or a bad
+            value; one line naming the file and what to change in it.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config={path}: no such file; give a YAML config file, e.g. a run's <run folder>/config.yaml")
+    try:
+        tree = yaml.safe_load(file.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"config file {path} does not read as YAML ({first}); fix the file") from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {path} holds a {type(tree).__name__}, not sections of keys (data:, optim:, "
+                          "...); write it as the config.yaml of a run is written")
+    try:
+        _merge({}, tree, Config)
+    except ConfigError as e:
+        raise ConfigError(f"config file {path}: {e}; change it in the file (nothing was written)") from None
+    return tree
+
+
+def check_objective_keys(path: str, method: str, section: Any) -> None:
+    """The `objective:` keys of config file `path` exist for `method`.
+
+    Raises:
+        ConfigError: naming the file, the key and the keys `method` has.
+    """
+    from train.objectives import OBJECTIVES
+
+    if method not in OBJECTIVES or not section:
+        return
+    hints = _field_types(OBJECTIVES[method].Config)
+    for key in section:
+        if not hints:
+            raise ConfigError(f"config file {path}: method {method} has no objective keys, so 'objective.{key}' is "
+                              "unknown; remove the objective section from the file (nothing was written)")
+        if key not in hints:
+            raise ConfigError(f"config file {path}: {_unknown(f'objective.{key}', [f'objective.{k}' for k in hints])} "
+                              f"(method {method}); change it in the file (nothing was written)")
+
+
 def _presets(config_dir: Path) -> list[str]:
     return sorted(p.stem for p in (config_dir / "data").glob("*.yaml"))
 
 
 def load_config(args: list[str], config_dir: Path = CONFIG_DIR, world_size: int = 1) -> Config:
-    """Resolve the config from CLI words `method=... data=... [preset=...] key=value ...` for a run of
-    `world_size` processes.
+    """Resolve the config from CLI words `method=... data=... [preset=...] [config=FILE] key=value ...`
+    for a run of `world_size` processes.
 
     `data=NAME` names the dataset folder `<data.root>/NAME`. Its manifest, when the folder exists,
     gives the derived values; the data preset `configs/data/<preset>.yaml` (`preset=` word, default
     NAME when such a file exists) overrides them. A name with neither a dataset folder nor a preset
-    is an error. Then `for_world`: a per-GPU batch and a length in epochs become the global batch
+    is an error. `config=FILE` layers (in the order given) come after the method presets and before the
+    `key=value` words; a file's `method` and `data.name` pick the presets when no word does. Then
+    `for_world`: a per-GPU batch and a length in epochs become the global batch
     and the steps of this run. A CLI `data.batch_size` (or `optim.steps`, `optim.warmup_steps`) wins
     over a preset's `data.batch_per_gpu` (`optim.epochs`, `optim.warmup_epochs`).
 
     Args:
-        args: `key=value` strings; `method`, `data` and `preset` pick the presets, the rest are
-            dotted overrides.
+        args: `key=value` strings; `method`, `data` and `preset` pick the presets, `config` names a
+            config file, the rest are dotted overrides.
         config_dir: folder with base.yaml, data/ and method/.
         world_size: processes of the run (GPUs, or CPU processes under gloo).
 
@@ -360,14 +414,22 @@ def load_config(args: list[str], config_dir: Path = CONFIG_DIR, world_size: int 
 
     Raises:
         ConfigError: a malformed word, an unknown key (with the closest valid keys), a bad value, an
-            unknown dataset or preset, a dataset folder with a missing or damaged manifest, or a
+            unknown dataset or preset, a config file that is missing, unreadable or holds an unknown key or bad
+            value (`read_config_file`), a dataset folder with a missing or damaged manifest, or a
             per-GPU batch larger than the preset says fits (`for_world`).
     """
     pairs = _pairs(args)
-    picks = dict(p for p in pairs if p[0] in ("method", "data", "preset"))
+    picks = dict(p for p in pairs if p[0] in PICKS)
     cli = dict(pairs)
+    files = [(value, read_config_file(value)) for key, value in pairs if key == "config"]
+    layered: dict = {}                      # what the files set, merged: the presets they pick
+    for _, file_tree in files:
+        _merge(layered, file_tree, Config)
     tree: dict = {}
     _merge(tree, _load_yaml(config_dir / "base.yaml"), Config)
+    for section, key in (("data", "name"), ("data", "root")):
+        if key in layered.get(section, {}):
+            tree.setdefault(section, {})[key] = layered[section][key]
     data_name = picks.get("data", tree.get("data", {}).get("name", DataConfig.name))
     preset_name = picks.get("preset", data_name)
     preset_file = config_dir / "data" / f"{preset_name}.yaml"
@@ -385,25 +447,27 @@ def load_config(args: list[str], config_dir: Path = CONFIG_DIR, world_size: int 
         _merge(tree, derived_from_manifest(manifest), Config)
     per_method = data_preset.pop("per_method", None) or {}
     _merge(tree, data_preset, Config)
-    tree.setdefault("data", {})["name"] = folder
-    if manifest is not None:                # a fact of the data, whichever preset trains on it
-        tree["data"]["num_classes"] = manifest.num_classes
-    method = picks.get("method", tree.get("method", Config.method))
+    method = picks.get("method", layered.get("method", tree.get("method", Config.method)))
     method_file = config_dir / "method" / f"{method}.yaml"
     if not method_file.is_file():
         raise _unknown_method(method, sorted(p.stem for p in (config_dir / "method").glob("*.yaml")))
     _merge(tree, _load_yaml(method_file), Config)
     _merge(tree, per_method.get(method) or {}, Config)
+    for path, file_tree in files:
+        check_objective_keys(path, method, file_tree.get("objective"))
+        _merge(tree, file_tree, Config)
     tree["method"] = method
+    tree.setdefault("data", {})["name"] = folder
+    if manifest is not None:                # a fact of the data, whichever preset or file trains on it
+        tree["data"]["num_classes"] = manifest.num_classes
     for key, value in pairs:
-        if key in ("method", "data", "preset"):
+        if key in PICKS:
             continue
         _merge(tree, _dotted_to_nested(key, value), Config)
     for explicit, preset in (("data.batch_size", "data.batch_per_gpu"), ("optim.steps", "optim.epochs"),
                              ("optim.warmup_steps", "optim.warmup_epochs")):
         if explicit in cli and preset not in cli:        # the user's own number over the preset's rule
-            section, key = preset.split(".")
-            tree.setdefault(section, {})[key] = 0
+            _merge(tree, _dotted_to_nested(preset, "0"), Config)
     objective = build_objective_config(method, tree.pop("objective", {}))
     cfg = dataclasses.replace(_build(Config, tree), objective=objective)
     eval_kinds(cfg)                                     # a labelled evaluation of unlabelled data: stop now

@@ -8,6 +8,7 @@ this loop and `bench.train` (and `make profile`) run.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -31,7 +32,8 @@ class NonFiniteLossError(RuntimeError):
 
 
 def train(cfg: Config) -> Path:
-    """Train `cfg.method` on `cfg.data`; returns the run folder (config.yaml, metrics.jsonl, TensorBoard
+    """Train `cfg.method` on `cfg.data`; returns the run folder (config.yaml, versions.json: the library
+    versions of the latest start, metrics.jsonl, TensorBoard
     events, checkpoint.pt (and checkpoint-<step>.pt with run.keep_last > 1), backbone.pt,
     backbone.safetensors)."""
     device = select_device(cfg.run.device, cfg.run.dist_timeout_min)
@@ -47,6 +49,7 @@ def train(cfg: Config) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / ".config.yaml.tmp").write_text(dump_yaml(cfg))     # whole or not at all: auto reads it
         os.replace(run_dir / ".config.yaml.tmp", run_dir / "config.yaml")
+        (run_dir / "versions.json").write_text(json.dumps(checkpoint.library_versions(), indent=1) + "\n")
         log.print(f"config ({run_dir / 'config.yaml'}):\n{dump_yaml(cfg)}")
     for note in resumed.skipped:
         log.print(f"skipped {note}")
@@ -70,7 +73,8 @@ def train(cfg: Config) -> Path:
         if dist.is_main():
             checkpoint.save_latest(run_dir, {
                 **parts.state_dict(), "step": step, "loader": position, "rng": rng, "config": to_dict(cfg),
-                "random_init": random_init, "git_commit": checkpoint.git_commit()}, cfg.run.keep_last)
+                "random_init": random_init, "git_commit": checkpoint.git_commit(),
+                "versions": checkpoint.library_versions()}, cfg.run.keep_last)
 
     log.print(f"training {cfg.method} on {cfg.data.name} ({backend} backend, {world} rank(s), {device}) "
               f"from step {start_step} to {cfg.optim.steps}, {steps_per_epoch} steps/epoch")
@@ -113,7 +117,7 @@ def train(cfg: Config) -> Path:
         save_backbone(online.backbone, run_dir / "backbone.safetensors", cfg.model.backbone, cfg.views.global_px,
                       {"method": cfg.method, "dataset": cfg.data.name, "git_commit": checkpoint.git_commit()})
         log.print(f"results in {run_dir}: metrics.jsonl, TensorBoard events (tensorboard --logdir {run_dir.parent}), "
-                  f"config.yaml, checkpoint.pt, backbone.pt and backbone.safetensors "
+                  f"config.yaml, versions.json, checkpoint.pt, backbone.pt and backbone.safetensors "
                   f"(timm {cfg.model.backbone}, num_classes=0; models.backbone.load_backbone reads it)")
     dist.barrier()
     return run_dir

@@ -22,8 +22,8 @@ from preprocess.saliency.refine import LOSSES, RefineSettings
 from preprocess.saliency.run import SUBSET, Settings, compute, default_workers
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m preprocess.saliency", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str = "python -m preprocess.saliency") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="synthetic", help="dataset folder name under --root (default synthetic)")
     p.add_argument("--root", type=Path, default=Path("data"), help="data root (default data)")
     p.add_argument("--methods", default=",".join(handcrafted.METHODS), help="handcrafted methods: rbd, mr")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import shutil
+import sys
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -93,12 +94,16 @@ def write_masks(dataset_dir: Path, masks: dict[str, Callable[[int], np.ndarray]]
     staging = dataset_dir.with_name(f".{dataset_dir.name}.staging")
     remove_quietly(staging)
     t0 = time.perf_counter()
+    with_ffcv = ffcv_installed() and "ffcv" in old.formats
+    if "ffcv" in old.formats and not with_ffcv:
+        print("ffcv is not installed: the masks go into the DALI shards only and the .beton files are dropped "
+              "(pip install 'viewmill[ffcv]', then make saliency again, keeps them)", file=sys.stderr)
 
     def fill(staging: Path) -> None:
         for split, count in old.counts.items():
             stored = StoredSplit(dataset_dir / split, count, old.image_mode, masks[split],
                                  jpeg_quality=old.jpeg_quality or schema.JPEG_QUALITY)
-            if ffcv_installed() and "ffcv" in old.formats:
+            if with_ffcv:
                 write_ffcv(stored, staging / f"{split}.beton", num_workers=workers, progress=progress)
             write_dali(stored, staging / split, shard_size=old.shard_size or count, num_workers=workers,
                        progress=progress)
@@ -108,7 +113,8 @@ def write_masks(dataset_dir: Path, masks: dict[str, Callable[[int], np.ndarray]]
 
     def manifest_of(files: dict[str, dict]) -> schema.Manifest:
         build = {**old.build, "saliency_write_seconds": round(time.perf_counter() - t0, 3)}
-        return replace(old, files=files, has_masks=True, mask_source="saliency", saliency=saliency,
+        formats = old.formats if with_ffcv else {k: v for k, v in old.formats.items() if k != "ffcv"}
+        return replace(old, files=files, formats=formats, has_masks=True, mask_source="saliency", saliency=saliency,
                        build=build, created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
     manifest = write_staged(staging, dataset_dir, fill, manifest_of,

@@ -139,6 +139,35 @@ def test_auto_backend_is_the_fastest_the_dataset_has_files_for(tiny_data_root, t
     assert auto_backend("cpu", tmp_path, "dali-only") == "torch"
 
 
+def test_a_backend_whose_package_is_not_installed_says_so_in_one_line(tiny_data_root, monkeypatch, capsys):
+    """Without FFCV and DALI (their imports blocked as an absent package is): their loaders are one
+    LoaderError line naming the extra to install and the backends that work; `auto` reads with the torch
+    reference on a CPU and on a GPU (where it says once that DALI is missing), which builds."""
+    import sys
+
+    from pipelines import loader
+    from pipelines.loader import auto_backend
+
+    monkeypatch.setattr(loader, "_NOTED", set())
+    monkeypatch.setitem(sys.modules, "ffcv", None)
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)
+    spec = LoaderSpec(root=str(tiny_data_root), dataset="synthetic", split="train", recipe=RECIPE, batch_size=4,
+                      num_workers=1)
+    for backend in ("ffcv", "dali"):
+        with pytest.raises(LoaderError) as e:
+            build_loader(backend, spec)
+        message = str(e.value)
+        assert "\n" not in message and f"pip install 'viewmill[{backend}]'" in message, message
+        assert message.endswith("another backend: torch, torchvision"), message
+    assert auto_backend("cpu", tiny_data_root, "synthetic") == "torch"
+    assert capsys.readouterr().err == ""
+    assert auto_backend("cuda", tiny_data_root, "synthetic") == "torch"
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install 'viewmill[dali]'" in err, err
+    assert auto_backend("cuda", tiny_data_root, "synthetic") == "torch" and capsys.readouterr().err == ""
+    assert len(build_loader("torch", spec)) == 16
+
+
 def test_background_removal_without_masks_is_said_once_and_with_masks_nothing(tiny_data_root, tmp_path, capsys):
     from preprocess.prepare import prepare_dataset
 

@@ -179,15 +179,21 @@ def test_fresh_dataset_is_not_rehashed_on_open(dataset: Path, monkeypatch) -> No
 
 def test_without_ffcv_the_dali_files_are_written_and_ffcv_refuses_with_the_fix(tmp_path: Path, monkeypatch,
                                                                               capsys) -> None:
-    """A machine without FFCV (the GPU machine reads with DALI): the DALI shards and the manifest are
-    written, the manifest lists DALI only, the DALI loader reads it and the ffcv backend names the fix."""
+    """A machine without FFCV (the GPU machine reads with DALI; its import blocked here as an absent
+    package is): the DALI shards and the manifest are written, the manifest lists DALI only, said in one
+    line naming the extra, the DALI loader reads it and, once ffcv is there, the ffcv backend names the fix."""
+    import sys
+
     from pipelines.loader import build_loader
     from pipelines.spec import LoaderSpec
     from pipelines.views import load_recipe
 
-    monkeypatch.setattr(prepare, "ffcv_installed", lambda: False)
-    out = prepare.prepare_dataset("synthetic", tmp_path, workers=1, train_size=16, val_size=8, image_px=16)
-    assert "writing the DALI shards only" in capsys.readouterr().err
+    with monkeypatch.context() as blocked:
+        blocked.setitem(sys.modules, "ffcv", None)
+        out = prepare.prepare_dataset("synthetic", tmp_path, workers=1, train_size=16, val_size=8, image_px=16)
+    err = capsys.readouterr().err.strip()
+    assert "writing the DALI shards only" in err and "pip install 'viewmill[ffcv]'" in err
+    assert len(err.splitlines()) == 1, err
     m = read_manifest(out)
     assert set(m.formats) == {"dali"} and not list(out.glob("*.beton"))
     spec = LoaderSpec(root=str(tmp_path), dataset="synthetic", split="train", recipe=load_recipe("plain", 16, 8),

@@ -116,3 +116,22 @@ def test_a_split_without_masks_is_refused_before_anything_is_written(tmp_path) -
     with pytest.raises(PreprocessError, match="no masks for split.*val"):
         write_masks(ds, {"train": lambda i: np.zeros((32, 32), np.uint8)}, {})
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".lock") == ["synthetic"]
+
+
+def test_without_ffcv_the_masks_go_into_the_shards_and_the_beton_files_leave_the_manifest(tmp_path, monkeypatch,
+                                                                                          capsys) -> None:
+    """A dataset written with FFCV, masked where FFCV is not installed: the shards get the masks, the
+    `.beton` files (which would keep the old, maskless records) are dropped from the folder and from the
+    manifest's formats, said in one line naming the extra; the dataset verifies."""
+    import sys
+
+    ds = prepare_dataset("synthetic", tmp_path, workers=1, train_size=16, val_size=8, image_px=32, seed=2)
+    assert "ffcv" in schema.read_manifest(ds).formats
+    monkeypatch.setitem(sys.modules, "ffcv", None)
+    write_masks(ds, {s: (lambda i: np.full((32, 32), 255, np.uint8)) for s in ("train", "val")}, {})
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install 'viewmill[ffcv]'" in err, err
+    after = schema.read_manifest(ds, verify="full")
+    assert after.has_masks and set(after.formats) == {"dali"} and not list(ds.glob("*.beton"))
+    assert all(m.min() == 255 for m in dali_masks(ds / "train").values())
+

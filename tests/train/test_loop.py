@@ -30,6 +30,7 @@ def test_objective_smoke(method: str, tiny_args, tmp_path) -> None:
 
     state = checkpoint.load(run_dir / "checkpoint.pt")
     assert state["step"] == 3 and config_from_dict(state["config"]) == cfg
+    assert_versions_recorded(run_dir, state)
     from train.setup import build_online
 
     model = build_online(cfg, torch.device("cpu"))                   # the method's own head (3 layers for MoCo v3)
@@ -62,6 +63,22 @@ def test_objective_smoke(method: str, tiny_args, tmp_path) -> None:
     assert (meta["timm_model"], meta["small_stem"], meta["method"]) == ("test_resnet", "true", method)
     assert torch.allclose(load_backbone(run_dir / "backbone.safetensors").eval()(x), model.backbone.eval()(x))
     assert_tensorboard_has(run_dir, train_records(run_dir), evals)
+
+
+def assert_versions_recorded(run_dir, state: dict) -> None:
+    """versions.json of the run folder, and every checkpoint, name the libraries this process runs with."""
+    import platform
+
+    import numpy
+    import timm
+    import torchvision
+
+    versions = json.loads((run_dir / "versions.json").read_text())
+    assert state["versions"] == versions
+    assert {k: versions[k] for k in ("python", "torch", "torchvision", "timm", "numpy")} == {
+        "python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__.split("+")[0],
+        "timm": timm.__version__, "numpy": numpy.__version__}
+    assert {"ffcv", "dali", "viewmill", "cuda"} <= set(versions)
 
 
 def assert_tensorboard_has(run_dir, steps: list[dict], evals: list[dict]) -> None:
