@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -132,6 +133,42 @@ class RunConfig:
         if self.resume == "auto" and not self.name:
             raise ConfigError("run.resume=auto needs a run folder that the next start finds again; set run.name=<name> "
                               "(the same on every restart)")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the processes of a run start: the launcher words of `python -m train` (not stored in the run's
+    config: another node runs the same training config)."""
+
+    nodes: int = 1                  # machines, each running `gpus=` processes (one per GPU)
+    rdzv: str = ""                  # nodes > 1 under torchrun's rendezvous: HOST:PORT of a node every node reaches
+
+
+def take_cluster(args: Sequence[str]) -> tuple[ClusterConfig, list[str]]:
+    """The `ClusterConfig` of the launcher words among `args` (`nodes=2 rdzv=host:29500`) and the other
+    words, in order.
+
+    Raises:
+        ConfigError: a value of the wrong type, `nodes=` below 1, or nodes > 1 without a rendezvous
+            address (`rdzv=`, else `$MASTER_ADDR[:$MASTER_PORT]`).
+    """
+    hints, values, rest = _field_types(ClusterConfig), {}, []
+    for word in args:
+        key, _, value = word.partition("=")
+        if key in hints and "=" in word:
+            values[key] = _parse(key, value, hints[key])
+        else:
+            rest.append(word)
+    cluster = ClusterConfig(**values)
+    if cluster.nodes < 1:
+        raise ConfigError(f"nodes={cluster.nodes}: a run needs 1 node or more; use NODES=1 on one machine")
+    if cluster.nodes > 1 and not cluster.rdzv:
+        if not os.environ.get("MASTER_ADDR"):
+            raise ConfigError(f"NODES={cluster.nodes} needs the rendezvous address every node reaches: add "
+                              "RDZV=<first node's host>:29500 (rdzv=<host>:<port>), the same on every node")
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', 29500)}"
+        cluster = dataclasses.replace(cluster, rdzv=address)
+    return cluster, rest
 
 
 @dataclass(frozen=True)
