@@ -5,7 +5,8 @@ random-init one (kNN and the probe where the data has labels, the health metrics
 `gpus=N` with N > 1 starts N processes with torch's elastic launcher (the launcher behind torchrun,
 `--standalone`), after the checks below passed here, once; `torchrun ... -m train ...` still works.
 `nodes=M rdzv=HOST:PORT`, the same command on each of M machines, starts `gpus` processes on each and
-joins them over torchrun's c10d rendezvous at HOST:PORT. Launcher words: `train.config.ClusterConfig`.
+joins them over torchrun's c10d rendezvous at HOST:PORT; `launcher=slurm` submits the run as a SLURM
+job instead (`train/slurm.py`). Launcher words: `train.config.ClusterConfig`.
 
 Bad input ends in one line `error: ...` on stderr and exit status 2, before any file is written and
 without a launcher traceback: the config (method, dataset, preset, key, value), the dataset's
@@ -137,6 +138,12 @@ def main(argv: list[str]) -> int:
             return 0
         cfg = load_config(argv, world_size=int(os.environ.get("WORLD_SIZE", processes * cluster.nodes)))
         if "LOCAL_RANK" not in os.environ:  # checked once by the launching process (of each node)
+            if cluster.launcher == "slurm":
+                from train import slurm
+
+                cfg, argv = slurm.requeueable(cfg, argv)    # run.resume=auto in a run folder named now
+                preflight(cfg, processes, cluster.nodes, here=False)
+                return slurm.submit(cfg, argv, processes, cluster)
             preflight(cfg, processes, cluster.nodes)
             if processes > 1 or cluster.nodes > 1:
                 return launch(processes, argv, cluster)

@@ -135,22 +135,33 @@ class RunConfig:
                               "(the same on every restart)")
 
 
+LauncherName = Literal["local", "slurm"]     # local: this machine's processes (or torchrun's); slurm: a submitit job
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """Where the processes of a run start: the launcher words of `python -m train` (not stored in the run's
-    config: another node runs the same training config)."""
+    config: a requeued SLURM job or another node runs the same training config)."""
 
     nodes: int = 1                  # machines, each running `gpus=` processes (one per GPU)
     rdzv: str = ""                  # nodes > 1 under torchrun's rendezvous: HOST:PORT of a node every node reaches
+    launcher: LauncherName = "local"  # "slurm": submit a job that starts nodes x gpus processes (submitit)
+    partition: str = ""             # SLURM partition; "": the cluster's default
+    time_min: int = 4320            # SLURM time limit of one job, minutes; a requeued job gets it again
+    cpus_per_task: int = 10         # SLURM CPU cores per process (loader workers and the training thread)
+    mem_gb: int = 0                 # SLURM memory per node, GB; 0: the partition's default
+    account: str = ""               # SLURM account to charge; "": the user's default
+    qos: str = ""                   # SLURM quality of service; "": the default
+    constraint: str = ""            # SLURM node features, e.g. "a100|h100"; "": any node of the partition
 
 
 def take_cluster(args: Sequence[str]) -> tuple[ClusterConfig, list[str]]:
-    """The `ClusterConfig` of the launcher words among `args` (`nodes=2 rdzv=host:29500`) and the other
-    words, in order.
+    """The `ClusterConfig` of the launcher words among `args` (`nodes=2 rdzv=host:29500`,
+    `launcher=slurm partition=gpu ...`) and the other words, in order.
 
     Raises:
-        ConfigError: a value of the wrong type, `nodes=` below 1, or nodes > 1 without a rendezvous
-            address (`rdzv=`, else `$MASTER_ADDR[:$MASTER_PORT]`).
+        ConfigError: a value of the wrong type, an unknown launcher, `nodes=` below 1, or nodes > 1 under
+            the local launcher without a rendezvous address (`rdzv=`, else `$MASTER_ADDR[:$MASTER_PORT]`).
     """
     hints, values, rest = _field_types(ClusterConfig), {}, []
     for word in args:
@@ -162,7 +173,7 @@ def take_cluster(args: Sequence[str]) -> tuple[ClusterConfig, list[str]]:
     cluster = ClusterConfig(**values)
     if cluster.nodes < 1:
         raise ConfigError(f"nodes={cluster.nodes}: a run needs 1 node or more; use NODES=1 on one machine")
-    if cluster.nodes > 1 and not cluster.rdzv:
+    if cluster.nodes > 1 and cluster.launcher == "local" and not cluster.rdzv:
         if not os.environ.get("MASTER_ADDR"):
             raise ConfigError(f"NODES={cluster.nodes} needs the rendezvous address every node reaches: add "
                               "RDZV=<first node's host>:29500 (rdzv=<host>:<port>), the same on every node")
