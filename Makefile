@@ -47,10 +47,10 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
-install-test: $(TEST_STAMP)  ## install, plus the optional extras the tests cover (Ray for ENGINE=ray, submitit)
+install-test: $(TEST_STAMP)  ## install, plus the optional extras the tests cover (Ray for ENGINE=ray, submitit, W&B)
 
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile,ray,slurm]'
+	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile,ray,slurm,wandb]'
 	@touch $@
 
 demo: install  ## preprocess synthetic, pretrain dacl for a few CPU minutes, evaluate vs random init

@@ -78,8 +78,10 @@ def preflight(cfg: Config, processes: int, nodes: int = 1, here: bool = True) ->
         ConfigError, DatasetError, CheckpointError: one line each (see the module docstring).
     """
     from models.backbone import build_backbone
+    from train.log import check_wandb
     from train.setup import check_batch_split, check_processes, init_backbone, resume_state
 
+    check_wandb(cfg)
     if here:
         check_processes(processes, cfg.run.device)
     check_batch_split(cfg.data.batch_size, processes * nodes)

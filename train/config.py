@@ -125,6 +125,8 @@ class RunConfig:
     eval: EvalName = "auto"          # labelled evaluations besides the label-free health metrics
     max_eval_samples: int = 0       # records per split for evaluation (evenly spread); 0: all up to a cap
     stop_after_steps: int = 0       # stop with a checkpoint after this step (resumable); 0: run to optim.steps
+    wandb: bool = False             # the TensorBoard scalars to Weights & Biases too (rank 0; WANDB_MODE=offline works)
+    wandb_project: str = "viewmill"  # the W&B project; the W&B run is named after the run folder
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
