@@ -162,8 +162,10 @@ def take_cluster(args: Sequence[str]) -> tuple[ClusterConfig, list[str]]:
     `launcher=slurm partition=gpu ...`) and the other words, in order.
 
     Raises:
-        ConfigError: a value of the wrong type, an unknown launcher, `nodes=` below 1, or nodes > 1 under
-            the local launcher without a rendezvous address (`rdzv=`, else `$MASTER_ADDR[:$MASTER_PORT]`).
+        ConfigError: a value of the wrong type, an unknown launcher, `nodes=` below 1, nodes > 1 under the
+            local launcher without a rendezvous address (`rdzv=`, else `$MASTER_ADDR[:$MASTER_PORT]`), or a
+            word the launcher does not use (a SLURM option without `launcher=slurm`, `rdzv=` on one node or
+            under SLURM): never silently ignored.
     """
     hints, values, rest = _field_types(ClusterConfig), {}, []
     for word in args:
@@ -173,6 +175,13 @@ def take_cluster(args: Sequence[str]) -> tuple[ClusterConfig, list[str]]:
         else:
             rest.append(word)
     cluster = ClusterConfig(**values)
+    slurm_only = sorted(set(values) - {"nodes", "rdzv", "launcher"})
+    if slurm_only and cluster.launcher != "slurm":
+        raise ConfigError(f"{slurm_only[0]}= is an option of the SLURM launcher; add LAUNCHER=slurm (launcher=slurm) "
+                          "or drop it")
+    if cluster.rdzv and (cluster.nodes == 1 or cluster.launcher == "slurm"):
+        raise ConfigError(f"rdzv={cluster.rdzv} joins the nodes of a torchrun run; give NODES=<n> > 1, or drop it "
+                          "(one node, or SLURM, which names the nodes itself)")
     if cluster.nodes < 1:
         raise ConfigError(f"nodes={cluster.nodes}: a run needs 1 node or more; use NODES=1 on one machine")
     if cluster.nodes > 1 and cluster.launcher == "local" and not cluster.rdzv:

@@ -85,7 +85,7 @@ def test_two_nodes_over_a_c10d_rendezvous_equal_one_node_of_two_processes(two_pr
     assert_same_training(out / "run", two_processes)
 
 
-def test_nodes_without_a_rendezvous_address_is_one_line_and_writes_nothing(tiny_args, capsys, tmp_path,
+def test_nodes_without_a_rendezvous_or_an_unused_launcher_word_is_one_line(tiny_args, capsys, tmp_path,
                                                                           monkeypatch) -> None:
     out = tmp_path / "runs"
     monkeypatch.delenv("MASTER_ADDR", raising=False)
@@ -94,6 +94,9 @@ def test_nodes_without_a_rendezvous_address_is_one_line_and_writes_nothing(tiny_
     fails_in_one_line(capsys, ["nodes=0", *tiny_args("byol", out)], "nodes=0", "NODES=1")
     fails_in_one_line(capsys, ["nodes=two", *tiny_args("byol", out)], "'nodes'", "int")
     fails_in_one_line(capsys, ["launcher=k8s", *tiny_args("byol", out)], "'launcher'", "local, slurm")
+    fails_in_one_line(capsys, ["partition=gpu", *tiny_args("byol", out)], "partition= is an option of the SLURM",
+                      "LAUNCHER=slurm")
+    fails_in_one_line(capsys, ["rdzv=node01:29500", *tiny_args("byol", out)], "NODES=<n> > 1", "or drop it")
     assert not out.exists()
 
 
