@@ -86,7 +86,7 @@ def test_two_nodes_over_a_c10d_rendezvous_equal_one_node_of_two_processes(two_pr
 
 
 def test_nodes_without_a_rendezvous_or_an_unused_launcher_word_is_one_line(tiny_args, capsys, tmp_path,
-                                                                          monkeypatch) -> None:
+                                                                           monkeypatch) -> None:
     out = tmp_path / "runs"
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     fails_in_one_line(capsys, ["nodes=2", *tiny_args("byol", out)], "NODES=2 needs the rendezvous address",
