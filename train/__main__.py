@@ -13,7 +13,8 @@ without a launcher traceback: the config (method, dataset, preset, key, value), 
 manifest, `run.resume`'s or `ckpt=`'s checkpoint (missing, unreadable, another method or network;
 under `run.resume=auto` a run folder of another method or network), `model.init`'s weights (missing,
 unreadable, another network), `gpus=N` beyond this machine's devices (or cores), a batch that does not
-split over N processes, `nodes=M` without a rendezvous address.
+split over N processes, `nodes=M` without a rendezvous address or a launcher word that would be ignored,
+`run.wandb=true` without wandb, a SLURM launch that cannot work (`train/slurm.py`).
 """
 
 from __future__ import annotations
