@@ -9,6 +9,11 @@ SRC      ?=
 OUT      ?= data
 METHOD   ?= rsa
 GPUS     ?= 1
+# NODES > 1: the same make command on every node, joined at RDZV=<host>:<port> (torchrun's c10d rendezvous);
+# LAUNCHER=slurm submits NODES x GPUS as a SLURM job instead (ARGS: partition=... time_min=...)
+NODES    ?= 1
+RDZV     ?=
+LAUNCHER ?= local
 PRESET   ?=
 ARGS     ?=
 CKPT     ?=
@@ -30,7 +35,7 @@ help:  ## list targets and variables
 	@echo "viewmill make targets:"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-17s %s\n", $$1, $$2}'
 	@echo "variables: DATASET=$(DATASET) (synthetic|cifar10|cifar100|imagefolder; train: any dataset under OUT)  SRC=$(SRC)  OUT=$(OUT)  ENGINE=$(ENGINE) (local|ray)"
-	@echo "           METHOD=$(METHOD) (sdmp|relicv2|rsa|uota|dacl|byol|mocov3|simclr)  GPUS=$(GPUS)  PRESET=$(PRESET)  ARGS=\"key=value ...\"  CKPT=<checkpoint>"
+	@echo "           METHOD=$(METHOD) (sdmp|relicv2|rsa|uota|dacl|byol|mocov3|simclr)  GPUS=$(GPUS) (per node)  NODES=$(NODES)  RDZV=$(RDZV)  LAUNCHER=$(LAUNCHER) (local|slurm)  PRESET=$(PRESET)  ARGS=\"key=value ...\"  CKPT=<checkpoint>"
 	@echo "installed as a command: $(VENV)/bin/viewmill preprocess|train|eval|saliency|profile (viewmill COMMAND --help)"
 
 install: $(STAMP)  ## system packages FFCV needs, .venv, the project (editable); idempotent
@@ -43,10 +48,10 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile,ffcv,dali]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
-install-test: $(TEST_STAMP)  ## install, plus the optional extras the tests cover (Ray for ENGINE=ray)
+install-test: $(TEST_STAMP)  ## install, plus the optional extras the tests cover (Ray for ENGINE=ray, submitit, W&B)
 
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile,ffcv,dali,ray]'
+	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile,ffcv,dali,ray,slurm,wandb]'
 	@touch $@
 
 demo: install  ## preprocess synthetic, pretrain dacl for a few CPU minutes, evaluate vs random init
@@ -63,8 +68,8 @@ preprocess: install  ## DATASET, SRC, OUT → FFCV + DALI files and manifest; re
 	$(if $(filter ray,$(ENGINE)),@$(MAKE) --no-print-directory install-test)
 	$(PY) -m preprocess --dataset $(DATASET) $(if $(SRC),--src $(SRC)) --out $(OUT) --engine $(ENGINE) $(ARGS)
 
-train: install  ## pretrain METHOD on DATASET (PRESET: data preset; GPUS>1: DDP processes), then kNN + linear probe
-	$(PY) -m train gpus=$(GPUS) method=$(METHOD) data=$(DATASET) $(if $(PRESET),preset=$(PRESET)) data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
+train: install  ## pretrain METHOD on DATASET (PRESET: data preset; GPUS>1: DDP processes per node; NODES, RDZV, LAUNCHER=slurm), then kNN + linear probe
+	$(PY) -m train gpus=$(GPUS) nodes=$(NODES) $(if $(RDZV),rdzv=$(RDZV)) launcher=$(LAUNCHER) method=$(METHOD) data=$(DATASET) $(if $(PRESET),preset=$(PRESET)) data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
 
 saliency: install  ## saliency masks for a written dataset (both formats) + reports/saliency-<DATASET>/ (INIT: a run's backbone)
 	$(PY) -m preprocess.saliency --dataset $(DATASET) --root $(OUT) $(if $(INIT),--init $(INIT)) $(ARGS)

@@ -5,6 +5,9 @@ random-init one (kNN and the probe where the data has labels, the health metrics
 
 `gpus=N` with N > 1 starts N processes with torch's elastic launcher (the launcher behind torchrun,
 `--standalone`), after the checks below passed here, once; `torchrun ... -m train ...` still works.
+`nodes=M rdzv=HOST:PORT`, the same command on each of M machines, starts `gpus` processes on each and
+joins them over torchrun's c10d rendezvous at HOST:PORT; `launcher=slurm` submits the run as a SLURM
+job instead (`train/slurm.py`). Launcher words: `train.config.ClusterConfig`.
 
 Bad input ends in one line `error: ...` on stderr and exit status 2, before any file is written and
 without a launcher traceback: the config (method, dataset, preset, key, value), the dataset's
@@ -12,7 +15,8 @@ manifest, `run.resume`'s or `ckpt=`'s checkpoint (missing, unreadable, another m
 under `run.resume=auto` a run folder of another method or network), a `config=` file (missing,
 unreadable, an unknown key or a bad value), `model.init`'s weights (missing,
 unreadable, another network), `gpus=N` beyond this machine's devices (or cores), a batch that does not
-split over N processes.
+split over N processes, `nodes=M` without a rendezvous address or a launcher word that would be ignored,
+`run.wandb=true` without wandb, a SLURM launch that cannot work (`train/slurm.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 
 from pipelines.schema import DatasetError, read_manifest
 from pipelines.spec import LoaderError
-from train.config import Config, ConfigError, config_from_dict, load_config
+from train.config import ClusterConfig, Config, ConfigError, config_from_dict, load_config, take_cluster
 
 EXIT_BAD_INPUT = 2
 
@@ -70,34 +74,42 @@ def check_dataset(cfg: Config) -> None:
     read_manifest(os.path.join(cfg.data.root, cfg.data.name), verify="size")
 
 
-def preflight(cfg: Config, processes: int) -> None:
-    """Everything that can be checked before a process is launched or a file written.
+def preflight(cfg: Config, processes: int, nodes: int = 1, here: bool = True) -> None:
+    """Everything that can be checked before a process is launched or a file written (`here`: the
+    processes start on this machine, so its devices are counted).
 
     Raises:
         ConfigError, DatasetError, CheckpointError: one line each (see the module docstring).
     """
     from models.backbone import build_backbone
+    from train.log import check_wandb
     from train.setup import check_batch_split, check_processes, init_backbone, resume_state
 
-    check_processes(processes, cfg.run.device)
-    check_batch_split(cfg.data.batch_size, processes)
+    check_wandb(cfg)
+    if here:
+        check_processes(processes, cfg.run.device)
+    check_batch_split(cfg.data.batch_size, processes * nodes)
     check_dataset(cfg)
-    if processes > 1:               # one process checks them in the loop, before any write
+    if processes * nodes > 1:               # one process checks them in the loop, before any write
         if resume_state(cfg).state is None:
             init_backbone(cfg, build_backbone(cfg.model.backbone, cfg.views.global_px)[0])
 
 
-def launch(processes: int, argv: list[str]) -> int:
-    """Run `python -m train argv` in `processes` local processes (torchrun --standalone); the exit
-    status is the first failed process's, and each process prints its own error line."""
+def launch(processes: int, argv: list[str], cluster: ClusterConfig = ClusterConfig()) -> int:
+    """Run `python -m train argv` in `processes` local processes (torchrun --standalone), or, with
+    `cluster.nodes` > 1, in `processes` processes on each node, joined at `cluster.rdzv` (torchrun
+    --nnodes --rdzv-backend=c10d); the exit status is the first failed process's, and each process
+    prints its own error line."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if not torch.cuda.is_available():       # torchrun's rule: one thread per process unless told
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)   # no launcher tracebacks
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=processes, run_id=uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
+    many = cluster.nodes > 1                # every node's launcher must name the same rendezvous
+    config = LaunchConfig(min_nodes=cluster.nodes, max_nodes=cluster.nodes, nproc_per_node=processes,
+                          run_id=f"viewmill-{cluster.rdzv}" if many else uuid.uuid4().hex, rdzv_backend="c10d",
+                          rdzv_endpoint=cluster.rdzv if many else "localhost:0", max_restarts=0)
     try:
         elastic_launch(config, sys.executable)("-m", "train", *argv)
     except ChildFailedError as e:
@@ -134,7 +146,9 @@ def usage(prog: str = "python -m train") -> str:
         "Pretrain METHOD on DATASET, then evaluate its backbone (kNN, linear probe) against a random-init one;",
         "eval does the evaluation for a checkpoint. Errors are one line on stderr, exit status 2, nothing written.",
         "",
-        "  gpus=N            processes (DDP), 1 by default",
+        "  gpus=N            processes (DDP) on each machine, 1 by default",
+        "  nodes=M rdzv=HOST:PORT  M machines joined at HOST:PORT: the same command on each (README, Clusters)",
+        "  launcher=slurm    submit a SLURM job instead: nodes=M gpus=N partition=P [time_min=, account=, ...]",
         f"  method=METHOD     {', '.join(sorted(OBJECTIVES))} (default {Config.method})",
         "  data=DATASET      a dataset folder under data.root that preprocess wrote (its manifest sets the",
         f"                    classes, view sizes, batch and length), or a data preset: {presets}",
@@ -148,8 +162,8 @@ def usage(prog: str = "python -m train") -> str:
 
 def take_processes(argv: list[str]) -> tuple[int, list[str]]:
     """(N of a `gpus=N` word, default 1; the other words)."""
-    words = [a for a in argv if a.startswith("gpus=")]
-    rest = [a for a in argv if not a.startswith("gpus=")]
+    words = [a for a in argv if a.startswith(("gpus=", "gpus_per_node="))]      # per node
+    rest = [a for a in argv if not a.startswith(("gpus=", "gpus_per_node="))]
     if not words:
         return 1, rest
     try:
@@ -166,14 +180,21 @@ def main(argv: list[str], prog: str = "python -m train") -> int:
 
     try:
         processes, argv = take_processes(argv)
+        cluster, argv = take_cluster(argv)
         if argv[:1] == ["eval"]:
             evaluate_checkpoint(argv[1:])
             return 0
-        cfg = load_config(argv, world_size=int(os.environ.get("WORLD_SIZE", processes)))
-        if "LOCAL_RANK" not in os.environ:  # checked once by the launching process
-            preflight(cfg, processes)
-            if processes > 1:
-                return launch(processes, argv)
+        cfg = load_config(argv, world_size=int(os.environ.get("WORLD_SIZE", processes * cluster.nodes)))
+        if "LOCAL_RANK" not in os.environ:  # checked once by the launching process (of each node)
+            if cluster.launcher == "slurm":
+                from train import slurm
+
+                cfg, argv = slurm.requeueable(cfg, argv)    # run.resume=auto in a run folder named now
+                preflight(cfg, processes, cluster.nodes, here=False)
+                return slurm.submit(cfg, argv, processes, cluster)
+            preflight(cfg, processes, cluster.nodes)
+            if processes > 1 or cluster.nodes > 1:
+                return launch(processes, argv, cluster)
         from train.loop import train
 
         train(cfg)

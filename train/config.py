@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -115,6 +116,8 @@ class RunConfig:
     eval: EvalName = "auto"          # labelled evaluations besides the label-free health metrics
     max_eval_samples: int = 0       # records per split for evaluation (evenly spread); 0: all up to a cap
     stop_after_steps: int = 0       # stop with a checkpoint after this step (resumable); 0: run to optim.steps
+    wandb: bool = False             # the TensorBoard scalars to Weights & Biases too (rank 0; WANDB_MODE=offline works)
+    wandb_project: str = "viewmill"  # the W&B project; the W&B run is named after the run folder
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
@@ -123,6 +126,62 @@ class RunConfig:
         if self.resume == "auto" and not self.name:
             raise ConfigError("run.resume=auto needs a run folder that the next start finds again; set run.name=<name> "
                               "(the same on every restart)")
+
+
+LauncherName = Literal["local", "slurm"]     # local: this machine's processes (or torchrun's); slurm: a submitit job
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the processes of a run start: the launcher words of `python -m train` (not stored in the run's
+    config: a requeued SLURM job or another node runs the same training config)."""
+
+    nodes: int = 1                  # machines, each running `gpus=` processes (one per GPU)
+    rdzv: str = ""                  # nodes > 1 under torchrun's rendezvous: HOST:PORT of a node every node reaches
+    launcher: LauncherName = "local"  # "slurm": submit a job that starts nodes x gpus processes (submitit)
+    partition: str = ""             # SLURM partition; "": the cluster's default
+    time_min: int = 4320            # SLURM time limit of one job, minutes; a requeued job gets it again
+    cpus_per_task: int = 10         # SLURM CPU cores per process (loader workers and the training thread)
+    mem_gb: int = 0                 # SLURM memory per node, GB; 0: the partition's default
+    account: str = ""               # SLURM account to charge; "": the user's default
+    qos: str = ""                   # SLURM quality of service; "": the default
+    constraint: str = ""            # SLURM node features, e.g. "a100|h100"; "": any node of the partition
+
+
+def take_cluster(args: Sequence[str]) -> tuple[ClusterConfig, list[str]]:
+    """The `ClusterConfig` of the launcher words among `args` (`nodes=2 rdzv=host:29500`,
+    `launcher=slurm partition=gpu ...`) and the other words, in order.
+
+    Raises:
+        ConfigError: a value of the wrong type, an unknown launcher, `nodes=` below 1, nodes > 1 under the
+            local launcher without a rendezvous address (`rdzv=`, else `$MASTER_ADDR[:$MASTER_PORT]`), or a
+            word the launcher does not use (a SLURM option without `launcher=slurm`, `rdzv=` on one node or
+            under SLURM): never silently ignored.
+    """
+    hints, values, rest = _field_types(ClusterConfig), {}, []
+    for word in args:
+        key, _, value = word.partition("=")
+        if key in hints and "=" in word:
+            values[key] = _parse(key, value, hints[key])
+        else:
+            rest.append(word)
+    cluster = ClusterConfig(**values)
+    slurm_only = sorted(set(values) - {"nodes", "rdzv", "launcher"})
+    if slurm_only and cluster.launcher != "slurm":
+        raise ConfigError(f"{slurm_only[0]}= is an option of the SLURM launcher; add LAUNCHER=slurm (launcher=slurm) "
+                          "or drop it")
+    if cluster.rdzv and (cluster.nodes == 1 or cluster.launcher == "slurm"):
+        raise ConfigError(f"rdzv={cluster.rdzv} joins the nodes of a torchrun run; give NODES=<n> > 1, or drop it "
+                          "(one node, or SLURM, which names the nodes itself)")
+    if cluster.nodes < 1:
+        raise ConfigError(f"nodes={cluster.nodes}: a run needs 1 node or more; use NODES=1 on one machine")
+    if cluster.nodes > 1 and cluster.launcher == "local" and not cluster.rdzv:
+        if not os.environ.get("MASTER_ADDR"):
+            raise ConfigError(f"NODES={cluster.nodes} needs the rendezvous address every node reaches: add "
+                              "RDZV=<first node's host>:29500 (rdzv=<host>:<port>), the same on every node")
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', 29500)}"
+        cluster = dataclasses.replace(cluster, rdzv=address)
+    return cluster, rest
 
 
 @dataclass(frozen=True)

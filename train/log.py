@@ -1,13 +1,18 @@
 """Rank-0 logging: one fixed-order line per interval (STYLE §5), the same keys in metrics.jsonl, and
 TensorBoard event files beside it (`tensorboard --logdir runs`): every number of a log line under
 `train/`, every evaluation under `eval/` (with the random-init backbone's under `eval/random_init/`).
+With `run.wandb=true` the same scalars, names and steps go to Weights & Biases too.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import time
 from pathlib import Path
+
+from train.config import Config, ConfigError, to_dict
 
 
 class Meter:
@@ -59,15 +64,40 @@ def eval_line(result: dict[str, float], random_init: dict[str, float] | None = N
     return " | ".join(parts)
 
 
-class Log:
-    """Writes log lines to stdout, JSON lines to `<run_dir>/metrics.jsonl` and TensorBoard events to
-    `<run_dir>/events.out.tfevents.*`, on rank 0 only; `close` flushes the events."""
+def check_wandb(cfg: Config) -> None:
+    """Stop before any write when `run.wandb=true` has no wandb package to log with.
 
-    def __init__(self, run_dir: Path, enabled: bool) -> None:
+    Raises:
+        ConfigError: naming the extra to install.
+    """
+    if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("run.wandb=true needs the wandb package: pip install 'viewmill[wandb]' (or drop run.wandb)")
+
+
+def start_wandb(cfg: Config, run_dir: Path):
+    """A W&B run (`wandb.init`) for the run folder: project `run.wandb_project`, named after the folder,
+    its files under `<run_dir>/wandb/`, the resolved config; WANDB_MODE, WANDB_ENTITY and the API key come
+    from the environment. The id is drawn from the folder's path, so a resumed or requeued run continues
+    the same W&B run (W&B drops steps it already has: a resume repeats them bit for bit anyway)."""
+    import wandb
+
+    run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    return wandb.init(project=cfg.run.wandb_project, name=run_dir.name, id=run_id, resume="allow",
+                      dir=str(run_dir), config=to_dict(cfg))
+
+
+class Log:
+    """Writes log lines to stdout, JSON lines to `<run_dir>/metrics.jsonl`, TensorBoard events to
+    `<run_dir>/events.out.tfevents.*` and, with `run.wandb`, the same scalars to W&B, on rank 0 only;
+    `close` flushes the events and ends the W&B run."""
+
+    def __init__(self, run_dir: Path, enabled: bool, cfg: Config | None = None) -> None:
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.run_dir = Path(run_dir)
         self.tb = None                          # SummaryWriter, opened at the first record
+        self.wandb_cfg = cfg if cfg is not None and cfg.run.wandb else None
+        self.wandb = None                       # W&B run, started at the first record when wandb_cfg
         self.steps_timed, self.seconds = 0, 0.0  # for the ETA
         self.warm_data_s = self.warm_step_s = 0.0  # after the first (warm-up) interval: the stall share
 
@@ -86,6 +116,10 @@ class Log:
             self.tb = SummaryWriter(log_dir=str(self.run_dir), flush_secs=30)
         for key, value in values.items():
             self.tb.add_scalar(f"{prefix}/{key}", value, step)
+        if self.wandb_cfg is not None:
+            if self.wandb is None:
+                self.wandb = start_wandb(self.wandb_cfg, self.run_dir)
+            self.wandb.log({f"{prefix}/{key}": value for key, value in values.items()}, step=step)
 
     def stall_fraction(self) -> float:
         """Share of the step time spent waiting for batches, after the first log interval (which holds
@@ -96,6 +130,9 @@ class Log:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 
     def print(self, text: str) -> None:
         if self.enabled:

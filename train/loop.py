@@ -21,7 +21,7 @@ from pipelines.spec import Loader
 from train import checkpoint, dist, schedules
 from train.config import Config, dump_yaml, to_dict
 from train.evaluate import evaluate_backbone
-from train.log import Log, Meter
+from train.log import Log, Meter, check_wandb
 from train.objectives.base import LossOut, StepValues
 from train.optim import apply_lr_wd, clip_and_step
 from train.setup import Parts, build_parts, resolve_backend, resume_state, run_folder, select_device
@@ -36,6 +36,7 @@ def train(cfg: Config) -> Path:
     versions of the latest start, metrics.jsonl, TensorBoard
     events, checkpoint.pt (and checkpoint-<step>.pt with run.keep_last > 1), backbone.pt,
     backbone.safetensors)."""
+    check_wandb(cfg)
     device = select_device(cfg.run.device, cfg.run.dist_timeout_min)
     backend = resolve_backend(cfg, device)
     world, rank = dist.world_size(), dist.rank()
@@ -44,7 +45,7 @@ def train(cfg: Config) -> Path:
     parts = build_parts(cfg, device, backend, init=state is None)   # views, model.init: before any write
     online = dist.unwrap(parts.online)
     run_dir = run_folder(cfg)
-    log = Log(run_dir, enabled=dist.is_main())
+    log = Log(run_dir, enabled=dist.is_main(), cfg=cfg)
     if dist.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / ".config.yaml.tmp").write_text(dump_yaml(cfg))     # whole or not at all: auto reads it

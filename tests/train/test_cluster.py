@@ -1,0 +1,221 @@
+"""Many machines: 2 "nodes" x 1 process over torchrun's c10d rendezvous on 127.0.0.1 equal one node of 2
+processes; the SLURM launcher writes the job it says (a stand-in `sbatch` records it), its tasks map
+SLURM's variables to torch.distributed's, and the job, preempted and requeued, ends where the 2-process
+run ends; `nodes=` without a rendezvous address and a SLURM launch that cannot work are one line each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train.test_train_cli import fails_in_one_line
+from train.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[2]
+SIX_STEPS = ("optim.steps=6", "run.ckpt_every=2", "data.num_workers=0")    # checkpoints at 2, 4, 6
+
+
+def env_here(**extra: str) -> dict[str, str]:
+    """The environment of a `python -m train` started by a test: this checkout's code, one thread per
+    process (the same in every run compared, so the float sums are the same)."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+
+
+def free_port(low: int = 1024, high: int = 65536) -> int:
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if low <= port < high:
+            return port
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Train loss per step of metrics.jsonl (a resumed run's later records win)."""
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def assert_same_training(run: Path, reference: Path) -> None:
+    """The same losses at every step, and bit-identical online and target networks at the end."""
+    assert losses(run) == losses(reference)
+    a, b = (torch.load(d / "checkpoint.pt", weights_only=True) for d in (run, reference))
+    assert a["step"] == b["step"] == 6
+    for part in ("online", "target"):
+        assert a[part].keys() == b[part].keys()
+        for name in a[part]:
+            assert torch.equal(a[part][name], b[part][name]), (part, name)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tiny_args, tmp_path_factory) -> Path:
+    """The run folder of 6 byol steps in 2 processes on this machine (`gpus=2`)."""
+    out = tmp_path_factory.mktemp("one-node")
+    done = subprocess.run([sys.executable, "-m", "train", "gpus=2", *tiny_args("byol", out, *SIX_STEPS)], cwd=ROOT,
+                          env=env_here(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return out / "run"
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_two_nodes_over_a_c10d_rendezvous_equal_one_node_of_two_processes(two_processes, tiny_args, tmp_path) -> None:
+    """The same command on two "nodes" (two launchers, 1 process each, on 127.0.0.1) meets at the
+    rendezvous and trains exactly as `gpus=2` does: ranks, shards and gathers map the same way, so
+    losses and weights are bit-identical (gloo sums 2 ranks in the same order)."""
+    out = tmp_path / "runs"
+    command = [sys.executable, "-m", "train", "gpus=1", "nodes=2", f"rdzv=127.0.0.1:{free_port()}",
+               *tiny_args("byol", out, *SIX_STEPS)]
+    nodes = [subprocess.Popen(command, cwd=ROOT, env=env_here(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert sum("training byol on synthetic (torch backend, 2 rank(s), cpu)" in o for o in outputs) == 1, outputs
+    assert_same_training(out / "run", two_processes)
+
+
+def test_nodes_without_a_rendezvous_or_an_unused_launcher_word_is_one_line(tiny_args, capsys, tmp_path,
+                                                                           monkeypatch) -> None:
+    out = tmp_path / "runs"
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    fails_in_one_line(capsys, ["nodes=2", *tiny_args("byol", out)], "NODES=2 needs the rendezvous address",
+                      "RDZV=<first node's host>:29500", "the same on every node")
+    fails_in_one_line(capsys, ["nodes=0", *tiny_args("byol", out)], "nodes=0", "NODES=1")
+    fails_in_one_line(capsys, ["nodes=two", *tiny_args("byol", out)], "'nodes'", "int")
+    fails_in_one_line(capsys, ["launcher=k8s", *tiny_args("byol", out)], "'launcher'", "local, slurm")
+    fails_in_one_line(capsys, ["partition=gpu", *tiny_args("byol", out)], "partition= is an option of the SLURM",
+                      "LAUNCHER=slurm")
+    fails_in_one_line(capsys, ["rdzv=node01:29500", *tiny_args("byol", out)], "NODES=<n> > 1", "or drop it")
+    assert not out.exists()
+
+
+def fake_slurm(bin_dir: Path, job_id: int, sbatch_error: str = "") -> Path:
+    """`sbatch`, `srun` and `scontrol` stand-ins on a new PATH folder: sbatch records its script and answers
+    like SLURM (or fails with `sbatch_error`), scontrol records its arguments. Returns the record folder."""
+    bin_dir.mkdir()
+    sbatch = (f'echo "{sbatch_error}" >&2; exit 1' if sbatch_error else
+              f'cp "$1" "{bin_dir}/sbatch.sh"; echo "Submitted batch job {job_id}"')
+    for name, body in (("sbatch", sbatch), ("srun", "exit 1"), ("scontrol", f'echo "$@" >> "{bin_dir}/scontrol.log"')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def test_slurm_launcher_writes_the_job_and_a_requeueable_callable(tiny_args, capsys, tmp_path, monkeypatch) -> None:
+    """`launcher=slurm nodes=2 gpus=4 partition=...`: one sbatch script of 2 nodes x 4 tasks with a GPU
+    each, the USR2 warning and --requeue; the pickled callable runs the training words with
+    run.resume=auto in a run folder named at submission (none was given), without the launcher words,
+    and requeues itself unchanged."""
+    from submitit.core.utils import DelayedSubmission
+
+    from train.slurm import Training
+
+    fake = fake_slurm(tmp_path / "bin", 777)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "runs"
+    words = tiny_args("byol", out, "run.name=")
+    assert main(["launcher=slurm", "nodes=2", "gpus=4", "partition=gpu", "account=ssl", "time_min=600", *words]) == 0
+    printed = capsys.readouterr().out
+    assert "submitted SLURM job 777: 2 node(s) x 4 GPU(s)" in printed
+    [run] = out.iterdir()
+    assert run.name.startswith("byol-synthetic-") and [p.name for p in run.iterdir()] == ["slurm"]
+    script = (fake / "sbatch.sh").read_text()
+    for line in ("--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=10", "--partition=gpu",
+                 "--account=ssl", "--time=600", "--signal=USR2@120", "--requeue", "--job-name=" + run.name):
+        assert f"#SBATCH {line}\n" in script, line
+    assert f"-m submitit.core._submit {shlex.quote(str(run / 'slurm'))}" in script.splitlines()[-1]
+
+    job = DelayedSubmission.load(run / "slurm" / "777_submitted.pkl")
+    assert isinstance(job.function, Training)
+    assert job.function.words == [*words, "run.resume=auto", f"run.name={run.name}"]
+    again = job.function.checkpoint()
+    assert isinstance(again.function, Training) and again.function.words == job.function.words
+
+
+def test_slurm_variables_become_the_process_group_s(monkeypatch) -> None:
+    """Task 5 of 8 (node 1 of 2, local rank 1) of job 4242 on gpu[07-08]: rank 5, GPU 1, world 8, rank 0's
+    node as MASTER_ADDR and a port from the job id that every task computes alike."""
+    import submitit
+
+    from train.slurm import dist_env
+
+    def task(rank: int) -> dict[str, str]:
+        for key, value in {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_PROCID": str(rank),
+                           "SLURM_LOCALID": str(rank % 4), "SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2",
+                           "SLURM_NODEID": str(rank // 4), "SLURM_JOB_NODELIST": "gpu[07-08]"}.items():
+            monkeypatch.setenv(key, value)
+        return dist_env(submitit.JobEnvironment())
+
+    assert task(5) == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+                       "MASTER_ADDR": "gpu07", "MASTER_PORT": "24242"}
+    rank0 = task(0)
+    assert (rank0["MASTER_ADDR"], rank0["MASTER_PORT"]) == ("gpu07", "24242")
+
+
+def test_a_slurm_launch_that_cannot_work_is_one_line_and_writes_nothing(tiny_args, capsys, tmp_path,
+                                                                        monkeypatch) -> None:
+    out = tmp_path / "runs"
+    words = ["launcher=slurm", "nodes=2", *tiny_args("byol", out)]
+    monkeypatch.setenv("PATH", str(tmp_path))
+    fails_in_one_line(capsys, words, "no sbatch/srun here", "torchrun on each node")
+    fails_in_one_line(capsys, [*words, f"run.resume={tmp_path / 'x.pt'}"], "run.resume=auto", "drop run.resume")
+    refusing = fake_slurm(tmp_path / "bin", 1, sbatch_error="sbatch: error: invalid partition specified: nope")
+    monkeypatch.setenv("PATH", f"{refusing}{os.pathsep}{os.environ['PATH']}")
+    fails_in_one_line(capsys, [*words, "partition=nope"], "sbatch refused the job",
+                      "invalid partition specified: nope", "check partition=")
+    monkeypatch.setitem(sys.modules, "submitit", None)             # not installed
+    fails_in_one_line(capsys, words, "pip install 'viewmill[slurm]'")
+    assert not out.exists()
+
+
+def start_task(folder: Path, job_id: int, rank: int, log: Path) -> subprocess.Popen:
+    """Task `rank` of a 2-node x 1-task job, started as the job's srun line starts it."""
+    slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": str(job_id), "SLURM_PROCID": str(rank),
+             "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": str(rank),
+             "SLURM_JOB_NODELIST": "localhost"}
+    with log.open("a") as f:
+        return subprocess.Popen([sys.executable, "-u", "-m", "submitit.core._submit", str(folder)], cwd=ROOT,
+                                env=env_here(**slurm), stdout=f, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_a_preempted_slurm_job_is_requeued_and_ends_as_the_uninterrupted_run(two_processes, tiny_args,
+                                                                            tmp_path, monkeypatch) -> None:
+    """The submitted job's two tasks (two "nodes", started here as srun would) train; SLURM's USR2 after
+    the first checkpoint makes rank 0 requeue the job (scontrol requeue <id>) and exit; the requeued
+    job's tasks continue from the newest checkpoint and end bit-identical to the 2-process run."""
+    job_id = free_port(20_000, 60_000) - 20_000     # its MASTER_PORT (20000 + id) is free now
+    fake = fake_slurm(tmp_path / "bin", job_id)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "runs"
+    assert main(["launcher=slurm", "nodes=2", "gpus=1", *tiny_args("byol", out, *SIX_STEPS)]) == 0
+    run, log = out / "run", tmp_path / "tasks.log"
+
+    tasks = [start_task(run / "slurm", job_id, rank, log) for rank in range(2)]
+    deadline = time.monotonic() + 240
+    while not (run / "checkpoint.pt").exists() and tasks[0].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    tasks[0].send_signal(signal.SIGUSR2)                      # SLURM's warning before preemption
+    assert tasks[0].wait(timeout=120) != 0, log.read_text()
+    tasks[1].kill()                                           # SLURM ends the job's other tasks
+    tasks[1].wait()
+    assert (fake / "scontrol.log").read_text() == f"requeue {job_id}\n", log.read_text()
+    first = losses(run)
+    assert 2 <= max(first) < 6, first
+
+    tasks = [start_task(run / "slurm", job_id, rank, log) for rank in range(2)]   # the requeued job
+    assert [t.wait(timeout=300) for t in tasks] == [0, 0], log.read_text()
+    assert f"resuming from {run / 'checkpoint.pt'}" in log.read_text()
+    assert_same_training(run, two_processes)

@@ -1,0 +1,88 @@
+"""`run.wandb=true`: W&B (offline mode) gets every TensorBoard scalar under the same name at the same step,
+in a W&B run of the configured project named after the run folder, with the resolved config; without
+the wandb package the run stops in one line naming the extra, before anything is written."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.train.test_train_cli import fails_in_one_line
+from train.__main__ import main
+
+BLOCK = 32 * 1024                   # W&B's run file: LevelDB-log blocks of 32 KiB
+HEADER = 7                          # `:W&B`, magic (2 bytes), version (1); each chunk: crc32, length, type
+
+
+def wandb_records(path: Path) -> list:
+    """The protobuf `Record`s of a W&B run file (`run-<id>.wandb`), in the order written. The file is a
+    LevelDB-style log: a 7-byte file header, then chunks with a 7-byte header (crc32, length, type: 1 a whole
+    record, 2/3/4 its first/middle/last part) that never cross a 32 KiB block (a shorter tail is padding)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    records, parts, pos = [], b"", HEADER
+    while pos + HEADER <= len(data):
+        if BLOCK - pos % BLOCK < HEADER:                 # the block's padding
+            pos += BLOCK - pos % BLOCK
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
+        parts += data[pos + HEADER:pos + HEADER + length]
+        pos += HEADER + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            records.append(record)
+            parts = b""
+    return records
+
+
+def wandb_history(records: list) -> dict[tuple[str, int], float]:
+    """{(scalar name, step): value} of the history records (W&B's own `_step`, `_runtime`... left out)."""
+    out = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            for item in r.history.item:
+                key = item.key or "/".join(item.nested_key)
+                if not key.startswith("_"):
+                    out[key, r.history.step.num] = json.loads(item.value_json)
+    return out
+
+
+@pytest.mark.slow
+def test_wandb_offline_gets_the_tensorboard_scalars(tiny_args, tmp_path, monkeypatch) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from train.config import load_config
+    from train.loop import train
+
+    for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": tmp_path / "config",
+                       "WANDB_CACHE_DIR": tmp_path / "cache", "WANDB_DATA_DIR": tmp_path / "data"}.items():
+        monkeypatch.setenv(key, str(value))
+    run = train(load_config(tiny_args("byol", tmp_path, "run.wandb=true", "run.wandb_project=ssl-tests")))
+    [run_file] = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    records = wandb_records(run_file)
+
+    [info] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert (info.project, info.display_name) == ("ssl-tests", "run")
+    config = {item.key: json.loads(item.value_json) for item in info.config.update}
+    assert config["method"] == "byol" and config["run"]["wandb"] is True and config["optim"]["steps"] == 3
+
+    events = EventAccumulator(str(run)).Reload()
+    tensorboard = {(tag, e.step): e.value for tag in events.Tags()["scalars"] for e in events.Scalars(tag)}
+    assert {("train/loss", 3), ("eval/knn_top1", 3), ("eval/random_init/rankme", 3)} <= set(tensorboard)
+    history = wandb_history(records)
+    assert history.keys() == tensorboard.keys()
+    assert history == pytest.approx(tensorboard, rel=1e-6)      # TensorBoard keeps float32
+
+
+def test_wandb_without_the_package_is_one_line_and_writes_nothing(tiny_args, capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)                # not installed
+    fails_in_one_line(capsys, tiny_args("byol", tmp_path / "runs", "run.wandb=true"),
+                      "run.wandb=true needs the wandb package", "pip install 'viewmill[wandb]'")
+    assert not (tmp_path / "runs").exists()

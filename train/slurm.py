@@ -1,0 +1,135 @@
+"""SLURM: `python -m train launcher=slurm nodes=N gpus=G partition=P ...` submits the run as one job of
+N nodes x G tasks through submitit (the library DINO and DINOv2 are launched with) instead of training here.
+
+Every task is one training process: it reads its rank from SLURM's variables (`dist_env`) and runs
+`python -m train`'s `main` on the job's words, which always hold `run.resume=auto` and a fixed `run.name`.
+When SLURM signals preemption or the coming time limit (`--signal=USR2@120`), submitit calls
+`Training.checkpoint` on rank 0 and requeues the job (`scontrol requeue`, the same job id); the requeued
+job's tasks continue from the run folder's newest checkpoint, so the steps since the last
+`run.ckpt_every` checkpoint are the only work done twice. A job that reaches the time limit is requeued
+up to `MAX_TIMEOUT_REQUEUES` times; a preempted one always.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from train.config import ClusterConfig, Config, ConfigError
+
+if TYPE_CHECKING:
+    import submitit
+
+MAX_TIMEOUT_REQUEUES = 30       # a 3-day time limit then covers 90 days of training (DINO's value)
+SIGNAL_DELAY_S = 120            # SLURM's warning before the kill: time for submitit to requeue
+PORTS = (20_000, 60_000)        # MASTER_PORT range; the port is the job id's, the same in every task
+
+
+def requeueable(cfg: Config, words: list[str]) -> tuple[Config, list[str]]:
+    """`cfg` and the CLI `words` as every start of the job runs them: `run.resume=auto`, and a `run.name`
+    fixed now (`<method>-<data>-<time>` when none is given) so that a requeued job finds its run folder.
+
+    Raises:
+        ConfigError: `run.resume=<file>` (a job that is requeued continues its own run folder).
+    """
+    if cfg.run.resume not in ("", "auto"):
+        raise ConfigError(f"launcher=slurm resumes with run.resume=auto from its run folder; to continue the run of "
+                          f"{cfg.run.resume}, drop run.resume and give run.out_dir=<its run folder's parent> "
+                          "run.name=<its run folder>")
+    name = cfg.run.name or f"{cfg.method}-{cfg.data.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run = dataclasses.replace(cfg.run, resume="auto", name=name)
+    return dataclasses.replace(cfg, run=run), [*words, "run.resume=auto", f"run.name={name}"]
+
+
+def dist_env(job: submitit.JobEnvironment) -> dict[str, str]:
+    """The variables `torch.distributed`'s env:// init reads, for the SLURM task `job` describes.
+
+    Args:
+        job: submitit's view of SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_JOB_NUM_NODES,
+            SLURM_JOB_NODELIST and SLURM_JOB_ID.
+
+    Returns:
+        RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, and MASTER_ADDR (the job's first node, where rank
+        0 runs) with MASTER_PORT (drawn from the job id: the same in every task, another in another job).
+    """
+    low, high = PORTS
+    job_id = int(job.raw_job_id)
+    return {"RANK": str(job.global_rank), "LOCAL_RANK": str(job.local_rank), "WORLD_SIZE": str(job.num_tasks),
+            "LOCAL_WORLD_SIZE": str(job.num_tasks // job.num_nodes), "MASTER_ADDR": job.hostnames[0],
+            "MASTER_PORT": str(low + job_id % (high - low))}
+
+
+class Training:
+    """The job's callable: one SLURM task is one process of `python -m train <words>`."""
+
+    def __init__(self, words: list[str]) -> None:
+        self.words = list(words)
+
+    def __call__(self) -> None:
+        import submitit
+
+        from train.__main__ import main
+
+        os.environ.update(dist_env(submitit.JobEnvironment()))
+        status = main(self.words)
+        if status:
+            raise RuntimeError(f"training ended with exit status {status}; its error is above in this task's log")
+
+    def checkpoint(self) -> submitit.helpers.DelayedSubmission:
+        """What submitit requeues on preemption or time-out (rank 0): the same training, which continues
+        from the run folder's newest checkpoint (`run.resume=auto`)."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(Training(self.words))
+
+
+def submit(cfg: Config, words: list[str], gpus: int, cluster: ClusterConfig) -> int:
+    """Submit `Training(words)` as one SLURM job of `cluster.nodes` x `gpus` tasks, one GPU each; print
+    the job id and where its logs go (`<run folder>/slurm/<job id>_<task>_log.out`).
+
+    Args:
+        cfg: the resolved config of `words` (after `requeueable`), already checked (`preflight`).
+        words: the CLI words every task runs, without the launcher words.
+        gpus: GPUs (tasks) per node.
+        cluster: nodes and the SLURM options.
+
+    Returns:
+        0 once SLURM accepted the job.
+
+    Raises:
+        ConfigError: submitit missing, no sbatch on this machine, or sbatch refusing the job.
+    """
+    try:
+        import submitit
+    except ImportError:
+        raise ConfigError("launcher=slurm needs submitit: pip install 'viewmill[slurm]'") from None
+    if not (shutil.which("sbatch") and shutil.which("srun")):
+        raise ConfigError("launcher=slurm: no sbatch/srun here; submit from a SLURM login node, or start "
+                          "torchrun on each node (README, Clusters)")
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    folder = (run_dir / "slurm").absolute()
+    created = next((d for d in (*reversed(folder.parents), folder) if not d.exists()), None)   # removed if refused
+    executor = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=MAX_TIMEOUT_REQUEUES)
+    optional = {"slurm_partition": cluster.partition, "slurm_account": cluster.account, "slurm_qos": cluster.qos,
+                "slurm_constraint": cluster.constraint, "mem_gb": cluster.mem_gb}
+    executor.update_parameters(
+        name=cfg.run.name, nodes=cluster.nodes, tasks_per_node=gpus, gpus_per_node=gpus,
+        cpus_per_task=cluster.cpus_per_task, timeout_min=cluster.time_min, slurm_signal_delay_s=SIGNAL_DELAY_S,
+        slurm_additional_parameters={"requeue": True}, **{k: v for k, v in optional.items() if v})
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):     # submitit prints sbatch's error too
+            job = executor.submit(Training(words))
+    except (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError) as e:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        detail = " ".join(str(e).split())
+        raise ConfigError(f"sbatch refused the job: {detail}; check partition=, account=, qos=, time_min=") from None
+    print(f"submitted SLURM job {job.job_id}: {cluster.nodes} node(s) x {gpus} GPU(s), run folder {run_dir} "
+          f"(resumed from its newest checkpoint when requeued), logs {folder}/{job.job_id}_<task>_log.out")
+    return 0
