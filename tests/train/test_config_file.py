@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from train.__main__ import main
+from tests.train.test_train_cli import fails_in_one_line
 from train.config import ConfigError, dump_yaml, load_config
 from train.objectives import OBJECTIVES
 
@@ -45,15 +45,6 @@ def test_a_config_file_picks_the_presets_and_key_value_words_override_it(tiny_ar
     assert again.method == "mocov3" and again.optim.lr == 0.2 and again.objective.tau == 0.3
     with pytest.raises(ConfigError, match="method byol has no objective keys.*remove the objective section"):
         load_config([f"config={file}", *words, "method=byol"])
-
-
-def fails_in_one_line(capsys, argv: list[str], *needles: str) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 def test_a_bad_config_file_is_one_line_naming_the_file_and_the_fix_and_nothing_is_written(tiny_args, capsys,
