@@ -42,6 +42,12 @@ def train(cfg: Config) -> Path:
     world, rank = dist.world_size(), dist.rank()
     resumed = resume_state(cfg)                     # checked before any write
     state = resumed.state
+    if state is not None and state["step"] >= cfg.optim.steps and (run_folder(cfg) / "backbone.safetensors").is_file():
+        # A finished run started again (a requeued job, the same command twice): its results stand.
+        if dist.is_main():
+            print(f"{run_folder(cfg)} finished at step {state['step']} (its results are there); nothing to do: "
+                  "raise optim.steps to train on, or give another run.name", flush=True)
+        return run_folder(cfg)
     parts = build_parts(cfg, device, backend, init=state is None)   # views, model.init: before any write
     online = dist.unwrap(parts.online)
     run_dir = run_folder(cfg)

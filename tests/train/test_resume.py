@@ -106,9 +106,10 @@ class Preempted(Exception):
 
 @pytest.mark.slow
 def test_auto_resume_with_the_same_command_repeats_the_uninterrupted_run(uninterrupted, tiny_args, tmp_path,
-                                                                         monkeypatch) -> None:
+                                                                         monkeypatch, capsys) -> None:
     """The first start (no run folder yet) trains from step 0; killed after step 4's checkpoint, the same
-    command continues at step 5 (not from 0 again) and every later loss equals the uninterrupted run's."""
+    command continues at step 5 (not from 0 again) and every later loss equals the uninterrupted run's;
+    once finished, the same command changes nothing (no second evaluation)."""
     from train.loop import train
 
     words = [*tiny_args("byol", tmp_path), "optim.steps=10", "run.ckpt_every=2", "run.resume=auto"]
@@ -131,6 +132,11 @@ def test_auto_resume_with_the_same_command_repeats_the_uninterrupted_run(uninter
     for step in range(5, 11):
         assert losses(run)[step] == pytest.approx(uninterrupted[step], rel=1e-5, abs=1e-6), step
     assert (run / "backbone.safetensors").is_file()
+    # Finished: the same command again (a job requeued after its end) leaves the run as it is.
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}
+    train(load_config(words))
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before
+    assert "nothing to do" in capsys.readouterr().out
 
 
 @pytest.mark.slow
