@@ -15,7 +15,6 @@ Backends import this module, never `pipelines.loader` (which imports them).
 from __future__ import annotations
 
 import enum
-import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
@@ -119,16 +118,6 @@ class Stream(enum.IntEnum):
     TORCHVISION_MIXES = 5  # the same for the torchvision baseline
     TORCHVISION_VIEWS = 6  # the torchvision baseline's per-sample view draws (with the record index)
     SHUFFLE = 7            # the per-epoch permutation (seed and epoch only: the same on every rank)
-
-
-def collect_before_fork() -> None:
-    """Collect the garbage before forking worker processes (torch DataLoader workers, the
-    preprocessors' pools). A forked child inherits the parent's unreachable objects, and its first
-    collection would run their finalisers there: a DALI pipeline's waits on its threads, which the
-    child does not have, so a child forked from a process that once built a pipeline (a test session,
-    a notebook) hung before doing anything. Collected in the parent, they finalise where their threads
-    exist."""
-    gc.collect()
 
 
 def derive_seed(*parts: int) -> int:

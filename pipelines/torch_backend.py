@@ -20,7 +20,8 @@ from torch import Tensor
 from pipelines.augment import render_views
 from pipelines.batch import Batch, make_batch
 from pipelines.shards import ShardReader, scan_shards
-from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, collect_before_fork
+from pipelines.processes import before_fork
+from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec
 
 
 def decode(data: bytes, mode: str) -> Tensor:
@@ -69,7 +70,7 @@ class TorchLoader(EpochLoader):
     def __iter__(self) -> Iterator[Batch]:
         items = [(self.order.batch_seed(k), idx) for k, idx in self.order.remaining()]
         if self.spec.num_workers > 0 and len(items) > 1:
-            collect_before_fork()
+            before_fork()
             batches = torch.utils.data.DataLoader(self.batches, batch_size=None, sampler=items,
                                                   num_workers=self.spec.num_workers, prefetch_factor=2)
         else:

@@ -9,6 +9,12 @@ Each task runs `run_unit` on one unit (one shard); Ray retries a task whose work
 unit only counts once its record is written, a retried unit rewrites its shard from the start. A
 unit whose worker dies `MAX_ATTEMPTS` times stops the run (Ray alone would retry it forever). The driver merges the records and writes the manifest; the FFCV file is
 written afterwards on the driver from the shards. Ray is the optional extra `viewmill[ray]`.
+
+A local instance ends with the run, however the run ends. Ray ties its GCS server and raylet to the
+driver (a parent-death signal), and the raylet's workers to the raylet; but its agents (dashboard
+and runtime-env) outlive a raylet killed by a signal for a minute, blocked on reporting the death to
+the dead GCS (Ray 2.60: a fixed 60 s timeout). So the driver also starts a reaper process
+(`reap_when_orphaned`) that, once the driver is gone, kills whatever that raylet started.
 """
 
 from __future__ import annotations
@@ -16,6 +22,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator
@@ -24,6 +34,7 @@ from pipelines import schema
 from preprocess.stream import Policy, Unit
 
 MAX_ATTEMPTS = 4                # tries of one unit whose worker keeps dying (e.g. out of memory)
+REAPER_POLL_S = 0.2             # how often the reaper of a local instance looks at the driver and the raylet
 
 
 class UnitFailed(ValueError):
@@ -65,6 +76,12 @@ class RayEngine:
         else:
             ray.init(num_cpus=self.workers, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
                      object_store_memory=256 * 2**20)     # results are small records, not images
+            try:                 # Ray's own table of the processes it started (private in Ray 2.60)
+                raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+            except (AttributeError, KeyError, IndexError):
+                return           # a Ray that moved it: its agents still end, a minute after the run
+            subprocess.Popen([sys.executable, "-c", f"from preprocess.ray_engine import reap_when_orphaned; "
+                              f"reap_when_orphaned({raylet})"], stdin=subprocess.DEVNULL, start_new_session=True)
 
     def map(self, fn: Callable[[Unit, Policy], dict], units: list[Unit], policy: Policy) -> Iterator[dict]:
         """Yield `fn(unit, policy)` for every unit, in the order they finish."""
@@ -110,3 +127,34 @@ class RayEngine:
             if isinstance(cause, OSError):
                 raise cause from None
             raise UnitFailed(str(cause).strip().splitlines()[-1]) from None
+
+
+def reap_when_orphaned(raylet: int) -> None:
+    """Run in a child process of a driver that started a local Ray instance: when the driver is gone
+    (killed), kill every process that the instance's raylet started (they carry `RAY_RAYLET_PID`);
+    when the raylet ends while the driver lives (`ray.shutdown`), return.
+
+    Args:
+        raylet: the pid of the local instance's raylet.
+    """
+    driver = os.getppid()
+    while os.getppid() == driver and _running(raylet):
+        time.sleep(REAPER_POLL_S)
+    time.sleep(REAPER_POLL_S)             # a dying driver takes its raylet first: let the driver's exit end
+    if os.getppid() == driver:
+        return
+    mark = f"RAY_RAYLET_PID={raylet}".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:                   # gone meanwhile, or another user's
+            continue
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (not a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

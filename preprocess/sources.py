@@ -29,7 +29,7 @@ from tqdm import tqdm
 from pipelines import schema
 from preprocess import cifar, imagefolder, synthetic
 from preprocess.records import ArraySplit, PreparedSplit, mean_std, pixel_sums
-from preprocess.workers import fork_context
+from pipelines.processes import fork_context
 
 _CHUNK = 256                    # records per worker task in the synthetic check pass
 

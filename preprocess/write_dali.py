@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from pipelines import schema
 from preprocess.records import PreparedSplit, Record, check_record, mask_coverage
-from preprocess.workers import fork_context
+from pipelines.processes import fork_context
 
 
 

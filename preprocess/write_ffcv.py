@@ -26,6 +26,7 @@ import cv2
 import numpy as np
 
 from pipelines import schema
+from pipelines.processes import before_fork
 from preprocess.records import PreparedSplit, check_record, mask_coverage
 
 # "No mask" is one zero byte, not zero bytes: FFCV 1.0.2 files a zero-size allocation under the same
@@ -158,13 +159,14 @@ def write_ffcv(split: PreparedSplit, path: Path, *, num_workers: int = 1, progre
         ffcv.writer.tqdm = functools.partial(tqdm, disable=not show, desc=path.name)
         # ... and polls its workers every 0.1 s, a fifth of a small file's write: poll every 5 ms.
         ffcv.writer.sleep = lambda _seconds: time.sleep(0.005)
+        before_fork()                            # FFCV forks its writer processes
         writer = ffcv.writer.DatasetWriter(tmp, fields, num_workers=min(num_workers, len(split)))
         # chunksize: workers take 64 records at a time, so small splits still spread over workers.
         before = set(mp.active_children())
         writer.from_indexed_dataset(_FFCVRecords(split, err), chunksize=64)
         for worker in set(mp.active_children()) - before:
-            # FFCV does not join its writer processes; until they exit they hold the descriptors they
-            # inherited, among them the dataset lock, which a next run in this process would find held.
+            # FFCV does not join its writer processes: reap them here rather than leave them to exit
+            # (and hold the descriptors they inherited) while this process goes on.
             worker.join(timeout=60)
         if os.path.exists(err):
             with open(err, encoding="utf-8") as f:

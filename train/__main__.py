@@ -24,16 +24,19 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import sys
 import uuid
 
 import torch
 
+from pipelines.processes import end_with_parent
 from pipelines.schema import DatasetError, read_manifest
 from pipelines.spec import LoaderError
 from train.config import ClusterConfig, Config, ConfigError, config_from_dict, load_config, take_cluster
 
 EXIT_BAD_INPUT = 2
+LAUNCHER_PID = "VIEWMILL_LAUNCHER_PID"   # set by `launch` for the processes it starts
 
 
 def evaluate_checkpoint(args: list[str]) -> dict[str, dict[str, float]]:
@@ -106,6 +109,7 @@ def launch(processes: int, argv: list[str], cluster: ClusterConfig = ClusterConf
     if not torch.cuda.is_available():       # torchrun's rule: one thread per process unless told
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)   # no launcher tracebacks
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the processes' parent, whose death ends them
     many = cluster.nodes > 1                # every node's launcher must name the same rendezvous
     config = LaunchConfig(min_nodes=cluster.nodes, max_nodes=cluster.nodes, nproc_per_node=processes,
                           run_id=f"viewmill-{cluster.rdzv}" if many else uuid.uuid4().hex, rdzv_backend="c10d",
@@ -114,7 +118,11 @@ def launch(processes: int, argv: list[str], cluster: ClusterConfig = ClusterConf
         elastic_launch(config, sys.executable)("-m", "train", *argv)
     except ChildFailedError as e:
         first = min(e.failures.values(), key=lambda f: f.timestamp)
-        if first.exitcode != EXIT_BAD_INPUT:
+        if first.exitcode < 0:              # a signal: the OOM killer, kill -9, a node's shutdown
+            print(f"error: process {first.local_rank} was killed by signal {-first.exitcode} "
+                  f"({signal.strsignal(-first.exitcode)}) and the others stopped; the same command with "
+                  "run.resume=auto continues from the last checkpoint", file=sys.stderr)
+        elif first.exitcode != EXIT_BAD_INPUT:
             print(f"error: process {first.local_rank} failed with exit status {first.exitcode}; "
                   "its output is above", file=sys.stderr)
         return first.exitcode if first.exitcode > 0 else 1
@@ -184,6 +192,9 @@ def main(argv: list[str], prog: str = "python -m train") -> int:
         if argv[:1] == ["eval"]:
             evaluate_checkpoint(argv[1:])
             return 0
+        if "TORCHELASTIC_RUN_ID" in os.environ:     # a rank of the elastic launcher (ours, torchrun): it and
+            # its loader workers end when the launcher dies, even one that dies while this process starts
+            end_with_parent(int(os.environ.pop(LAUNCHER_PID, os.getppid())))
         cfg = load_config(argv, world_size=int(os.environ.get("WORLD_SIZE", processes * cluster.nodes)))
         if "LOCAL_RANK" not in os.environ:  # checked once by the launching process (of each node)
             if cluster.launcher == "slurm":

@@ -39,7 +39,7 @@ from pipelines.shards import ShardReader, scan_shards
 from preprocess.prepare import DatasetLock
 from preprocess.saliency import handcrafted, quality, refine
 from preprocess.saliency.write import write_masks
-from preprocess.workers import fork_context
+from pipelines.processes import fork_context
 
 SUBSET = 2500
 

@@ -217,7 +217,7 @@ def test_a_second_run_on_the_same_dataset_refuses_in_one_line(tmp_path: Path) ->
         for run in (lambda: prepare_dataset("synthetic", tmp_path, workers=1, force=True, train_size=8,
                                             val_size=4, image_px=16),
                     lambda: compute(ds, Settings(subset=4))):
-            with pytest.raises(PreprocessError, match=rf"another run \(pid {os.getpid()}\) is writing synthetic"):
+            with pytest.raises(PreprocessError, match=rf"another run \(pid {os.getpid()}: this process\) is writing synthetic"):
                 run()
         assert (ds / schema.MANIFEST_NAME).read_bytes() == before
     finally:

@@ -263,7 +263,8 @@ def test_two_runs_at_once_the_second_refuses_in_one_line(tmp_path: Path, clean) 
         os.kill(first.pid, signal.SIGCONT)
     assert second.returncode == 2
     assert second.stderr.strip().count("\n") == 0
-    assert f"another run (pid {first.pid}) is writing imagefolder" in second.stderr
+    assert f"another run (pid {first.pid}: {sys.executable} -m preprocess --dataset imagefolder" in second.stderr
+    assert f"is writing imagefolder into {tmp_path}; wait for it to finish or stop it with `kill {first.pid}`" in second.stderr
     assert first.wait(timeout=120) == 0, first.stderr
     assert _contents(tmp_path / "imagefolder") == expect
 

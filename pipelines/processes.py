@@ -1,0 +1,79 @@
+"""The processes viewmill starts: forked after a garbage collection, and ending when their parent ends.
+
+Every process viewmill starts (preprocessing work units, DALI-shard and saliency workers, FFCV's writer
+processes, the torch DataLoader workers of the loaders, the ranks the training launcher starts) follows
+two rules, kept here for preprocess, pipelines and train alike:
+
+1. Fork after a garbage collection (`before_fork`). A forked child inherits the parent's unreachable
+   objects, and its first collection would run their finalisers there: a DALI pipeline's waits on its
+   worker threads, which the child does not have, so a child forked from a process that once built a
+   pipeline (a test session, a notebook) hung before doing anything. Collected in the parent, such
+   objects finalise where their threads exist.
+2. End with the parent, however the parent ends (`kill -9`, the OOM killer, a crash). An orphan is
+   re-parented to init and works on: it holds memory and cores, and writes into a staging or run
+   folder that the next run resumes from. Each child runs a watchdog thread that polls its parent's pid
+   and kills itself once the parent is gone. Linux's parent-death signal (PR_SET_PDEATHSIG) is not
+   used: it fires when the parent *thread* that forked the child ends, and a pool's helper thread
+   that replaces a worker would then kill a healthy child; polling the pid holds for every start
+   method. Forked children get the watchdog from an at-fork hook that `before_fork` registers once
+   per process (so also the children a library forks: FFCV's writers, DataLoader workers); a process
+   started by exec (a rank of the elastic launcher or torchrun) calls `end_with_parent` itself.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from multiprocessing.context import BaseContext
+
+POLL_S = 0.2                     # how often a child looks at its parent's pid: a dead parent's children end within it
+_forking_pid: int | None = None  # the pid of the process that is forking, read by the child it forks
+_hooked = False                  # the at-fork hooks are registered in this process (inherited by its children)
+
+
+def end_with_parent(parent: int | None = None) -> None:
+    """End this process (SIGKILL) as soon as `parent` is no longer its parent (module docstring, 2).
+
+    Args:
+        parent: the pid of the process whose death ends this one; default the current parent. A
+            parent that is already gone ends this process at once.
+    """
+    parent = os.getppid() if parent is None else parent
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=_watch, args=(parent,), name="viewmill-end-with-parent", daemon=True).start()
+
+
+def _watch(parent: int) -> None:
+    while os.getppid() == parent:            # re-parented (to init or a subreaper) once the parent dies
+        time.sleep(POLL_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _remember_forking_pid() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+def _in_forked_child() -> None:
+    end_with_parent(_forking_pid)            # the pid before the fork: a parent dead already ends us now
+
+
+def before_fork() -> None:
+    """Call before forking workers (or before a library does): collects the garbage (module docstring,
+    1) and makes every child forked from this process from now on end with it (2)."""
+    global _hooked
+    gc.collect()
+    if not _hooked:
+        os.register_at_fork(before=_remember_forking_pid, after_in_child=_in_forked_child)
+        _hooked = True
+
+
+def fork_context() -> BaseContext:
+    """The multiprocessing fork start method, after `before_fork`."""
+    before_fork()
+    return mp.get_context("fork")

@@ -1,0 +1,82 @@
+"""Processes started by a test, followed to the last one: every process a run starts carries the run's
+marker in its environment (children inherit it, whatever starts them: a fork, an exec, Ray's raylet,
+torch's elastic launcher in a new session), so "no process of that run is left" is a scan of /proc,
+not a walk of a tree whose branches re-parent to init as they are orphaned."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MARK = "VIEWMILL_TEST_RUN"
+
+
+def start(args: list[str], mark: str | None = None, **env: str) -> subprocess.Popen:
+    """`python args...` from this checkout, as the leader of a new process group (and session), with
+    `MARK=mark` in its environment (a new mark by default; read it back from `popen.mark`)."""
+    mark = mark or uuid.uuid4().hex
+    popen = subprocess.Popen([sys.executable, *args], cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", MARK: mark, **env})
+    popen.mark = mark
+    return popen
+
+
+def live(mark: str) -> list[int]:
+    """Pids of the processes that carry `mark` and are not zombies (a dead child waiting to be reaped
+    runs nothing; in a container, init may take its time to reap the orphans it inherits)."""
+    needle = f"{MARK}={mark}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                pids.append(int(entry.name))
+        except (OSError, IndexError):
+            continue
+    return pids
+
+
+def left_after(mark: str, seconds: float) -> list[str]:
+    """The command lines of the processes of `mark` still alive `seconds` from now (or as soon as none is)."""
+    deadline = time.monotonic() + seconds
+    while (pids := live(mark)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out = []
+    for pid in pids:
+        try:
+            out.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200])
+        except OSError:
+            continue
+    return out
+
+
+def wait_for(condition, timeout_s: float, what: str, popen: subprocess.Popen | None = None) -> None:
+    """Poll `condition()` every 20 ms until it holds; fail naming `what` after `timeout_s`, or at once
+    with its output when `popen` ends first."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if popen is not None and popen.poll() is not None:
+            raise AssertionError(f"the run ended (status {popen.returncode}) before {what}:\n{popen.stderr.read()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} after {timeout_s} s")
+        time.sleep(0.02)
+
+
+def kill_and_reap(popen: subprocess.Popen, group: bool = False) -> None:
+    """SIGKILL the run's main process (the OOM killer, `kill -9 PID`), or its whole process group (a
+    scheduler's job kill), and reap the main process."""
+    if group:
+        os.killpg(popen.pid, signal.SIGKILL)
+    else:
+        popen.kill()
+    popen.wait(timeout=30)
+    popen.stdout.close()
+    popen.stderr.close()

@@ -1,0 +1,80 @@
+"""Killed mid-run, nothing stays behind (training): `python -m train gpus=2`, each rank with a loader
+worker, is killed with SIGKILL on its launcher (the python process of `make train GPUS=2`), then,
+restarted with the same command (`run.resume=auto`), on one of its ranks. Each time, within a few seconds
+no launcher, rank or loader worker is left; the third start of the same command ends exactly as an
+uninterrupted run: the same loss at every step, and the same online and target weights, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.processes import kill_and_reap, left_after, live, start, wait_for
+from tests.train.test_cluster import assert_same_training
+
+STEPS = 12
+GONE_S = 3.0                     # "within a few seconds": a child polls its parent every 0.2 s
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    """The train steps of metrics.jsonl in the order they were logged (a resumed run logs some again)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records = [json.loads(ln) for ln in lines if ln.endswith("}")]        # the last line may be half written
+    return [r["step"] for r in records if r["kind"] == "train"]
+
+
+def rank_of(launcher_pid: int, mark: str) -> int:
+    """The pid of one rank: a process of the run whose parent is the launcher."""
+    for pid in live(mark):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat[1]) == launcher_pid:
+            return pid
+    raise AssertionError("no rank found")
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_a_killed_launcher_or_rank_leaves_no_process_and_the_same_command_resumes_exactly(tiny_args, tmp_path) -> None:
+    def command(out: Path) -> list[str]:
+        return ["-m", "train", "gpus=2", *tiny_args("byol", out, f"optim.steps={STEPS}", "run.ckpt_every=2",
+                                                    "run.resume=auto", "data.num_workers=1")]
+
+    reference = start(command(tmp_path / "reference"))
+    assert reference.wait(timeout=300) == 0, reference.stderr.read()
+    run_dir = tmp_path / "runs" / "run"
+
+    # 1. kill -9 of the launcher once the checkpoint of step 2 is written (step 3 is logged after it).
+    run = start(command(tmp_path / "runs"))
+    wait_for(lambda: 3 in logged_steps(run_dir) and len(live(run.mark)) >= 5, 180,
+             "step 3 with 2 ranks and their loader workers", run)
+    kill_and_reap(run)
+    assert left_after(run.mark, GONE_S) == []
+    assert max(logged_steps(run_dir)) < STEPS
+
+    # 2. The same command resumes; one rank is killed once the checkpoint of step 6 is written.
+    first = len(logged_steps(run_dir))
+    run = start(command(tmp_path / "runs"))
+    wait_for(lambda: 7 in logged_steps(run_dir)[first:], 180, "step 7 of the resumed run", run)
+    os.kill(rank_of(run.pid, run.mark), signal.SIGKILL)
+    assert run.wait(timeout=60) != 0
+    err = run.stderr.read()
+    assert "was killed by signal 9" in err and "run.resume=auto continues from the last checkpoint" in err
+    kill_and_reap(run)
+    assert left_after(run.mark, GONE_S) == []
+    assert max(logged_steps(run_dir)) < STEPS
+
+    # 3. The same command again ends as the uninterrupted run.
+    run = start(command(tmp_path / "runs"))
+    assert run.wait(timeout=300) == 0, run.stderr.read()
+    assert left_after(run.mark, GONE_S) == []
+    assert_same_training(run_dir, tmp_path / "reference" / "run")
