@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from pipelines import schema
+from pipelines.jit import cache_typed_dict_helpers
 from pipelines.mixing import with_mix_source
 from pipelines.spec import DatasetInfo, Loader, LoaderError, LoaderSpec, check_spec, removes_backgrounds
 
@@ -108,5 +109,7 @@ def build_loader(backend: str, spec: LoaderSpec) -> Loader:
               f"{spec.dataset} has no saliency masks, so no view is masked; `make saliency "
               f"DATASET={spec.dataset}` computes them", file=sys.stderr, flush=True)
     spec = replace(spec, recipe=with_mix_source(spec.recipe, spec.mix))
+    if backend == "ffcv":
+        cache_typed_dict_helpers()           # before FFCV's import compiles them (pipelines/jit.py)
     module = importlib.import_module(f"pipelines.{backend}_backend")
     return module.build(spec, info)

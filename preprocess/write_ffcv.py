@@ -26,6 +26,7 @@ import cv2
 import numpy as np
 
 from pipelines import schema
+from pipelines.jit import cache_typed_dict_helpers
 from pipelines.processes import before_fork
 from preprocess.records import PreparedSplit, check_record, mask_coverage
 
@@ -108,6 +109,7 @@ def warm_up() -> None:
     """Import FFCV's writer and compile what every record encode uses, in this process, so that the
     processes it forks (FFCV's workers, a background copy) inherit it: an image encode looks its mode
     up in FFCV's numba typed dict, whose first lookup compiles (0.26 s per process otherwise)."""
+    cache_typed_dict_helpers()              # FFCV's import fills a typed dict (pipelines/jit.py)
     import ffcv.writer  # noqa: F401
     from ffcv.fields.rgb_image import IMAGE_MODES
 
@@ -128,10 +130,6 @@ def write_ffcv(split: PreparedSplit, path: Path, *, num_workers: int = 1, progre
         ValueError: bad mode, empty split, a bad record (the message names it), or bad num_workers.
         FileNotFoundError: the destination folder does not exist.
     """
-    import ffcv.writer
-    from ffcv.fields import BytesField, FloatField, IntField, RGBImageField
-    from tqdm import tqdm
-
     path = Path(path)
     if split.mode not in schema.IMAGE_MODES:
         raise ValueError(f"unknown image mode {split.mode!r}; use one of {', '.join(schema.IMAGE_MODES)}")
@@ -143,6 +141,10 @@ def write_ffcv(split: PreparedSplit, path: Path, *, num_workers: int = 1, progre
         raise FileNotFoundError(f"output folder {path.parent} does not exist; create it first")
 
     warm_up()
+    import ffcv.writer
+    from ffcv.fields import BytesField, FloatField, IntField, RGBImageField
+    from tqdm import tqdm
+
     image = (RGBImageField(write_mode="raw") if split.mode == "raw"
              else RGBImageField(write_mode="jpg", jpeg_quality=int(split.jpeg_quality)))
     image.encode = functools.partial(_encode_passing_jpegs_through, image)

@@ -19,7 +19,7 @@ PACKAGES = ("pipelines", "models", "train", "preprocess", "bench", "viewmill")
 # What the `viewmill` command dispatches to: the module behind each `python -m` entry point.
 ENTRY_MODULES = ("preprocess.__main__", "train.__main__", "preprocess.saliency.__main__", "bench.profile")
 ACCEL = ("ffcv", "nvidia.dali")
-PREPROCESS_MAY_IMPORT = ("pipelines.schema", "pipelines.shards", "pipelines.processes")
+PREPROCESS_MAY_IMPORT = ("pipelines.schema", "pipelines.shards", "pipelines.processes", "pipelines.jit")
 # The backends of `pipelines`, each a family of modules: `<name>_backend.py` plus its helpers
 # `<prefix>*.py`, and the accelerator package only that family may import.
 BACKEND_FAMILIES = {"torch": ("torch_backend", None), "torchvision": ("torchvision_backend", None),
@@ -105,7 +105,7 @@ def violations(path: Path) -> list[str]:
             # pipelines.shards: the one reader of the shard format (no torch, no backend), for the
             # saliency stage, which reads a written dataset back to add its masks; pipelines.processes:
             # the rules of the processes every package starts (forked after a collection, ending with
-            # their parent).
+            # their parent); pipelines.jit: numba as FFCV's import uses it, for the FFCV writer.
             elif under(name, ("pipelines",)) and not under(name, PREPROCESS_MAY_IMPORT):
                 why = "preprocess may import only " + ", ".join(PREPROCESS_MAY_IMPORT) + " from pipelines"
         if why:
