@@ -3,8 +3,21 @@ marked `gpu` are skipped where torch sees no CUDA device; tests marked `long`, t
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+
+def pytest_configure(config) -> None:
+    # Under pytest-xdist, each worker gets its share of the cores for torch's threads (and, through
+    # OMP_NUM_THREADS, the processes its tests start): two workers with two spinning OpenMP threads
+    # each oversubscribe 2 cores.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
