@@ -44,7 +44,7 @@ def evaluate_checkpoint(args: list[str]) -> dict[str, dict[str, float]]:
     architecture; `args` are `ckpt=PATH` and optional `key=value` overrides of the saved config
     (e.g. `data.root=...`, `run.max_eval_samples=...`)."""
     from train import checkpoint
-    from train.evaluate import evaluate_backbone
+    from train.evaluate import EvalLoaders, evaluate_backbone
     from train.log import eval_line
     from train.setup import build_online, check_same_network, resolve_backend, select_device
 
@@ -60,8 +60,9 @@ def evaluate_checkpoint(args: list[str]) -> dict[str, dict[str, float]]:
     trained = build_online(cfg, device)
     trained.load_state_dict(state["online"])
     torch.manual_seed(cfg.run.seed + 1)
-    results = {"checkpoint": evaluate_backbone(cfg, trained.backbone, backend, device),
-               "random_init": evaluate_backbone(cfg, build_online(cfg, device).backbone, backend, device)}
+    loaders = EvalLoaders()
+    results = {"checkpoint": evaluate_backbone(cfg, trained.backbone, backend, device, loaders),
+               "random_init": evaluate_backbone(cfg, build_online(cfg, device).backbone, backend, device, loaders)}
     print(f"step {state['step']} {cfg.method} {cfg.model.backbone} on {cfg.data.name}")
     for name, r in results.items():
         print(f"{name:>12}: {eval_line(r)}")

@@ -20,7 +20,7 @@ from pipelines.batch import Batch
 from pipelines.spec import Loader
 from train import checkpoint, dist, schedules
 from train.config import Config, dump_yaml, to_dict
-from train.evaluate import evaluate_backbone
+from train.evaluate import EvalLoaders, evaluate_backbone
 from train.log import Log, Meter, check_wandb
 from train.objectives.base import LossOut, StepValues
 from train.optim import apply_lr_wd, clip_and_step
@@ -72,8 +72,9 @@ def train(cfg: Config) -> Path:
         start_step, random_init, position = state["step"], state["random_init"], state["loader"][rank]
         checkpoint.set_rng_state(state["rng"][rank])
     batches = epochs_from(parts.loader, start_step, steps_per_epoch, position)
+    eval_loaders = EvalLoaders()
     if random_init is None:                  # measured once, before the first step, and kept in checkpoints
-        random_init = evaluate_backbone(cfg, online.backbone, backend, device)
+        random_init = evaluate_backbone(cfg, online.backbone, backend, device, eval_loaders)
 
     def save_checkpoint(step: int) -> None:
         rng, position = dist.gather_objects(checkpoint.rng_state()), dist.gather_objects(parts.loader.state_dict())
@@ -105,7 +106,7 @@ def train(cfg: Config) -> Path:
             log.step(done, cfg.optim.steps, terms, s.lr, s.ema, meter.read_and_reset())
         k = cfg.run.eval_every_epochs * steps_per_epoch
         if k and done % k == 0 and done < cfg.optim.steps:
-            result = evaluate_backbone(cfg, online.backbone, backend, device)
+            result = evaluate_backbone(cfg, online.backbone, backend, device, eval_loaders)
             log.eval(done, done / steps_per_epoch, result, random_init)
         if done % cfg.run.ckpt_every == 0 or done == stop:
             save_checkpoint(done)
@@ -116,7 +117,7 @@ def train(cfg: Config) -> Path:
         log.print(f"stopped after step {stop}; resume with {again} and a later run.stop_after_steps (or none)")
         return run_dir
 
-    result = evaluate_backbone(cfg, online.backbone, backend, device)
+    result = evaluate_backbone(cfg, online.backbone, backend, device, eval_loaders)
     log.eval(cfg.optim.steps, cfg.optim.steps / steps_per_epoch, result, random_init)
     log.close()
     if dist.is_main():

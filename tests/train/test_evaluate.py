@@ -176,3 +176,26 @@ def test_alignment_is_the_mean_squared_distance_of_the_normalised_views() -> Non
     assert int(n) == 12 and float(total / n) == pytest.approx(literal, rel=1e-6)
     same = [Batch(**{**vars(b), "global_views": b.global_views[:1].expand(2, -1, -1, -1, -1)}) for b in batches]
     assert float(alignment_sums(mean_colour, same, "cpu")[0]) == 0.0
+
+
+@pytest.mark.parametrize("backend", ["torch", "ffcv", "dali"])
+def test_a_run_s_later_evaluations_reuse_its_loaders_and_score_as_fresh_ones(backend, tiny_args, tmp_path,
+                                                                             monkeypatch) -> None:
+    """`EvalLoaders`: the second evaluation of a run builds no loader, reads every record again from the
+    start (the same draws for the alignment views) and gives what loaders built afresh give."""
+    pytest.importorskip({"torch": "torch", "ffcv": "ffcv", "dali": "nvidia.dali"}[backend])
+    from train.config import load_config
+
+    cfg = load_config(tiny_args("byol", tmp_path, f"data.backend={backend}"))
+    backbone = build_backbone(cfg.model.backbone, cfg.views.global_px)[0].eval()
+    built = []
+    real_build = evaluate.build_loader
+    monkeypatch.setattr(evaluate, "build_loader", lambda *a: built.append(a[1].split) or real_build(*a))
+    loaders = evaluate.EvalLoaders()
+    first = evaluate.evaluate_backbone(cfg, backbone, backend, torch.device("cpu"), loaders)
+    assert sorted(built) == ["train", "val", "val"]                      # plain train and val, byol val
+    again = evaluate.evaluate_backbone(cfg, backbone, backend, torch.device("cpu"), loaders)
+    assert len(built) == 3
+    fresh = evaluate.evaluate_backbone(cfg, backbone, backend, torch.device("cpu"))
+    assert again == first == fresh
+    assert first["eval_val_samples"] == 16 and first["eval_train_samples"] == 16
