@@ -102,13 +102,13 @@ def test_preprocess_killed_on_its_main_process_then_on_its_group_leaves_nothing_
 def test_saliency_killed_while_its_workers_run_leaves_nothing_and_the_rerun_writes_the_same_masks(tmp_path) -> None:
     from preprocess.prepare import prepare_dataset
 
-    prepare_dataset("synthetic", tmp_path / "a", workers=1, train_size=48, val_size=8, image_px=32, seed=4)
+    prepare_dataset("synthetic", tmp_path / "a", workers=1, train_size=32, val_size=8, image_px=32, seed=4)
     shutil.copytree(tmp_path / "a", tmp_path / "b")
 
     def saliency(root: Path):
-        return start(["-m", "preprocess.saliency", "--root", str(root), "--subset", "24", "--workers", "2",
+        return start(["-m", "preprocess.saliency", "--root", str(root), "--subset", "16", "--workers", "2",
                       "--work-px", "64", "--report", str(root / "reports"), "--case-images", "2", "--score-images",
-                      "8", "--rounds", "1", "--epochs", "1", "--final-epochs", "1"])
+                      "4", "--rounds", "1", "--epochs", "1", "--final-epochs", "1"])
 
     reference = saliency(tmp_path / "a")
     assert reference.wait(timeout=300) == 0, reference.stderr.read()
