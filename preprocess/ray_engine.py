@@ -81,7 +81,8 @@ class RayEngine:
             except (AttributeError, KeyError, IndexError):
                 return           # a Ray that moved it: its agents still end, a minute after the run
             subprocess.Popen([sys.executable, "-c", f"from preprocess.ray_engine import reap_when_orphaned; "
-                              f"reap_when_orphaned({raylet})"], stdin=subprocess.DEVNULL, start_new_session=True)
+                              f"reap_when_orphaned({raylet}, {os.getpid()})"], stdin=subprocess.DEVNULL,
+                             start_new_session=True)
 
     def map(self, fn: Callable[[Unit, Policy], dict], units: list[Unit], policy: Policy) -> Iterator[dict]:
         """Yield `fn(unit, policy)` for every unit, in the order they finish."""
@@ -129,32 +130,60 @@ class RayEngine:
             raise UnitFailed(str(cause).strip().splitlines()[-1]) from None
 
 
-def reap_when_orphaned(raylet: int) -> None:
+def reap_when_orphaned(raylet: int, driver: int) -> None:
     """Run in a child process of a driver that started a local Ray instance: when the driver is gone
-    (killed), kill every process that the instance's raylet started (they carry `RAY_RAYLET_PID`);
-    when the raylet ends while the driver lives (`ray.shutdown`), return.
+    (killed), kill every process that the instance's raylet started; when the raylet ends while the
+    driver lives (`ray.shutdown`), return.
+
+    The raylet's descendants are noted at every poll while it lives (a process's parent, not its
+    environment, says who started it: Ray's process titles overwrite the environment /proc shows),
+    each with its start time, so that a pid reused since is never killed.
 
     Args:
         raylet: the pid of the local instance's raylet.
+        driver: the pid of the driver, this process's parent (given: it may be gone before this
+            process has started).
     """
-    driver = os.getppid()
+    started: set[tuple[int, str]] = set()
     while os.getppid() == driver and _running(raylet):
+        started |= _descendants(raylet)
         time.sleep(REAPER_POLL_S)
     time.sleep(REAPER_POLL_S)             # a dying driver takes its raylet first: let the driver's exit end
     if os.getppid() == driver:
         return
-    mark = f"RAY_RAYLET_PID={raylet}".encode()
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and mark in (entry / "environ").read_bytes().split(b"\0"):
-                os.kill(int(entry.name), signal.SIGKILL)
-        except OSError:                   # gone meanwhile, or another user's
-            continue
+    for pid, since in started:
+        if _stat(pid)[1] == since:        # the same process, still there
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue
+
+
+def _stat(pid: int) -> tuple[str, str, int]:
+    """(state, start time, parent pid) of a process from /proc/<pid>/stat; ("", "", 0) when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], fields[19], int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return "", "", 0
 
 
 def _running(pid: int) -> bool:
     """Whether `pid` is a live process (not a zombie)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    return _stat(pid)[0] not in ("", "Z")
+
+
+def _descendants(root: int) -> set[tuple[int, str]]:
+    """(pid, start time) of every live descendant of `root`."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            state, since, parent = _stat(int(entry.name))
+            if state not in ("", "Z"):
+                children.setdefault(parent, []).append((int(entry.name), since))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child[0])
+    return found

@@ -1,7 +1,9 @@
-"""Processes started by a test, followed to the last one: every process a run starts carries the run's
-marker in its environment (children inherit it, whatever starts them: a fork, an exec, Ray's raylet,
-torch's elastic launcher in a new session), so "no process of that run is left" is a scan of /proc,
-not a walk of a tree whose branches re-parent to init as they are orphaned."""
+"""Processes started by a test, followed to the last one, two ways: every process a run starts carries the
+run's marker in its environment (children inherit it, whatever starts them: a fork, an exec, Ray's
+raylet, torch's elastic launcher in a new session), and the run's process tree is noted just before it
+is killed (the environment /proc shows can be overwritten by a process title, as Ray's are). "No process
+of that run is left" is a scan of /proc for both, not a walk of a tree whose branches re-parent to
+init as they are orphaned."""
 
 from __future__ import annotations
 
@@ -28,26 +30,58 @@ def start(args: list[str], mark: str | None = None, **env: str) -> subprocess.Po
     return popen
 
 
-def live(mark: str) -> list[int]:
-    """Pids of the processes that carry `mark` and are not zombies (a dead child waiting to be reaped
-    runs nothing; in a container, init may take its time to reap the orphans it inherits)."""
+def _stat(pid: int) -> tuple[str, str, int]:
+    """(state, start time, parent pid) of a process; ("", "", 0) when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], fields[19], int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return "", "", 0
+
+
+def _alive(pid: int, since: str | None = None) -> bool:
+    """Whether `pid` runs (is not a zombie), and, given `since`, is the process that started then."""
+    state, started, _ = _stat(pid)
+    return state not in ("", "Z") and since in (None, started)
+
+
+def tree(root: int) -> set[tuple[int, str]]:
+    """(pid, start time) of `root` and its live descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            children.setdefault(_stat(int(entry.name))[2], []).append(int(entry.name))
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if _alive(pid):
+            found.add((pid, _stat(pid)[1]))
+        todo += children.get(pid, [])
+    return found
+
+
+def live(mark: str, noted: set[tuple[int, str]] = frozenset()) -> list[int]:
+    """Pids of the processes that carry `mark`, or are in `noted` (the same start time), and are not
+    zombies (a dead child waiting to be reaped runs nothing; in a container, init may take its time
+    to reap the orphans it inherits)."""
     needle = f"{MARK}={mark}".encode()
-    pids = []
+    pids = [pid for pid, since in noted if _alive(pid, since)]
     for entry in Path("/proc").iterdir():
         try:
             if not entry.name.isdigit() or needle not in (entry / "environ").read_bytes().split(b"\0"):
                 continue
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            if _alive(int(entry.name)):
                 pids.append(int(entry.name))
-        except (OSError, IndexError):
+        except OSError:
             continue
-    return pids
+    return sorted(set(pids))
 
 
-def left_after(mark: str, seconds: float) -> list[str]:
-    """The command lines of the processes of `mark` still alive `seconds` from now (or as soon as none is)."""
+def left_after(mark: str, seconds: float, noted: set[tuple[int, str]] = frozenset()) -> list[str]:
+    """The command lines of the processes of `mark` (or `noted`) still alive `seconds` from now (or as
+    soon as none is)."""
     deadline = time.monotonic() + seconds
-    while (pids := live(mark)) and time.monotonic() < deadline:
+    while (pids := live(mark, noted)) and time.monotonic() < deadline:
         time.sleep(0.05)
     out = []
     for pid in pids:
@@ -70,9 +104,11 @@ def wait_for(condition, timeout_s: float, what: str, popen: subprocess.Popen | N
         time.sleep(0.02)
 
 
-def kill_and_reap(popen: subprocess.Popen, group: bool = False) -> None:
+def kill_and_reap(popen: subprocess.Popen, group: bool = False) -> set[tuple[int, str]]:
     """SIGKILL the run's main process (the OOM killer, `kill -9 PID`), or its whole process group (a
-    scheduler's job kill), and reap the main process."""
+    scheduler's job kill), and reap the main process; returns its process tree just before the kill
+    (`tree`), for `left_after`."""
+    noted = tree(popen.pid)
     if group:
         os.killpg(popen.pid, signal.SIGKILL)
     else:
@@ -80,3 +116,4 @@ def kill_and_reap(popen: subprocess.Popen, group: bool = False) -> None:
     popen.wait(timeout=30)
     popen.stdout.close()
     popen.stderr.close()
+    return noted

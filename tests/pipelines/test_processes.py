@@ -80,8 +80,8 @@ def test_children_end_when_their_parent_is_killed(kind) -> None:
     parent = start(["-c", PARENT, kind])
     expected = int(parent.stdout.readline())
     wait_for(lambda: len(live(parent.mark)) == expected + 1, 30, f"{expected} children", parent)
-    kill_and_reap(parent)
-    left = left_after(parent.mark, 5 * POLL_S + 1)
+    noted = kill_and_reap(parent)
+    left = left_after(parent.mark, 5 * POLL_S + 1, noted)
     if kind == "unguarded":                # the test can tell: without the rule, the child lives on
         orphans = live(parent.mark)
         for pid in orphans:

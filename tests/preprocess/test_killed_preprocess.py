@@ -77,16 +77,16 @@ def test_preprocess_killed_on_its_main_process_then_on_its_group_leaves_nothing_
     #    units, end with it, and the lock it recorded is stale.
     run = start(preprocess_words(jpeg_folder, out))
     wait_for(lambda: finished_units(out) >= 1 and len(live(run.mark)) >= 3, 120, "finished unit with workers at work", run)
-    kill_and_reap(run)
-    assert left_after(run.mark, GONE_S) == []
+    noted = kill_and_reap(run)
+    assert left_after(run.mark, GONE_S, noted) == []
     done_first = finished_units(out)
     assert 1 <= done_first < FILES // SHARD and not (out / "imagefolder").exists()
 
     # 2. The same command resumes; killed with its whole group after one more unit.
     run = start(preprocess_words(jpeg_folder, out))
     wait_for(lambda: finished_units(out) > done_first and len(live(run.mark)) >= 3, 120, "another unit", run)
-    kill_and_reap(run, group=True)
-    assert left_after(run.mark, GONE_S) == []
+    noted = kill_and_reap(run, group=True)
+    assert left_after(run.mark, GONE_S, noted) == []
     assert finished_units(out) < FILES // SHARD and not (out / "imagefolder").exists()
 
     # 3. The same command again finishes what is left.
@@ -114,8 +114,8 @@ def test_saliency_killed_while_its_workers_run_leaves_nothing_and_the_rerun_writ
     assert reference.wait(timeout=300) == 0, reference.stderr.read()
     run = saliency(tmp_path / "b")
     wait_for(lambda: len(live(run.mark)) >= 3, 120, "saliency workers", run)
-    kill_and_reap(run)
-    assert left_after(run.mark, GONE_S) == []
+    noted = kill_and_reap(run)
+    assert left_after(run.mark, GONE_S, noted) == []
     rerun = saliency(tmp_path / "b")
     assert rerun.wait(timeout=300) == 0, rerun.stderr.read()
     assert "the lock of synthetic is stale" in rerun.stderr.read()
@@ -132,5 +132,5 @@ def test_a_local_ray_instance_ends_with_the_run_that_started_it(jpeg_folder, tmp
     out = tmp_path / "out"
     run = start([*preprocess_words(jpeg_folder, out), "--engine", "ray"], RAY_ADDRESS="")
     wait_for(lambda: finished_units(out) >= 1, 180, "a finished unit", run)
-    kill_and_reap(run)
-    assert left_after(run.mark, GONE_S) == []
+    noted = kill_and_reap(run)
+    assert left_after(run.mark, GONE_S, noted) == []

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import kill_and_reap, left_after, live, start, wait_for
+from tests.processes import kill_and_reap, left_after, live, start, tree, wait_for
 from tests.train.test_cluster import assert_same_training
 
 STEPS = 12
@@ -57,20 +57,20 @@ def test_a_killed_launcher_or_rank_leaves_no_process_and_the_same_command_resume
     run = start(command(tmp_path / "runs"))
     wait_for(lambda: 3 in logged_steps(run_dir) and len(live(run.mark)) >= 5, 180,
              "step 3 with 2 ranks and their loader workers", run)
-    kill_and_reap(run)
-    assert left_after(run.mark, GONE_S) == []
+    noted = kill_and_reap(run)
+    assert left_after(run.mark, GONE_S, noted) == []
     assert max(logged_steps(run_dir)) < STEPS
 
     # 2. The same command resumes; one rank is killed once the checkpoint of step 6 is written.
     first = len(logged_steps(run_dir))
     run = start(command(tmp_path / "runs"))
     wait_for(lambda: 7 in logged_steps(run_dir)[first:], 180, "step 7 of the resumed run", run)
+    noted = tree(run.pid)
     os.kill(rank_of(run.pid, run.mark), signal.SIGKILL)
     assert run.wait(timeout=60) != 0
     err = run.stderr.read()
     assert "was killed by signal 9" in err and "run.resume=auto continues from the last checkpoint" in err
-    kill_and_reap(run)
-    assert left_after(run.mark, GONE_S) == []
+    assert left_after(run.mark, GONE_S, noted) == []
     assert max(logged_steps(run_dir)) < STEPS
 
     # 3. The same command again ends as the uninterrupted run.
