@@ -6,7 +6,6 @@ run ends; `nodes=` without a rendezvous address and a SLURM launch that cannot w
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -17,19 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.train.test_train_cli import fails_in_one_line
+from tests.train.two_ranks import ROOT, STEPS, WORDS, assert_same_training, env_here, losses
 from train.__main__ import main
-
-ROOT = Path(__file__).resolve().parents[2]
-SIX_STEPS = ("optim.steps=6", "run.ckpt_every=2", "data.num_workers=0")    # checkpoints at 2, 4, 6
-
-
-def env_here(**extra: str) -> dict[str, str]:
-    """The environment of a `python -m train` started by a test: this checkout's code, one thread per
-    process (the same in every run compared, so the float sums are the same)."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
 
 
 def free_port(low: int = 1024, high: int = 65536) -> int:
@@ -41,33 +31,6 @@ def free_port(low: int = 1024, high: int = 65536) -> int:
             return port
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    """Train loss per step of metrics.jsonl (a resumed run's later records win)."""
-    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
-
-
-def assert_same_training(run: Path, reference: Path) -> None:
-    """The same losses at every step, and bit-identical online and target networks at the end."""
-    assert losses(run) == losses(reference)
-    a, b = (torch.load(d / "checkpoint.pt", weights_only=True) for d in (run, reference))
-    assert a["step"] == b["step"] == max(losses(reference))
-    for part in ("online", "target"):
-        assert a[part].keys() == b[part].keys()
-        for name in a[part]:
-            assert torch.equal(a[part][name], b[part][name]), (part, name)
-
-
-@pytest.fixture(scope="module")
-def two_processes(tiny_args, tmp_path_factory) -> Path:
-    """The run folder of 6 byol steps in 2 processes on this machine (`gpus=2`)."""
-    out = tmp_path_factory.mktemp("one-node")
-    done = subprocess.run([sys.executable, "-m", "train", "gpus=2", *tiny_args("byol", out, *SIX_STEPS)], cwd=ROOT,
-                          env=env_here(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return out / "run"
-
-
 @pytest.mark.ddp
 @pytest.mark.slow
 def test_two_nodes_over_a_c10d_rendezvous_equal_one_node_of_two_processes(two_processes, tiny_args, tmp_path) -> None:
@@ -76,7 +39,7 @@ def test_two_nodes_over_a_c10d_rendezvous_equal_one_node_of_two_processes(two_pr
     losses and weights are bit-identical (gloo sums 2 ranks in the same order)."""
     out = tmp_path / "runs"
     command = [sys.executable, "-m", "train", "gpus=1", "nodes=2", f"rdzv=127.0.0.1:{free_port()}",
-               *tiny_args("byol", out, *SIX_STEPS)]
+               *tiny_args("byol", out, *WORDS)]
     nodes = [subprocess.Popen(command, cwd=ROOT, env=env_here(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for _ in range(2)]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
@@ -200,7 +163,7 @@ def test_a_preempted_slurm_job_is_requeued_and_ends_as_the_uninterrupted_run(two
     fake = fake_slurm(tmp_path / "bin", job_id)
     monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
     out = tmp_path / "runs"
-    assert main(["launcher=slurm", "nodes=2", "gpus=1", *tiny_args("byol", out, *SIX_STEPS)]) == 0
+    assert main(["launcher=slurm", "nodes=2", "gpus=1", *tiny_args("byol", out, *WORDS)]) == 0
     run, log = out / "run", tmp_path / "tasks.log"
 
     tasks = [start_task(run / "slurm", job_id, rank, log) for rank in range(2)]
@@ -213,7 +176,7 @@ def test_a_preempted_slurm_job_is_requeued_and_ends_as_the_uninterrupted_run(two
     tasks[1].wait()
     assert (fake / "scontrol.log").read_text() == f"requeue {job_id}\n", log.read_text()
     first = losses(run)
-    assert 2 <= max(first) < 6, first
+    assert 2 <= max(first) < STEPS, first
 
     tasks = [start_task(run / "slurm", job_id, rank, log) for rank in range(2)]   # the requeued job
     assert [t.wait(timeout=300) for t in tasks] == [0, 0], log.read_text()

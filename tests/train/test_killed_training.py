@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.processes import kill_and_reap, left_after, live, start, tree, wait_for
-from tests.train.test_cluster import assert_same_training
+from tests.train.two_ranks import STEPS, WORDS, assert_same_training
 
-STEPS = 12
 GONE_S = 3.0                     # "within a few seconds": a child polls its parent every 0.2 s
 
 
@@ -44,13 +43,11 @@ def rank_of(launcher_pid: int, mark: str) -> int:
 
 @pytest.mark.ddp
 @pytest.mark.slow
-def test_a_killed_launcher_or_rank_leaves_no_process_and_the_same_command_resumes_exactly(tiny_args, tmp_path) -> None:
+def test_a_killed_launcher_or_rank_leaves_no_process_and_the_same_command_resumes_exactly(two_processes, tiny_args,
+                                                                                        tmp_path) -> None:
     def command(out: Path) -> list[str]:
-        return ["-m", "train", "gpus=2", *tiny_args("byol", out, f"optim.steps={STEPS}", "run.ckpt_every=2",
-                                                    "run.resume=auto", "data.num_workers=1")]
+        return ["-m", "train", "gpus=2", *tiny_args("byol", out, *WORDS, "run.resume=auto")]
 
-    reference = start(command(tmp_path / "reference"))
-    assert reference.wait(timeout=300) == 0, reference.stderr.read()
     run_dir = tmp_path / "runs" / "run"
 
     # 1. kill -9 of the launcher once the checkpoint of step 2 is written (step 3 is logged after it).
@@ -77,4 +74,4 @@ def test_a_killed_launcher_or_rank_leaves_no_process_and_the_same_command_resume
     run = start(command(tmp_path / "runs"))
     assert run.wait(timeout=300) == 0, run.stderr.read()
     assert left_after(run.mark, GONE_S) == []
-    assert_same_training(run_dir, tmp_path / "reference" / "run")
+    assert_same_training(run_dir, two_processes)

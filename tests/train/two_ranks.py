@@ -1,0 +1,57 @@
+"""The 2-process reference run that the multi-node, SLURM and kill tests end equal to: byol on the tiny
+dataset, `WORDS`, started as `python -m train gpus=2`; made once per test session (under pytest-xdist,
+the first worker that needs it makes it and the others wait for it), and the comparison of a run with it."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 12
+WORDS = (f"optim.steps={STEPS}", "run.ckpt_every=2", "data.num_workers=1")    # checkpoints every 2 steps
+
+
+def env_here(**extra: str) -> dict[str, str]:
+    """The environment of a `python -m train` started by a test: this checkout's code, one thread per
+    process (the same in every run compared, so the float sums are the same)."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Train loss per step of metrics.jsonl (a resumed run's later records win)."""
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def assert_same_training(run: Path, reference: Path) -> None:
+    """The same losses at every step, and bit-identical online and target networks at the end."""
+    assert losses(run) == losses(reference)
+    a, b = (torch.load(d / "checkpoint.pt", weights_only=True) for d in (run, reference))
+    assert a["step"] == b["step"] == max(losses(reference))
+    for part in ("online", "target"):
+        assert a[part].keys() == b[part].keys()
+        for name in a[part]:
+            assert torch.equal(a[part][name], b[part][name]), (part, name)
+
+
+@pytest.fixture(scope="session")
+def two_processes(tiny_args, tmp_path_factory) -> Path:
+    """The run folder of byol, `WORDS`, in 2 processes on this machine (`gpus=2`)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base   # one folder for all workers
+    out = shared / "two-processes"
+    with open(shared / "two-processes.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "run" / "backbone.safetensors").exists():
+            done = subprocess.run([sys.executable, "-m", "train", "gpus=2", *tiny_args("byol", out, *WORDS)],
+                                  cwd=ROOT, env=env_here(), capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stderr
+    return out / "run"
