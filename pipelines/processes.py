@@ -18,6 +18,9 @@ two rules, kept here for preprocess, pipelines and train alike:
    method. Forked children get the watchdog from an at-fork hook that `before_fork` registers once
    per process (so also the children a library forks: FFCV's writers, DataLoader workers); a process
    started by exec (a rank of the elastic launcher or torchrun) calls `end_with_parent` itself.
+
+`proc_stat`, `running` and `descendants` read /proc for who runs and who started whom (the reaper of
+a local Ray instance, `preprocess.ray_engine`, and the tests that kill runs use them).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import signal
 import threading
 import time
 from multiprocessing.context import BaseContext
+from pathlib import Path
 
 POLL_S = 0.2                     # how often a child looks at its parent's pid: a dead parent's children end within it
 _forking_pid: int | None = None  # the pid of the process that is forking, read by the child it forks
@@ -77,3 +81,35 @@ def fork_context() -> BaseContext:
     """The multiprocessing fork start method, after `before_fork`."""
     before_fork()
     return mp.get_context("fork")
+
+
+def proc_stat(pid: int) -> tuple[str, str, int]:
+    """(state, start time in clock ticks since boot, parent pid) of a process, from /proc/<pid>/stat;
+    ("", "", 0) when it is gone. Its pid and start time name one process: a pid can be reused."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], fields[19], int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return "", "", 0
+
+
+def running(pid: int, since: str | None = None) -> bool:
+    """Whether `pid` runs (exists and is not a zombie) and, given `since`, is the process that started then."""
+    state, started, _ = proc_stat(pid)
+    return state not in ("", "Z") and since in (None, started)
+
+
+def descendants(root: int) -> set[tuple[int, str]]:
+    """(pid, start time) of every running descendant of `root`, from one scan of /proc."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            state, since, parent = proc_stat(int(entry.name))
+            if state not in ("", "Z"):
+                children.setdefault(parent, []).append((int(entry.name), since))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child[0])
+    return found

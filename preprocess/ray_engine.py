@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from pipelines import schema
+from pipelines.processes import descendants, running
 from preprocess.stream import Policy, Unit
 
 MAX_ATTEMPTS = 4                # tries of one unit whose worker keeps dying (e.g. out of memory)
@@ -145,45 +146,15 @@ def reap_when_orphaned(raylet: int, driver: int) -> None:
             process has started).
     """
     started: set[tuple[int, str]] = set()
-    while os.getppid() == driver and _running(raylet):
-        started |= _descendants(raylet)
+    while os.getppid() == driver and running(raylet):
+        started |= descendants(raylet)
         time.sleep(REAPER_POLL_S)
     time.sleep(REAPER_POLL_S)             # a dying driver takes its raylet first: let the driver's exit end
     if os.getppid() == driver:
         return
     for pid, since in started:
-        if _stat(pid)[1] == since:        # the same process, still there
+        if running(pid, since):           # the same process, still there
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 continue
-
-
-def _stat(pid: int) -> tuple[str, str, int]:
-    """(state, start time, parent pid) of a process from /proc/<pid>/stat; ("", "", 0) when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return fields[0], fields[19], int(fields[1])
-    except (OSError, IndexError, ValueError):
-        return "", "", 0
-
-
-def _running(pid: int) -> bool:
-    """Whether `pid` is a live process (not a zombie)."""
-    return _stat(pid)[0] not in ("", "Z")
-
-
-def _descendants(root: int) -> set[tuple[int, str]]:
-    """(pid, start time) of every live descendant of `root`."""
-    children: dict[int, list[tuple[int, str]]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            state, since, parent = _stat(int(entry.name))
-            if state not in ("", "Z"):
-                children.setdefault(parent, []).append((int(entry.name), since))
-    found, todo = set(), [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child[0])
-    return found

@@ -15,6 +15,8 @@ import time
 import uuid
 from pathlib import Path
 
+from pipelines.processes import descendants, proc_stat, running
+
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "VIEWMILL_TEST_RUN"
 
@@ -30,34 +32,9 @@ def start(args: list[str], mark: str | None = None, **env: str) -> subprocess.Po
     return popen
 
 
-def _stat(pid: int) -> tuple[str, str, int]:
-    """(state, start time, parent pid) of a process; ("", "", 0) when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return fields[0], fields[19], int(fields[1])
-    except (OSError, IndexError, ValueError):
-        return "", "", 0
-
-
-def _alive(pid: int, since: str | None = None) -> bool:
-    """Whether `pid` runs (is not a zombie), and, given `since`, is the process that started then."""
-    state, started, _ = _stat(pid)
-    return state not in ("", "Z") and since in (None, started)
-
-
 def tree(root: int) -> set[tuple[int, str]]:
-    """(pid, start time) of `root` and its live descendants."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            children.setdefault(_stat(int(entry.name))[2], []).append(int(entry.name))
-    found, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        if _alive(pid):
-            found.add((pid, _stat(pid)[1]))
-        todo += children.get(pid, [])
-    return found
+    """(pid, start time) of `root` and its running descendants."""
+    return descendants(root) | ({(root, proc_stat(root)[1])} if running(root) else set())
 
 
 def live(mark: str, noted: set[tuple[int, str]] = frozenset()) -> list[int]:
@@ -65,12 +42,12 @@ def live(mark: str, noted: set[tuple[int, str]] = frozenset()) -> list[int]:
     zombies (a dead child waiting to be reaped runs nothing; in a container, init may take its time
     to reap the orphans it inherits)."""
     needle = f"{MARK}={mark}".encode()
-    pids = [pid for pid, since in noted if _alive(pid, since)]
+    pids = [pid for pid, since in noted if running(pid, since)]
     for entry in Path("/proc").iterdir():
         try:
             if not entry.name.isdigit() or needle not in (entry / "environ").read_bytes().split(b"\0"):
                 continue
-            if _alive(int(entry.name)):
+            if running(int(entry.name)):
                 pids.append(int(entry.name))
         except OSError:
             continue

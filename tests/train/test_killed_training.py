@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pipelines.processes import proc_stat
 from tests.processes import kill_and_reap, left_after, live, start, tree, wait_for
 from tests.train.two_ranks import STEPS, WORDS, assert_same_training
 
@@ -32,11 +33,7 @@ def logged_steps(run_dir: Path) -> list[int]:
 def rank_of(launcher_pid: int, mark: str) -> int:
     """The pid of one rank: a process of the run whose parent is the launcher."""
     for pid in live(mark):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(stat[1]) == launcher_pid:
+        if proc_stat(pid)[2] == launcher_pid:
             return pid
     raise AssertionError("no rank found")
 
