@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 from scipy import stats
 
 from pipelines import mixing
+from pipelines.mixing import MixSpec
 from tests.pipelines import mix_laws
 
 SET = settings(max_examples=25, deadline=None)
@@ -165,3 +166,28 @@ def test_binary_mixup_swaps_the_set_share_of_elements_whatever_lam(swap):
     assert float(d.lam.min()) >= 0.9 and abs(d.keep.float().mean().item() - (1 - swap)) < 0.01
     with pytest.raises(ValueError, match="binary_swap is a probability"):
         mixing.check_mix(mixing.MixSpec("dacl", alpha=0.5, binary_swap=1.5))
+
+
+@pytest.mark.parametrize("mix", [MixSpec(kind="sdmp", sdmp_mixers=(m,)) for m in mixing.SDMP_MIXERS]
+                         + [MixSpec(kind="dacl", alpha=0.5, source="image"),
+                            MixSpec(kind="dacl", alpha=0.5, source="image", dacl_noises=("linear", "binary"))],
+                         ids=[*mixing.SDMP_MIXERS, "dacl", "dacl-linear-binary"])
+def test_affine_mixes_of_normalised_views_are_the_normalised_mixes(mix) -> None:
+    """What the compiled FFCV path relies on (`mixing.affine_in_pixels`): mixing the normalised views
+    gives `mix_batch`'s normalised mixes of the [0, 1] views, the same draws from the same generator,
+    into a reused buffer as into new memory; DACL's geometric noise is not affine and is not claimed."""
+    from pipelines.batch import mix_batch, normalize
+    from pipelines.views import load_recipe
+
+    recipe = mixing.with_mix_source(load_recipe("byol", 24, 12), mix)
+    g = torch.Generator().manual_seed(3)
+    views = {grp.name: torch.randint(0, 256, (grp.count, 8, 3, 24, 24), dtype=torch.uint8, generator=g)
+             for grp in recipe.groups}
+    mean, std = (0.4, 0.5, 0.6), (0.2, 0.25, 0.3)
+    expected, lam, partner = mix_batch(views, recipe, mix, torch.Generator().manual_seed(7), mean, std, "cpu")
+    src = normalize(mixing.mix_sources(views, recipe, mix), mean, std)
+    buffer = torch.full_like(expected, float("nan"))
+    got = mixing.mix_views(src, mix, torch.Generator().manual_seed(7), out=buffer)
+    assert mixing.affine_in_pixels(mix) and got.mixed is buffer
+    assert torch.allclose(got.mixed, expected, atol=1e-5) and torch.equal(got.lam, lam) and torch.equal(got.partner, partner)
+    assert not mixing.affine_in_pixels(MixSpec(kind="dacl", dacl_noises=("linear", "geometric")))
