@@ -12,7 +12,9 @@ staged views; then mixes):
   normalised straight from the rows in one compiled pass into reused buffers.
 - Other devices: the uint8 crops go to `spec.device` and `augment.finish_views` runs there, batched,
   from one host generator seeded per (seed, rank, epoch, batch).
-Either way a mid-epoch resume only skips batches. Mixes: `pipelines.batch.mix_batch` on `spec.device`.
+Either way a mid-epoch resume only skips batches. Mixes: on the compiled path, from the normalised
+views into a reused buffer where the mix is affine in the pixels (`_mix_normalized`); otherwise
+`pipelines.batch.mix_batch` on `spec.device`.
 
 Deviations:
 - crops are resized by libffcv's `resize` (OpenCV INTER_AREA) whatever the recipe's `interpolation`
