@@ -28,8 +28,8 @@ from PIL import Image
 
 from pipelines import schema
 from pipelines.schema import DatasetError
-from preprocess.prepare import prepare_dataset, summary
 from pipelines.processes import fork_context
+from preprocess.prepare import prepare_dataset, summary
 
 DATASETS = ("imagenet-like", "synthetic")
 IMAGE_PX = (500, 375)               # (W, H), the ImageNet average is about 400×350 after decode

@@ -40,9 +40,9 @@ import numpy as np
 
 from pipelines import schema
 from pipelines.schema import DatasetError, Manifest
+from pipelines.processes import fork_context
 from preprocess import stream
 from preprocess.sources import SOURCES, ListedSource, PreparedSource, PreprocessError
-from pipelines.processes import fork_context
 from preprocess.write_dali import write_dali
 from preprocess.write_ffcv import warm_up as warm_up_ffcv, write_ffcv
 

@@ -27,9 +27,9 @@ import numpy as np
 from tqdm import tqdm
 
 from pipelines import schema
+from pipelines.processes import fork_context
 from preprocess import cifar, imagefolder, synthetic
 from preprocess.records import ArraySplit, PreparedSplit, mean_std, pixel_sums
-from pipelines.processes import fork_context
 
 _CHUNK = 256                    # records per worker task in the synthetic check pass
 

@@ -46,9 +46,9 @@ from tqdm import tqdm
 
 from pipelines import schema
 from pipelines.shards import ShardReader, ShardRecord
+from pipelines.processes import fork_context
 from preprocess import imagefolder
 from preprocess.records import Record, mean_std, pixel_sums
-from pipelines.processes import fork_context
 from preprocess.write_dali import ShardWriter, encode_image, record_members, renumber_shard
 
 PLAN_NAME = ".plan.json"

@@ -26,8 +26,8 @@ from PIL import Image
 from tqdm import tqdm
 
 from pipelines import schema
-from preprocess.records import PreparedSplit, Record, check_record, mask_coverage
 from pipelines.processes import fork_context
+from preprocess.records import PreparedSplit, Record, check_record, mask_coverage
 
 
 

@@ -36,10 +36,10 @@ from tqdm import tqdm
 
 from pipelines import schema
 from pipelines.shards import ShardReader, scan_shards
+from pipelines.processes import fork_context
 from preprocess.prepare import DatasetLock
 from preprocess.saliency import handcrafted, quality, refine
 from preprocess.saliency.write import write_masks
-from pipelines.processes import fork_context
 
 SUBSET = 2500
 
