@@ -41,17 +41,17 @@ help:  ## list targets and variables
 install: $(STAMP)  ## system packages FFCV needs, .venv, the project (editable); idempotent
 
 $(STAMP): pyproject.toml requirements.lock
-	@command -v pkg-config >/dev/null && pkg-config --exists libturbojpeg && pkg-config --exists opencv4 \
-	  || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq pkg-config libopencv-dev libturbojpeg0-dev; }
+	@command -v pkg-config >/dev/null && pkg-config --exists libturbojpeg && pkg-config --exists opencv4 && pkg-config --exists libavdevice \
+	  || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq pkg-config libopencv-dev libturbojpeg0-dev libavdevice-dev; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c requirements.lock "setuptools>=64" wheel numpy torch torchvision
 	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile,ffcv,dali]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
-install-test: $(TEST_STAMP)  ## install, plus the optional extras the tests cover (Ray for ENGINE=ray, submitit, W&B)
+install-test: $(TEST_STAMP)  ## install, plus the optional extras the tests cover (Ray for ENGINE=ray, submitit, W&B, the peer loaders)
 
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile,ffcv,dali,ray,slurm,wandb]'
+	$(PY) -m pip install -q -c requirements.lock --no-build-isolation -e '.[test,profile,ffcv,dali,ray,slurm,wandb,peers]'
 	@touch $@
 
 demo: install  ## preprocess synthetic, pretrain dacl for a few CPU minutes, evaluate vs random init
@@ -81,7 +81,7 @@ saliency-check: install  ## after make saliency: relicv2 with p_m 0, 0.1 on the 
 eval: install  ## kNN + linear probe of CKPT's backbone against random init
 	$(PY) -m train eval ckpt=$(CKPT) $(ARGS)
 
-profile: install  ## throughput report: loader stages vs baseline and ceilings, training steps, scaling
+profile: install-test  ## throughput report: loader stages vs baseline, peers (lightly, SPDL) and ceilings, first batch, epoch boundaries, training steps, scaling
 	$(PY) -m bench.profile $(if $(filter command line environment,$(origin DATASET)),--dataset $(DATASET)) \
 	  $(if $(RECIPES),--recipes $(RECIPES)) $(if $(METHODS),--methods $(METHODS)) \
 	  $(if $(BACKENDS),--backends $(BACKENDS)) $(if $(QUICK),--quick) $(if $(TRACE),--trace) $(ARGS)
@@ -89,7 +89,7 @@ profile: install  ## throughput report: loader stages vs baseline and ceilings, 
 profile-compare: install  ## ratios between two profile reports: make profile-compare A=reports/profile-... B=...
 	$(PY) -m bench.profile compare $(A) $(B) $(ARGS)
 
-bench-data: install  ## data pipelines alone: backends vs torchvision baseline and decode ceilings
+bench-data: install-test  ## data pipelines alone: backends vs torchvision baseline, peers (lightly, SPDL) and decode ceilings
 	$(PY) -m bench.data $(ARGS)
 
 bench-train: install  ## training steps/s, images/s, memory, accuracy per objective (ARGS="minutes=12": the README table)

@@ -17,7 +17,11 @@ Datasets (`bench.datasets`, cached in the output folder and reused, all written 
   image-folder source;
 - `synthetic`: preprocessing's synthetic source.
 
-A backend that fails to import or build is reported with its error, never skipped silently. The
+The peers (`bench.peers`: lightly's transforms in a DataLoader over the same files as an image folder,
+an SPDL thread pipeline) are timed in the same rounds as backends; their rows carry their versions and
+settings, the ratios the best backend's rate to each peer's; a peer that is not installed or has no
+composition for a recipe is a skipped row with why. A backend that fails to import or build is
+reported with its error, never skipped silently. The
 JSON (`--out`) holds the report header (`bench.report`: machine, versions, commit), the resolved
 settings and every run. Other benches call `run(Settings(...))` directly.
 """
@@ -36,18 +40,20 @@ from pathlib import Path
 
 import torch
 
+from bench import peers
 from bench.datasets import DATASETS, IMAGE_PX, QUICK_IMAGE_PX, BenchError, prepare, view_px
 from bench.report import header, header_lines
 from bench.timing import crops_only, time_ceiling, time_loader, views_per_sample
 from pipelines import schema
-from pipelines.loader import BACKENDS, build_loader
+from pipelines.loader import BACKENDS
 from pipelines.shards import scan_shards
 from pipelines.spec import LoaderSpec
 from pipelines.views import load_recipe
 
 RECIPES = ("relicv2", "rsa")
 ALL_RECIPES = RECIPES + ("byol", "multicrop8", "plain")
-DEFAULT_BACKENDS = ("dali", "ffcv", "torchvision", "torch")
+DEFAULT_BACKENDS = ("dali", "ffcv", "torchvision", "torch", *peers.PEERS)   # viewmill's, then the peers'
+LOADERS = BACKENDS + tuple(peers.PEERS)
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         for what, items, allowed in (("recipe", self.recipes, ALL_RECIPES), ("dataset", self.datasets, DATASETS),
-                                     ("backend", tuple(b.partition("@")[0] for b in self.backends), BACKENDS)):
+                                     ("backend", tuple(b.partition("@")[0] for b in self.backends), LOADERS)):
             bad = [x for x in items if x not in allowed]
             if bad or not items:
                 raise BenchError(f"unknown {what} {bad or list(items)}; choose from {', '.join(allowed)}")
@@ -114,7 +120,8 @@ def ratios(results: list[dict], ceilings: list[dict]) -> list[dict]:
         ok = {r["backend"]: r["img_per_s"] for r in results
               if r["dataset"] == ds and r["recipe"] == rc and r["status"] == "ok"}
         ceil = {c["kind"]: c["img_per_s"] for c in ceilings if c["dataset"] == ds and c["recipe"] == rc}
-        best = max(ok, key=ok.get) if ok else None
+        ours = {be: v for be, v in ok.items() if be.partition("@")[0] not in peers.PEERS}
+        best = max(ours, key=ours.get) if ours else None
         base = ok.get("torchvision")
         out.append({
             "dataset": ds, "recipe": rc, "best_backend": best,
@@ -122,6 +129,7 @@ def ratios(results: list[dict], ceilings: list[dict]) -> list[dict]:
             "dali_vs_torchvision": ok["dali"] / base if "dali" in ok and base else None,
             "ffcv_vs_torchvision": ok["ffcv"] / base if "ffcv" in ok and base else None,
             "ceiling_decode_crops_vs_best": ceil["decode+crops"] / ok[best] if best and ceil.get("decode+crops") else None,
+            **{f"best_vs_{p}": ok[best] / ok[p] if best and p in ok else None for p in peers.PEERS},
         })
     return out
 
@@ -135,8 +143,9 @@ def format_table(report: dict) -> str:
         base = next((b["img_per_s"] for b in report["results"] if b["dataset"] == r["dataset"]
                      and b["recipe"] == r["recipe"] and b["backend"] == "torchvision" and b["status"] == "ok"), None)
         if r["status"] != "ok":
+            why = r["error"].splitlines()[0][:90] if r["status"] == "failed" else r["note"]
             rows.append(f"| {r['dataset']} | {r['recipe']} | {r['backend']} | – | – | – | – | – | – | "
-                        f"{r['status']}: {r['error'].splitlines()[0][:90]} |")
+                        f"{r['status']}: {why} |")
             continue
         s = r.get("stage_share")
         rows.append(f"| {r['dataset']} | {r['recipe']} | {r['backend']} | {r['img_per_s']:.0f} | "
@@ -188,7 +197,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p = argparse.ArgumentParser(prog="python -m bench.data", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe presets")
     p.add_argument("--datasets", default=",".join(DATASETS), help="imagenet-like, synthetic")
-    p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), help=f"from {', '.join(BACKENDS)}")
+    p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), help=f"from {', '.join(LOADERS)}")
     p.add_argument("--n", type=int, default=None, help="train images generated per dataset (default 2000; quick 48)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per cell; the median is reported (default 3)")
     p.add_argument("--batch-size", type=int, default=None, help="images per batch (default 32; quick 8)")
@@ -245,11 +254,17 @@ def run(s: Settings) -> dict:
             ceiling_runs: list[float] = []
             rows = {be: {"dataset": ds, "recipe": rc, "backend": be, "views_per_sample": vps,
                          "runs": [], "crops_only_runs": []} for be in s.backends}
+            for be, row in rows.items():
+                if be.partition("@")[0] in peers.PEERS:
+                    try:
+                        row["settings"] = peers.check(be.partition("@")[0], recipe, "none")
+                    except peers.PeerSkip as skip:
+                        row.update(status="skipped", note=str(skip))
             for rnd in range(s.repeats):
                 ceiling_runs += time_ceiling(entries, decoder, recipe, s.batch_size, s.batches,
                                              s.warmup_batches, 1, s.cores, first_seed=rnd)
                 for be, row in rows.items():
-                    if row.get("status") == "failed":
+                    if row.get("status") in ("failed", "skipped"):
                         continue
                     try:
                         backend, _, device = be.partition("@")
@@ -260,7 +275,7 @@ def run(s: Settings) -> dict:
                             spec = LoaderSpec(root=str(root), dataset=name, split="train", recipe=rec,
                                               batch_size=s.batch_size, seed=0, device=device,
                                               num_workers=s.cores)
-                            loader = build_loader(backend, spec)
+                            loader = peers.build(backend, spec, work / "peer-folders")
                             loader.set_epoch(epoch + rnd)
                             return loader
                         row["runs"] += time_loader(make, s.batches, s.warmup_batches, 1, device).img_per_s
@@ -276,13 +291,13 @@ def run(s: Settings) -> dict:
                                        "img_per_s": _median(ceiling_runs),
                                        "views_per_s": _median(ceiling_runs) * crop_views, "runs": ceiling_runs})
             for be, row in rows.items():
-                if row.get("status") != "failed":
+                if row.get("status") not in ("failed", "skipped"):
                     full, crops = _median(row["runs"]), _median(row["crops_only_runs"]) or None
                     row.update(status="ok", img_per_s=full, views_per_s=full * vps, crops_only_img_per_s=crops,
                                stage_share=stage_shares(full, crops, decode_best[decoder]))
                 report["results"].append(row)
-                print(f"{ds} {rc} {be}: " + (f"{row['img_per_s']:.1f} img/s" if row["status"] == "ok"
-                                             else row["error"].splitlines()[0]), flush=True)
+                print(f"{ds} {rc} {be}: " + (f"{row['img_per_s']:.1f} img/s" if row["status"] == "ok" else
+                                             row.get("note") or row["error"].splitlines()[0]), flush=True)
     report["ratios"] = ratios(report["results"], report["ceilings"])
     s.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = s.out.with_name(f".{s.out.name}.tmp")
@@ -300,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in report["ratios"]:
         print(f"{r['dataset']} {r['recipe']}: best {r['best_backend']} "
               + ", ".join(f"{k} {r[k]:.2f}" for k in ("best_vs_torchvision", "dali_vs_torchvision",
+                                                       *(f"best_vs_{p}" for p in peers.PEERS),
                                                        "ceiling_decode_crops_vs_best") if r[k] is not None))
     print(f"wrote {s.out}")
 

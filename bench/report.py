@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from bench import peers
 from train.checkpoint import git_commit as commit_sha, library_versions
 
 
@@ -37,8 +38,8 @@ def machine() -> dict:
 
 def versions() -> dict[str, str | None]:
     """Python, the packages of `train.checkpoint.LIBRARIES` (None where absent), and the CUDA and cuDNN
-    torch uses: what a run folder's versions.json holds."""
-    return library_versions()
+    torch uses: what a run folder's versions.json holds; then the peers' (`bench.peers.PEERS`)."""
+    return {**library_versions(), **{p: peers.version(p) for p in peers.PEERS}}
 
 
 def git_commit() -> dict:

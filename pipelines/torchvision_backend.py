@@ -117,10 +117,14 @@ class ShardDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.reader.records)
 
+    def decode(self, data: bytes) -> Image.Image:
+        """The RGB image of encoded bytes, as the users' pipelines decode it (PIL, libjpeg-turbo)."""
+        return Image.open(io.BytesIO(data)).convert("RGB")
+
     def render(self, i: int, seed: int) -> dict[str, Tensor]:
         """{group name: (count, 3, S, S) uint8} views of record i with the draws of `seed`."""
         torch.manual_seed(seed)
-        img = Image.open(io.BytesIO(self.reader.image(i))).convert("RGB")
+        img = self.decode(self.reader.image(i))
         data = self.reader.mask(i) if self.masks else None
         mask = Image.open(io.BytesIO(data)).convert("L") if data is not None else None
         coverage = self.reader.records[i].coverage
@@ -157,7 +161,8 @@ class _Batches:
             yield [(int(i), derive_seed(s.seed, epoch, Stream.TORCHVISION_VIEWS, int(i))) for i in idx]
 
 
-def _collate(items: list[dict]) -> dict:
+def collate(items: list[dict]) -> dict:
+    """Stack rendered samples into one raw batch: views {group: (count, B, 3, S, S) uint8}, index, label."""
     names = items[0]["views"]
     return {"views": {n: torch.stack([it["views"][n] for it in items], dim=1) for n in names},  # (count, B, 3, S, S)
             "index": torch.tensor([it["index"] for it in items], dtype=torch.long),
@@ -175,7 +180,7 @@ class TorchvisionLoader(EpochLoader):
         self.device = torch.device(spec.device)
         self.loader = torch.utils.data.DataLoader(
             ShardDataset(reader, spec.recipe, masks), batch_sampler=_Batches(self.order),
-            num_workers=spec.num_workers, collate_fn=_collate, pin_memory=self.device.type == "cuda",
+            num_workers=spec.num_workers, collate_fn=collate, pin_memory=self.device.type == "cuda",
             persistent_workers=spec.num_workers > 0)
 
     def __iter__(self) -> Iterator[Batch]:
