@@ -11,6 +11,12 @@ Sections, each figure the median of `--repeats` timed runs after warm-up with it
    ablation ladder: the backend with the recipe's mix off, then blur off, then every colour op off
    (crops only).
    A recipe may name an intra-batch mix: `byol+sdmp`, `plain+dacl`.
+   The peers (`bench.peers`: lightly's transforms in a DataLoader, an SPDL thread pipeline) are timed
+   as backends on the same files, with their versions and settings; each row gives its ratio to each
+   peer; a peer that is not installed or has no composition for a recipe is a skipped row with why.
+   On the first recipe every backend and peer is also built once more and read for `--epochs` whole
+   epochs of `--epoch-batches` batches: the time from building it to its first batch, and the longest
+   gap at an epoch boundary against the median gap between batches (`bench.timing.time_epochs`).
 2. **train**: per method, the loop's `train_step` with the real loader and with the same batch kept
    on the device (`bench.train.time_steps`), the data-stall fraction `1 - real / on-device`, the
    step split into data wait, forward, backward, optimiser and EMA (the `train.loop.phase` ranges,
@@ -41,13 +47,13 @@ from pathlib import Path
 
 import torch
 
-from bench import profile_report
+from bench import peers, profile_report
 from bench.data import fill_sizes, operator_counts
 from bench.datasets import DATASETS, BenchError, prepare, view_px
 from bench.report import header
-from bench.timing import crops_only, sync, time_ceiling, time_loader, views_per_sample, without_blur
+from bench.timing import crops_only, sync, time_ceiling, time_epochs, time_loader, views_per_sample, without_blur
 from bench.train import in_fresh_process, peak_memory_mb, time_steps
-from pipelines.loader import BACKENDS, build_loader
+from pipelines.loader import BACKENDS
 from pipelines.mixing import MIX_KINDS, MixSpec
 from pipelines.shards import scan_shards
 from pipelines.spec import LoaderSpec
@@ -58,7 +64,8 @@ from train.loop import STEP_PHASES, epochs_from, phase, train_step
 from train.objectives import OBJECTIVES
 from train.setup import build_parts, resolve_backend, select_device
 
-RECIPES = "relicv2,rsa,byol+sdmp"
+RECIPES = "relicv2,rsa,byol+sdmp,multicrop8"
+LOADERS = BACKENDS + tuple(peers.PEERS)           # viewmill's backends, then the peers (`bench.peers`)
 
 
 class ProfileError(ValueError):
@@ -129,12 +136,14 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
              for d in ("pil", "torchvision.io")}
     decoder = max(probe, key=probe.get)
     cells = {rc: recipe_cell(rc, *sizes) for rc in recipes}
+    folders = Path(a.out) / "bench-data" / "peer-folders"
 
-    def make(be: str, recipe: Recipe, mix: MixSpec, workers: int, epoch: int):
+    def make(be: str, recipe: Recipe, mix: MixSpec, workers: int, epoch: int, limit: int = 0):
         backend, _, device = be.partition("@")
         spec = LoaderSpec(root=str(root), dataset=name, split="train", recipe=recipe, mix=mix,
-                          batch_size=a.batch_size, seed=0, device=device or a.device, num_workers=workers)
-        loader = build_loader(backend, spec)
+                          batch_size=a.batch_size, seed=0, device=device or a.device, num_workers=workers,
+                          limit=limit)
+        loader = peers.build(backend, spec, folders)
         loader.set_epoch(epoch)
         return loader
 
@@ -143,6 +152,13 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
     rows = {(rc, be): {"recipe": rc, "backend": be, "device": be.partition("@")[2] or a.device, "status": "ok",
                        "ladder": {k: [] for k in _ladder(*cells[rc])}, "util": []}
             for rc in recipes for be in backends}
+    for (rc, be), row in rows.items():
+        if be in peers.PEERS:
+            try:
+                row["settings"] = peers.check(be, cells[rc][0], cells[rc][1].kind)
+            except peers.PeerSkip as skip:
+                row.update(status="skipped", note=str(skip))
+    epochs = {be: {"first": [], "gap": [], "boundary": []} for be in backends}
     for rnd in range(a.repeats):
         read_runs += time_ceiling(entries, "read", None, *ceil_args, 1, a.cores, first_seed=rnd)
         decode_runs += time_ceiling(entries, decoder, None, *ceil_args, 1, a.cores, first_seed=rnd)
@@ -161,6 +177,13 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
                             row["util"] += timing.cpu_utilisation
                     if rnd == 0:
                         row["operators"] = operator_counts(make(be, recipe, mix, a.cores, 0))
+                    if rc == recipes[0]:   # first batch and epoch boundaries: whole short epochs
+                        e = time_epochs(lambda ep, r=recipe, m=mix: make(be, r, m, a.cores, rnd + ep,
+                                                                          a.epoch_batches * a.batch_size),
+                                        a.epochs, row["device"])
+                        epochs[be]["first"].append(e.first_batch_s)
+                        epochs[be]["gap"].append(1000 * e.median_gap_s)
+                        epochs[be]["boundary"].append(1000 * max(e.boundary_gaps_s))
                 except Exception as exc:   # a broken backend is reported, never skipped silently
                     row.update(status="failed", error=f"{type(exc).__name__}: {exc}".splitlines()[0],
                                traceback=traceback.format_exc(limit=4))
@@ -183,16 +206,27 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
                        stages_ms=stages_ms({k: statistics.median(v) for k, v in ladder.items()},
                                            read["median"], decode["median"]),
                        ladder_img_per_s={k: stat(v) for k, v in ladder.items()})
+            if rc == recipes[0] and epochs[be]["first"]:
+                e = epochs[be]
+                row.update(first_batch_s=stat(e["first"]), epoch_boundary={
+                    "median_gap_ms": stat(e["gap"]), "longest_boundary_gap_ms": stat(e["boundary"]),
+                    "stall": stat([b / g for b, g in zip(e["boundary"], e["gap"])])})
         out.append(row)
-    for row in out:                       # the baseline ratio, once every row has its rate
-        tv = rows.get((row["recipe"], "torchvision"))
-        if row["status"] == "ok":
-            row["vs_torchvision"] = (row["img_per_s"]["median"] / tv["img_per_s"]["median"]
-                                     if tv and tv["status"] == "ok" else None)
+    for row in out:                       # the ratios to the baseline and the peers, once every row has its rate
+        if row["status"] != "ok":
+            continue
+        ratio = {}
+        for other in ("torchvision", *peers.PEERS):
+            o = rows.get((row["recipe"], other))
+            ratio[other] = (row["img_per_s"]["median"] / o["img_per_s"]["median"]
+                            if o and o["status"] == "ok" else None)
+        row["vs_torchvision"] = ratio.pop("torchvision")
+        row["vs_peers"] = ratio
 
     scaling = []
     counts = [w for w in worker_counts(a.cores) if w != a.cores] if a.scaling else []
-    rc0, ok = recipes[0], [r for r in out if r["recipe"] == recipes[0] and r["status"] == "ok"]
+    rc0 = recipes[0]
+    ok = [r for r in out if r["recipe"] == rc0 and r["status"] == "ok" and r["backend"] not in peers.PEERS]
     runs = {(r["backend"], w): [] for r in ok for w in counts}
     for rnd in range(a.repeats):
         for (be, w) in runs:
@@ -304,13 +338,17 @@ def parse_args(argv: list[str], prog: str = "python -m bench.profile") -> argpar
     p.add_argument("--dataset", default="imagenet-like", choices=DATASETS,
                    help="the loader's data (generated, cached under <out>/bench-data)")
     p.add_argument("--recipes", default=RECIPES, help="view recipes, each optionally +sdmp or +dacl")
-    p.add_argument("--backends", default="dali,ffcv,torchvision,torch", help="from " + ", ".join(BACKENDS))
+    p.add_argument("--backends", default=",".join(LOADERS),
+                   help="from " + ", ".join(LOADERS) + " (the last two: peers, bench.peers)")
     p.add_argument("--methods", default=",".join(sorted(OBJECTIVES)), help="objectives to time")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per figure (default 3; quick 1)")
     p.add_argument("--n", type=int, default=None, help="train images per generated dataset (default 2000; quick 48)")
     p.add_argument("--batch-size", type=int, default=None, help="loader batch (default 32; quick 8)")
     p.add_argument("--batches", type=int, default=None, help="timed loader batches per run (default 16; quick 2)")
     p.add_argument("--warmup-batches", type=int, default=None, help="untimed batches per run (default 3; quick 1)")
+    p.add_argument("--epochs", type=int, default=3, help="epochs read for the first-batch and epoch-boundary "
+                   "figures (first recipe), >= 2")
+    p.add_argument("--epoch-batches", type=int, default=None, help="batches per epoch there (default 8; quick 2)")
     p.add_argument("--train-steps", type=int, default=None, help="timed training steps per run (default 10; quick 2)")
     p.add_argument("--train-args", default="", help="extra trainer key=value words, space-separated")
     p.add_argument("--cores", type=int, default=os.cpu_count(), help="workers / threads of every loader")
@@ -321,15 +359,19 @@ def parse_args(argv: list[str], prog: str = "python -m bench.profile") -> argpar
     p.add_argument("--out", default="reports", help="the report folder goes here")
     a = fill_sizes(p.parse_args(argv))
     a.train_steps = a.train_steps or (2 if a.quick else 10)
+    a.epoch_batches = a.epoch_batches or (2 if a.quick else 8)
     a.train_args = a.train_args.split()
     a.recipes = _csv(a.recipes, ("relicv2", "rsa", "byol", "multicrop8", "plain"), "recipe")
-    a.backends = _csv(a.backends, BACKENDS, "backend")
+    a.backends = _csv(a.backends, LOADERS, "backend")
     a.methods = _csv(a.methods, sorted(OBJECTIVES), "method")
     for rc in a.recipes:
         recipe_cell(rc, 32, 16)
     if a.batch_size % 2 or a.n < a.batch_size * (a.batches + a.warmup_batches):
         raise ProfileError(f"--batch-size {a.batch_size} must be even and --n {a.n} at least "
                            "(batches + warmup) × batch size")
+    if a.epochs < 2 or a.epoch_batches < 2 or a.n < a.batch_size * a.epoch_batches:
+        raise ProfileError(f"--epochs {a.epochs} and --epoch-batches {a.epoch_batches} must be >= 2, and --n "
+                           f"{a.n} at least epoch batches × batch size")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise ProfileError("--device cuda on a machine without CUDA; drop it (the default follows the machine)")
     return a
@@ -377,6 +419,8 @@ def run(a: argparse.Namespace) -> tuple[dict, Path]:
                    "backends": a.backends, "methods": a.methods, "repeats": a.repeats,
                    "warmup_batches": a.warmup_batches, "warmup_steps": 2, "batch_size": a.batch_size,
                    "batches": a.batches, "train_steps": a.train_steps, "cores": a.cores, "device": a.device,
+                   "epochs": a.epochs, "epoch_batches": a.epoch_batches,
+                   "peers": {p: peers.version(p) for p in peers.PEERS if p in a.backends},
                    "quick": a.quick, "sizes_px": list(sizes), "n_images": a.n, "train_overrides": words,
                    "train_config": configs},
         "loader": {"rows": rows, "ceilings": ceilings},

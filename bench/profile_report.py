@@ -101,7 +101,8 @@ def markdown(report: dict, charts: bool = True) -> str:
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in STAGES) + " |"]
     for r in report["loader"]["rows"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['recipe']} | {r['backend']} | {r['device']} | failed: {r['error'][:100]} |")
+            why = f"failed: {r['error'][:100]}" if r["status"] == "failed" else f"skipped: {r['note']}"
+            lines.append(f"| {r['recipe']} | {r['backend']} | {r['device']} | {why} |")
             continue
         util = "–" if r["cpu_utilisation"] is None else f"{100 * r['cpu_utilisation']:.0f} %"
         st = " | ".join("–" if r["stages_ms"][s] is None else f"{r['stages_ms'][s]:.2f}" for s in STAGES)
@@ -112,6 +113,8 @@ def markdown(report: dict, charts: bool = True) -> str:
     lines += [f"| {c['kind']} | {c['recipe'] or 'any'} | {c['decoder']} | {_spread(c['img_per_s'])} |"
               for c in report["loader"]["ceilings"]]
     lines += operator_lines(report["loader"]["rows"])
+    lines += peer_lines(report)
+    lines += epoch_lines(report)
     lines += ["", "## Training steps", "",
               "| method | device | batch | steps/s (real loader) | steps/s (batch on device) | img/s | data stall "
               "| data wait ms | forward ms | backward ms | optimiser ms | EMA ms | peak MiB |",
@@ -135,6 +138,37 @@ def markdown(report: dict, charts: bool = True) -> str:
     if charts and report.get("charts"):
         lines += ["", "## Charts", ""] + [f"![{Path(c).stem}]({c})" for c in report["charts"]]
     return "\n".join(lines) + "\n"
+
+
+def peer_lines(report: dict) -> list[str]:
+    """Every row's ratio to each peer on the same recipe, and the peers' versions and settings."""
+    rows = [r for r in report["loader"]["rows"] if r["status"] == "ok" and r.get("vs_peers")]
+    names = sorted({p for r in rows for p in r["vs_peers"]})
+    if not names:
+        return []
+    lines = ["", "### Against the peers (the same files, the same rounds)", "",
+             "| recipe | backend | img/s | " + " | ".join(f"× {p}" for p in names) + " |",
+             "| --- | --- | ---: | " + " | ".join("---:" for _ in names) + " |"]
+    lines += [f"| {r['recipe']} | {r['backend']} | {r['img_per_s']['median']:.0f} | "
+              + " | ".join(_x(r["vs_peers"].get(p)) for p in names) + " |" for r in rows]
+    lines += [""] + [f"- {r['backend']} on {r['recipe']}: {r['settings']}" for r in report["loader"]["rows"]
+                     if r.get("settings")]
+    return lines
+
+
+def epoch_lines(report: dict) -> list[str]:
+    """First batch and epoch-boundary stall of every backend and peer (the first recipe)."""
+    rows = [r for r in report["loader"]["rows"] if r.get("epoch_boundary")]
+    if not rows:
+        return []
+    c = report["config"]
+    return ["", f"### First batch and epoch boundaries ({rows[0]['recipe']}, {c['epochs']} epochs of "
+            f"{c['epoch_batches']} batches from one loader)", "",
+            "| backend | first batch s | median gap ms | longest epoch-boundary gap ms | ÷ median gap |",
+            "| --- | ---: | ---: | ---: | ---: |"] + [
+        f"| {r['backend']} | {_spread(r['first_batch_s'], '.2f')} | {_spread(r['epoch_boundary']['median_gap_ms'])} | "
+        f"{_spread(r['epoch_boundary']['longest_boundary_gap_ms'])} | {_spread(r['epoch_boundary']['stall'], '.1f')} |"
+        for r in rows]
 
 
 # ----------------------------------------------------------------------------- charts
@@ -246,6 +280,9 @@ def figures(report: dict, absolute: bool) -> dict[str, tuple[float, float, float
         tv = rows.get((rc, "torchvision"))
         if tv and be != "torchvision":
             out[f"loader {rc} {be} × torchvision"] = _quotient(r["img_per_s"], tv["img_per_s"])
+        for peer in r.get("vs_peers") or {}:
+            if peer != be and (rc, peer) in rows:
+                out[f"loader {rc} {be} × {peer}"] = _quotient(r["img_per_s"], rows[(rc, peer)]["img_per_s"])
         if rc in crops:
             out[f"loader {rc} {be} ÷ decode+crops ceiling"] = _quotient(r["img_per_s"], crops[rc]["img_per_s"])
     if absolute:

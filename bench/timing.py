@@ -4,10 +4,12 @@ the GPU check).
     timing = time_loader(lambda r: build(epoch=r), batches=16, warmup=3, repeats=3, device="cuda")
     timing.median, timing.img_per_s, timing.cpu_utilisation
     ceiling = time_ceiling(scan_shards(split), "pil", recipe, 32, 16, 3, repeats=3, cores=2)
+    epochs = time_epochs(lambda e: build(epoch=e), epochs=3, device="cpu")   # first batch, epoch-boundary stall
 
 A loader run builds a fresh loader, skips its warm-up batches and times the next ones between two
 device syncs; the machine's CPU share in each timed window is read from /proc/stat (every process
-counts). A ceiling reads the same shard records in `cores` DataLoader workers with one of two
+counts). An epoch run builds one loader and reads whole epochs of it: the time from building it to its
+first batch, and the gap at each epoch boundary against the median gap between batches. A ceiling reads the same shard records in `cores` DataLoader workers with one of two
 libjpeg-turbo decoders (PIL, `torchvision.io.decode_image`): the bytes alone (`read`), decode-only, or
 decode + the recipe's crops and resizes (one decode per sample, every crop view resized to its size,
 no colour ops). The recipe variants here (`crops_only`, `without_blur`) are the ablations that split a
@@ -113,6 +115,46 @@ def time_loader(make: Callable[[int], Loader], batches: int, warmup: int, repeat
         utilisation.append(cpu_utilisation(ticks, cpu_ticks()))
         del it, loader
     return LoaderTiming(tuple(rates), tuple(utilisation))
+
+
+@dataclass(frozen=True)
+class EpochTiming:
+    """One loader built and read for several epochs: when each batch arrived."""
+    first_batch_s: float                         # from the start of building the loader to its first batch
+    gaps_s: tuple[float, ...]                    # between consecutive batches within an epoch
+    boundary_gaps_s: tuple[float, ...]           # from an epoch's last batch to the next epoch's first
+
+    @property
+    def median_gap_s(self) -> float:
+        return statistics.median(self.gaps_s)
+
+    @property
+    def boundary_stall(self) -> float:
+        """The longest epoch-boundary gap in median batch gaps (1: no stall at all)."""
+        return max(self.boundary_gaps_s) / self.median_gap_s
+
+
+def time_epochs(make: Callable[[int], Loader], epochs: int, device: str | torch.device,
+                clock: Callable[[], float] = time.perf_counter) -> EpochTiming:
+    """Build a loader (`make(0)`, timed from its first line) and read `epochs` >= 2 whole epochs the
+    way the training loop does (`set_epoch(e)`, then a new iteration), noting when each batch arrives
+    (after a device sync) on `clock`. Gaps within epochs exclude each epoch's first batch."""
+    t0 = clock()
+    loader = make(0)
+    arrivals: list[list[float]] = []
+    for e in range(epochs):
+        if e:
+            loader.set_epoch(e)
+        arrivals.append([])
+        for _ in loader:
+            sync(device)
+            arrivals[-1].append(clock())
+    del loader
+    if any(len(a) < 2 for a in arrivals):
+        raise ValueError("time_epochs needs at least 2 batches per epoch; raise the limit or lower the batch size")
+    gaps = [b - a for times in arrivals for a, b in zip(times, times[1:])]
+    boundaries = [nxt[0] - prev[-1] for prev, nxt in zip(arrivals, arrivals[1:])]
+    return EpochTiming(arrivals[0][0] - t0, tuple(gaps), tuple(boundaries))
 
 
 class _CeilingDataset(torch.utils.data.Dataset):

@@ -16,7 +16,7 @@ def test_quick_profile_writes_a_schema_valid_report_with_stages_split_and_charts
     # The tiny dataset stands in for the profile's cached synthetic data (no preprocessing here).
     (tmp_path / "bench-data" / "data").mkdir(parents=True)
     (tmp_path / "bench-data" / "data" / "synthetic").symlink_to(tiny_data_root / "synthetic")
-    argv = ["--quick", "--dataset", "synthetic", "--recipes", "byol+sdmp", "--backends", "torch,torchvision",
+    argv = ["--quick", "--dataset", "synthetic", "--recipes", "byol+sdmp", "--backends", "torch,torchvision,lightly,spdl",
             "--methods", "byol", "--cores", "2", "--train-args", "data.backend=torch model.backbone=test_resnet",
             "--trace", "--out", str(tmp_path)]
     assert profile.main(argv) == 0
@@ -25,10 +25,22 @@ def test_quick_profile_writes_a_schema_valid_report_with_stages_split_and_charts
     profile_report.validate(report)                      # the schema, as the compare command reads it
 
     rows = {r["backend"]: r for r in report["loader"]["rows"]}
-    assert set(rows) == {"torch", "torchvision"} and all(r["status"] == "ok" for r in rows.values())
+    assert set(rows) == {"torch", "torchvision", "lightly", "spdl"}
+    assert [rows[b]["status"] for b in ("torch", "torchvision", "spdl")] == ["ok"] * 3
+    # The peers: lightly has no batch mixes (skipped, with why); SPDL ran as a backend, on the same files.
+    assert rows["lightly"]["status"] == "skipped" and "no intra-batch mixes" in rows["lightly"]["note"]
+    assert rows["spdl"]["settings"].startswith(f"spdl {report['config']['peers']['spdl']}:")
+    assert report["versions"]["spdl"] == report["config"]["peers"]["spdl"] is not None
     assert rows["torchvision"]["vs_torchvision"] == 1.0
     tv = rows["torch"]
     assert tv["vs_torchvision"] == tv["img_per_s"]["median"] / rows["torchvision"]["img_per_s"]["median"]
+    assert tv["vs_peers"] == {"lightly": None, "spdl": tv["img_per_s"]["median"] / rows["spdl"]["img_per_s"]["median"]}
+    # First batch and epoch boundaries, for every backend and peer that ran: whole epochs of one loader.
+    for r in (rows[b] for b in ("torch", "torchvision", "spdl")):
+        e = r["epoch_boundary"]
+        assert r["first_batch_s"]["median"] > 0
+        assert e["stall"]["runs"] == pytest.approx([b / g for b, g in zip(e["longest_boundary_gap_ms"]["runs"],
+                                                                          e["median_gap_ms"]["runs"])])
     # byol+sdmp has blur and a mix: every rung of the ladder ran, so every stage has a time.
     assert set(tv["ladder_img_per_s"]) == {"full", "no_mix", "no_blur", "crops_only"}
     assert all(tv["stages_ms"][s] is not None and tv["stages_ms"][s] >= 0 for s in profile_report.STAGES)
@@ -52,6 +64,8 @@ def test_quick_profile_writes_a_schema_valid_report_with_stages_split_and_charts
         assert chart in report["charts"] and (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "profile.md").read_text()
     assert "| byol+sdmp | torch | cpu |" in md and "| byol | cpu | 12 |" in md and "![loader](loader.png)" in md
+    assert "| byol+sdmp | lightly | cpu | skipped: lightly has no intra-batch mixes |" in md
+    assert "### Against the peers" in md and "### First batch and epoch boundaries (byol+sdmp" in md
 
 
 def test_stages_are_differences_of_the_ablation_ladder() -> None:

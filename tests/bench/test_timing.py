@@ -1,10 +1,13 @@
-"""`bench.timing.time_loader`: the one loader timing of the data bench, the profile and the GPU check."""
+"""`bench.timing`: the one loader timing of the data bench, the profile and the GPU check, and the
+first-batch and epoch-boundary timing of the profile."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.timing import LoaderTiming, cpu_utilisation, time_loader
+import pytest
+
+from bench.timing import LoaderTiming, cpu_utilisation, time_epochs, time_loader
 
 
 @dataclass
@@ -43,3 +46,49 @@ def test_cpu_utilisation_is_the_busy_share_of_the_ticks_and_unknown_without_any(
     assert cpu_utilisation((100, 400), (250, 600)) == 0.75          # 150 busy of 200 ticks
     assert cpu_utilisation((100, 400), (100, 400)) is None          # a window shorter than a tick
     assert cpu_utilisation(None, (1, 2)) is None                    # no /proc/stat
+
+
+class _Clock:
+    """A clock the fake loader advances: its time is what the loader says it spent."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _EpochLoader:
+    """`batches` per epoch, `gap` s apart; the first batch of an epoch `start` s after its iteration begins."""
+
+    def __init__(self, clock: _Clock, build: float, start: float, gap: float, batches: int) -> None:
+        clock.now += build
+        self.clock, self.start, self.gap, self.batches, self.epochs = clock, start, gap, batches, []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        for k in range(self.batches):
+            self.clock.now += self.start if k == 0 else self.gap
+            yield _Batch(4)
+
+
+def test_epoch_timing_gives_the_first_batch_and_the_boundary_gap_in_median_gaps() -> None:
+    clock, made = _Clock(), []
+
+    def make(epoch: int) -> _EpochLoader:
+        made.append(_EpochLoader(clock, build=1.5, start=0.5, gap=0.1, batches=5))
+        return made[-1]
+
+    e = time_epochs(make, epochs=3, device="cpu", clock=clock)
+    assert len(made) == 1 and made[0].epochs == [1, 2]             # one loader, set_epoch as the loop calls it
+    assert e.first_batch_s == pytest.approx(1.5 + 0.5)            # building it, then its first batch
+    assert len(e.gaps_s) == 3 * 4 and e.median_gap_s == pytest.approx(0.1)
+    assert e.boundary_gaps_s == pytest.approx((0.5, 0.5))
+    assert e.boundary_stall == pytest.approx(5.0)
+    # A loader whose next epoch is ready when the last one ends has no stall.
+    e = time_epochs(lambda ep: _EpochLoader(clock, 0.0, 0.1, 0.1, 5), epochs=2, device="cpu", clock=clock)
+    assert e.boundary_stall == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="at least 2 batches per epoch"):
+        time_epochs(lambda ep: _EpochLoader(clock, 0.0, 0.1, 0.1, 1), epochs=2, device="cpu", clock=clock)
