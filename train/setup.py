@@ -200,8 +200,9 @@ def build_train_loader(cfg: Config, recipe: Recipe, backend: str, device: torch.
 
 
 def channels_last(cfg: Config, device: torch.device) -> bool:
-    """Whether the network runs channels-last (on a GPU, `model.channels_last`): the loader then lays
-    its views out that way."""
+    """Whether the loader lays its views out channels-last: on a GPU when the network runs so
+    (`model.channels_last`; the DALI graph writes that layout). On the CPU the views stay NCHW and
+    the network's first convolution takes them as they are."""
     return device.type == "cuda" and cfg.model.channels_last
 
 
@@ -211,11 +212,13 @@ def decoder_hints(cfg: Config) -> DecoderHints:
 
 
 def build_online(cfg: Config, device: torch.device) -> nn.Module:
-    """The online `SSLModel` of `cfg.model` on `device` (channels-last on a GPU), randomly initialised."""
+    """The online `SSLModel` of `cfg.model` on `device`, randomly initialised; channels-last with
+    `model.channels_last` (the default) on a GPU and on the CPU, where oneDNN's convolutions run
+    faster so: the demo's step 567 -> 411 ms on 1 core, 306 -> 232 ms on 2 (the same losses)."""
     m = cfg.model
     online = build_model(m.backbone, cfg.views.global_px, m.proj_hidden, m.proj_out, m.pred_hidden,
                          m.proj_layers, m.bn_per_view, m.proj_last_bn).to(device)
-    if channels_last(cfg, device):
+    if cfg.model.channels_last:
         online = online.to(memory_format=torch.channels_last)
     return online
 
