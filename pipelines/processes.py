@@ -93,6 +93,17 @@ def proc_stat(pid: int) -> tuple[str, str, int]:
         return "", "", 0
 
 
+def process_age_s(pid: int | None = None) -> float | None:
+    """Seconds since a process (default: this one) started, interpreter start-up included, from /proc
+    (clock-tick resolution, 10 ms on Linux); None where /proc cannot tell."""
+    _, started, _ = proc_stat(os.getpid() if pid is None else pid)
+    try:
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    return max(0.0, uptime - int(started) / os.sysconf("SC_CLK_TCK")) if started else None
+
+
 def running(pid: int, since: str | None = None) -> bool:
     """Whether `pid` runs (exists and is not a zombie) and, given `since`, is the process that started then."""
     state, started, _ = proc_stat(pid)

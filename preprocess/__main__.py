@@ -14,8 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from pipelines.processes import process_age_s
 from pipelines.schema import DatasetError
-from preprocess.prepare import ENGINES, SHARD_SIZE, prepare_dataset, summary
+from preprocess.prepare import ENGINES, SHARD_SIZE, command_seconds, prepare_dataset, summary
 from preprocess.sources import SOURCES, Param
 
 
@@ -64,10 +65,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m preprocess") -> i
               file=sys.stderr)
         return 2
     params = {param.name: getattr(a, param.name) for param in source.params}
+    started = process_age_s()              # this process's start-up and imports, up to here
     try:
         path = prepare_dataset(a.dataset, a.out, src=a.src, force=a.force, workers=a.workers,
                                progress=True, name=a.name, shard_size=a.shard_size, engine=a.engine, **params)
+        ended = process_age_s()
         print(summary(path))
+        if started is not None and ended is not None and (line := command_seconds(path, started, ended)):
+            print(line)
     except (ValueError, DatasetError, OSError) as e:
         print(f"preprocess: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,32 @@ def test_synthetic_run_prints_summary_then_rerun_does_nothing(tmp_path: Path, ca
     assert len([f for f in m.files if f.startswith("train/") and f.endswith(".tar")]) == 3
     assert main(args) == 0
     assert "nothing to do" in capsys.readouterr().out
+
+
+def test_every_second_of_an_image_folder_run_is_named(tmp_path: Path) -> None:
+    """The summary's stages add up to its total (what no stage timed is `other`); the FFCV import and
+    copy that run beside them in their own process are listed apart; the command's own line adds
+    start-up and imports, and the manifest, swap and lock after the stages, up to its wall time."""
+    from bench.datasets import write_images
+
+    src = write_images(tmp_path / "src", train=24, val=12, size_px=(64, 48))
+    args = ["--dataset", "imagefolder", "--src", str(src), "--out", str(tmp_path / "out"), "--workers", "2"]
+    r = _run(*args)
+    assert r.returncode == 0, r.stderr
+    secs = read_manifest(tmp_path / "out" / "imagefolder").build["seconds"]
+    stages = {k: v for k, v in secs.items() if k != "total" and not k.endswith("_background")}
+    assert {"list", "units", "checksum", "other"} <= set(stages)
+    assert sum(stages.values()) == pytest.approx(secs["total"], abs=0.002 * len(stages))
+    assert secs["ffcv_import_background"] > 0 and secs["ffcv_write_background"] > 0
+    assert "; beside them ffcv_import" in r.stdout
+    line = re.search(r"([\d.]+)s in this command: start-up and imports ([\d.]+)s, the stages above ([\d.]+)s, "
+                     r"manifest, swap and lock ([\d.]+)s", r.stdout)
+    assert line, r.stdout
+    whole, *parts = map(float, line.groups())
+    assert parts[0] > 0 and parts[1] == pytest.approx(secs["total"], abs=0.05)
+    assert sum(parts) == pytest.approx(whole, abs=0.15)             # three numbers rounded to 0.1 s
+    again = _run(*args)
+    assert "nothing to do" in again.stdout and "in this command" not in again.stdout
 
 
 def test_source_options_come_from_the_registry() -> None:

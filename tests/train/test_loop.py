@@ -131,8 +131,8 @@ def test_the_network_runs_channels_last_on_the_cpu_with_the_losses_of_nchw(tiny_
 @pytest.mark.long
 def test_demo_run_beats_random_init(tmp_path_factory, tmp_path) -> None:
     """`make demo` as it runs (dacl on the default synthetic dataset, data/synthetic.yaml: 600 steps,
-    about 6 minutes on 2 CPU cores) visibly learns: the README's target is kNN top-1 10 points and
-    the linear probe 5 points above the random-init backbone; measured +11.3 / +6.0 (README). The
+    about 2.5 minutes on 2 CPU cores) visibly learns: the README's target is kNN top-1 10 points and
+    the linear probe 5 points above the random-init backbone; measured +11.1 / +7.1 (README). The
     test asserts 8 and 4 points: runs of one config differ by about a point (CPU threads), and the
     former rsa demo (+2.9 / -0.7) fails both."""
     from preprocess.prepare import prepare_dataset
