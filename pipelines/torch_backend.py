@@ -6,6 +6,8 @@ with PIL, renders every view of the recipe with `augment.render_views` and the m
 `pipelines.mixing`, all drawn from one generator seeded per (seed, rank, epoch, batch)
 (`EpochOrder.batch_seed`), so a run is reproducible whatever the number of workers and resumes
 mid-epoch exactly. The epoch order, sharding and resume position are `pipelines.spec.EpochOrder`'s.
+The workers read ahead across epoch boundaries (`EpochOrder.schedule`, as DALI's prefetch queue): the
+next epoch's first batches are made while this epoch's last ones are used.
 """
 
 from __future__ import annotations
@@ -59,6 +61,19 @@ class _BatchReader(torch.utils.data.Dataset):
         return make_batch(views, s.recipe, s.mix, gen, self.info.mean, self.info.std, index, label, "cpu")
 
 
+class _Schedule:
+    """The DataLoader's items, (seed, indices), of every batch from the loader's position on, epoch
+    after epoch (`EpochOrder.schedule`): its workers make the next epoch's first batches while this
+    epoch's last ones are used, so an epoch boundary costs no more than a batch."""
+
+    def __init__(self, order: EpochOrder) -> None:
+        self.order = order
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
+        for epoch, k, idx in self.order.schedule():
+            yield self.order.batch_seed(k, epoch=epoch), idx
+
+
 class TorchLoader(EpochLoader):
     """The reference loader of one rank (see `pipelines.spec.Loader`)."""
 
@@ -66,17 +81,31 @@ class TorchLoader(EpochLoader):
         self.spec = spec
         self.order = EpochOrder(spec, info.count)
         self.batches = _BatchReader(spec, info, ShardReader(scan_shards(info.dir / spec.split, info.count)))
+        self._ahead: Iterator[Batch] | None = None     # batches read ahead from position `_ahead_at`
+        self._ahead_at: tuple[int, int] | None = None
+
+    def _read_ahead(self) -> Iterator[Batch]:
+        items = _Schedule(self.order)
+        if self.spec.num_workers == 0:
+            return (self.batches[it] for it in items)
+        before_fork()
+        return iter(torch.utils.data.DataLoader(self.batches, batch_size=None, sampler=items,
+                                                num_workers=self.spec.num_workers, prefetch_factor=2))
 
     def __iter__(self) -> Iterator[Batch]:
-        items = [(self.order.batch_seed(k), idx) for k, idx in self.order.remaining()]
-        if self.spec.num_workers > 0 and len(items) > 1:
-            before_fork()
-            batches = torch.utils.data.DataLoader(self.batches, batch_size=None, sampler=items,
-                                                  num_workers=self.spec.num_workers, prefetch_factor=2)
-        else:
-            batches = (self.batches[it] for it in items)
-        for b in batches:
-            self.order.advance()
+        o = self.order
+        epoch = o.epoch
+        if self._ahead is None or self._ahead_at != (o.epoch, o.batches_done):   # a new position: set_epoch, resume
+            self._ahead = None          # ends the old workers before new ones start
+            self._ahead = self._read_ahead()
+        while o.epoch == epoch and len(o):
+            b = next(self._ahead)
+            o.advance()
+            self._ahead_at = (o.epoch, o.batches_done)
+            if not self.spec.shuffle and o.epoch != epoch:
+                # An evaluation loader (index order) is read again from its start: nothing to read
+                # ahead, and its workers end instead of idling beside training.
+                self._ahead = None
             yield b.to(self.spec.device)
 
 

@@ -53,3 +53,34 @@ def test_batches_do_not_depend_on_the_number_of_workers(root):
     c = list(build_loader("torch", _spec(root, recipe, num_workers=2)))
     assert len(a) == len(c) == 6
     assert all(torch.equal(x.global_views, y.global_views) and torch.equal(x.index, y.index) for x, y in zip(a, c))
+
+
+def test_the_workers_read_ahead_into_the_next_epoch_and_hand_out_what_a_fresh_loader_would(root):
+    """One loader read epoch after epoch (the loop's `set_epoch(e)`, then a new iteration) keeps its
+    workers' read-ahead across the boundary (no refill: the profile's epoch-boundary stall), and every
+    epoch's batches are a fresh loader's; a jump (another epoch, a resumed position) starts over."""
+    recipe = load_recipe("byol", 32, 16)
+    loader = build_loader("torch", _spec(root, recipe, num_workers=2))
+
+    def fresh(epoch: int, state: dict | None = None) -> list:
+        other = build_loader("torch", _spec(root, recipe, num_workers=0))
+        other.set_epoch(epoch)
+        if state:
+            other.load_state_dict(state)
+        return list(other)
+
+    def same(a: list, b: list) -> bool:
+        return len(a) == len(b) and all(torch.equal(x.index, y.index) and torch.equal(x.global_views, y.global_views)
+                                        for x, y in zip(a, b))
+
+    ahead = []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        assert same(list(loader), fresh(epoch)), epoch
+        ahead.append(loader._ahead)
+    assert ahead[0] is ahead[1] is ahead[2]                      # one read-ahead across both boundaries
+    loader.set_epoch(7)
+    assert same(list(loader), fresh(7)) and loader._ahead is not ahead[0]
+    state = {"epoch": 2, "batches_done": 4}
+    loader.load_state_dict(state)
+    assert same(list(loader), fresh(2, state))
