@@ -16,7 +16,7 @@ Sections, each figure the median of `--repeats` timed runs after warm-up with it
    peer; a peer that is not installed or has no composition for a recipe is a skipped row with why.
    On the first recipe every backend and peer is also built once more and read for `--epochs` whole
    epochs of `--epoch-batches` batches: the time from building it to its first batch, and the longest
-   gap at an epoch boundary against the median gap between batches (`bench.timing.time_epochs`).
+   gap at an epoch boundary against the mean gap between batches (`bench.timing.time_epochs`).
 2. **train**: per method, the loop's `train_step` with the real loader and with the same batch kept
    on the device (`bench.train.time_steps`), the data-stall fraction `1 - real / on-device`, the
    step split into data wait, forward, backward, optimiser and EMA (the `train.loop.phase` ranges,
@@ -158,7 +158,7 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
                 row["settings"] = peers.check(be, cells[rc][0], cells[rc][1].kind)
             except peers.PeerSkip as skip:
                 row.update(status="skipped", note=str(skip))
-    epochs = {be: {"first": [], "gap": [], "boundary": []} for be in backends}
+    epochs = {be: {"first": [], "median": [], "gap": [], "boundary": []} for be in backends}
     for rnd in range(a.repeats):
         read_runs += time_ceiling(entries, "read", None, *ceil_args, 1, a.cores, first_seed=rnd)
         decode_runs += time_ceiling(entries, decoder, None, *ceil_args, 1, a.cores, first_seed=rnd)
@@ -178,11 +178,12 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
                     if rnd == 0:
                         row["operators"] = operator_counts(make(be, recipe, mix, a.cores, 0))
                     if rc == recipes[0]:   # first batch and epoch boundaries: whole short epochs
-                        e = time_epochs(lambda ep, r=recipe, m=mix: make(be, r, m, a.cores, rnd + ep,
+                        e = time_epochs(lambda ep, r=recipe, m=mix: make(be, r, m, a.cores, ep,
                                                                           a.epoch_batches * a.batch_size),
-                                        a.epochs, row["device"])
+                                        a.epochs, row["device"], first_epoch=rnd * a.epochs)
                         epochs[be]["first"].append(e.first_batch_s)
-                        epochs[be]["gap"].append(1000 * e.median_gap_s)
+                        epochs[be]["median"].append(1000 * e.median_gap_s)
+                        epochs[be]["gap"].append(1000 * e.mean_gap_s)
                         epochs[be]["boundary"].append(1000 * max(e.boundary_gaps_s))
                 except Exception as exc:   # a broken backend is reported, never skipped silently
                     row.update(status="failed", error=f"{type(exc).__name__}: {exc}".splitlines()[0],
@@ -209,7 +210,8 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
             if rc == recipes[0] and epochs[be]["first"]:
                 e = epochs[be]
                 row.update(first_batch_s=stat(e["first"]), epoch_boundary={
-                    "median_gap_ms": stat(e["gap"]), "longest_boundary_gap_ms": stat(e["boundary"]),
+                    "median_gap_ms": stat(e["median"]), "mean_gap_ms": stat(e["gap"]),
+                    "longest_boundary_gap_ms": stat(e["boundary"]),
                     "stall": stat([b / g for b, g in zip(e["boundary"], e["gap"])])})
         out.append(row)
     for row in out:                       # the ratios to the baseline and the peers, once every row has its rate

@@ -9,7 +9,7 @@ the GPU check).
 A loader run builds a fresh loader, skips its warm-up batches and times the next ones between two
 device syncs; the machine's CPU share in each timed window is read from /proc/stat (every process
 counts). An epoch run builds one loader and reads whole epochs of it: the time from building it to its
-first batch, and the gap at each epoch boundary against the median gap between batches. A ceiling reads the same shard records in `cores` DataLoader workers with one of two
+first batch, and the gap at each epoch boundary against the mean gap between batches. A ceiling reads the same shard records in `cores` DataLoader workers with one of two
 libjpeg-turbo decoders (PIL, `torchvision.io.decode_image`): the bytes alone (`read`), decode-only, or
 decode + the recipe's crops and resizes (one decode per sample, every crop view resized to its size,
 no colour ops). The recipe variants here (`crops_only`, `without_blur`) are the ablations that split a
@@ -129,21 +129,29 @@ class EpochTiming:
         return statistics.median(self.gaps_s)
 
     @property
+    def mean_gap_s(self) -> float:
+        """The steady time per batch. Not the median: loaders whose workers each make a whole batch
+        hand them out in bursts (2 workers: about 1,100 ms, then 15 ms), where the median gap says
+        nothing of the rate."""
+        return statistics.fmean(self.gaps_s)
+
+    @property
     def boundary_stall(self) -> float:
-        """The longest epoch-boundary gap in median batch gaps (1: no stall at all)."""
-        return max(self.boundary_gaps_s) / self.median_gap_s
+        """The longest epoch-boundary gap in mean batch gaps (1: the boundary costs what a batch costs)."""
+        return max(self.boundary_gaps_s) / self.mean_gap_s
 
 
-def time_epochs(make: Callable[[int], Loader], epochs: int, device: str | torch.device,
+def time_epochs(make: Callable[[int], Loader], epochs: int, device: str | torch.device, first_epoch: int = 0,
                 clock: Callable[[], float] = time.perf_counter) -> EpochTiming:
-    """Build a loader (`make(0)`, timed from its first line) and read `epochs` >= 2 whole epochs the
-    way the training loop does (`set_epoch(e)`, then a new iteration), noting when each batch arrives
-    (after a device sync) on `clock`. Gaps within epochs exclude each epoch's first batch."""
+    """Build a loader at `first_epoch` (`make(first_epoch)`, timed from its first line) and read
+    `epochs` >= 2 whole epochs the way the training loop does (`set_epoch(e)` for the next epoch, then
+    a new iteration), noting when each batch arrives (after a device sync) on `clock`. Gaps within
+    epochs exclude each epoch's first batch."""
     t0 = clock()
-    loader = make(0)
+    loader = make(first_epoch)
     arrivals: list[list[float]] = []
-    for e in range(epochs):
-        if e:
+    for e in range(first_epoch, first_epoch + epochs):
+        if e > first_epoch:
             loader.set_epoch(e)
         arrivals.append([])
         for _ in loader:

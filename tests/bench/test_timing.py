@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from bench.timing import LoaderTiming, cpu_utilisation, time_epochs, time_loader
+from bench.timing import EpochTiming, LoaderTiming, cpu_utilisation, time_epochs, time_loader
 
 
 @dataclass
@@ -74,19 +74,24 @@ class _EpochLoader:
             yield _Batch(4)
 
 
-def test_epoch_timing_gives_the_first_batch_and_the_boundary_gap_in_median_gaps() -> None:
+def test_epoch_timing_gives_the_first_batch_and_the_boundary_gap_in_mean_gaps() -> None:
     clock, made = _Clock(), []
 
     def make(epoch: int) -> _EpochLoader:
         made.append(_EpochLoader(clock, build=1.5, start=0.5, gap=0.1, batches=5))
+        made[-1].epochs.append(epoch)
         return made[-1]
 
-    e = time_epochs(make, epochs=3, device="cpu", clock=clock)
-    assert len(made) == 1 and made[0].epochs == [1, 2]             # one loader, set_epoch as the loop calls it
+    e = time_epochs(make, epochs=3, device="cpu", first_epoch=6, clock=clock)
+    assert len(made) == 1 and made[0].epochs == [6, 7, 8]          # one loader, set_epoch as the loop calls it
     assert e.first_batch_s == pytest.approx(1.5 + 0.5)            # building it, then its first batch
-    assert len(e.gaps_s) == 3 * 4 and e.median_gap_s == pytest.approx(0.1)
+    assert len(e.gaps_s) == 3 * 4 and e.mean_gap_s == pytest.approx(0.1) == e.median_gap_s
     assert e.boundary_gaps_s == pytest.approx((0.5, 0.5))
     assert e.boundary_stall == pytest.approx(5.0)
+    # Batches in bursts (three workers finishing together: 0.19 s, then 0.01 s twice): the median gap
+    # is 0.01 s, the rate one batch per 0.07 s; the stall is counted in the rate's gaps.
+    bursty = EpochTiming(1.0, (0.19, 0.01, 0.01) * 4, (0.19,))
+    assert bursty.median_gap_s == pytest.approx(0.01) and bursty.boundary_stall == pytest.approx(0.19 / 0.07)
     # A loader whose next epoch is ready when the last one ends has no stall.
     e = time_epochs(lambda ep: _EpochLoader(clock, 0.0, 0.1, 0.1, 5), epochs=2, device="cpu", clock=clock)
     assert e.boundary_stall == pytest.approx(1.0)
