@@ -34,6 +34,7 @@ import torch
 from pipelines.augment import blur_sigma_px
 from pipelines.batch import Batch, make_batch
 from pipelines.loader import build_loader
+from pipelines.processes import before_fork
 from pipelines.shards import ShardReader, scan_shards
 from pipelines.spec import DatasetInfo, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import Recipe, ViewGroup
@@ -165,6 +166,8 @@ class LightlyLoader:
 
     def __iter__(self) -> Iterator[PeerBatch]:
         s = self.spec
+        if s.num_workers > 0:
+            before_fork()           # its workers, as every process a bench starts, end with it
         loader = torch.utils.data.DataLoader(
             self.dataset, batch_size=s.batch_size, shuffle=True, drop_last=True, num_workers=s.num_workers,
             generator=torch.Generator().manual_seed(s.seed * 1000 + self.epoch))
