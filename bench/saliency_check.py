@@ -8,8 +8,8 @@ The same `relicv2` run, `steps` steps each and `seeds` seeds each, three ways:
 - `p_m = 0.1, centred control`: the recipe on DATASET-centre, whose masks are centred rectangles of
   each saliency mask's coverage (`python -m preprocess.saliency.control`, run first by the make
   target).
-kNN and linear-probe top-1 on the val split after each run (the trainer's final evaluation), each run
-in a fresh process. Writes `check.json` (machine, versions, commit, configs, numbers) and `check.md` into
+kNN and linear-probe top-1 on the val split after each run (the trainer's final evaluation), the runs
+one after the other in this process (each seeds itself from its config). Writes `check.json` (machine, versions, commit, configs, numbers) and `check.md` into
 `reports/saliency-check-<dataset>/` and prints the table.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from bench.report import header
-from bench.train import accuracy_after, in_fresh_process, last_eval
+from bench.train import accuracy_after, last_eval
 from pipelines.views import RECIPE_DIR
 from train.config import CONFIG_DIR, ConfigError, dump_yaml, load_config
 
@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
                 print(f"{arm}, seed {seed}: " + ("done by an earlier run" if done else f"training {steps} steps"),
                       flush=True)
                 results.setdefault(arm, []).append({"seed": seed, "words": words,
-                                                    **(done or in_fresh_process(run_arm, words))})
+                                                    **(done or run_arm(words))})
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
