@@ -167,11 +167,11 @@ def dacl_linear(x: Tensor, partner: Tensor, lam: Tensor, out: Tensor | None = No
     return mixup(x, lam, partner, out)
 
 
-def dacl_geometric(x: Tensor, partner: Tensor, lam: Tensor) -> Tensor:
+def dacl_geometric(x: Tensor, partner: Tensor, lam: Tensor, out: Tensor | None = None) -> Tensor:
     """DACL Geometric Mixup, Eq. (5): x^lam * x_partner^(1-lam), on non-negative pixels (pre-normalisation)."""
     w = lam.to(x.dtype).view(-1, 1, 1, 1)                         # (B, 1, 1, 1)
     a = x.clamp_min(0)
-    return a.pow(w) * a[partner].pow(1 - w)
+    return torch.mul(a.pow(w), a[partner].pow(1 - w), out=out)
 
 
 def dacl_binary(x: Tensor, partner: Tensor, mask: Tensor, out: Tensor | None = None) -> Tensor:
@@ -369,20 +369,18 @@ def sample_dacl(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generat
 
 def apply_dacl(x: Tensor, d: MixDraw, mix: MixSpec, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Mix views x (V, B, C, H, W) with DACL draws, each sample with its noise (`d.noise` indexes
-    `mix.dacl_noises`), into `out` (same shape) when given; returns (mixed, lam)."""
+    `mix.dacl_noises`), into `out` (same shape) when given; returns (mixed, lam). The first noise is
+    written straight into the output, each further one over the samples that drew it."""
     out = torch.empty_like(x) if out is None else out
     for k in range(x.shape[0]):
-        if mix.dacl_noises == ("linear",):                       # plain DACL: straight into the output
-            dacl_linear(x[k], d.partner[k], d.lam[k], out[k])
-            continue
-        y = None
         for j, name in enumerate(mix.dacl_noises):
+            dst = out[k] if j == 0 else None
             if name == "binary":
-                m = dacl_binary(x[k], d.partner[k], d.keep[k])
+                m = dacl_binary(x[k], d.partner[k], d.keep[k], dst)
             else:
-                m = (dacl_linear if name == "linear" else dacl_geometric)(x[k], d.partner[k], d.lam[k])
-            y = m if y is None else torch.where((d.noise == j).view(-1, 1, 1, 1), m, y)
-        out[k].copy_(y)
+                m = (dacl_linear if name == "linear" else dacl_geometric)(x[k], d.partner[k], d.lam[k], dst)
+            if j:
+                torch.where((d.noise == j).view(-1, 1, 1, 1), m, out[k], out=out[k])
     return out, mix_lam(d, *x.shape[-2:]).to(x.dtype)
 
 
