@@ -253,13 +253,8 @@ def run(s: Settings) -> dict:
             # a slow spell of a shared machine lands on all of them alike, not on one backend.
             ceiling_runs: list[float] = []
             rows = {be: {"dataset": ds, "recipe": rc, "backend": be, "views_per_sample": vps,
-                         "runs": [], "crops_only_runs": []} for be in s.backends}
-            for be, row in rows.items():
-                if be.partition("@")[0] in peers.PEERS:
-                    try:
-                        row["settings"] = peers.check(be.partition("@")[0], recipe, "none")
-                    except peers.PeerSkip as skip:
-                        row.update(status="skipped", note=str(skip))
+                         "runs": [], "crops_only_runs": [], **peers.row_fields(be, recipe, "none")}
+                    for be in s.backends}
             for rnd in range(s.repeats):
                 ceiling_runs += time_ceiling(entries, decoder, recipe, s.batch_size, s.batches,
                                              s.warmup_batches, 1, s.cores, first_seed=rnd)

@@ -61,8 +61,7 @@ def check(peer: str, recipe: Recipe, mix_kind: str) -> str:
     Raises:
         PeerSkip: the peer is not installed, or cannot make this recipe or mix.
     """
-    module = {"lightly": "lightly.transforms", "spdl": "spdl.io"}[peer]
-    if importlib.util.find_spec(module.partition(".")[0]) is None:
+    if importlib.util.find_spec(peer) is None:           # each peer's module is named as its distribution
         raise PeerSkip(f"{peer} is not installed (pip install 'viewmill[peers]'; make install-test installs it)")
     if peer == "spdl":
         return (f"spdl {version(peer)}: spdl.io.load_image decode + the torchvision baseline's transforms, "
@@ -73,6 +72,18 @@ def check(peer: str, recipe: Recipe, mix_kind: str) -> str:
         raise PeerSkip("lightly has no staged (weak -> aggressive) views")
     return f"lightly {version(peer)}: {_lightly_name(recipe)} in a DataLoader over the image folder; " + \
         "; ".join(_lightly_differences(recipe))
+
+
+def row_fields(loader: str, recipe: Recipe, mix_kind: str) -> dict[str, str]:
+    """What a bench row of `loader` (a backend, optionally `name@device`, or a peer) starts with: a
+    peer's `settings`, or `status` "skipped" with its `note`; nothing for a backend."""
+    name = loader.partition("@")[0]
+    if name not in PEERS:
+        return {}
+    try:
+        return {"settings": check(name, recipe, mix_kind)}
+    except PeerSkip as skip:
+        return {"status": "skipped", "note": str(skip)}
 
 
 # ----------------------------------------------------------------------------- lightly

@@ -150,14 +150,9 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
     read_runs, decode_runs = [], []
     crop_ceiling = {rc: [] for rc in recipes}
     rows = {(rc, be): {"recipe": rc, "backend": be, "device": be.partition("@")[2] or a.device, "status": "ok",
-                       "ladder": {k: [] for k in _ladder(*cells[rc])}, "util": []}
+                       "ladder": {k: [] for k in _ladder(*cells[rc])}, "util": [],
+                       **peers.row_fields(be, cells[rc][0], cells[rc][1].kind)}
             for rc in recipes for be in backends}
-    for (rc, be), row in rows.items():
-        if be in peers.PEERS:
-            try:
-                row["settings"] = peers.check(be, cells[rc][0], cells[rc][1].kind)
-            except peers.PeerSkip as skip:
-                row.update(status="skipped", note=str(skip))
     epochs = {be: {"first": [], "median": [], "gap": [], "boundary": []} for be in backends}
     for rnd in range(a.repeats):
         read_runs += time_ceiling(entries, "read", None, *ceil_args, 1, a.cores, first_seed=rnd)
