@@ -1,22 +1,27 @@
-"""The processes viewmill starts: forked after a garbage collection, and ending when their parent ends.
+"""The processes viewmill starts: forked children that leave what they inherit alone, and that end when
+their parent ends.
 
 Every process viewmill starts (preprocessing work units, DALI-shard and saliency workers, FFCV's writer
 processes, the torch DataLoader workers of the loaders, the ranks the training launcher starts) follows
 two rules, kept here for preprocess, pipelines and train alike:
 
-1. Fork after a garbage collection (`before_fork`). A forked child inherits the parent's unreachable
-   objects, and its first collection would run their finalisers there: a DALI pipeline's waits on its
-   worker threads, which the child does not have, so a child forked from a process that once built a
-   pipeline (a test session, a notebook) hung before doing anything. Collected in the parent, such
-   objects finalise where their threads exist.
+1. A forked child freezes the objects it inherits (`gc.freeze`, the first thing it does): its garbage
+   collections never look at them. A forked child inherits the parent's unreachable objects, and its
+   first collection would run their finalisers there: a DALI pipeline's waits on its worker threads,
+   which the child does not have, so a child forked from a process that once built a pipeline (a test
+   session, a notebook) hung before doing anything. Frozen, they are finalised in the parent, where
+   their threads exist. (A full collection in the parent before each fork did the same, at 0.2 s a
+   fork in a process holding torch and seconds in a long-lived one: a quarter of the test suite's CPU.
+   Freezing costs nothing and, as Python's `gc.freeze` documentation says, keeps the child's
+   collections off the pages it shares with its parent.)
 2. End with the parent, however the parent ends (`kill -9`, the OOM killer, a crash). An orphan is
    re-parented to init and works on: it holds memory and cores, and writes into a staging or run
    folder that the next run resumes from. Each child runs a watchdog thread that polls its parent's pid
    and kills itself once the parent is gone. Linux's parent-death signal (PR_SET_PDEATHSIG) is not
    used: it fires when the parent *thread* that forked the child ends, and a pool's helper thread
    that replaces a worker would then kill a healthy child; polling the pid holds for every start
-   method. Forked children get the watchdog from an at-fork hook that `before_fork` registers once
-   per process (so also the children a library forks: FFCV's writers, DataLoader workers); a process
+   method. Forked children freeze and get the watchdog in an at-fork hook that `before_fork` registers
+   once per process (so also the children a library forks: FFCV's writers, DataLoader workers); a process
    started by exec (a rank of the elastic launcher or torchrun) calls `end_with_parent` itself.
 
 `proc_stat`, `running` and `descendants` read /proc for who runs and who started whom (the reaper of
@@ -64,14 +69,14 @@ def _remember_forking_pid() -> None:
 
 
 def _in_forked_child() -> None:
+    gc.freeze()                              # rule 1: the inherited objects are the parent's to collect
     end_with_parent(_forking_pid)            # the pid before the fork: a parent dead already ends us now
 
 
 def before_fork() -> None:
-    """Call before forking workers (or before a library does): collects the garbage (module docstring,
-    1) and makes every child forked from this process from now on end with it (2)."""
+    """Call before forking workers (or before a library does): every child forked from this process
+    from now on leaves the objects it inherits to it (module docstring, 1) and ends with it (2)."""
     global _hooked
-    gc.collect()
     if not _hooked:
         os.register_at_fork(before=_remember_forking_pid, after_in_child=_in_forked_child)
         _hooked = True

@@ -104,8 +104,8 @@ def violations(path: Path) -> list[str]:
                 why = "preprocess must not import train"
             # pipelines.shards: the one reader of the shard format (no torch, no backend), for the
             # saliency stage, which reads a written dataset back to add its masks; pipelines.processes:
-            # the rules of the processes every package starts (forked after a collection, ending with
-            # their parent); pipelines.jit: numba as FFCV's import uses it, for the FFCV writer.
+            # the rules of the processes every package starts (forked children leave what they inherit
+            # alone and end with their parent); pipelines.jit: numba as FFCV's import uses it, for the FFCV writer.
             elif under(name, ("pipelines",)) and not under(name, PREPROCESS_MAY_IMPORT):
                 why = "preprocess may import only " + ", ".join(PREPROCESS_MAY_IMPORT) + " from pipelines"
         if why:
