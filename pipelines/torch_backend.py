@@ -22,7 +22,7 @@ from torch import Tensor
 from pipelines.augment import render_views
 from pipelines.batch import Batch, make_batch
 from pipelines.shards import ShardReader, scan_shards
-from pipelines.processes import before_fork
+from pipelines.processes import fork_context
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec
 
 
@@ -88,9 +88,11 @@ class TorchLoader(EpochLoader):
         items = _Schedule(self.order)
         if self.spec.num_workers == 0:
             return (self.batches[it] for it in items)
-        before_fork()
+        # Forked workers, also in a process that was itself spawned (a bench's fresh process, whose
+        # default start method is then spawn: each worker would import torch again, seconds each).
         return iter(torch.utils.data.DataLoader(self.batches, batch_size=None, sampler=items,
-                                                num_workers=self.spec.num_workers, prefetch_factor=2))
+                                                num_workers=self.spec.num_workers, prefetch_factor=2,
+                                                multiprocessing_context=fork_context()))
 
     def __iter__(self) -> Iterator[Batch]:
         o = self.order

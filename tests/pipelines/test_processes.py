@@ -1,6 +1,6 @@
-"""The processes viewmill starts (`pipelines.processes`): forked after a collection, so that a child
-forked from a process that once built a DALI pipeline does not finalise it without its threads; and
-ending with their parent, however it dies: children forked by our pools or by a library after
+"""The processes viewmill starts (`pipelines.processes`): a child forked from a process that once built
+a DALI pipeline freezes what it inherits, so it does not finalise the pipeline without its threads;
+and children end with their parent, however it dies: children forked by our pools or by a library after
 `before_fork`, children of children, and exec'd processes that call `end_with_parent`."""
 
 from __future__ import annotations
@@ -130,3 +130,29 @@ def test_the_dataset_lock_belongs_to_the_run_not_to_its_children_and_a_dead_run_
     lock.release()
     for pid in live(holder.mark):
         os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("backend", ["torch", "torchvision"])
+def test_loader_workers_are_forked_where_the_default_start_method_is_spawn(backend, tiny_data_root,
+                                                                           monkeypatch) -> None:
+    """In a process whose default start method is spawn (any process started by spawn, such as the
+    benches' fresh processes), the DataLoader workers of the torch-based loaders are still forked: a
+    spawned worker imports torch again (seconds) and is not watched (rule 2)."""
+    import multiprocessing as mp
+    from pathlib import Path
+
+    from pipelines.loader import build_loader
+    from pipelines.processes import descendants
+    from pipelines.spec import LoaderSpec
+    from pipelines.views import load_recipe
+
+    monkeypatch.setattr(mp.context._default_context, "_actual_context", mp.get_context("spawn"))
+    spec = LoaderSpec(root=str(tiny_data_root), dataset="synthetic", recipe=load_recipe("byol", 32, 16),
+                      split="train", batch_size=8, num_workers=1)
+    loader = build_loader(backend, spec)
+    assert next(iter(loader)).global_views.shape[1] == 8
+    # A forked worker has this process's command line; a spawned one that of multiprocessing's spawn.
+    mine = Path(f"/proc/{os.getpid()}/cmdline").read_bytes()
+    lines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid, _ in descendants(os.getpid())]
+    workers = [line for line in lines if b"resource_tracker" not in line]      # not multiprocessing's helper
+    assert workers and all(line == mine for line in workers)
