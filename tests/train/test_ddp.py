@@ -8,8 +8,10 @@ the objectives' cross-rank gather and DDP's gradient averaging.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from models.ema import make_target
 from models.multicrop import build_model
 from pipelines.batch import Batch
+from tests.once import made_once
 from train.objectives import OBJECTIVES
 from train.objectives.base import StepValues
 
@@ -88,28 +91,47 @@ def one_step(method: str, rank: int, world: int, monkeypatch=None) -> dict:
             "target": {k: v.clone() for k, v in target.state_dict().items()} if target is not None else {}}
 
 
-def worker(rank: int, world: int, port: int, method: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    tdist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.save(one_step(method, rank, world), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        tdist.destroy_process_group()
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
+EVAL_WORDS = ("run.max_eval_samples=27",)
+
+
+def rank_worker(rank: int, world: int, port: int, eval_words: list[str], out_dir: str) -> None:
+    """One rank of the pair that serves every test below: a step of each method, then the evaluation."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for method in METHODS:
+            torch.save(one_step(method, rank, world), os.path.join(out_dir, f"{method}-rank{rank}.pt"))
+        torch.save(eval_result(eval_words), os.path.join(out_dir, f"eval-rank{rank}.pt"))
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_args, tmp_path_factory) -> tuple[Path, list[str]]:
+    """The folder of what each of 2 gloo processes computed (a step of every method in METHODS, and the
+    evaluation of `eval_words`), and `eval_words`. One spawned pair serves every test, once per session
+    (`tests.once`): each spawned process imports torch and this code anew, seconds of CPU per process."""
+    def make(out: Path) -> None:
+        words = tiny_args("byol", out, *EVAL_WORDS)
+        (out / "words.json").write_text(json.dumps(words))          # for the workers that did not make it
+        mp.spawn(rank_worker, args=(2, free_port(), words, str(out)), nprocs=2, join=True)
+
+    out = made_once(tmp_path_factory, "two-ranks", make)
+    return out, json.loads((out / "words.json").read_text())
+
+
 @pytest.mark.ddp
 @pytest.mark.parametrize("method", METHODS)
-def test_two_ranks_equal_one_process_on_the_whole_batch(method: str, tmp_path, monkeypatch) -> None:
+def test_two_ranks_equal_one_process_on_the_whole_batch(method: str, two_ranks, monkeypatch) -> None:
     torch.set_num_threads(1)
     single = one_step(method, 0, 1, monkeypatch)
-    mp.spawn(worker, args=(2, free_port(), method, str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    ranks = [torch.load(two_ranks[0] / f"{method}-rank{r}.pt", weights_only=True) for r in range(2)]
     for r in ranks:
         assert torch.allclose(r["loss"], single["loss"], rtol=1e-5, atol=1e-6)
         assert set(r["grads"]) == set(single["grads"])
@@ -145,27 +167,17 @@ def eval_result(words: list[str]) -> dict:
         evaluate.extract_features = extract
 
 
-def eval_worker(rank: int, world: int, port: int, words: list[str], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    tdist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.save(eval_result(words), os.path.join(out_dir, f"eval{rank}.pt"))
-    finally:
-        tdist.destroy_process_group()
-
-
 @pytest.mark.ddp
-def test_evaluation_on_two_ranks_equals_one_process(tiny_args, tmp_path) -> None:
+def test_evaluation_on_two_ranks_equals_one_process(two_ranks) -> None:
     """Each rank extracts its shard (27 records of each split, the cap of run.max_eval_samples: 13 and
     14 per rank), the train features are gathered, the val counts and health sums added up: every rank
     gets the kNN and probe accuracy of one process on the whole splits, and its health metrics (the
     alignment from other random views); no rank waits idle while another evaluates."""
     torch.set_num_threads(1)
-    words = tiny_args("byol", tmp_path, "run.max_eval_samples=27")
+    out, words = two_ranks
     single = eval_result(words)
     assert single.pop("rows") == [27, 27]
-    mp.spawn(eval_worker, args=(2, free_port(), words, str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"eval{r}.pt", weights_only=True) for r in range(2)]
+    ranks = [torch.load(out / f"eval-rank{r}.pt", weights_only=True) for r in range(2)]
     assert [r.pop("rows") for r in ranks] == [[13, 13], [14, 14]]    # each rank its share, no rank idle
     for r in ranks:
         exact = {k: r.pop(k) for k in ("knn_top1", "linear_top1", "eval_train_samples", "eval_val_samples")}

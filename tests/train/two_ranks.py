@@ -1,10 +1,9 @@
 """The 2-process reference run that the multi-node, SLURM and kill tests end equal to: byol on the tiny
-dataset, `WORDS`, started as `python -m train gpus=2`; made once per test session (under pytest-xdist,
-the first worker that needs it makes it and the others wait for it), and the comparison of a run with it."""
+dataset, `WORDS`, started as `python -m train gpus=2`; made once per test session (`tests.once`), and
+the comparison of a run with it."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.once import made_once
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -45,13 +46,9 @@ def assert_same_training(run: Path, reference: Path) -> None:
 @pytest.fixture(scope="session")
 def two_processes(tiny_args, tmp_path_factory) -> Path:
     """The run folder of byol, `WORDS`, in 2 processes on this machine (`gpus=2`)."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base   # one folder for all workers
-    out = shared / "two-processes"
-    with open(shared / "two-processes.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "run" / "backbone.safetensors").exists():
-            done = subprocess.run([sys.executable, "-m", "train", "gpus=2", *tiny_args("byol", out, *WORDS)],
-                                  cwd=ROOT, env=env_here(), capture_output=True, text=True, timeout=300)
-            assert done.returncode == 0, done.stderr
-    return out / "run"
+    def make(out: Path) -> None:
+        done = subprocess.run([sys.executable, "-m", "train", "gpus=2", *tiny_args("byol", out, *WORDS)],
+                              cwd=ROOT, env=env_here(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+
+    return made_once(tmp_path_factory, "two-processes", make) / "run"
