@@ -5,15 +5,17 @@ Every process viewmill starts (preprocessing work units, DALI-shard and saliency
 processes, the torch DataLoader workers of the loaders, the ranks the training launcher starts) follows
 two rules, kept here for preprocess, pipelines and train alike:
 
-1. A forked child freezes the objects it inherits (`gc.freeze`, the first thing it does): its garbage
-   collections never look at them. A forked child inherits the parent's unreachable objects, and its
-   first collection would run their finalisers there: a DALI pipeline's waits on its worker threads,
-   which the child does not have, so a child forked from a process that once built a pipeline (a test
-   session, a notebook) hung before doing anything. Frozen, they are finalised in the parent, where
-   their threads exist. (A full collection in the parent before each fork did the same, at 0.2 s a
-   fork in a process holding torch and seconds in a long-lived one: a quarter of the test suite's CPU.
-   Freezing costs nothing and, as Python's `gc.freeze` documentation says, keeps the child's
-   collections off the pages it shares with its parent.)
+1. A child does not finalise what it inherits. A forked child inherits the parent's unreachable
+   objects, whose finalisers could run there: a DALI pipeline's waits on its worker threads, which
+   the child does not have, so a child forked from a process that once built a pipeline (a test
+   session, a notebook) hung before doing anything (in its first collection, or in threading's
+   after-fork clean-up). So an object whose finaliser must run in its own process is registered
+   (`finalise_here`: our DALI pipelines), and while one exists `before_fork` collects the garbage,
+   which finalises an unreachable one in the parent; and a forked child freezes what it inherits
+   (`gc.freeze`, its first act), so that its collections never look at it (which also keeps them off
+   the pages it shares with its parent, as Python's documentation of `gc.freeze` says). A full
+   collection before every fork did the first part for everything, at 0.2 s a fork in a process
+   holding torch and more in a long-lived one: a sixth of the test suite's CPU.
 2. End with the parent, however the parent ends (`kill -9`, the OOM killer, a crash). An orphan is
    re-parented to init and works on: it holds memory and cores, and writes into a staging or run
    folder that the next run resumes from. Each child runs a watchdog thread that polls its parent's pid
@@ -36,12 +38,14 @@ import os
 import signal
 import threading
 import time
+import weakref
 from multiprocessing.context import BaseContext
 from pathlib import Path
 
 POLL_S = 0.2                     # how often a child looks at its parent's pid: a dead parent's children end within it
 _forking_pid: int | None = None  # the pid of the process that is forking, read by the child it forks
 _hooked = False                  # the at-fork hooks are registered in this process (inherited by its children)
+_finalise_here: weakref.WeakSet = weakref.WeakSet()     # objects whose finalisers must run in this process
 
 
 def end_with_parent(parent: int | None = None) -> None:
@@ -73,10 +77,20 @@ def _in_forked_child() -> None:
     end_with_parent(_forking_pid)            # the pid before the fork: a parent dead already ends us now
 
 
+def finalise_here(obj: object) -> None:
+    """Register an object whose finaliser must run in this process, never in a forked child (a DALI
+    pipeline: it waits on its worker threads, which a child does not have). While one exists,
+    `before_fork` collects the garbage first, so that an unreachable one is finalised here (rule 1)."""
+    _finalise_here.add(obj)
+
+
 def before_fork() -> None:
-    """Call before forking workers (or before a library does): every child forked from this process
-    from now on leaves the objects it inherits to it (module docstring, 1) and ends with it (2)."""
+    """Call before forking workers (or before a library does): collects the garbage while an object
+    of `finalise_here` exists, and makes every child forked from this process from now on leave the
+    objects it inherits to it (module docstring, 1) and end with it (2)."""
     global _hooked
+    if _finalise_here:
+        gc.collect()
     if not _hooked:
         os.register_at_fork(before=_remember_forking_pid, after_in_child=_in_forked_child)
         _hooked = True

@@ -37,7 +37,7 @@ from torch import Tensor
 from pipelines.augment import SALIENCY_MIN_COVERAGE, blur_sigma_px
 from pipelines.batch import Batch, make_batch
 from pipelines.shards import ShardReader, scan_shards
-from pipelines.processes import fork_context
+from pipelines.processes import before_fork, fork_context
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import Recipe, ViewGroup
 
@@ -186,6 +186,8 @@ class TorchvisionLoader(EpochLoader):
 
     def __iter__(self) -> Iterator[Batch]:
         s, o = self.spec, self.order
+        if s.num_workers > 0:
+            before_fork()          # the first epoch forks the (persistent) workers
         for raw in self.loader:
             gen = torch.Generator().manual_seed(o.batch_seed(o.batches_done, Stream.TORCHVISION_MIXES))
             batch = make_batch(raw["views"], s.recipe, s.mix, gen, self.info.mean, self.info.std,

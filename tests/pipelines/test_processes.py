@@ -43,6 +43,32 @@ def test_a_forked_worker_does_not_finalise_the_parent_s_dali_pipeline() -> None:
     assert not hung and child.exitcode == 0
 
 
+def test_an_unreachable_dali_pipeline_of_a_loader_is_finalised_here_before_a_fork(tiny_data_root) -> None:
+    """A DALI loader that is dropped leaves its pipeline in a reference cycle (the pipeline calls back
+    into the loader): garbage that only a collection frees. The next fork's `before_fork` collects it
+    in this process, where its threads exist, instead of leaving it to a child."""
+    pytest.importorskip("nvidia.dali")
+    import weakref
+
+    from pipelines.loader import build_loader
+    from pipelines.processes import before_fork
+    from pipelines.spec import LoaderSpec
+    from pipelines.views import load_recipe
+
+    loader = build_loader("dali", LoaderSpec(root=str(tiny_data_root), dataset="synthetic", split="train",
+                                             recipe=load_recipe("byol", 32, 16), batch_size=8, num_workers=1))
+    next(iter(loader))
+    pipe = weakref.ref(loader._pipe)
+    gc.disable()                                      # no collection but the one under test
+    try:
+        del loader
+        assert pipe() is not None                     # unreachable, not yet finalised
+        before_fork()
+        assert pipe() is None
+    finally:
+        gc.enable()
+
+
 # A parent that starts its children one way, says how many processes it started, then sleeps until killed.
 PARENT = """
 import multiprocessing as mp, os, subprocess, sys, time
