@@ -140,31 +140,6 @@ def view_params(q: Tensor) -> ViewParams:
 
 
 _JPG = IMAGE_MODES["jpg"]
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_S11, _S27, _S30, _S31 = np.uint64(11), np.uint64(27), np.uint64(30), np.uint64(31)
-
-
-def _compiled_uniform():
-    """A fresh compiled `uniform(k0, k1, sample, view, draw)` -> U[0, 1) for one pipeline (sharing
-    one dispatcher between FFCV's epoch threads raced in numba's type inference when two loaders
-    compiled at once)."""
-
-    def mix64(z):
-        """splitmix64's finaliser: a bijective scramble of a 64-bit word."""
-        z = (z ^ (z >> _S30)) * _M1
-        z = (z ^ (z >> _S27)) * _M2
-        return z ^ (z >> _S31)
-
-    mix64_c = Compiler.compile(mix64)
-
-    def uniform(k0, k1, sample, view, draw):
-        """U[0, 1) from the counter (key, sample, view, draw); 53 random bits."""
-        z = mix64_c(k0 + np.uint64(sample) * _GOLDEN)
-        z = mix64_c(z ^ (k1 + np.uint64(view * 64 + draw) * _GOLDEN))
-        return np.float64(z >> _S11) * (1.0 / 9007199254740992.0)
-
-    return Compiler.compile(uniform)
 
 
 class DecodeViews(Operation):
@@ -186,7 +161,6 @@ class DecodeViews(Operation):
         lay, laws = self.layout, self.laws
         mem_read = self.memory_read
         my_range = Compiler.get_iterator()
-        uniform_c = _compiled_uniform()
         memcpy, resize, imdecode = ctypes_memcopy, ctypes_resize, ctypes_imdecode
         set_chunksize = numba.set_parallel_chunksize
         key_address = np.uint64(self.key.ctypes.data)
@@ -195,14 +169,15 @@ class DecodeViews(Operation):
         view_group = np.repeat(np.arange(len(lay.groups)), [g.count for g in lay.groups])
         offsets = np.array(lay.offsets, np.int64)
         sizes = np.array(lay.sizes, np.int64)
-        crop_p = np.array([g.crop_p for g in lay.groups], np.float64)
-        area = np.array([g.area for g in lay.groups], np.float64)                # (G, 2)
-        log_ratio = np.log(np.array([g.ratio for g in lay.groups], np.float64))  # (G, 2)
+        crop_laws = np.array([ffcv_ops.crop_law(g) for g in lay.groups], np.float64)       # (G, 5)
+        crop_law_bytes = crop_laws.shape[1] * 8
         windows_offset = lay.windows_offset
-        crop_window, crop_draws = ffcv_ops.crop_window, CROP_DRAWS
-        # Compiled per-view ops (CPU loaders): group laws, and each staged view's parent view.
+        crop_draws = CROP_DRAWS
+        # The draws and the per-view ops are C functions compiled once per process (`ffcv_ops.compiled`),
+        # so this loop is all that each pipeline compiles. Group laws, each staged view's parent view:
         with_ops = lay.params_offset >= 0
         ops = ffcv_ops.compiled()
+        draw_crop, draw_uniforms = ops.draw_crop, ops.draw_uniforms
         finish_view, finish_staged = ops.finish_view, ops.finish_staged
         law_bytes = laws.shape[1] * 8
         all_view_group = np.repeat(np.arange(len(lay.all_groups)), [g.count for g in lay.all_groups])
@@ -245,9 +220,8 @@ class DecodeViews(Operation):
                 pad = np.empty(pad_len, np.float32)
                 for v in range(n_views):
                     g = view_group[v]
-                    for d in range(crop_draws):
-                        uc[d] = uniform_c(key[0], key[1], sample, v, d)
-                    crop_window(uc, height, width, crop_p[g], area[g], log_ratio[g], box)
+                    draw_crop(key[0], key[1], sample, v, height, width, crop_laws.ctypes.data + crop_law_bytes * g,
+                              uc.ctypes.data, box.ctypes.data)
                     y0, x0, h, w = box[0], box[1], box[2], box[3]
                     s = sizes[v]
                     resize(0, img.ctypes.data, height, width, y0, y0 + h, x0, x0 + w, out.ctypes.data + offsets[v], s, s)
@@ -260,8 +234,7 @@ class DecodeViews(Operation):
                         continue
                     # The view's own ops on its crop, in place, then each staged view on the
                     # finished float crop (one crop, two outputs); the parameters go into the row.
-                    for d in range(n_draws):
-                        u[d] = uniform_c(key[0], key[1], sample, v, first_draw + d)
+                    draw_uniforms(key[0], key[1], sample, v, first_draw, n_draws, u.ctypes.data)
                     has_child = False
                     for k in range(n_staged):
                         if staged_parent[k] == v:
@@ -274,8 +247,7 @@ class DecodeViews(Operation):
                         if staged_parent[k] != v:
                             continue
                         sv = n_views + k
-                        for d in range(n_draws):
-                            u[d] = uniform_c(key[0], key[1], sample, sv, first_draw + d)
+                        draw_uniforms(key[0], key[1], sample, sv, first_draw, n_draws, u.ctypes.data)
                         finish_staged(buf.ctypes.data, s, u.ctypes.data, laws.ctypes.data + law_bytes * all_view_group[sv],
                                       row + params_offset + param_bytes * sv, row + offsets[sv],
                                       child.ctypes.data, tmp.ctypes.data, pad.ctypes.data)

@@ -155,6 +155,52 @@ def crop_window(u, height, width, crop_p, area, log_ratio, box):
     box[0], box[1], box[2], box[3] = (height - h) // 2, (width - w) // 2, h, w
 
 
+
+# The counter-based random draws (`ffcv_decode`: a parameter is a hash of key, sample, view and draw).
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_S11, _S27, _S30, _S31 = np.uint64(11), np.uint64(27), np.uint64(30), np.uint64(31)
+
+
+@jit
+def mix64(z):
+    """splitmix64's finaliser: a bijective scramble of a 64-bit word."""
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
+
+
+@jit
+def uniform(k0, k1, sample, view, draw):
+    """U[0, 1) from the counter (key k0 k1, sample, view, draw); 53 random bits."""
+    z = mix64(k0 + np.uint64(sample) * _GOLDEN)
+    z = mix64(z ^ (k1 + np.uint64(view * 64 + draw) * _GOLDEN))
+    return np.float64(z >> _S11) * (1.0 / 9007199254740992.0)
+
+
+def draw_uniforms(k0, k1, sample, view, first, n, u):
+    """C entry point: u, (n,) float64 by address <- draws first .. first + n - 1 of (sample, view)."""
+    u_a = numba.carray(u, n, np.float64)
+    for d in range(n):
+        u_a[d] = uniform(k0, k1, sample, view, first + d)
+
+
+def draw_crop(k0, k1, sample, view, height, width, law, uc, box):
+    """C entry point: the crop of (sample, view) on a height x width image, from its first CROP_DRAWS
+    draws (into uc, float64 by address) and its group's crop law (law: 5 float64 by address, crop_p,
+    area range, log-ratio range), as `crop_window` writes it into box (4 int64 by address)."""
+    uc_a = numba.carray(uc, CROP_DRAWS, np.float64)
+    for d in range(CROP_DRAWS):
+        uc_a[d] = uniform(k0, k1, sample, view, d)
+    law_a = numba.carray(law, 5, np.float64)
+    crop_window(uc_a, height, width, law_a[0], law_a[1:3], law_a[3:5], numba.carray(box, 4, np.int64))
+
+
+def crop_law(group: ViewGroup) -> tuple[float, ...]:
+    """A crop group's law as `draw_crop` reads it: crop_p, the area range, the log-ratio range."""
+    return (group.crop_p, *group.area, *np.log(np.array(group.ratio, np.float64)))
+
+
 @jit
 def load(row, off, s, flip, buf):
     """(s, s, 3) uint8 crop at row[off:] → float32 buf[: 3 s s] in [0, 1], columns reversed if flip.
@@ -475,11 +521,12 @@ def normalize_views(rows, row_bytes, n, off, count, s, lut, out):
 def compiled() -> SimpleNamespace:
     """The kernels, compiled (or loaded from numba's cache) once per process.
 
-    The decoder calls `finish_view` and `finish_staged`, and the loader `finish_salient` and
-    `normalize_views`, as C functions through ctypes (as the decoder calls libffcv), with addresses
-    for arrays; all four are compiled here, once, and nothing is compiled while batches flow.
-    Linking them as numba dispatchers instead cost every FFCV pipeline ~1.5 s more compile time
-    (their code re-optimised into each pipeline), and a dispatcher that gained a new overload
+    The decoder calls `draw_crop`, `draw_uniforms`, `finish_view` and `finish_staged`, and the loader
+    `finish_salient` and `normalize_views`, as C functions through ctypes (as the decoder calls
+    libffcv), with addresses for arrays; all six are compiled here, once, and nothing is compiled
+    while batches flow. Linking them as numba dispatchers instead cost every FFCV pipeline more
+    compile time, their code re-optimised into each pipeline (~1.5 s for the ops; the draws took the
+    decoder's compile from 0.5 to 1.1 s on 2 cores), and a dispatcher that gained a new overload
     after FFCV pipelines had been compiled in the process (a second loader typing FFCV's row buffers
     read-only; `finish_salient` typed lazily on its first call) raised KeyError inside numba's
     overload list. The jitted kernels are returned too, for tests.
@@ -491,17 +538,25 @@ def compiled() -> SimpleNamespace:
     staged_sig = numba.types.void(ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr)
     norm_sig = numba.types.void(ptr, i64, i64, i64, i64, i64, ptr, ptr)
     salient_sig = numba.types.void(ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr)
+    u64 = numba.types.uint64
+    draws_sig = numba.types.void(u64, u64, i64, i64, i64, i64, ptr)
+    crop_sig = numba.types.void(u64, u64, i64, i64, i64, i64, ptr, ptr, ptr)
+    draws_c = numba.cfunc(draws_sig, nopython=True, cache=True)(draw_uniforms)
+    crop_c = numba.cfunc(crop_sig, nopython=True, cache=True)(draw_crop)
     view_c = numba.cfunc(view_sig, nopython=True, cache=True)(finish_view)
     staged_c = numba.cfunc(staged_sig, nopython=True, cache=True)(finish_staged)
     norm_c = numba.cfunc(norm_sig, nopython=True, cache=True)(normalize_views)
     salient_c = numba.cfunc(salient_sig, nopython=True, cache=True)(finish_salient)
-    addr, i64c = ctypes.c_void_p, ctypes.c_int64
+    addr, i64c, u64c = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
+    draws_f = ctypes.CFUNCTYPE(None, u64c, u64c, i64c, i64c, i64c, i64c, addr)(draws_c.address)
+    crop_f = ctypes.CFUNCTYPE(None, u64c, u64c, i64c, i64c, i64c, i64c, addr, addr, addr)(crop_c.address)
     view_f = ctypes.CFUNCTYPE(None, addr, i64c, addr, addr, addr, addr, addr, addr, i64c)(view_c.address)
     staged_f = ctypes.CFUNCTYPE(None, addr, i64c, addr, addr, addr, addr, addr, addr, addr)(staged_c.address)
     norm_f = ctypes.CFUNCTYPE(None, addr, i64c, i64c, i64c, i64c, i64c, addr, addr)(norm_c.address)
     salient_f = ctypes.CFUNCTYPE(None, addr, i64c, addr, addr, addr, i64c, addr, addr, addr)(salient_c.address)
     # Keep the compiled objects alive as long as the ctypes pointers into them.
-    return SimpleNamespace(finish_view=view_f, finish_staged=staged_f, normalize_views=norm_f,
-                           finish_salient=salient_f, _cfuncs=(view_c, staged_c, norm_c, salient_c),
+    return SimpleNamespace(draw_uniforms=draws_f, draw_crop=crop_f, finish_view=view_f, finish_staged=staged_f,
+                           normalize_views=norm_f, finish_salient=salient_f,
+                           _cfuncs=(draws_c, crop_c, view_c, staged_c, norm_c, salient_c),
                            draw_params=draw_params, color_ops=color_ops, needs_pixels=needs_pixels,
                            load=load, store=store, flip_u8=flip_u8)
