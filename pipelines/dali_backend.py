@@ -154,7 +154,9 @@ class DaliLoader(EpochLoader):
         epoch = o.epoch
         while o.epoch == epoch and len(o):
             pipe = self._pipeline()
-            outs = pipe.run(cuda_stream=torch.cuda.current_stream(dev)) if dev.type == "cuda" else pipe.run()
+            # The stream is run()'s positional-only argument: DALI takes a keyword for a pipeline input
+            # (and refuses it with prefetching). One call on both devices, so the CPU tests run it too.
+            outs = pipe.run(torch.cuda.current_stream(dev) if dev.type == "cuda" else None)
             fed = self._fed.popleft()
             views: dict[str, list] = {}
             for name, tl in zip(self._fields, outs):
