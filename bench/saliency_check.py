@@ -26,6 +26,7 @@ from bench.report import header
 from bench.train import accuracy_after, last_eval
 from pipelines.views import RECIPE_DIR
 from train.config import CONFIG_DIR, ConfigError, dump_yaml, load_config
+from train.run import folder_of
 
 ARMS = ("p_m = 0", "p_m = 0.1, saliency", "p_m = 0.1, centred control")
 
@@ -62,7 +63,7 @@ def finished(words: list[str]) -> dict | None:
     """The final evaluation of an earlier run of exactly this config (same resolved config.yaml, an
     evaluation at its last step), or None: an interrupted check resumes where it stopped."""
     cfg = load_config(words)
-    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    run_dir = folder_of(cfg)
     try:
         if (run_dir / "config.yaml").read_text() != dump_yaml(cfg):
             return None

@@ -28,7 +28,8 @@ from bench.report import header, header_lines
 from bench.timing import sync
 from train import schedules
 from train.config import Config, ConfigError, load_config, to_dict
-from train.loop import check_finite, epochs_from, train, train_step
+from train.launch import train
+from train.loop import check_finite, epochs_from, train_step
 from train.objectives import OBJECTIVES
 from train.setup import Parts, build_parts, resolve_backend, select_device
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -128,62 +127,6 @@ class RunConfig:
                               "(the same on every restart)")
 
 
-LauncherName = Literal["local", "slurm"]     # local: this machine's processes (or torchrun's); slurm: a submitit job
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    """Where the processes of a run start: the launcher words of `python -m train` (not stored in the run's
-    config: a requeued SLURM job or another node runs the same training config)."""
-
-    nodes: int = 1                  # machines, each running `gpus=` processes (one per GPU)
-    rdzv: str = ""                  # nodes > 1 under torchrun's rendezvous: HOST:PORT of a node every node reaches
-    launcher: LauncherName = "local"  # "slurm": submit a job that starts nodes x gpus processes (submitit)
-    partition: str = ""             # SLURM partition; "": the cluster's default
-    time_min: int = 4320            # SLURM time limit of one job, minutes; a requeued job gets it again
-    cpus_per_task: int = 10         # SLURM CPU cores per process (loader workers and the training thread)
-    mem_gb: int = 0                 # SLURM memory per node, GB; 0: the partition's default
-    account: str = ""               # SLURM account to charge; "": the user's default
-    qos: str = ""                   # SLURM quality of service; "": the default
-    constraint: str = ""            # SLURM node features, e.g. "a100|h100"; "": any node of the partition
-
-
-def take_cluster(args: Sequence[str]) -> tuple[ClusterConfig, list[str]]:
-    """The `ClusterConfig` of the launcher words among `args` (`nodes=2 rdzv=host:29500`,
-    `launcher=slurm partition=gpu ...`) and the other words, in order.
-
-    Raises:
-        ConfigError: a value of the wrong type, an unknown launcher, `nodes=` below 1, nodes > 1 under the
-            local launcher without a rendezvous address (`rdzv=`, else `$MASTER_ADDR[:$MASTER_PORT]`), or a
-            word the launcher does not use (a SLURM option without `launcher=slurm`, `rdzv=` on one node or
-            under SLURM): never silently ignored.
-    """
-    hints, values, rest = _field_types(ClusterConfig), {}, []
-    for word in args:
-        key, _, value = word.partition("=")
-        if key in hints and "=" in word:
-            values[key] = _parse(key, value, hints[key])
-        else:
-            rest.append(word)
-    cluster = ClusterConfig(**values)
-    slurm_only = sorted(set(values) - {"nodes", "rdzv", "launcher"})
-    if slurm_only and cluster.launcher != "slurm":
-        raise ConfigError(f"{slurm_only[0]}= is an option of the SLURM launcher; add LAUNCHER=slurm (launcher=slurm) "
-                          "or drop it")
-    if cluster.rdzv and (cluster.nodes == 1 or cluster.launcher == "slurm"):
-        raise ConfigError(f"rdzv={cluster.rdzv} joins the nodes of a torchrun run; give NODES=<n> > 1, or drop it "
-                          "(one node, or SLURM, which names the nodes itself)")
-    if cluster.nodes < 1:
-        raise ConfigError(f"nodes={cluster.nodes}: a run needs 1 node or more; use NODES=1 on one machine")
-    if cluster.nodes > 1 and cluster.launcher == "local" and not cluster.rdzv:
-        if not os.environ.get("MASTER_ADDR"):
-            raise ConfigError(f"NODES={cluster.nodes} needs the rendezvous address every node reaches: add "
-                              "RDZV=<first node's host>:29500 (rdzv=<host>:<port>), the same on every node")
-        address = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', 29500)}"
-        cluster = dataclasses.replace(cluster, rdzv=address)
-    return cluster, rest
-
-
 @dataclass(frozen=True)
 class Config:
     method: str = "rsa"             # key of train.objectives.OBJECTIVES
@@ -216,7 +159,7 @@ def _unknown(key: str, valid: list[str]) -> ConfigError:
     return ConfigError(f"unknown config key {key!r}{hint}")
 
 
-def _parse(key: str, value: Any, t: Any) -> Any:
+def parse_value(key: str, value: Any, t: Any) -> Any:
     """Convert `value` (from YAML or a CLI string) to type `t`, or raise ConfigError."""
     if typing.get_origin(t) is Literal:
         choices = typing.get_args(t)
@@ -229,7 +172,7 @@ def _parse(key: str, value: Any, t: Any) -> Any:
             value = yaml.safe_load(value)
         origin = typing.get_origin(t)
         if origin is tuple:
-            return tuple(_parse(key, v, typing.get_args(t)[0]) for v in value)
+            return tuple(parse_value(key, v, typing.get_args(t)[0]) for v in value)
         if t is bool:
             if not isinstance(value, bool):
                 raise TypeError
@@ -273,7 +216,7 @@ def _merge(tree: dict, update: dict, cls: type, prefix: str = "") -> None:
                 raise ConfigError(f"config key {dotted!r} is a section; set its fields, e.g. {dotted}.<key>=...")
             _merge(tree.setdefault(key, {}), value, t, f"{dotted}.")
         else:
-            tree[key] = _parse(dotted, value, t)
+            tree[key] = parse_value(dotted, value, t)
 
 
 def _dotted_to_nested(key: str, value: Any) -> dict:
@@ -313,7 +256,7 @@ def build_objective_config(method: str, section: dict) -> Any:
     for key, value in section.items():
         if key not in hints:
             raise _unknown(f"objective.{key}", [f"objective.{k}" for k in hints])
-        kwargs[key] = _parse(f"objective.{key}", value, hints[key])
+        kwargs[key] = parse_value(f"objective.{key}", value, hints[key])
     try:
         return cls(**kwargs)
     except ValueError as e:                 # the Config's own checks (`__post_init__`), one line each

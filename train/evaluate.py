@@ -35,8 +35,8 @@ Deviations: none for kNN. The linear probe is the l2-regularised logistic regres
 transfer evaluation (arXiv:2002.05709v3, transfer-learning appendix; no augmentation) rather than
 DINO's SGD-trained linear layer on augmented crops.
 
-`evaluate_backbone` runs everything on the data of a run's config; the loop and `python -m train eval`
-call it.
+`evaluate_backbone` runs everything on the data of a run's config; the loop calls it, and
+`evaluate_checkpoint` (`python -m train eval ckpt=...`) for a checkpoint's backbone and a random-init one.
 """
 
 from __future__ import annotations
@@ -54,9 +54,11 @@ from pipelines.loader import build_loader
 from pipelines.schema import NO_LABEL
 from pipelines.spec import DatasetInfo, Loader, LoaderSpec
 from pipelines.views import load_recipe
-from train import dist
-from train.config import Config, eval_kinds
-from train.setup import channels_last, decoder_hints
+from train import checkpoint, dist
+from train.config import Config, ConfigError, config_from_dict, eval_kinds
+from train.log import eval_line
+from train.setup import (build_online, channels_last, check_dataset, check_same_network, decoder_hints,
+                         resolve_backend, select_device)
 
 EVAL_CAP = {"train": 100_000, "val": 50_000}   # records per split evaluated by default (ImageNet's val whole)
 KNN_ROWS, KNN_COLUMNS = 1024, 65_536           # kNN similarity block: 256 MiB of float32
@@ -426,3 +428,33 @@ def score_features(train: tuple[Tensor, Tensor, Tensor] | None, val_feats: Tenso
             result["knn_top1" if kind == "knn" else "linear_top1"] = float(r) / result["eval_val_samples"]
         result["eval_train_samples"] = float(tr_f.shape[0])
     return result
+
+
+def evaluate_checkpoint(args: list[str]) -> dict[str, dict[str, float]]:
+    """kNN + linear probe of the checkpoint's backbone and of a random-init backbone of the same
+    architecture; `args` are `ckpt=PATH` and optional `key=value` overrides of the saved config
+    (e.g. `data.root=...`, `run.max_eval_samples=...`); prints both and returns them.
+
+    Raises:
+        ConfigError, CheckpointError, DatasetError: no `ckpt=`, an unreadable or foreign checkpoint, an
+            override that builds another network, a missing dataset.
+    """
+    ckpt = [a.split("=", 1)[1] for a in args if a.startswith("ckpt=")]
+    if not ckpt:
+        raise ConfigError("eval needs the checkpoint: make eval CKPT=<run dir>/checkpoint.pt")
+    state = checkpoint.load_training(ckpt[-1])
+    cfg = config_from_dict(state["config"], overrides=[a for a in args if not a.startswith("ckpt=")])
+    check_same_network(cfg, state["config"], ckpt[-1], "eval rebuilds that network: drop the override")
+    check_dataset(cfg)
+    device = select_device(cfg.run.device, cfg.run.dist_timeout_min)
+    backend = resolve_backend(cfg, device)
+    trained = build_online(cfg, device)
+    trained.load_state_dict(state["online"])
+    torch.manual_seed(cfg.run.seed + 1)
+    loaders = EvalLoaders()
+    results = {"checkpoint": evaluate_backbone(cfg, trained.backbone, backend, device, loaders),
+               "random_init": evaluate_backbone(cfg, build_online(cfg, device).backbone, backend, device, loaders)}
+    print(f"step {state['step']} {cfg.method} {cfg.model.backbone} on {cfg.data.name}")
+    for name, r in results.items():
+        print(f"{name:>12}: {eval_line(r)}")
+    return results

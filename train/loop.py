@@ -1,5 +1,7 @@
-"""The training loop (STYLE §3): set up once, then one story per step — schedules, batch, loss,
-backward, optimiser, EMA target, objective state, log, evaluate, checkpoint — then export.
+"""The training loop (STYLE §3): from the run's first step, one story per step — schedules, batch,
+loss, backward, optimiser, EMA target, objective state, log, evaluate, checkpoint — then the final
+evaluation. What comes before (the device, the run folder, the parts) and after (the export) is a rank's
+life, `train.launch.train`.
 
 One code path for a single CPU process and torchrun DDP (train/dist.py). Host syncs happen only at
 log, evaluation and checkpoint steps, each marked `# sync:`. `train_step` is the one step that both
@@ -8,63 +10,40 @@ this loop and `bench.train` (and `make profile`) run.
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from pathlib import Path
 
 import torch
 
-from models.backbone import export_backbone_state, save_backbone
 from pipelines.batch import Batch
 from pipelines.spec import Loader
 from train import checkpoint, dist, schedules
-from train.config import Config, dump_yaml, to_dict
+from train.config import to_dict
 from train.evaluate import EvalLoaders, evaluate_backbone
-from train.log import Log, Meter, check_wandb
+from train.log import Log, Meter
 from train.objectives.base import LossOut, StepValues
 from train.optim import apply_lr_wd, clip_and_step
-from train.setup import Parts, build_parts, resolve_backend, resume_state, run_folder, select_device
+from train.run import Run
+from train.setup import Parts
 
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite."""
 
 
-def train(cfg: Config) -> Path:
-    """Train `cfg.method` on `cfg.data`; returns the run folder (config.yaml, versions.json: the library
-    versions of the latest start, metrics.jsonl, TensorBoard
-    events, checkpoint.pt (and checkpoint-<step>.pt with run.keep_last > 1), backbone.pt,
-    backbone.safetensors)."""
-    check_wandb(cfg)
-    device = select_device(cfg.run.device, cfg.run.dist_timeout_min)
-    backend = resolve_backend(cfg, device)
-    world, rank = dist.world_size(), dist.rank()
-    resumed = resume_state(cfg)                     # checked before any write
-    state = resumed.state
-    if state is not None and state["step"] >= cfg.optim.steps and (run_folder(cfg) / "backbone.safetensors").is_file():
-        # A finished run started again (a requeued job, the same command twice): its results stand.
-        if dist.is_main():
-            print(f"{run_folder(cfg)} finished at step {state['step']} (its results are there); nothing to do: "
-                  "raise optim.steps to train on, or give another run.name", flush=True)
-        return run_folder(cfg)
-    parts = build_parts(cfg, device, backend, init=state is None)   # views, model.init: before any write
-    online = dist.unwrap(parts.online)
-    run_dir = run_folder(cfg)
-    log = Log(run_dir, enabled=dist.is_main(), cfg=cfg)
-    if dist.is_main():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / ".config.yaml.tmp").write_text(dump_yaml(cfg))     # whole or not at all: auto reads it
-        os.replace(run_dir / ".config.yaml.tmp", run_dir / "config.yaml")
-        (run_dir / "versions.json").write_text(json.dumps(checkpoint.library_versions(), indent=1) + "\n")
-        log.print(f"config ({run_dir / 'config.yaml'}):\n{dump_yaml(cfg)}")
-    for note in resumed.skipped:
-        log.print(f"skipped {note}")
-    if resumed.path is not None:
-        log.print(f"resuming from {resumed.path} (step {state['step']})")
-    elif cfg.model.init:
-        log.print(f"backbone initialised from {cfg.model.init}")
+def train(run: Run, parts: Parts, log: Log, backend: str) -> bool:
+    """Train `run.cfg` from where `run` starts to `optim.steps` (or `run.stop_after_steps`) with `parts`,
+    logging to `log`, checkpointing into the run folder, evaluating the backbone before the first step,
+    every `run.eval_every_epochs` and after the last.
 
+    Returns:
+        Whether the run reached `optim.steps` (its backbone is then for `Run.export`).
+
+    Raises:
+        NonFiniteLossError: at the first log step after a non-finite loss.
+    """
+    cfg, state, device = run.cfg, run.resume.state, parts.device
+    world, rank = dist.world_size(), dist.rank()
+    online = dist.unwrap(parts.online)
     start_step, random_init, position = 0, None, None
     steps_per_epoch = len(parts.loader)
     if state is not None:
@@ -79,10 +58,9 @@ def train(cfg: Config) -> Path:
     def save_checkpoint(step: int) -> None:
         rng, position = dist.gather_objects(checkpoint.rng_state()), dist.gather_objects(parts.loader.state_dict())
         if dist.is_main():
-            checkpoint.save_latest(run_dir, {
-                **parts.state_dict(), "step": step, "loader": position, "rng": rng, "config": to_dict(cfg),
-                "random_init": random_init, "git_commit": checkpoint.git_commit(),
-                "versions": checkpoint.library_versions()}, cfg.run.keep_last)
+            run.save({**parts.state_dict(), "step": step, "loader": position, "rng": rng, "config": to_dict(cfg),
+                      "random_init": random_init, "git_commit": checkpoint.git_commit(),
+                      "versions": checkpoint.library_versions()})
 
     log.print(f"training {cfg.method} on {cfg.data.name} ({backend} backend, {world} rank(s), {device}) "
               f"from step {start_step} to {cfg.optim.steps}, {steps_per_epoch} steps/epoch")
@@ -113,22 +91,13 @@ def train(cfg: Config) -> Path:
     log.print(f"data stall: {100 * log.stall_fraction():.1f}% of the step time waited for batches (after warm-up)")
     if stop < cfg.optim.steps:
         log.close()
-        again = "run.resume=auto" if cfg.run.resume == "auto" else f"run.resume={run_dir / checkpoint.LATEST}"
-        log.print(f"stopped after step {stop}; resume with {again} and a later run.stop_after_steps (or none)")
-        return run_dir
-
+        log.print(f"stopped after step {stop}; resume with {run.resume_hint()} and a later run.stop_after_steps "
+                  "(or none)")
+        return False
     result = evaluate_backbone(cfg, online.backbone, backend, device, eval_loaders)
     log.eval(cfg.optim.steps, cfg.optim.steps / steps_per_epoch, result, random_init)
     log.close()
-    if dist.is_main():
-        torch.save(export_backbone_state(online.backbone), run_dir / "backbone.pt")
-        save_backbone(online.backbone, run_dir / "backbone.safetensors", cfg.model.backbone, cfg.views.global_px,
-                      {"method": cfg.method, "dataset": cfg.data.name, "git_commit": checkpoint.git_commit()})
-        log.print(f"results in {run_dir}: metrics.jsonl, TensorBoard events (tensorboard --logdir {run_dir.parent}), "
-                  f"config.yaml, versions.json, checkpoint.pt, backbone.pt and backbone.safetensors "
-                  f"(timm {cfg.model.backbone}, num_classes=0; models.backbone.load_backbone reads it)")
-    dist.barrier()
-    return run_dir
+    return True
 
 
 STEP_PHASES = ("data_wait", "forward", "backward", "optimizer", "ema")

@@ -7,12 +7,9 @@ same networks.
 from __future__ import annotations
 
 import os
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
-import yaml
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -20,9 +17,10 @@ from models.backbone import init_weights
 from models.ema import make_target
 from models.multicrop import build_model
 from pipelines.loader import auto_backend, build_loader
+from pipelines.schema import read_manifest
 from pipelines.spec import DecoderHints, Loader, LoaderSpec
 from pipelines.views import Recipe, load_recipe
-from train import checkpoint, dist
+from train import dist
 from train.config import Config, ConfigError, check_needs, to_dict
 from train.objectives import OBJECTIVES
 from train.objectives.base import Objective
@@ -87,64 +85,6 @@ def check_same_network(cfg: Config, saved: dict, path: str, fix: str) -> None:
         raise ConfigError(f"checkpoint {path} was trained with {', '.join(diffs)}; {fix}")
 
 
-def run_folder(cfg: Config) -> Path:
-    """The run folder: that of `run.resume`'s checkpoint file, else `<run.out_dir>/<run.name>` (always
-    under `run.resume=auto`), else a new `<method>-<data>-<time>` folder, named by rank 0."""
-    if cfg.run.resume and cfg.run.resume != "auto":
-        return Path(cfg.run.resume).parent
-    return Path(cfg.run.out_dir) / dist.broadcast_object(
-        cfg.run.name or f"{cfg.method}-{cfg.data.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-@dataclass
-class Resume:
-    """Where a run starts (`resume_state`): a checkpoint's state, or step 0."""
-
-    state: dict | None = None           # the checkpoint (`checkpoint.load_training`); None: a fresh start
-    path: Path | None = None            # the file it was read from
-    skipped: list[str] = field(default_factory=list)   # newer files of the run folder that did not read
-
-
-def resume_state(cfg: Config) -> Resume:
-    """The checkpoint `run.resume` names, checked to build `cfg`'s network; nothing for a fresh run.
-
-    `run.resume=auto` reads the run folder's checkpoints newest first (`checkpoint.latest`), skips those
-    that do not read (a truncated or damaged file) and starts fresh when none is left. A run folder whose
-    newest readable checkpoint (or, without one, `config.yaml`) builds another network is an error, not a
-    fresh start.
-
-    Raises:
-        CheckpointError: a named checkpoint that is missing, unreadable or not a training checkpoint.
-        ConfigError: a checkpoint or run folder of another method or network (`check_same_network`).
-    """
-    if not cfg.run.resume:
-        return Resume()
-    if cfg.run.resume != "auto":
-        state = checkpoint.load_training(cfg.run.resume)
-        check_same_network(cfg, state["config"], cfg.run.resume,
-                           "resume it with the same method and model, or drop run.resume to start a fresh run")
-        return Resume(state, Path(cfg.run.resume))
-    folder = Path(cfg.run.out_dir) / cfg.run.name
-    fix = f"run.resume=auto continues the run in {folder}: give that run's method and model, or another run.name"
-    skipped = []
-    for path in checkpoint.latest(folder):
-        try:
-            state = checkpoint.load_training(path)
-        except checkpoint.CheckpointError as e:
-            skipped.append(str(e))
-            continue
-        check_same_network(cfg, state["config"], str(path), fix)
-        return Resume(state, path, skipped)
-    saved = folder / "config.yaml"          # a run killed before its first checkpoint is still that run
-    try:
-        tree = yaml.safe_load(saved.read_text()) if saved.is_file() else None
-    except yaml.YAMLError:                  # damaged: nothing to compare with
-        tree = None
-    if isinstance(tree, dict):
-        check_same_network(cfg, tree, str(saved), fix)
-    return Resume(skipped=skipped)
-
-
 def init_backbone(cfg: Config, backbone: nn.Module) -> None:
     """Load `model.init`'s weights into `backbone` (built from `cfg`), in place; nothing when it is "".
 
@@ -158,6 +98,15 @@ def init_backbone(cfg: Config, backbone: nn.Module) -> None:
     except ValueError as e:
         raise ConfigError(f"model.init: {e}") from None
     backbone.load_state_dict(weights)
+
+
+def check_dataset(cfg: Config) -> None:
+    """The dataset folder has a complete manifest (file sizes checked; the loader verifies the rest).
+
+    Raises:
+        DatasetError: a missing, incomplete or damaged dataset, naming `make preprocess`.
+    """
+    read_manifest(os.path.join(cfg.data.root, cfg.data.name), verify="size")
 
 
 def check_processes(n: int, device_name: str) -> None:

@@ -1,8 +1,9 @@
 """SLURM: `python -m train launcher=slurm nodes=N gpus=G partition=P ...` submits the run as one job of
 N nodes x G tasks through submitit (the library DINO and DINOv2 are launched with) instead of training here.
 
-Every task is one training process: it reads its rank from SLURM's variables (`dist_env`) and runs
-`python -m train`'s `main` on the job's words, which always hold `run.resume=auto` and a fixed `run.name`.
+Every task is one training process: it reads its rank from SLURM's variables (`dist_env`) and runs a
+rank's life (`train.launch.start`) on the job's words, which always hold `run.resume=auto` and a fixed
+`run.name`; a task of a run that an earlier start finished ends at once, with status 0.
 When SLURM signals preemption or the coming time limit (`--signal=USR2@120`), submitit calls
 `Training.checkpoint` on rank 0 and requeues the job (`scontrol requeue`, the same job id); the requeued
 job's tasks continue from the run folder's newest checkpoint, so the steps since the last
@@ -17,11 +18,11 @@ import dataclasses
 import io
 import os
 import shutil
-import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from train.config import ClusterConfig, Config, ConfigError
+from train.config import Config, ConfigError, load_config
+from train.launch import ClusterConfig, exit_status, preflight, start
+from train.run import folder_of, proposed_name
 
 if TYPE_CHECKING:
     import submitit
@@ -42,7 +43,7 @@ def requeueable(cfg: Config, words: list[str]) -> tuple[Config, list[str]]:
         raise ConfigError(f"launcher=slurm resumes with run.resume=auto from its run folder; to continue the run of "
                           f"{cfg.run.resume}, drop run.resume and give run.out_dir=<its run folder's parent> "
                           "run.name=<its run folder>")
-    name = cfg.run.name or f"{cfg.method}-{cfg.data.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = proposed_name(cfg)
     run = dataclasses.replace(cfg.run, resume="auto", name=name)
     return dataclasses.replace(cfg, run=run), [*words, "run.resume=auto", f"run.name={name}"]
 
@@ -66,7 +67,7 @@ def dist_env(job: submitit.JobEnvironment) -> dict[str, str]:
 
 
 class Training:
-    """The job's callable: one SLURM task is one process of `python -m train <words>`."""
+    """The job's callable: one SLURM task is one rank of `python -m train <words>`."""
 
     def __init__(self, words: list[str]) -> None:
         self.words = list(words)
@@ -74,10 +75,8 @@ class Training:
     def __call__(self) -> None:
         import submitit
 
-        from train.__main__ import main
-
         os.environ.update(dist_env(submitit.JobEnvironment()))
-        status = main(self.words)
+        status = exit_status(lambda: start(self.words))
         if status:
             raise RuntimeError(f"training ended with exit status {status}; its error is above in this task's log")
 
@@ -87,6 +86,23 @@ class Training:
         import submitit
 
         return submitit.helpers.DelayedSubmission(Training(self.words))
+
+
+def submit_run(words: list[str], gpus: int, cluster: ClusterConfig) -> int:
+    """`python -m train launcher=slurm ...`: the config of `words` for `cluster.nodes` x `gpus` processes,
+    made requeueable (`requeueable`), checked (`launch.preflight`, not counting this machine's devices),
+    and submitted (`submit`); not a run an earlier start finished (the line that says so).
+
+    Raises:
+        ConfigError, DatasetError, CheckpointError: see `preflight`, `requeueable` and `submit`.
+    """
+    cfg = load_config(words, world_size=gpus * cluster.nodes)
+    cfg, words = requeueable(cfg, words)            # run.resume=auto in a run folder named now
+    run = preflight(cfg, gpus, cluster.nodes, here=False)
+    if run.finished:                                # nothing for a job to do
+        print(run.finished_line(), flush=True)
+        return 0
+    return submit(cfg, words, gpus, cluster)
 
 
 def submit(cfg: Config, words: list[str], gpus: int, cluster: ClusterConfig) -> int:
@@ -112,7 +128,7 @@ def submit(cfg: Config, words: list[str], gpus: int, cluster: ClusterConfig) -> 
     if not (shutil.which("sbatch") and shutil.which("srun")):
         raise ConfigError("launcher=slurm: no sbatch/srun here; submit from a SLURM login node, or start "
                           "torchrun on each node (README, Clusters)")
-    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    run_dir = folder_of(cfg)
     folder = (run_dir / "slurm").absolute()
     created = next((d for d in (*reversed(folder.parents), folder) if not d.exists()), None)   # removed if refused
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=MAX_TIMEOUT_REQUEUES)

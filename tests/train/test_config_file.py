@@ -82,7 +82,7 @@ def test_there_is_no_config_key_named_config() -> None:
 
 @pytest.mark.slow
 def test_re_running_a_runs_config_yaml_repeats_its_losses(tiny_args, tmp_path) -> None:
-    from train.loop import train
+    from train.launch import train
 
     first = train(load_config(tiny_args("simclr", tmp_path)))
     again = train(load_config([f"config={first / 'config.yaml'}", "run.name=again"]))

@@ -38,7 +38,7 @@ def _losses(run_dir) -> dict[int, float]:
 @pytest.mark.parametrize("method", sorted(OBJECTIVES))
 def test_objective_trains_and_resumes_on_cuda(method: str, tiny_args, tmp_path, deterministic) -> None:
     # 6 steps over 64 images at batch 16: the stop (step 3) is mid-epoch and the run crosses an epoch.
-    from train.loop import train
+    from train.launch import train
     from train.setup import build_online
 
     words = ["data.backend=dali", "run.device=cuda", "run.amp=true", "model.channels_last=true",

@@ -42,7 +42,7 @@ def test_model_init_gives_online_and_target_the_saved_backbone_at_step_0(tiny_ar
 
 def test_the_loop_starts_from_model_init(tiny_args, tmp_path, capsys) -> None:
     """One step at learning rate 0 keeps the backbone's parameters: the checkpoint holds the file's."""
-    from train.loop import train
+    from train.launch import train
 
     path = saved_backbone(tmp_path / "backbone.safetensors")
     weights = safetensors.torch.load_file(str(path))

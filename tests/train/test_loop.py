@@ -12,7 +12,8 @@ import torch
 
 from train import checkpoint
 from train.config import config_from_dict, load_config
-from train.loop import NonFiniteLossError, train
+from train.launch import train
+from train.loop import NonFiniteLossError
 from train.objectives import OBJECTIVES
 
 

@@ -71,7 +71,7 @@ def test_the_default_config_spreads_its_weights_on_real_features(tiny_data_root,
     """The uota preset on synthetic (BYOL+UOTA, batch 64 against a 128-d predictor: the degenerate
     shape), trained a few steps past N_warm: uota/w_std in metrics.jsonl well above 0."""
     from train.config import load_config
-    from train.loop import train
+    from train.launch import train
 
     cfg = load_config(["method=uota", "data=synthetic", f"data.root={tiny_data_root}", "data.backend=torch",
                        "data.num_workers=1", "optim.steps=5", "optim.warmup_steps=1", "run.log_every=1",

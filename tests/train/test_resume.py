@@ -42,7 +42,7 @@ def losses(run_dir) -> dict[int, float]:
 @pytest.mark.parametrize("method", ["byol", "mocov3"])   # EMA target; mocov3 also has objective state
 def test_stop_and_resume_repeats_the_uninterrupted_run(method, tiny_args, tmp_path) -> None:
     # 10 steps over 64 images at batch 8: the stop (step 5) is mid-epoch, the run crosses an epoch.
-    from train.loop import train
+    from train.launch import train
 
     words = [*tiny_args(method, tmp_path / "a"), "optim.steps=10", "run.ckpt_every=5"]
     full = losses(train(load_config(words)))
@@ -94,7 +94,7 @@ def train_steps(run_dir) -> list[int]:
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_args, tmp_path_factory) -> dict[int, float]:
     """Losses of a 10-step byol run with a checkpoint every 2 steps, never stopped."""
-    from train.loop import train
+    from train.launch import train
 
     out = tmp_path_factory.mktemp("uninterrupted")
     return losses(train(load_config([*tiny_args("byol", out), "optim.steps=10", "run.ckpt_every=2"])))
@@ -110,7 +110,7 @@ def test_auto_resume_with_the_same_command_repeats_the_uninterrupted_run(uninter
     """The first start (no run folder yet) trains from step 0; killed after step 4's checkpoint, the same
     command continues at step 5 (not from 0 again) and every later loss equals the uninterrupted run's;
     once finished, the same command changes nothing (no second evaluation)."""
-    from train.loop import train
+    from train.launch import train
 
     words = [*tiny_args("byol", tmp_path), "optim.steps=10", "run.ckpt_every=2", "run.resume=auto"]
     save_latest = checkpoint.save_latest
@@ -145,7 +145,7 @@ def test_auto_skips_a_damaged_newest_checkpoint_and_keep_last_2_keeps_two(uninte
     """keep_last=2 with checkpoints at steps 2, 4, 6 leaves checkpoint.pt (6) and checkpoint-4.pt; with
     checkpoint.pt cut short (a disk that lost its end), auto resumes from step 4 and repeats the
     uninterrupted run."""
-    from train.loop import train
+    from train.launch import train
 
     words = [*tiny_args("byol", tmp_path), "optim.steps=10", "run.ckpt_every=2", "run.resume=auto",
              "run.keep_last=2"]

@@ -59,7 +59,7 @@ def test_wandb_offline_gets_the_tensorboard_scalars(tiny_args, tmp_path, monkeyp
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from train.config import load_config
-    from train.loop import train
+    from train.launch import train
 
     for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": tmp_path / "config",
                        "WANDB_CACHE_DIR": tmp_path / "cache", "WANDB_DATA_DIR": tmp_path / "data"}.items():

@@ -1,0 +1,244 @@
+"""Launching a run: where its processes start and a rank's whole life, for `python -m train` and for the
+tasks of a SLURM job (`train/slurm.py`) alike.
+
+A command's way: `take_processes` and `take_cluster` take the launcher words (`gpus=`, `nodes=`,
+`rdzv=`, the SLURM options); `start` resolves the config for the run's processes. The process that
+launches them (not yet a rank) checks what can be checked before a process is launched or a file is
+written (`preflight`) and starts them (`elastic`: torch's elastic launcher, the launcher behind
+torchrun), unless an earlier start finished the run. A rank (one of those, one of torchrun's, a SLURM
+task, or the one process of a one-process run) runs `train`: the device and process group, the run
+(`train.run.Run`), the parts, the loop (`train.loop.train`) and the export. `exit_status` turns the
+errors of any of it into the command's exit status and one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import typing
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal, Sequence
+
+import torch
+
+from pipelines.processes import end_with_parent
+from pipelines.schema import DatasetError
+from pipelines.spec import LoaderError
+from train import dist, loop
+from train.config import Config, ConfigError, load_config, parse_value
+from train.log import Log, check_wandb
+from train.run import Run
+from train.setup import (build_parts, check_batch_split, check_dataset, check_processes, init_backbone,
+                         resolve_backend, select_device)
+
+EXIT_BAD_INPUT = 2
+LAUNCHER_PID = "VIEWMILL_LAUNCHER_PID"   # set by `elastic` for the processes it starts
+
+LauncherName = Literal["local", "slurm"]     # local: this machine's processes (or torchrun's); slurm: a submitit job
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the processes of a run start: the launcher words of `python -m train` (not stored in the run's
+    config: a requeued SLURM job or another node runs the same training config)."""
+
+    nodes: int = 1                  # machines, each running `gpus=` processes (one per GPU)
+    rdzv: str = ""                  # nodes > 1 under torchrun's rendezvous: HOST:PORT of a node every node reaches
+    launcher: LauncherName = "local"  # "slurm": submit a job that starts nodes x gpus processes (submitit)
+    partition: str = ""             # SLURM partition; "": the cluster's default
+    time_min: int = 4320            # SLURM time limit of one job, minutes; a requeued job gets it again
+    cpus_per_task: int = 10         # SLURM CPU cores per process (loader workers and the training thread)
+    mem_gb: int = 0                 # SLURM memory per node, GB; 0: the partition's default
+    account: str = ""               # SLURM account to charge; "": the user's default
+    qos: str = ""                   # SLURM quality of service; "": the default
+    constraint: str = ""            # SLURM node features, e.g. "a100|h100"; "": any node of the partition
+
+
+def take_cluster(args: Sequence[str]) -> tuple[ClusterConfig, list[str]]:
+    """The `ClusterConfig` of the launcher words among `args` (`nodes=2 rdzv=host:29500`,
+    `launcher=slurm partition=gpu ...`) and the other words, in order.
+
+    Raises:
+        ConfigError: a value of the wrong type, an unknown launcher, `nodes=` below 1, nodes > 1 under the
+            local launcher without a rendezvous address (`rdzv=`, else `$MASTER_ADDR[:$MASTER_PORT]`), or a
+            word the launcher does not use (a SLURM option without `launcher=slurm`, `rdzv=` on one node or
+            under SLURM): never silently ignored.
+    """
+    hints, values, rest = typing.get_type_hints(ClusterConfig), {}, []
+    for word in args:
+        key, _, value = word.partition("=")
+        if key in hints and "=" in word:
+            values[key] = parse_value(key, value, hints[key])
+        else:
+            rest.append(word)
+    cluster = ClusterConfig(**values)
+    slurm_only = sorted(set(values) - {"nodes", "rdzv", "launcher"})
+    if slurm_only and cluster.launcher != "slurm":
+        raise ConfigError(f"{slurm_only[0]}= is an option of the SLURM launcher; add LAUNCHER=slurm (launcher=slurm) "
+                          "or drop it")
+    if cluster.rdzv and (cluster.nodes == 1 or cluster.launcher == "slurm"):
+        raise ConfigError(f"rdzv={cluster.rdzv} joins the nodes of a torchrun run; give NODES=<n> > 1, or drop it "
+                          "(one node, or SLURM, which names the nodes itself)")
+    if cluster.nodes < 1:
+        raise ConfigError(f"nodes={cluster.nodes}: a run needs 1 node or more; use NODES=1 on one machine")
+    if cluster.nodes > 1 and cluster.launcher == "local" and not cluster.rdzv:
+        if not os.environ.get("MASTER_ADDR"):
+            raise ConfigError(f"NODES={cluster.nodes} needs the rendezvous address every node reaches: add "
+                              "RDZV=<first node's host>:29500 (rdzv=<host>:<port>), the same on every node")
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', 29500)}"
+        cluster = dataclasses.replace(cluster, rdzv=address)
+    return cluster, rest
+
+
+def take_processes(argv: list[str]) -> tuple[int, list[str]]:
+    """(N of a `gpus=N` word, default 1; the other words).
+
+    Raises:
+        ConfigError: N is not a whole number.
+    """
+    words = [a for a in argv if a.startswith(("gpus=", "gpus_per_node="))]      # per node
+    rest = [a for a in argv if not a.startswith(("gpus=", "gpus_per_node="))]
+    if not words:
+        return 1, rest
+    try:
+        return int(words[-1].split("=", 1)[1]), rest
+    except ValueError:
+        raise ConfigError(f"{words[-1]!r}: GPUS must be a whole number of processes, e.g. GPUS=2") from None
+
+
+def preflight(cfg: Config, processes: int, nodes: int = 1, here: bool = True) -> Run:
+    """Everything that can be checked in the process that launches a run, before a process is launched or a
+    file written (`here`: the processes start on this machine, so its devices are counted): W&B, the
+    processes, the batch split, the dataset, the run folder's resume state and, with more than one process,
+    `model.init` (a single process checks it itself, before any write).
+
+    Returns:
+        The run, opened in this process (not a rank: no collective).
+
+    Raises:
+        ConfigError, DatasetError, CheckpointError: one line each (`train.__main__`'s docstring lists them).
+    """
+    from models.backbone import build_backbone
+
+    check_wandb(cfg)
+    if here:
+        check_processes(processes, cfg.run.device)
+    check_batch_split(cfg.data.batch_size, processes * nodes)
+    check_dataset(cfg)
+    run = Run.open(cfg)
+    if processes * nodes > 1 and run.resume.state is None:
+        init_backbone(cfg, build_backbone(cfg.model.backbone, cfg.views.global_px)[0])
+    return run
+
+
+def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterConfig()) -> int:
+    """Run `python -m train argv` in `processes` local processes (torchrun --standalone), or, with
+    `cluster.nodes` > 1, in `processes` processes on each node, joined at `cluster.rdzv` (torchrun
+    --nnodes --rdzv-backend=c10d); the exit status is the first failed process's, and each process
+    prints its own error line."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if not torch.cuda.is_available():       # torchrun's rule: one thread per process unless told
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)   # no launcher tracebacks
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the processes' parent, whose death ends them
+    many = cluster.nodes > 1                # every node's launcher must name the same rendezvous
+    config = LaunchConfig(min_nodes=cluster.nodes, max_nodes=cluster.nodes, nproc_per_node=processes,
+                          run_id=f"viewmill-{cluster.rdzv}" if many else uuid.uuid4().hex, rdzv_backend="c10d",
+                          rdzv_endpoint=cluster.rdzv if many else "localhost:0", max_restarts=0)
+    try:
+        elastic_launch(config, sys.executable)("-m", "train", *argv)
+    except ChildFailedError as e:
+        first = min(e.failures.values(), key=lambda f: f.timestamp)
+        if first.exitcode < 0:              # a signal: the OOM killer, kill -9, a node's shutdown
+            print(f"error: process {first.local_rank} was killed by signal {-first.exitcode} "
+                  f"({signal.strsignal(-first.exitcode)}) and the others stopped; the same command with "
+                  "run.resume=auto continues from the last checkpoint", file=sys.stderr)
+        elif first.exitcode != EXIT_BAD_INPUT:
+            print(f"error: process {first.local_rank} failed with exit status {first.exitcode}; "
+                  "its output is above", file=sys.stderr)
+        return first.exitcode if first.exitcode > 0 else 1
+    return 0
+
+
+def train(cfg: Config, run: Run | None = None) -> Path:
+    """Train `cfg` in this process: one rank of a run of several (`gpus=N`, torchrun, a SLURM task) or the
+    whole run (then `run` may be the one `preflight` opened); returns the run folder.
+
+    Every rank takes the same way, and makes the same collectives: it joins the process group and opens the
+    run (checked before any write); a run finished by an earlier start ends here with one line. Otherwise
+    the parts are built (the views and `model.init` checked before any write), the run's start files are
+    written, the loop trains, and a run that reached `optim.steps` exports its backbone.
+
+    Raises:
+        ConfigError, DatasetError, LoaderError, CheckpointError: bad input, before any write.
+        NonFiniteLossError: the loss became NaN or infinite.
+    """
+    check_wandb(cfg)
+    device = select_device(cfg.run.device, cfg.run.dist_timeout_min)
+    run = run or Run.open(cfg)
+    if run.finished:                        # a requeued job, the same command twice: its results stand
+        if dist.is_main():
+            print(run.finished_line(), flush=True)
+        return run.folder
+    backend = resolve_backend(cfg, device)
+    parts = build_parts(cfg, device, backend, init=run.resume.state is None)
+    log = Log(run.folder, enabled=dist.is_main(), cfg=cfg)
+    run.begin(log)
+    if loop.train(run, parts, log, backend):
+        run.export(dist.unwrap(parts.online).backbone, log)
+    dist.barrier()
+    return run.folder
+
+
+def start(argv: list[str], processes: int = 1, cluster: ClusterConfig = ClusterConfig()) -> int:
+    """`python -m train` on this machine after the launcher words: in a rank, `train`; in the process that
+    launches the run's processes (or is the run's one process), `preflight`, then `elastic` for more than
+    one process (none for a run an earlier start finished: the line that says so), else `train`.
+
+    Args:
+        argv: the config words (`method=`, `data=`, `key=value`, ...).
+        processes: processes on this machine (`gpus=`).
+        cluster: the nodes and their rendezvous.
+
+    Returns:
+        The exit status (0; or the first failed process's, from `elastic`).
+    """
+    if "TORCHELASTIC_RUN_ID" in os.environ:     # a rank of the elastic launcher (ours, torchrun): it and
+        # its loader workers end when the launcher dies, even one that dies while this process starts
+        end_with_parent(int(os.environ.pop(LAUNCHER_PID, os.getppid())))
+    cfg = load_config(argv, world_size=int(os.environ.get("WORLD_SIZE", processes * cluster.nodes)))
+    if "LOCAL_RANK" in os.environ:          # a rank: of `elastic`, of torchrun, a SLURM task
+        train(cfg)
+        return 0
+    run = preflight(cfg, processes, cluster.nodes)      # once, by the launching process (of each node)
+    if processes == 1 and cluster.nodes == 1:
+        train(cfg, run)
+    elif run.finished:
+        print(run.finished_line(), flush=True)
+    else:
+        return elastic(processes, argv, cluster)
+    return 0
+
+
+def exit_status(body: Callable[[], int]) -> int:
+    """Run `body` (a command) and return its exit status: bad input is one line `error: ...` on stderr
+    (from rank 0 alone) and status 2, a non-finite loss one line and status 1; the process group is left
+    in every case."""
+    try:
+        return body()
+    except (ConfigError, DatasetError, LoaderError, FileNotFoundError) as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except loop.NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        dist.cleanup()

@@ -1,0 +1,176 @@
+"""The run: one training run's folder and what it holds, opened once per process (`Run.open`).
+
+A run folder holds `config.yaml` and `versions.json` (written at every start: `Run.begin`),
+`metrics.jsonl` and TensorBoard events (`train.log`), `checkpoint.pt` and the older checkpoints
+`run.keep_last` keeps (`Run.save`, `train.checkpoint`), and at the end `backbone.pt` and
+`backbone.safetensors` (`Run.export`); the last one marks the run finished.
+
+The folder's name is agreed by every rank once, when the run is opened: the one collective of the run's
+bookkeeping, which every rank makes. After that the folder is a plain attribute, so asking for it never
+waits on another rank, whichever branch a rank is in. `folder_of` is the folder of a config whose name is
+already fixed (a SLURM job's, a bench's), for the places that look at a run from outside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+
+from models.backbone import export_backbone_state, save_backbone
+from train import checkpoint, dist
+from train.config import Config, dump_yaml
+from train.log import Log
+from train.setup import check_same_network
+
+FINISHED = "backbone.safetensors"       # written last, by rank 0: the run reached optim.steps
+
+
+def proposed_name(cfg: Config) -> str:
+    """`run.name`, or a new `<method>-<data>-<time>` from this process's clock (`Run.open` makes every
+    rank take rank 0's)."""
+    return cfg.run.name or f"{cfg.method}-{cfg.data.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def folder_of(cfg: Config) -> Path:
+    """The run folder of `cfg`: that of `run.resume`'s checkpoint file, else `<run.out_dir>/<run.name>`.
+    A plain path, no collective: a run without a name is named when it is opened (`Run.open`).
+
+    Raises:
+        ValueError: no `run.resume` file and no `run.name` (a caller's mistake, not the user's).
+    """
+    if cfg.run.resume and cfg.run.resume != "auto":
+        return Path(cfg.run.resume).parent
+    if not cfg.run.name:
+        raise ValueError("folder_of needs a named run; a run without run.name is named by Run.open")
+    return Path(cfg.run.out_dir) / cfg.run.name
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a run starts: a checkpoint's state, or step 0."""
+
+    state: dict | None = None           # the checkpoint (`checkpoint.load_training`); None: a fresh start
+    path: Path | None = None            # the file it was read from
+    skipped: list[str] = field(default_factory=list)   # newer files of the run folder that did not read
+
+    @property
+    def step(self) -> int:
+        """The steps done before this start (0 for a fresh one)."""
+        return int(self.state["step"]) if self.state is not None else 0
+
+
+def resume_state(cfg: Config, folder: Path) -> Resume:
+    """The checkpoint `run.resume` names, checked to build `cfg`'s network; nothing for a fresh run.
+
+    `run.resume=auto` reads `folder`'s checkpoints newest first (`checkpoint.latest`), skips those that do
+    not read (a truncated or damaged file) and starts fresh when none is left. A run folder whose newest
+    readable checkpoint (or, without one, `config.yaml`) builds another network is an error, not a fresh
+    start.
+
+    Raises:
+        CheckpointError: a named checkpoint that is missing, unreadable or not a training checkpoint.
+        ConfigError: a checkpoint or run folder of another method or network (`check_same_network`).
+    """
+    if not cfg.run.resume:
+        return Resume()
+    if cfg.run.resume != "auto":
+        state = checkpoint.load_training(cfg.run.resume)
+        check_same_network(cfg, state["config"], cfg.run.resume,
+                           "resume it with the same method and model, or drop run.resume to start a fresh run")
+        return Resume(state, Path(cfg.run.resume))
+    fix = f"run.resume=auto continues the run in {folder}: give that run's method and model, or another run.name"
+    skipped = []
+    for path in checkpoint.latest(folder):
+        try:
+            state = checkpoint.load_training(path)
+        except checkpoint.CheckpointError as e:
+            skipped.append(str(e))
+            continue
+        check_same_network(cfg, state["config"], str(path), fix)
+        return Resume(state, path, skipped)
+    saved = folder / "config.yaml"          # a run killed before its first checkpoint is still that run
+    try:
+        tree = yaml.safe_load(saved.read_text()) if saved.is_file() else None
+    except yaml.YAMLError:                  # damaged: nothing to compare with
+        tree = None
+    if isinstance(tree, dict):
+        check_same_network(cfg, tree, str(saved), fix)
+    return Resume(skipped=skipped)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run as this process sees it: its config, its folder and where it starts."""
+
+    cfg: Config
+    folder: Path
+    resume: Resume
+
+    @classmethod
+    def open(cls, cfg: Config) -> Run:
+        """The run of `cfg`, read before anything is written. Every rank calls it once, after joining the
+        process group: the folder's name is rank 0's (`dist.broadcast_object`, the one collective here;
+        a single process makes none).
+
+        Raises:
+            CheckpointError, ConfigError: see `resume_state`.
+        """
+        name = dist.broadcast_object(proposed_name(cfg))
+        folder = folder_of(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name)))
+        return cls(cfg, folder, resume_state(cfg, folder))
+
+    @property
+    def finished(self) -> bool:
+        """Whether an earlier start reached `optim.steps` and exported its results (a requeued job, the
+        same command twice): nothing is left to do."""
+        return self.resume.step >= self.cfg.optim.steps and (self.folder / FINISHED).is_file()
+
+    def finished_line(self) -> str:
+        """The one line a finished run prints when started again."""
+        return (f"{self.folder} finished at step {self.resume.step} (its results are there); nothing to do: "
+                "raise optim.steps to train on, or give another run.name")
+
+    def begin(self, log: Log) -> None:
+        """Write the start files on rank 0 (`config.yaml`, whole or not at all since `run.resume=auto`
+        reads it; `versions.json`: the libraries of this start) and say where the run starts."""
+        if dist.is_main():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / ".config.yaml.tmp").write_text(dump_yaml(self.cfg))
+            os.replace(self.folder / ".config.yaml.tmp", self.folder / "config.yaml")
+            (self.folder / "versions.json").write_text(json.dumps(checkpoint.library_versions(), indent=1) + "\n")
+        log.print(f"config ({self.folder / 'config.yaml'}):\n{dump_yaml(self.cfg)}")
+        for note in self.resume.skipped:
+            log.print(f"skipped {note}")
+        if self.resume.path is not None:
+            log.print(f"resuming from {self.resume.path} (step {self.resume.step})")
+        elif self.cfg.model.init:
+            log.print(f"backbone initialised from {self.cfg.model.init}")
+
+    def save(self, state: dict) -> None:
+        """Write a checkpoint of this run (rank 0 calls it), keeping `run.keep_last` of them."""
+        checkpoint.save_latest(self.folder, state, self.cfg.run.keep_last)
+
+    def resume_hint(self) -> str:
+        """The word that continues this run after `run.stop_after_steps`."""
+        return "run.resume=auto" if self.cfg.run.resume == "auto" else f"run.resume={self.folder / checkpoint.LATEST}"
+
+    def export(self, backbone: nn.Module, log: Log) -> None:
+        """Write the trained backbone on rank 0: `backbone.pt` (a timm state dict) and `backbone.safetensors`
+        (with what rebuilds it; written last, so it marks the run finished)."""
+        cfg = self.cfg
+        if dist.is_main():
+            torch.save(export_backbone_state(backbone), self.folder / "backbone.pt")
+            save_backbone(backbone, self.folder / FINISHED, cfg.model.backbone, cfg.views.global_px,
+                          {"method": cfg.method, "dataset": cfg.data.name, "git_commit": checkpoint.git_commit()})
+        log.print(f"results in {self.folder}: metrics.jsonl, TensorBoard events (tensorboard --logdir "
+                  f"{self.folder.parent}), config.yaml, versions.json, checkpoint.pt, backbone.pt and "
+                  f"backbone.safetensors (timm {cfg.model.backbone}, num_classes=0; models.backbone.load_backbone "
+                  "reads it)")
