@@ -32,7 +32,7 @@ def usage(prog: str = "python -m train") -> str:
     import dataclasses
     import textwrap
 
-    from train.config import CONFIG_DIR, Config, to_dict
+    from train.config import BATCH_RULE, CONFIG_DIR, Config, to_dict
     from train.objectives import OBJECTIVES
 
     def written(v) -> str:                  # as a key=value word reads it back
@@ -63,6 +63,8 @@ def usage(prog: str = "python -m train") -> str:
         "  key=value         override one key (dotted; objective.<key> for the method's own); the keys, with",
         "                    their defaults before any preset:",
         wrap("  ".join(defaults)),
+        "",
+        wrap(f"The batch: {BATCH_RULE}."),
     ])
 
 

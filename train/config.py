@@ -51,14 +51,16 @@ class DataConfig:
     name: str = "synthetic"         # dataset folder under `root` (written by `python -m preprocess`)
     root: str = "data"              # data root folder
     backend: BackendChoice = "auto"  # "torch" | "torchvision" | "ffcv" | "dali"; "auto": ffcv on CPU, dali on GPU
-    batch_size: int = 256           # global batch (all ranks together), even per rank
-    batch_per_gpu: int = 0          # > 0: the batch of each process; the global batch is this x processes
+    batch_size: int | str = 256     # the global batch (all processes), or "<n>/gpu": n per process (`global_batch`)
     max_batch_per_gpu: int = 0      # the largest per-process batch the preset says fits one GPU; 0: no limit
     hw_decoder_load: float = 0.65   # DALI on a GPU: share of the JPEGs for the hardware decoder (A100/H100)
     decode_size_hint_px: int = 0    # DALI on a GPU: image side the decoder preallocates for; 0: none
     num_workers: int = 2            # decoding/augmentation workers per rank
     num_classes: int = 10           # classes, for kNN / linear-probe evaluation; 0: an unlabelled dataset
     mix: MixSpec = field(default_factory=MixSpec)   # intra-batch mixes: pipelines.mixing.MixSpec's fields
+
+    def __post_init__(self) -> None:
+        global_batch(self.batch_size, 1)            # a batch that reads as neither form: stop now
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,30 @@ def _unknown_method(method: str, valid: list[str]) -> ConfigError:
 # What a dataset's manifest decides when no data preset does (`derived_from_manifest`).
 DERIVED_EPOCHS = 100            # training length: short for SSL, long enough to learn on a small folder
 DERIVED_WARMUP_EPOCHS = 10      # linear warmup (BYOL, RELICv2: 10 epochs)
+PER_GPU = "/gpu"                # `data.batch_size=256/gpu`: 256 per process
+BATCH_RULE = ("data.batch_size=B is the global batch (all processes together); B/gpu is B per process, the "
+              "global batch B x processes; the lr scales with the global batch, and each process's batch is even")
+
+
+def global_batch(batch_size: int | str, world_size: int) -> int:
+    """The global batch that `data.batch_size` gives `world_size` processes (`BATCH_RULE`): an int is the
+    global batch itself, `"<n>/gpu"` is n per process, n x `world_size` in all.
+
+    Raises:
+        ConfigError: a value of neither form, or an odd per-process n.
+    """
+    if isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size > 0:
+        return batch_size
+    per_gpu = batch_size.removesuffix(PER_GPU) if isinstance(batch_size, str) else ""
+    if isinstance(batch_size, str) and batch_size.endswith(PER_GPU) and per_gpu.isdigit() and int(per_gpu) > 0:
+        if int(per_gpu) % 2:
+            raise ConfigError(f"data.batch_size={batch_size}: the batch of each process must be even (the mixes and "
+                              f"paired views need pairs); use data.batch_size={int(per_gpu) + 1}{PER_GPU}")
+        return int(per_gpu) * world_size
+    raise ConfigError(f"data.batch_size={batch_size!r}: give the global batch (e.g. data.batch_size=512) or the "
+                      f"batch of each process (e.g. data.batch_size=256{PER_GPU})")
+
+
 DERIVED_MAX_BATCH = 256         # the batch every lr in the presets is quoted at
 DERIVED_MIN_STEPS_PER_EPOCH = 8  # a small folder still gets several steps (BatchNorm batches) per epoch
 
@@ -402,8 +428,8 @@ def load_config(args: list[str], config_dir: Path = CONFIG_DIR, world_size: int 
     is an error. `config=FILE` layers (in the order given) come after the method presets and before the
     `key=value` words; a file's `method` and `data.name` pick the presets when no word does. Then
     `for_world`: a per-GPU batch and a length in epochs become the global batch
-    and the steps of this run. A CLI `data.batch_size` (or `optim.steps`, `optim.warmup_steps`) wins
-    over a preset's `data.batch_per_gpu` (`optim.epochs`, `optim.warmup_epochs`).
+    and the steps of this run. A CLI `optim.steps` (`optim.warmup_steps`) wins over a preset's
+    `optim.epochs` (`optim.warmup_epochs`); `data.batch_size` is one key, whichever form sets it last wins.
 
     Args:
         args: `key=value` strings; `method`, `data` and `preset` pick the presets, `config` names a
@@ -466,8 +492,7 @@ def load_config(args: list[str], config_dir: Path = CONFIG_DIR, world_size: int 
         if key in PICKS:
             continue
         _merge(tree, _dotted_to_nested(key, value), Config)
-    for explicit, preset in (("data.batch_size", "data.batch_per_gpu"), ("optim.steps", "optim.epochs"),
-                             ("optim.warmup_steps", "optim.warmup_epochs")):
+    for explicit, preset in (("optim.steps", "optim.epochs"), ("optim.warmup_steps", "optim.warmup_epochs")):
         if explicit in cli and preset not in cli:        # the user's own number over the preset's rule
             _merge(tree, _dotted_to_nested(preset, "0"), Config)
     objective = build_objective_config(method, tree.pop("objective", {}))
@@ -491,8 +516,8 @@ def resolve_objective(cfg: Config) -> Config:
 
 
 def for_world(cfg: Config, world_size: int, train_size: int) -> Config:
-    """`cfg` as `world_size` processes run it: with `data.batch_per_gpu` the global batch is that times
-    the processes (the learning rate scales with it, `schedules.scaled_lr`); with `optim.epochs` /
+    """`cfg` as `world_size` processes run it: `data.batch_size` becomes the global batch (`global_batch`;
+    the learning rate scales with it, `schedules.scaled_lr`); with `optim.epochs` /
     `optim.warmup_epochs` the steps are those passes over `train_size` records at that batch.
 
     Epochs need the train split's size from the dataset's manifest; without one (`train_size` 0: a
@@ -503,12 +528,13 @@ def for_world(cfg: Config, world_size: int, train_size: int) -> Config:
         ConfigError: a per-process batch above the preset's `data.max_batch_per_gpu`.
     """
     d, o = cfg.data, cfg.optim
-    batch = d.batch_per_gpu * world_size if d.batch_per_gpu > 0 else d.batch_size
+    batch = global_batch(d.batch_size, world_size)
     per_process = batch // max(world_size, 1)
     if d.max_batch_per_gpu and per_process > d.max_batch_per_gpu:
         raise ConfigError(f"a batch of {per_process} per GPU is more than the {d.max_batch_per_gpu} that fit one 80 GB "
                           f"GPU with this preset (train/configs/data/{d.name}.yaml); set "
-                          f"data.batch_per_gpu={d.max_batch_per_gpu} or less, with more GPUS for a larger global batch")
+                          f"data.batch_size={d.max_batch_per_gpu}{PER_GPU} or less, with more GPUS for a larger global "
+                          "batch")
     steps, warmup = o.steps, o.warmup_steps
     if train_size > 0 and (o.epochs > 0 or o.warmup_epochs > 0):
         steps_per_epoch = max(1, train_size // batch)
@@ -553,7 +579,9 @@ def config_from_dict(tree: dict, overrides: Sequence[str] = ()) -> Config:
         _merge(checked, _dotted_to_nested(key, value), Config)
     objective.update(checked.pop("objective", {}))
     cfg = _build(Config, checked)
-    return resolve_objective(dataclasses.replace(cfg, method=method, objective=build_objective_config(method, objective)))
+    data = dataclasses.replace(cfg.data, batch_size=global_batch(cfg.data.batch_size, 1))   # a saved one is global
+    return resolve_objective(dataclasses.replace(cfg, method=method, data=data,
+                                                 objective=build_objective_config(method, objective)))
 
 
 def to_dict(cfg: Any) -> dict:

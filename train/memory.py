@@ -109,7 +109,7 @@ def main(argv: list[str]) -> int:
     rows = []
     try:
         for m in methods:
-            cfg = load_config([f"method={m}", f"data={data}", "data.batch_per_gpu=0", "data.max_batch_per_gpu=0",
+            cfg = load_config([f"method={m}", f"data={data}", "data.max_batch_per_gpu=0",
                                "optim.epochs=0", "optim.warmup_epochs=0", *rest])
             rows.append(estimate(cfg, gpu_gib))
             r = rows[-1]

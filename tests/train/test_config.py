@@ -60,6 +60,10 @@ def test_bad_type_is_an_error() -> None:
         load_config(["method=rsa", "data=synthetic", "optim.lr=fast"])
     with pytest.raises(ConfigError, match="not key=value"):
         load_config(["method=rsa", "optim.lr"])
+    for batch, fix in (("lots", r"give the global batch .*or the batch of each process \(e.g. data.batch_size=256/gpu"),
+                       ("0", "give the global batch"), ("7/gpu", r"must be even.*data.batch_size=8/gpu")):
+        with pytest.raises(ConfigError, match=fix):
+            load_config(["method=rsa", "data=synthetic", f"data.batch_size={batch}"])
 
 
 def test_objective_section_is_validated_by_the_objective_config() -> None:
@@ -254,8 +258,7 @@ def test_every_data_preset_sets_every_derived_value(preset: str) -> None:
     from train.config import DERIVED_KEYS
 
     tree = yaml.safe_load((ROOT / "train" / "configs" / "data" / f"{preset}.yaml").read_text())
-    instead = {"data.batch_size": "data.batch_per_gpu", "optim.steps": "optim.epochs",
-               "optim.warmup_steps": "optim.warmup_epochs"}          # what sets them per run instead
+    instead = {"optim.steps": "optim.epochs", "optim.warmup_steps": "optim.warmup_epochs"}   # per run instead
     for key in DERIVED_KEYS:
         section, name = key.split(".")
         other = instead.get(key, key).split(".")[1]
@@ -289,11 +292,11 @@ def test_the_imagenet_preset_is_a_per_gpu_batch_that_fits_on_any_number_of_gpus(
         assert scaled_lr(cfg.optim.lr, cfg.data.batch_size) == pytest.approx(0.2 * world)
         steps_per_epoch = 1_281_167 // (256 * world)
         assert (cfg.optim.steps, cfg.optim.warmup_steps) == (1000 * steps_per_epoch, 10 * steps_per_epoch)
-    with pytest.raises(ConfigError, match=r"a batch of 512 per GPU is more than the 342 .*data.batch_per_gpu=342 or less"):
-        load_config(["method=relicv2", "data=imagenet", f"data.root={tmp_path}", "data.batch_per_gpu=512"], world_size=world)
-    assert load_config(["method=byol", "data=imagenet", f"data.root={tmp_path}", "data.batch_per_gpu=512"],
+    with pytest.raises(ConfigError, match=r"a batch of 512 per GPU is more than the 342 .*data.batch_size=342/gpu or less"):
+        load_config(["method=relicv2", "data=imagenet", f"data.root={tmp_path}", "data.batch_size=512/gpu"], world_size=world)
+    assert load_config(["method=byol", "data=imagenet", f"data.root={tmp_path}", "data.batch_size=512/gpu"],
                        world_size=world).data.batch_size == 512 * world
-    # The user's own global batch and steps win over the preset's per-GPU batch and epochs.
+    # One key: the user's own global batch replaces the preset's per-GPU one; steps win over epochs.
     own = load_config(["method=byol", "data=imagenet", f"data.root={tmp_path}", f"data.batch_size={128 * world}",
                        "optim.steps=77"], world_size=world)
     assert (own.data.batch_size, own.optim.steps) == (128 * world, 77)
