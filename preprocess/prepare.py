@@ -32,9 +32,10 @@ import struct
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import numpy as np
 
@@ -42,7 +43,7 @@ from pipelines import schema
 from pipelines.schema import DatasetError, Manifest
 from pipelines.processes import fork_context
 from preprocess import stream
-from preprocess.sources import SOURCES, ListedSource, PreparedSource, PreprocessError
+from preprocess.sources import SOURCES, ListedSource, PreparedSource, PreprocessError, Source
 from preprocess.write_dali import write_dali
 from preprocess.write_ffcv import warm_up as warm_up_ffcv, write_ffcv
 
@@ -197,39 +198,6 @@ def ffcv_installed() -> bool:
         return False
 
 
-def _manifest(name: str, dataset: str, prepared: PreparedSource, files: dict[str, dict], shard_size: int,
-              workers: int, timings: dict[str, float], build: dict) -> Manifest:
-    """The manifest of a dataset whose files (relpath -> {sha256, bytes}) are all written."""
-    splits = prepared.splits
-    first = splits["train"]
-    return Manifest(
-        schema_version=schema.SCHEMA_VERSION,
-        dataset=name,
-        source=dataset,
-        counts={k: len(v) for k, v in splits.items()},
-        class_names=tuple(prepared.class_names),
-        image_mode=first.mode,
-        image_px=int(prepared.image_px),
-        has_masks=bool(first.has_masks),
-        mean=prepared.mean,
-        std=prepared.std,
-        files=files,
-        params=prepared.params,
-        skipped=prepared.skipped,
-        jpeg_quality=schema.JPEG_QUALITY if first.mode == "jpg" else None,
-        size_policy=prepared.size_policy,
-        mask_source=prepared.mask_source,
-        gt_masks={k: f"gt_masks/{k}.npy" for k in prepared.gt_masks},
-        formats={**({"ffcv": {k: f"{k}.beton" for k in splits}} if all(f"{k}.beton" in files for k in splits) else {}),
-                 "dali": {k: sorted(f for f in files if f.startswith(f"{k}/") and f.endswith(".tar"))
-                          for k in splits}},
-        shard_size=shard_size,
-        build={"workers": workers, "seconds": {k: round(v, 3) for k, v in timings.items()},
-               **({"images": prepared.stored} if prepared.stored else {}), **build},
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    )
-
-
 def swap_in(staging: Path, final: Path) -> None:
     """Rename the complete staging folder to `final`, moving a previous dataset aside first."""
     old = final.with_name(f".{final.name}.old")
@@ -287,14 +255,153 @@ def prepare_dataset(dataset: str, out_root: Path, *, src: Path | None = None, fo
         raise PreprocessError(f"--shard-size must be >= 1, got {shard_size}")
     if isinstance(engine, str) and engine not in ENGINES:
         raise PreprocessError(f"unknown --engine {engine!r}; use one of {', '.join(ENGINES)}")
-    name = name or dataset
-    out_root = Path(out_root)
-    lock = DatasetLock(out_root, name)
+    job = Job(source, dataset, src, dict(source_params), Path(out_root), name or dataset, force, workers, progress,
+              shard_size, engine)
+    lock = DatasetLock(job.out_root, job.name)
     try:
-        return _prepare(source, dataset, src, source_params, out_root, name, force,
-                        workers, progress, shard_size, engine, lock)
+        return _prepare(job, lock)
     finally:
         lock.release()
+
+
+@dataclass(frozen=True)
+class Job:
+    """What `prepare_dataset` was asked, its arguments checked."""
+
+    source: Source                  # SOURCES[dataset]
+    dataset: str                    # its key, recorded as the manifest's source
+    src: Path | None                # source folder, for sources that need one
+    params: dict                    # the source's parameters as given (defaults filled in by the source)
+    out_root: Path                  # the data root
+    name: str                       # the dataset folder's name under it
+    force: bool                     # rewrite a complete dataset; start an interrupted image folder over
+    workers: int                    # parallel processes
+    progress: bool                  # tqdm bars on a terminal
+    shard_size: int                 # records per DALI shard (an image folder's files per work unit)
+    engine: str | object            # where an image folder's units run: "local", "ray" or an engine object
+
+    @property
+    def final(self) -> Path:
+        return self.out_root / self.name
+
+    @property
+    def staging(self) -> Path:
+        return self.out_root / f".{self.name}.staging"
+
+
+@dataclass(frozen=True)
+class Written:
+    """What the writers put into the staging folder, for the manifest."""
+
+    source: PreparedSource          # the facts of the records written
+    seconds: dict[str, float]       # durations of the write stages; a key ending in BACKGROUND ran beside them
+    build: dict = field(default_factory=dict)          # how: an image folder's engine, resumed units, CPU seconds
+    known: dict[str, dict] = field(default_factory=dict)  # checksums the writers computed: {relpath: {sha256, bytes}}
+
+
+@dataclass(frozen=True)
+class Hashed:
+    """The dataset files of a staging folder with their checksums (`hash_files`)."""
+
+    files: dict[str, dict]          # relpath -> {sha256, bytes}
+    seconds: float                  # the hashing's duration
+
+
+def _prepare(job: Job, lock: DatasetLock) -> Path:
+    """`prepare_dataset` after its argument checks: nothing when the dataset is complete; else the source
+    is read (or an image folder listed) before anything is written under OUT, OUT is made ready (`lock`
+    taken before the read when OUT exists, so that a second run stops at once, else as soon as OUT is
+    created), the records are written into the staging folder, and the manifest, written last, makes
+    the dataset that is swapped in (`write_staged`)."""
+    if not job.force and (done := _is_complete(job.final)) is not None:
+        counts = ", ".join(f"{k} {v}" for k, v in done.counts.items())
+        print(f"{job.final} is complete ({counts}); nothing to do (pass --force to rewrite)")
+        return job.final
+    started = time.perf_counter()
+    _check_writable(job.out_root)
+    if job.out_root.is_dir():
+        lock.acquire()
+    t = time.perf_counter()
+    read = job.source.prepare(job.src, dict(job.params), workers=job.workers, progress=job.progress)
+    read_seconds = {"list" if isinstance(read, ListedSource) else "read_decode": time.perf_counter() - t}
+    if not isinstance(read, ListedSource) and job.engine != "local":
+        raise PreprocessError(f"--engine {getattr(job.engine, 'name', job.engine)} writes image folders; "
+                              f"{job.dataset} is made in memory on this machine: drop --engine (ENGINE=)")
+    plan = stream.plan_of(read.files, read.params, job.shard_size) if isinstance(read, ListedSource) else None
+    _make_room(job, lock, plan)
+    with_ffcv = ffcv_installed()
+    if not with_ffcv:
+        print("ffcv is not installed: writing the DALI shards only, which every backend but ffcv reads "
+              "(pip install 'viewmill[ffcv]', then --force, adds the .beton files)", file=sys.stderr)
+
+    def manifest_of(written: Written, hashed: Hashed) -> Manifest:
+        seconds = {**read_seconds, **written.seconds, "checksum": hashed.seconds}
+        total = time.perf_counter() - started
+        # Whatever no stage timed (checks, the lock, the staging folder, pool start-up), named so
+        # that the stages add up to the total.
+        other = max(0.0, total - sum(v for k, v in seconds.items() if not k.endswith(BACKGROUND)))
+        return _manifest(job, written, hashed.files, {**seconds, "total": total, "other": other})
+
+    if isinstance(read, ListedSource):
+        write_staged(job.staging, job.final, lambda staging: _write_folder(read, staging, plan, job, with_ffcv),
+                     manifest_of, f"writing {job.name} into {job.out_root} failed ({{what}}); nothing was replaced "
+                     "and the finished shards are kept: free space, then re-run the same command to resume",
+                     resumable=True, workers=job.workers)
+    else:
+        write_staged(job.staging, job.final, lambda staging: _write_in_memory(read, staging, job, with_ffcv),
+                     manifest_of, f"writing {job.name} into {job.out_root} failed ({{what}}); nothing was replaced: "
+                     "free space or choose another --out, then re-run", workers=job.workers)
+    return job.final
+
+
+def _check_writable(out_root: Path) -> None:
+    """OUT exists as a writable folder, or can be created under one.
+
+    Raises:
+        PreprocessError: naming the folder in the way.
+    """
+    existing = next(p for p in (out_root.resolve(), *out_root.resolve().parents) if p.exists())
+    if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+        raise PreprocessError(f"output folder {out_root} cannot be created or written ({existing} is not a "
+                              "writable folder): choose a writable --out")
+
+
+def _make_room(job: Job, lock: DatasetLock, plan: dict | None) -> None:
+    """Create OUT, take `lock`, and remove a staging folder an interrupted run left, unless this image
+    folder's run resumes it (`plan`: the same listing and parameters, no --force).
+
+    Raises:
+        PreprocessError: OUT cannot be created or written.
+    """
+    try:
+        job.out_root.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+        if job.staging.exists() and not (plan is not None and not job.force and stream.reusable(job.staging, plan)):
+            print(f"removing {job.staging} left by an interrupted run", file=sys.stderr)
+            _remove(job.staging)
+    except OSError as e:
+        raise PreprocessError(f"cannot prepare output folder {job.out_root}: {e.strerror or e}; choose a "
+                              "writable --out") from None
+
+
+def _write_in_memory(prepared: PreparedSource, staging: Path, job: Job, with_ffcv: bool) -> Written:
+    """A source held in memory: its DALI shards, its `.beton` files (`with_ffcv`) and its ground-truth
+    masks, split by split."""
+    seconds = {"dali_write": 0.0, "ffcv_write": 0.0}
+    for split_name, split in prepared.splits.items():
+        t = time.perf_counter()
+        write_dali(split, staging / split_name, shard_size=job.shard_size, num_workers=job.workers,
+                   progress=job.progress)
+        seconds["dali_write"] += time.perf_counter() - t
+    t = time.perf_counter()
+    if with_ffcv:
+        for split_name, split in prepared.splits.items():
+            write_ffcv(split, staging / f"{split_name}.beton", num_workers=job.workers, progress=job.progress)
+    seconds["ffcv_write"] = time.perf_counter() - t
+    for split_name, masks in prepared.gt_masks.items():
+        (staging / "gt_masks").mkdir(exist_ok=True)
+        np.save(staging / "gt_masks" / f"{split_name}.npy", masks)
+    return Written(prepared, seconds)
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -315,11 +422,10 @@ def _copy_to_ffcv(split: stream.ShardSplit, path: Path) -> float:
     return time.perf_counter() - t
 
 
-def _write_folder(listing: ListedSource, staging: Path, plan: dict, engine, *, shard_size: int, progress: bool,
-                  with_ffcv: bool, timings: dict, build: dict, known: dict) -> PreparedSource:
+def _write_folder(listing: ListedSource, staging: Path, plan: dict, job: Job, with_ffcv: bool) -> Written:
     """An image folder's shards (`stream.write_folder`) and, as each split is assembled, its `.beton`
-    copied in a background process; returns the facts the manifest records and fills in `timings`,
-    `build` and `known` (the checksums the units computed)."""
+    copied in a background process (`with_ffcv`); the facts the manifest records, with the checksums the
+    units computed."""
     copies: list = []
 
     def on_split(split_name: str, split: stream.ShardSplit) -> None:
@@ -330,31 +436,32 @@ def _write_folder(listing: ListedSource, staging: Path, plan: dict, engine, *, s
         if with_ffcv:                # in a process of its own while the other splits' units run
             copies.append(ffcv_pool.submit(_copy_to_ffcv, split, staging / f"{split_name}.beton"))
 
+    engine = _engine(job.engine, job.workers)
+    seconds: dict[str, float] = {}
     # Forked from this (main) thread: FFCV's writer forks again, which numba refuses from a thread.
     with ProcessPoolExecutor(1, mp_context=fork_context()) as ffcv_pool:
         # The copy process imports FFCV at once, while the units run (1.5-3 s that were in series).
         warm = ffcv_pool.submit(_timed, warm_up_ffcv) if with_ffcv else None
         try:
-            res = stream.write_folder(listing.files, staging, plan, listing.policy, shard_size=shard_size,
-                                      engine=engine, progress=progress, on_split=on_split)
+            res = stream.write_folder(listing.files, staging, plan, listing.policy, shard_size=job.shard_size,
+                                      engine=engine, progress=job.progress, on_split=on_split)
             t = time.perf_counter()
             if warm is not None:
-                timings[f"ffcv_import{BACKGROUND}"] = warm.result()
-            timings[f"ffcv_write{BACKGROUND}"] = sum(c.result() for c in copies)
-            timings["ffcv_wait"] = time.perf_counter() - t
+                seconds[f"ffcv_import{BACKGROUND}"] = warm.result()
+            seconds[f"ffcv_write{BACKGROUND}"] = sum(c.result() for c in copies)
+            seconds["ffcv_wait"] = time.perf_counter() - t
         finally:
             for c in copies:
                 c.cancel()
-    timings.update(res.seconds)
-    known.update(res.checksums)
     base = listing.src if listing.src.is_dir() else listing.src.parent       # a list file: its folder
-    build.update(engine=engine.name, resumed_units=res.reused,
-                 cpu_seconds={k: round(v, 3) for k, v in res.cpu_seconds.items()})
-    return PreparedSource(splits=res.splits, params=listing.params, class_names=listing.class_names,
-                          image_px=res.image_px, mean=res.mean, std=res.std,
-                          size_policy={"side": listing.policy["side"], "max_side_px": listing.policy["max_side"]},
-                          skipped=tuple({**x, "path": os.path.relpath(x["path"], base)} for x in res.skipped),
-                          stored=res.stored)
+    written = PreparedSource(splits=res.splits, params=listing.params, class_names=listing.class_names,
+                             image_px=res.image_px, mean=res.mean, std=res.std,
+                             size_policy={"side": listing.policy["side"], "max_side_px": listing.policy["max_side"]},
+                             skipped=tuple({**x, "path": os.path.relpath(x["path"], base)} for x in res.skipped),
+                             stored=res.stored)
+    build = {"engine": engine.name, "resumed_units": res.reused,
+             "cpu_seconds": {k: round(v, 3) for k, v in res.cpu_seconds.items()}}
+    return Written(written, {**seconds, **res.seconds}, build, res.checksums)
 
 
 def _engine(engine: str | object, workers: int):
@@ -369,110 +476,56 @@ def _engine(engine: str | object, workers: int):
     return stream.LocalEngine(workers)
 
 
-def _prepare(source, dataset: str, src: Path | None, source_params: dict, out_root: Path, name: str,
-             force: bool, workers: int, progress: bool, shard_size: int, engine: str | object,
-             lock: DatasetLock) -> Path:
-    """`prepare_dataset` after its argument checks; takes `lock` before it reads when OUT exists (a
-    second run stops at once), else as soon as OUT is created."""
-    final = out_root / name
-    staging = out_root / f".{name}.staging"
-    if not force and (done := _is_complete(final)) is not None:
-        counts = ", ".join(f"{k} {v}" for k, v in done.counts.items())
-        print(f"{final} is complete ({counts}); nothing to do (pass --force to rewrite)")
-        return final
-    timings: dict[str, float] = {}
-    t_start = time.perf_counter()
-    existing = next(p for p in (out_root.resolve(), *out_root.resolve().parents) if p.exists())
-    if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
-        raise PreprocessError(f"output folder {out_root} cannot be created or written ({existing} is not a "
-                              "writable folder): choose a writable --out")
-    if out_root.is_dir():
-        lock.acquire()
-    # Sources are checked (and read, or listed) before anything is written under OUT.
-    t = time.perf_counter()
-    prepared = source.prepare(src, dict(source_params), workers=workers, progress=progress)
-    listed = isinstance(prepared, ListedSource)
-    timings["list" if listed else "read_decode"] = time.perf_counter() - t
-    if not listed and engine != "local":
-        raise PreprocessError(f"--engine {getattr(engine, 'name', engine)} writes image folders; {dataset} is "
-                              "made in memory on this machine: drop --engine (ENGINE=)")
-    plan = stream.plan_of(prepared.files, prepared.params, shard_size) if listed else None
-    try:
-        out_root.mkdir(parents=True, exist_ok=True)
-        lock.acquire()
-        if staging.exists():
-            if listed and not force and stream.reusable(staging, plan):
-                pass                # resumed: write_folder keeps its finished units
-            else:
-                print(f"removing {staging} left by an interrupted run", file=sys.stderr)
-                _remove(staging)
-    except OSError as e:
-        raise PreprocessError(f"cannot prepare output folder {out_root}: {e.strerror or e}; choose a "
-                              "writable --out") from None
-    with_ffcv = ffcv_installed()
-    if not with_ffcv:
-        print("ffcv is not installed: writing the DALI shards only, which every backend but ffcv reads "
-              "(pip install 'viewmill[ffcv]', then --force, adds the .beton files)", file=sys.stderr)
-    build: dict = {}
-    known: dict[str, dict] = {}
-
-    def fill(staging: Path) -> None:
-        timings["dali_write"] = 0.0
-        for split_name, split in prepared.splits.items():
-            t = time.perf_counter()
-            write_dali(split, staging / split_name, shard_size=shard_size, num_workers=workers,
-                       progress=progress)
-            timings["dali_write"] += time.perf_counter() - t
-        t = time.perf_counter()
-        if with_ffcv:
-            for split_name, split in prepared.splits.items():
-                write_ffcv(split, staging / f"{split_name}.beton", num_workers=workers, progress=progress)
-        timings["ffcv_write"] = time.perf_counter() - t
-        for split_name, masks in prepared.gt_masks.items():
-            (staging / "gt_masks").mkdir(exist_ok=True)
-            np.save(staging / "gt_masks" / f"{split_name}.npy", masks)
-        timings["checksum"] = time.perf_counter()          # made a duration once the files are hashed
-
-    def fill_streamed(staging: Path) -> None:
-        nonlocal prepared
-        prepared = _write_folder(prepared, staging, plan, _engine(engine, workers), shard_size=shard_size,
-                                 progress=progress, with_ffcv=with_ffcv, timings=timings, build=build, known=known)
-        timings["checksum"] = time.perf_counter()
-
-    def manifest_of(files: dict[str, dict]) -> Manifest:
-        timings["checksum"] = time.perf_counter() - timings["checksum"]
-        timings["total"] = time.perf_counter() - t_start
-        # Whatever no stage timed (checks, the lock, the staging folder, pool start-up), named so
-        # that the stages add up to the total.
-        timings["other"] = max(0.0, timings["total"] - sum(v for k, v in timings.items()
-                                                          if k != "total" and not k.endswith(BACKGROUND)))
-        return _manifest(name, dataset, prepared, files, shard_size, workers, timings, build)
-
-    if listed:
-        write_staged(staging, final, fill_streamed, manifest_of,
-                     f"writing {name} into {out_root} failed ({{what}}); nothing was replaced and the finished "
-                     "shards are kept: free space, then re-run the same command to resume", resumable=True,
-                     workers=workers, known=known)
-    else:
-        write_staged(staging, final, fill, manifest_of,
-                     f"writing {name} into {out_root} failed ({{what}}); nothing was replaced: free space or "
-                     "choose another --out, then re-run", workers=workers)
-    return final
+def _manifest(job: Job, written: Written, files: dict[str, dict], seconds: dict[str, float]) -> Manifest:
+    """The manifest of a dataset whose files (relpath -> {sha256, bytes}) are all written."""
+    prepared = written.source
+    splits = prepared.splits
+    first = splits["train"]
+    return Manifest(
+        schema_version=schema.SCHEMA_VERSION,
+        dataset=job.name,
+        source=job.dataset,
+        counts={k: len(v) for k, v in splits.items()},
+        class_names=tuple(prepared.class_names),
+        image_mode=first.mode,
+        image_px=int(prepared.image_px),
+        has_masks=bool(first.has_masks),
+        mean=prepared.mean,
+        std=prepared.std,
+        files=files,
+        params=prepared.params,
+        skipped=prepared.skipped,
+        jpeg_quality=schema.JPEG_QUALITY if first.mode == "jpg" else None,
+        size_policy=prepared.size_policy,
+        mask_source=prepared.mask_source,
+        gt_masks={k: f"gt_masks/{k}.npy" for k in prepared.gt_masks},
+        formats={**({"ffcv": {k: f"{k}.beton" for k in splits}} if all(f"{k}.beton" in files for k in splits) else {}),
+                 "dali": {k: sorted(f for f in files if f.startswith(f"{k}/") and f.endswith(".tar"))
+                          for k in splits}},
+        shard_size=job.shard_size,
+        build={"workers": job.workers, "seconds": {k: round(v, 3) for k, v in seconds.items()},
+               **({"images": prepared.stored} if prepared.stored else {}), **written.build},
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
 
 
-def write_staged(staging: Path, final: Path, fill: Callable[[Path], None],
-                 manifest_of: Callable[[dict[str, dict]], Manifest], failure: str, *,
-                 resumable: bool = False, workers: int = 1, known: dict[str, dict] | None = None) -> Manifest:
+M = TypeVar("M")                    # what a `write_staged` fill made, for its manifest
+
+
+def write_staged(staging: Path, final: Path, fill: Callable[[Path], M],
+                 manifest_of: Callable[[M, Hashed], Manifest], failure: str, *,
+                 resumable: bool = False, workers: int = 1) -> Manifest:
     """The one way a dataset folder is written: `fill(staging)` writes every file into the staging
-    folder; the files are hashed, `manifest_of(files)` is written last (`write_manifest`), the
-    bookkeeping (top-level dot names but the stamp) is removed and the folder is swapped in for
-    `final` (`swap_in`).
+    folder; the files are hashed, `manifest_of(what fill returned, the hashed files)` is written last
+    (`write_manifest`), the bookkeeping (top-level dot names but the stamp) is removed and the folder
+    is swapped in for `final` (`swap_in`).
 
     Args:
+        fill: writes the files; what it returns goes to `manifest_of` (a `Written` also brings the
+            checksums its writers computed, which are not computed again).
         resumable: the staging folder may hold an interrupted run's work that `fill` resumes; it is
             kept when this run fails too. Otherwise it must not exist and is removed on failure.
         workers: threads that hash the files.
-        known: checksums `fill` already has ({relpath: {sha256, bytes}}; `fill` may add to it).
 
     Raises:
         PreprocessError: an OSError while writing: `failure` with `{what}` filled in (e.g. "disk is
@@ -480,8 +533,10 @@ def write_staged(staging: Path, final: Path, fill: Callable[[Path], None],
     """
     try:
         staging.mkdir(exist_ok=resumable)
-        fill(staging)
-        manifest = manifest_of(hash_files(staging, workers, known))
+        made = fill(staging)
+        t = time.perf_counter()
+        files = hash_files(staging, workers, made.known if isinstance(made, Written) else None)
+        manifest = manifest_of(made, Hashed(files, time.perf_counter() - t))
         write_manifest(staging, manifest)
         for p in staging.iterdir():
             if p.name.startswith(".") and p.name != schema.VERIFIED_NAME:

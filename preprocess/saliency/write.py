@@ -26,7 +26,7 @@ from PIL import Image
 
 from pipelines import schema
 from pipelines.shards import ShardReader, scan_shards
-from preprocess.prepare import PreprocessError, ffcv_installed, remove_quietly, write_staged
+from preprocess.prepare import Hashed, PreprocessError, ffcv_installed, remove_quietly, write_staged
 from preprocess.records import Record
 from preprocess.saliency.handcrafted import resize_map
 from preprocess.write_dali import write_dali
@@ -111,10 +111,10 @@ def write_masks(dataset_dir: Path, masks: dict[str, Callable[[int], np.ndarray]]
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(dataset_dir / rel, staging / rel)
 
-    def manifest_of(files: dict[str, dict]) -> schema.Manifest:
+    def manifest_of(_: None, hashed: Hashed) -> schema.Manifest:
         build = {**old.build, "saliency_write_seconds": round(time.perf_counter() - t0, 3)}
         formats = old.formats if with_ffcv else {k: v for k, v in old.formats.items() if k != "ffcv"}
-        return replace(old, files=files, formats=formats, has_masks=True, mask_source="saliency", saliency=saliency,
+        return replace(old, files=hashed.files, formats=formats, has_masks=True, mask_source="saliency", saliency=saliency,
                        build=build, created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
     manifest = write_staged(staging, dataset_dir, fill, manifest_of,
