@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import queue
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 import cv2
@@ -48,7 +49,7 @@ from pipelines import ffcv_ops, schema
 from pipelines.augment import ViewParams, draw_color_params, finish_views, saliency_usable
 from pipelines.batch import Batch, ReusedBuffers, mix_batch, normalize
 from pipelines.mixing import affine_in_pixels, mix_views
-from pipelines.ffcv_decode import CropLayout, DecodeViews, view_params
+from pipelines.ffcv_decode import CropLayout, DecodeViews, Rows
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderError, LoaderSpec, Stream
 from pipelines.views import ViewGroup
 
@@ -92,6 +93,15 @@ def _next_guarded(it) -> tuple | None:
     return result
 
 
+@dataclass(frozen=True)
+class Decoded:
+    """One batch of the FFCV loader with what its views drew (`FFCVLoader.decoded`)."""
+
+    batch: Batch
+    windows: dict[str, Tensor]          # crop group -> (count, B, 4) int64 crop windows: y0, x0, h, w in source px
+    params: dict[str, ViewParams]       # group -> the parameters its views were finished with (count * B views)
+
+
 class FFCVLoader(EpochLoader):
     """The FFCV loader of one rank (see the module docstring and `pipelines.spec.Loader`)."""
 
@@ -108,8 +118,6 @@ class FFCVLoader(EpochLoader):
             ffcv_ops.compiled()                      # every kernel compiled now, before FFCV's threads
         self.order = EpochOrder(spec, info.count)
         self.key = np.zeros(2, np.uint64)            # read by the compiled decoder through its address
-        self.last_windows: dict[str, Tensor] = {}    # group → (count, B, 4) crop windows of the last batch
-        self.last_params: dict[str, ViewParams] = {}  # group → drawn parameters of the last batch (ops)
         # normalize() of every uint8 level per channel: the compiled path normalises by table lookup.
         levels = torch.arange(256, dtype=torch.uint8).expand(3, 1, 256)                 # (3, 1, 256)
         self._norm_lut = np.ascontiguousarray(normalize(levels, info.mean, info.std).numpy())  # (3, 1, 256)
@@ -128,7 +136,11 @@ class FFCVLoader(EpochLoader):
                              batches_ahead=2)
 
     def __iter__(self) -> Iterator[Batch]:
-        o, s = self.order, self.spec
+        return (d.batch for d in self.decoded())
+
+    def decoded(self) -> Iterator[Decoded]:
+        """The batches of this epoch (as `iter`), each with its crop windows and drawn parameters."""
+        o = self.order
         if not o.remaining():
             return
         self.key[0] = np.uint64(o.batch_seed(0, Stream.FFCV_KEY_LO))    # per (seed, rank, epoch)
@@ -137,9 +149,9 @@ class FFCVLoader(EpochLoader):
         it = self._epoch_it = iter(self.loader)
         try:
             while (out := _next_guarded(it)) is not None:
-                batch = self._to_batch(out)
+                decoded = self._decode(out)
                 o.advance()
-                yield batch
+                yield decoded
         finally:
             self._stop()
 
@@ -162,33 +174,33 @@ class FFCVLoader(EpochLoader):
                 pass
         it.join(timeout=1.0)
 
-    def _to_batch(self, out: tuple) -> Batch:
+    def _decode(self, out: tuple) -> Decoded:
+        """FFCV's output of one batch (the rows, label, index, masks, coverage) as a `Batch`."""
         s, dev, o = self.spec, self.device, self.order
         rows, labels, indices = out[0], out[1], out[2]
         coverage = torch.from_numpy(np.asarray(out[-1], np.float64).reshape(-1))
         masks = out[3] if self.masks else None
-        views, windows, params = self.layout.split(torch.from_numpy(rows))
-        lay = self.layout
-        self.last_windows = {g.name: windows[v0:v0 + g.count].clone() for g, v0 in zip(lay.groups, lay.first_view)}
+        read = self.layout.read(torch.from_numpy(rows))
         gen = torch.Generator().manual_seed(o.batch_seed(o.batches_done, Stream.FFCV_MIXES))
+        views, params = read.views, read.params
         if self.ops:
-            self.last_params = {g.name: view_params(params[v0:v0 + g.count].reshape(g.count * rows.shape[0], -1))
-                                for g, v0 in zip(lay.all_groups, lay.all_first_views)}
             if masks is not None:
-                self._finish_salient(rows, params, masks, coverage)
+                self._finish_salient(rows, read, masks, coverage)
             fields = {name: self._normalize_rows(rows, groups) if groups else None
                       for name, groups in s.recipe.fields.items()}
         else:
-            views = self._finish_torch(views, masks, coverage, gen)
+            params = draw_color_params(s.recipe, coverage.shape[0], gen)
+            views = self._finish_torch(views, read.windows, params, masks, coverage)
             fields = {name: normalize(torch.cat([views[g.name] for g in groups]), self.info.mean, self.info.std)
                       if groups else None for name, groups in s.recipe.fields.items()}
         if self.ops and affine_in_pixels(s.mix):
             mixed, lam, partner = self._mix_normalized(rows, fields, gen)
         else:
             mixed, lam, partner = mix_batch(views, s.recipe, s.mix, gen, self.info.mean, self.info.std, dev)
-        return Batch(**fields, mixed=mixed, mix_lam=lam, mix_partner=partner,
-                     index=torch.from_numpy(indices.reshape(-1).astype(np.int64)).to(dev, non_blocking=True),
-                     label=torch.from_numpy(labels.reshape(-1).astype(np.int64)).to(dev, non_blocking=True))
+        batch = Batch(**fields, mixed=mixed, mix_lam=lam, mix_partner=partner,
+                      index=torch.from_numpy(indices.reshape(-1).astype(np.int64)).to(dev, non_blocking=True),
+                      label=torch.from_numpy(labels.reshape(-1).astype(np.int64)).to(dev, non_blocking=True))
+        return Decoded(batch, read.windows, params)
 
     def _mix_normalized(self, rows: np.ndarray, fields: dict[str, Tensor | None], gen: torch.Generator
                         ) -> tuple[Tensor, Tensor, Tensor]:
@@ -208,12 +220,12 @@ class FFCVLoader(EpochLoader):
         out = mix_views(src, s.mix, gen, out=self._buffers.take(tuple(src.shape)))
         return out.mixed, out.lam, out.partner
 
-    def _crop_masks(self, g: ViewGroup, masks, want: list[tuple[int, int]], flips: Tensor | None) -> dict:
+    def _crop_masks(self, g: ViewGroup, windows: Tensor, masks, want: list[tuple[int, int]],
+                    flips: Tensor | None) -> dict:
         """{(view, sample): (S, S) float32 mask in [0, 1]} for the views `want` of group g: each
-        sample's mask decoded once, cropped with the view's window, resized like the image (bilinear)
-        and flipped with the view when `flips` (N,) says so."""
+        sample's mask decoded once, cropped with the view's window (`windows`: (count, B, 4), y0, x0, h, w),
+        resized like the image (bilinear) and flipped with the view when `flips` (N,) says so."""
         size, b = g.size_px, len(masks)
-        windows = self.last_windows[g.name]
         decoded: dict[int, np.ndarray] = {}
         out = {}
         for v, i in want:
@@ -225,24 +237,25 @@ class FFCVLoader(EpochLoader):
             out[v, i] = m[:, ::-1] if flips is not None and bool(flips[v * b + i]) else m
         return out
 
-    def _finish_salient(self, rows: np.ndarray, params: Tensor, masks, coverage: Tensor) -> None:
+    def _finish_salient(self, rows: np.ndarray, read: Rows, masks, coverage: Tensor) -> None:
         """Compiled path: finish, in the rows, the views the decoder left raw because they drew
         saliency: composite (where the sample's mask passes the gate) then the view's ops.
 
         Args:
-            rows: (B, row_bytes) uint8. params: (views, B, N_PARAMS) float32 drawn parameters.
+            rows: (B, row_bytes) uint8. read: the rows read back (windows, drawn parameters).
             masks: B encoded masks. coverage: (B,) float64.
         """
         usable = saliency_usable(coverage)
         b = rows.shape[0]
         finish = ffcv_ops.compiled().finish_salient
         for k, g in enumerate(self.layout.groups):
-            p = self.last_params[g.name]
+            p = read.params[g.name]
             hits = [(v, i) for v in range(g.count) for i in range(b) if bool(p.saliency[v * b + i])]
             if not hits:
                 continue
             v0, s = self.layout.first_view[k], g.size_px
-            cropped = self._crop_masks(g, masks, [(v, i) for v, i in hits if bool(usable[i])], p.flip)
+            cropped = self._crop_masks(g, read.windows[g.name], masks, [(v, i) for v, i in hits if bool(usable[i])],
+                                       p.flip)
             buf, tmp = np.empty(3 * s * s, np.float32), np.empty(3 * s * s, np.float32)
             pad = np.empty(3 * (3 * s + 2), np.float32)
             no_mask = np.zeros(s * s, np.float32)
@@ -250,7 +263,7 @@ class FFCVLoader(EpochLoader):
                 start = self.layout.offsets[v0 + v]
                 crop = rows[i, start:start + 3 * s * s]
                 assert crop.flags.c_contiguous
-                drawn = np.ascontiguousarray(params[v0 + v, i].numpy())
+                drawn = np.ascontiguousarray(read.drawn[v0 + v, i].numpy())
                 mask = cropped.get((v, i))
                 mask = np.ascontiguousarray(mask, np.float32).reshape(-1) if mask is not None else no_mask
                 finish(crop.ctypes.data, s, drawn.ctypes.data, self.laws[k].ctypes.data, mask.ctypes.data,
@@ -274,9 +287,10 @@ class FFCVLoader(EpochLoader):
             k += g.count
         return out.to(self.device, non_blocking=True)
 
-    def _finish_torch(self, views: dict[str, Tensor], masks, coverage: Tensor, gen: torch.Generator
-                      ) -> dict[str, Tensor]:
-        """`augment.finish_views` on `spec.device` for the uint8 crops of the rows.
+    def _finish_torch(self, views: dict[str, Tensor], windows: dict[str, Tensor], params: dict[str, ViewParams],
+                      masks, coverage: Tensor) -> dict[str, Tensor]:
+        """`augment.finish_views` on `spec.device` for the uint8 crops of the rows, with the crops' `windows`
+        (for the masks) and the parameters drawn for them (`augment.draw_color_params`).
 
         Returns:
             {group name: (count, B, 3, S, S) float in [0, 1]}.
@@ -286,14 +300,13 @@ class FFCVLoader(EpochLoader):
 
         def crop_masks(g: ViewGroup, use: Tensor) -> Tensor:
             want = [(v, i) for v in range(g.count) for i in range(b) if bool(use[v * b + i])]
-            got = self._crop_masks(g, masks, want, None)
+            got = self._crop_masks(g, windows[g.name], masks, want, None)
             m = torch.ones(g.count, b, 1, g.size_px, g.size_px)
             for (v, i), mask in got.items():
                 m[v, i, 0] = torch.from_numpy(mask)
             return m.to(dev, non_blocking=True)
 
-        self.last_params = draw_color_params(self.spec.recipe, b, gen)
-        return finish_views(crops, saliency_usable(coverage), self.spec.recipe, self.last_params,
+        return finish_views(crops, saliency_usable(coverage), self.spec.recipe, params,
                             crop_masks if masks is not None else None)
 
 

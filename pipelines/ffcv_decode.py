@@ -5,14 +5,15 @@ FFCV 1.0.2 maps each stored field to exactly one pipeline, so multi-crop through
 of our own, written with FFCV's `Operation` API and its compiled primitives (libffcv's turbojpeg
 `imdecode` and `resize`, i.e. OpenCV's `cv::resize` with INTER_AREA on a window): it decodes each
 image once and writes every crop of every crop group (the crop law of `pipelines.augment`) into one
-flat uint8 row per sample, followed by the crop windows it drew (`CropLayout`), so that saliency
-masks are cropped with exactly the image's window on the host.
+flat uint8 row per sample, followed by the crop windows it drew as int64 (`CropLayout`), so that
+saliency masks are cropped with exactly the image's window on the host.
 
 With `ops` (CPU loaders), right after each crop is resized into its row, the compiled kernels of
 `pipelines.ffcv_ops` draw the view's parameters (draws `ffcv_ops.FIRST_DRAW`.. of the view, after
 the crop draws) and apply flip, jitter, grayscale, blur and solarize; staged views (RSA) take their
 parent's finished float view, so one crop gives two outputs. The drawn parameters follow the
-windows in the row (`CropLayout.split`, read back as `augment.ViewParams` by `view_params`). A view
+windows in the row as float32. `CropLayout.read` reads a batch of rows back as one typed record
+(`Rows`: the views, the windows, the parameters as `augment.ViewParams`). A view
 that draws saliency is left as its raw crop, with its parameters: its mask arrives in another
 field, after this operation, and the reference order composites the background before the ops;
 the loader finishes it on the host (`ffcv_ops.finish_salient`).
@@ -26,7 +27,7 @@ each call).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numba
 import numpy as np
@@ -42,7 +43,7 @@ from pipelines import ffcv_ops
 from pipelines.augment import CROP_DRAWS, ViewParams
 from pipelines.views import Recipe, ViewGroup
 
-WINDOW_BYTES = 8                 # per crop view: y0, x0, h, w as little-endian uint16 (FFCV sides < 65536)
+WINDOW_BYTES = 4 * 8             # per crop view: y0, x0, h, w as int64, the crop kernel's own box
 
 
 @dataclass(frozen=True)
@@ -51,14 +52,14 @@ class CropLayout:
 
     Views are numbered over the crop groups in recipe order; with compiled ops (`staged` set, CPU
     loaders) the staged groups' views follow them, and a block of drawn per-view parameters
-    (columns `ffcv_ops.Param`, float32) follows the crop windows.
+    (columns `ffcv_ops.Param`, float32) follows the crop windows (int64).
     """
 
     groups: tuple[ViewGroup, ...]     # crop groups, recipe order
     first_view: tuple[int, ...]       # per group: number of its first view
     offsets: tuple[int, ...]          # per view (crop, then staged): byte offset of its (S, S, 3) pixels
     sizes: tuple[int, ...]            # per view: S
-    windows_offset: int               # byte offset of the (crop views, 4) uint16 windows
+    windows_offset: int               # byte offset of the (crop views, 4) int64 windows
     row_bytes: int
     staged: tuple[ViewGroup, ...] = ()        # staged groups written by the compiled ops, recipe order
     staged_first_view: tuple[int, ...] = ()   # per staged group: number of its first view
@@ -100,13 +101,8 @@ class CropLayout:
     def first_view_of(self, name: str) -> int:
         return next(v0 for g, v0 in zip(self.all_groups, self.all_first_views) if g.name == name)
 
-    def split(self, rows: Tensor) -> tuple[dict[str, Tensor], Tensor, Tensor | None]:
-        """Cut a (B, row_bytes) uint8 batch into per-group views, crop windows and drawn parameters.
-
-        Returns:
-            ({group name: (count, B, 3, S, S) uint8 views of the rows}, (crop views, B, 4) int64 windows
-            (y0, x0, h, w), (views, B, N_PARAMS) float32 parameters, or None without compiled ops).
-        """
+    def read(self, rows: Tensor) -> Rows:
+        """A (B, row_bytes) uint8 batch of rows as views, crop windows and drawn parameters."""
         b = rows.shape[0]
         views = {}
         for g, v0 in zip(self.all_groups, self.all_first_views):
@@ -115,14 +111,27 @@ class CropLayout:
             block = rows[:, start:start + g.count * s * s * 3].reshape(b, g.count, s, s, 3)  # (B, count, S, S, 3)
             views[g.name] = block.permute(1, 0, 4, 2, 3)                                       # (count, B, 3, S, S)
         n = self.num_crop_views
-        w = rows[:, self.windows_offset:self.windows_offset + WINDOW_BYTES * n].reshape(b, n, 4, 2).long()
-        windows = (w[..., 0] | (w[..., 1] << 8)).permute(1, 0, 2)                             # (V, B, 4)
-        params = None
-        if self.params_offset >= 0:
-            nv = len(self.offsets)
-            raw = rows[:, self.params_offset:self.params_offset + ffcv_ops.PARAM_BYTES * nv].clone()  # aligned copy
-            params = raw.view(torch.float32).reshape(b, nv, ffcv_ops.N_PARAMS).permute(1, 0, 2)  # (V, B, N_PARAMS)
-        return views, windows, params
+        boxes = rows[:, self.windows_offset:self.windows_offset + WINDOW_BYTES * n].clone()   # aligned copy
+        boxes = boxes.view(torch.int64).reshape(b, n, 4).permute(1, 0, 2)                     # (V, B, 4)
+        windows = {g.name: boxes[v0:v0 + g.count] for g, v0 in zip(self.groups, self.first_view)}
+        if self.params_offset < 0:
+            return Rows(views, windows)
+        nv = len(self.offsets)
+        raw = rows[:, self.params_offset:self.params_offset + ffcv_ops.PARAM_BYTES * nv].clone()   # aligned copy
+        drawn = raw.view(torch.float32).reshape(b, nv, ffcv_ops.N_PARAMS).permute(1, 0, 2)       # (V, B, N_PARAMS)
+        params = {g.name: view_params(drawn[v0:v0 + g.count].reshape(g.count * b, -1))
+                  for g, v0 in zip(self.all_groups, self.all_first_views)}
+        return Rows(views, windows, drawn, params)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A batch of `DecodeViews` rows read back (`CropLayout.read`)."""
+
+    views: dict[str, Tensor]          # group -> (count, B, 3, S, S) uint8, views into the rows
+    windows: dict[str, Tensor]        # crop group -> (count, B, 4) int64 crop windows: y0, x0, h, w in source px
+    drawn: Tensor | None = None       # (views, B, N_PARAMS) float32 as the compiled ops drew them; None without
+    params: dict[str, ViewParams] = field(default_factory=dict)   # group -> `drawn` as ViewParams (count * B views)
 
 
 def view_params(q: Tensor) -> ViewParams:
@@ -171,7 +180,7 @@ class DecodeViews(Operation):
         sizes = np.array(lay.sizes, np.int64)
         crop_laws = np.array([ffcv_ops.crop_law(g) for g in lay.groups], np.float64)       # (G, 5)
         crop_law_bytes = crop_laws.shape[1] * 8
-        windows_offset = lay.windows_offset
+        windows_offset, window_bytes = lay.windows_offset, WINDOW_BYTES
         crop_draws = CROP_DRAWS
         # The draws and the per-view ops are C functions compiled once per process (`ffcv_ops.compiled`),
         # so this loop is all that each pipeline compiles. Group laws, each staged view's parent view:
@@ -225,11 +234,7 @@ class DecodeViews(Operation):
                     y0, x0, h, w = box[0], box[1], box[2], box[3]
                     s = sizes[v]
                     resize(0, img.ctypes.data, height, width, y0, y0 + h, x0, x0 + w, out.ctypes.data + offsets[v], s, s)
-                    p8 = windows_offset + 8 * v
-                    out[p8], out[p8 + 1] = y0 & 255, y0 >> 8
-                    out[p8 + 2], out[p8 + 3] = x0 & 255, x0 >> 8
-                    out[p8 + 4], out[p8 + 5] = h & 255, h >> 8
-                    out[p8 + 6], out[p8 + 7] = w & 255, w >> 8
+                    memcpy(box.ctypes.data, out.ctypes.data + windows_offset + window_bytes * v, window_bytes)
                     if not with_ops:
                         continue
                     # The view's own ops on its crop, in place, then each staged view on the

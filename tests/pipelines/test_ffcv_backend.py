@@ -122,6 +122,27 @@ def test_batch_contract_relicv2_and_rsa(small, compiled: bool) -> None:
 
 
 @pytest.mark.slow
+def test_each_batch_comes_with_the_windows_its_views_were_cropped_from(small) -> None:
+    """The windows the decoder wrote into the rows, read back with the batch (`FFCVLoader.decoded`), are the
+    crops' own: on images whose R/G channels are 2x/2y, a view's first pixel is the mean over the first
+    output cell of its window (INTER_AREA). Both paths read the rows alike (`CropLayout.read`)."""
+    path, split = small
+    group = ViewGroup("g", count=2, size_px=8, area=(0.2, 1.0), flip_p=0.0)
+    seen = 0
+    for decoded in loader(path, Recipe("plain", (group,)), has_masks=False).decoded():
+        windows = decoded.windows["g"]                                         # (2, B, 4) int64
+        assert windows.dtype == torch.int64 and windows.shape == (2, 8, 4)
+        y0, x0, h, w = windows.unbind(-1)
+        assert bool(((y0 >= 0) & (x0 >= 0) & (h > 0) & (w > 0)).all())
+        assert bool(((y0 + h <= split.side) & (x0 + w <= split.side)).all())
+        first = to_uint8(decoded.batch.global_views)[:, :, :, 0, 0]            # (2, B, 3): R, G, B
+        assert torch.allclose(first[..., 0] / 2, x0 + (w / 8 - 1) / 2, atol=1.0)
+        assert torch.allclose(first[..., 1] / 2, y0 + (h / 8 - 1) / 2, atol=1.0)
+        seen += 1
+    assert seen == 5
+
+
+@pytest.mark.slow
 def test_output_buffers_are_reused_only_when_no_tensor_holds_them(small) -> None:
     """The compiled path writes each batch into a buffer no live tensor shares: batches (or slices of
     them) that the caller keeps never change, and buffers of dropped batches are written again."""
@@ -166,8 +187,8 @@ def test_compiled_draws_follow_the_laws(tmp_path: Path) -> None:
     drawn = []
     for epoch in range(2):
         ld.set_epoch(epoch)
-        for _ in ld:
-            drawn.append(ld.last_params["ops"])
+        for decoded in ld.decoded():
+            drawn.append(decoded.params["ops"])
     cat = {f: torch.cat([getattr(p, f) for p in drawn]) for f in ("flip", "jitter", "factors", "order", "gray",
                                                                  "blur", "sigma", "solarize", "saliency", "gray_level")}
     m = len(cat["flip"])
@@ -324,20 +345,21 @@ def test_loader_views_equal_torch_ops_on_the_same_crops(tmp_path: Path) -> None:
     on, off = loader(path, staged_recipe(True), has_masks=False), loader(path, staged_recipe(False), has_masks=False)
     groups = {g.name: g for g in staged_recipe(True).groups}
     hits = 0
-    for b, c in zip(on, off):
+    for decoded, c in zip(on.decoded(), off):
+        b, drawn = decoded.batch, decoded.params
         # global_views = the staged group's 2 views, then group a's 3 (views.Recipe.fields).
         crops = {"a": c.global_views[2:], "w": c.weak_views}                  # (V, B, 3, 16, 16) normalised
         got = {"a": b.global_views[2:], "w": b.weak_views, "s": b.global_views[:2]}
         finished = {}
         for name in ("a", "w"):
             crop = to_uint8(crops[name]).flatten(0, 1).permute(0, 2, 3, 1).to(torch.uint8).numpy()
-            finished[name] = torch_reference(crop, on.last_params[name], groups[name])   # (V*B, 3, S, S)
-        finished["s"] = augment.apply_color_ops(finished["w"], on.last_params["s"], groups["s"])
+            finished[name] = torch_reference(crop, drawn[name], groups[name])   # (V*B, 3, S, S)
+        finished["s"] = augment.apply_color_ops(finished["w"], drawn["s"], groups["s"])
         for name, ref in finished.items():
             err = (unnormalize(got[name]).flatten(0, 1) - ref).abs().mul(255)
             assert float(err.max()) < 1.5, name
-            hits += int(on.last_params[name].jitter.sum() + on.last_params[name].blur.sum())
-        assert not bool(on.last_params["s"].flip.any())                       # staged views have no crop
+            hits += int(drawn[name].jitter.sum() + drawn[name].blur.sum())
+        assert not bool(drawn["s"].flip.any())                                # staged views have no crop
     assert hits > 20
 
 
@@ -430,9 +452,9 @@ def test_saliency_background_goes_before_the_colour_ops(small, compiled: bool) -
     group = ViewGroup("large", count=2, size_px=16, crop_p=0.0, flip_p=0.0, saliency_p=1.0, solarize_p=1.0)
     ld = loader(path, Recipe("sal", (group,)), compiled)
     checked = 0
-    for b in ld:
-        px = unnormalize(b.global_views).flatten(0, 1)                          # (V*B, 3, 16, 16)
-        level = ld.last_params["large"].gray_level                               # (V*B,)
+    for decoded in ld.decoded():
+        px = unnormalize(decoded.batch.global_views).flatten(0, 1)              # (V*B, 3, 16, 16)
+        level = decoded.params["large"].gray_level                               # (V*B,)
         want = torch.where(level >= 0.5, 1.0 - level, level)
         corner = px[:, :, 0, 0]                                       # the whole image: a background pixel
         tol = 0.6 / 255 if compiled else 1e-5
