@@ -70,7 +70,7 @@ def one_step(method: str, rank: int, world: int, monkeypatch=None) -> dict:
     cls = OBJECTIVES[method]
     objective = cls(cls.Config())
     torch.manual_seed(0)
-    online = build_model("resnet18", PX, 32, 16, 32 if cls.needs.target else 0).eval()
+    online = build_model("test_resnet", PX, 32, 16, 32 if cls.needs.target else 0).eval()
     target = make_target(online).eval() if cls.needs.target else None
     model = DistributedDataParallel(online) if world > 1 else online
     s = StepValues(step=0, total_steps=10, epoch=0.0, lr=0.1, weight_decay=0.0, ema=0.9)

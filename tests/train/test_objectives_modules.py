@@ -30,7 +30,7 @@ SMALL = {"relicv2": {"num_negatives": 3}, "uota": {"queue_size": 24, "dim": DIM,
 
 def tiny_model():
     torch.manual_seed(0)
-    online = build_model("resnet18", GLOBAL_PX, proj_hidden=32, proj_out=DIM, pred_hidden=32)
+    online = build_model("test_resnet", GLOBAL_PX, proj_hidden=32, proj_out=DIM, pred_hidden=32)
     return online, make_target(online)
 
 
