@@ -12,7 +12,7 @@ from models.multicrop import SSLModel, build_model
 def _pair() -> tuple[SSLModel, SSLModel]:
     """An online network whose parameters and buffers have moved away from a fresh target."""
     torch.manual_seed(0)
-    online = build_model("resnet18", 16, proj_hidden=32, proj_out=16, pred_hidden=32)
+    online = build_model("test_resnet", 16, proj_hidden=32, proj_out=16, pred_hidden=32)
     target = make_target(online)
     with torch.no_grad():
         for p in online.parameters():
@@ -22,7 +22,7 @@ def _pair() -> tuple[SSLModel, SSLModel]:
 
 
 def test_make_target_is_an_equal_frozen_copy_in_the_same_mode() -> None:
-    online = build_model("resnet18", 16, 32, 16, 0)
+    online = build_model("test_resnet", 16, 32, 16, 0)
     target = make_target(online)
     assert target is not online and target.training
     assert all(not p.requires_grad for p in target.parameters())
@@ -61,6 +61,6 @@ def test_online_gradients_are_untouched_and_bad_calls_are_value_errors() -> None
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, online.parameters()))
     with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\]"):
         target.update_from(online, momentum=1.5)
-    other = build_model("resnet18", 16, 32, 16, 0)             # no predictor: other structure
+    other = build_model("test_resnet", 16, 32, 16, 0)          # no predictor: other structure
     with pytest.raises(ValueError, match="differ in structure"):
         ema_update_(target, other, momentum=0.5)

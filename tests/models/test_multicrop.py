@@ -12,7 +12,7 @@ from models.multicrop import SSLModel, build_model
 
 def _tiny(pred_hidden: int = 32) -> SSLModel:
     torch.manual_seed(0)
-    return build_model("resnet18", 16, proj_hidden=32, proj_out=16, pred_hidden=pred_hidden)
+    return build_model("test_resnet", 16, proj_hidden=32, proj_out=16, pred_hidden=pred_hidden)
 
 
 def _groups() -> list[torch.Tensor]:
@@ -103,8 +103,8 @@ def test_bn_per_view_normalises_each_view_with_its_own_statistics() -> None:
     from models.multicrop import build_model
 
     torch.manual_seed(0)
-    shared = build_model("resnet18", 16, 32, 16, 32).train()
-    per_view = build_model("resnet18", 16, 32, 16, 32, bn_per_view=True).train()
+    shared = build_model("test_resnet", 16, 32, 16, 32).train()
+    per_view = build_model("test_resnet", 16, 32, 16, 32, bn_per_view=True).train()
     per_view.load_state_dict(shared.state_dict())
     g = torch.Generator().manual_seed(1)
     clean, mixed = torch.randn(2, 4, 3, 16, 16, generator=g), 3 + torch.randn(1, 4, 3, 16, 16, generator=g)

@@ -8,10 +8,12 @@ the objectives' cross-rank gather and DDP's gradient averaging.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from models.ema import make_target
 from models.multicrop import build_model
 from pipelines.batch import Batch
 from tests.once import made_once
+from tests.train.test_objectives_modules import DIM, SMALL, step_values
 from train.objectives import OBJECTIVES
 from train.objectives.base import StepValues
 
@@ -70,7 +73,7 @@ def one_step(method: str, rank: int, world: int, monkeypatch=None) -> dict:
     cls = OBJECTIVES[method]
     objective = cls(cls.Config())
     torch.manual_seed(0)
-    online = build_model("resnet18", PX, 32, 16, 32 if cls.needs.target else 0).eval()
+    online = build_model("test_resnet", PX, 32, 16, 32 if cls.needs.target else 0).eval()
     target = make_target(online).eval() if cls.needs.target else None
     model = DistributedDataParallel(online) if world > 1 else online
     s = StepValues(step=0, total_steps=10, epoch=0.0, lr=0.1, weight_decay=0.0, ema=0.9)
@@ -91,6 +94,58 @@ def one_step(method: str, rank: int, world: int, monkeypatch=None) -> dict:
             "target": {k: v.clone() for k, v in target.state_dict().items()} if target is not None else {}}
 
 
+class LinearSSL(torch.nn.Module):
+    """A batch-norm-free embedding network with SSLModel's interface, so that a rank's outputs do
+    not depend on the other samples of its batch and DDP can be compared with one process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(2), torch.nn.Flatten(),
+                                            torch.nn.Linear(12, 10))
+        self.projector = torch.nn.Linear(10, DIM)
+        self.predictor = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, groups):
+        out = []
+        for g in groups:
+            v, b = g.shape[:2]
+            h = self.backbone(g.reshape(v * b, *g.shape[2:]))                   # (V*B, F)
+            z = self.projector(h)
+            p = self.predictor(z)
+            out.append(SimpleNamespace(h=h.reshape(v, b, -1), z=z.reshape(v, b, -1),
+                                       p=p.reshape(v, b, -1)))              # (V, B, ...)
+        return out
+
+
+OBJECTIVE_CASES = [(n, {}) for n in sorted(OBJECTIVES) if n != "sdmp"] + [
+    ("dacl", {"with_simclr": True}), ("uota", {"base": "mocov2star", "tau": 3.0})]
+
+
+def objective_batch(b: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    return dict(global_views=r(4, b, 3, 4, 4), local_views=r(2, b, 3, 2, 2),
+                weak_views=r(2, b, 3, 4, 4), mixed=r(2, b, 3, 4, 4),
+                mix_lam=torch.rand(2, b, generator=g, dtype=torch.float64),
+                mix_partner=torch.zeros(2, b, dtype=torch.int64), index=torch.arange(b))
+
+
+def objective_case(name: str, variant: dict, parts: dict):
+    cls = OBJECTIVES[name]
+    objective = cls(cls.Config(**{**SMALL.get(name, {}), **variant})).double()
+    online = LinearSSL().double()
+    target = copy.deepcopy(online).requires_grad_(False)
+    out = objective(online, target, Batch(**parts), step_values(step=3, epoch=1.0))
+    out.loss.backward()
+    objective.after_step(out)
+    grads = [p.grad for p in online.parameters() if p.grad is not None]
+    return out.loss.detach(), grads, objective.state_dict()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -101,12 +156,24 @@ EVAL_WORDS = ("run.max_eval_samples=27",)
 
 
 def rank_worker(rank: int, world: int, port: int, eval_words: list[str], out_dir: str) -> None:
-    """One rank of the pair that serves every test below: a step of each method, then the evaluation."""
+    """One rank of the pair that serves every test below: a step of each method, each objective on a
+    linear network, then the evaluation."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         for method in METHODS:
             torch.save(one_step(method, rank, world), os.path.join(out_dir, f"{method}-rank{rank}.pt"))
+        full, b = objective_batch(8), 8 // world
+        for name, variant in OBJECTIVE_CASES:
+            parts = {k: (v[rank * b:(rank + 1) * b] if k == "index" else v[:, rank * b:(rank + 1) * b])
+                     for k, v in full.items()}
+            loss, grads, state = objective_case(name, variant, parts)
+            tdist.all_reduce(loss)                               # what DDP does to gradients
+            for g in grads:
+                tdist.all_reduce(g)
+            if rank == 0:
+                torch.save((loss / world, [g / world for g in grads], state),
+                           os.path.join(out_dir, f"{name}-{len(variant)}.pt"))
         torch.save(eval_result(eval_words), os.path.join(out_dir, f"eval-rank{rank}.pt"))
     finally:
         tdist.destroy_process_group()
@@ -114,8 +181,8 @@ def rank_worker(rank: int, world: int, port: int, eval_words: list[str], out_dir
 
 @pytest.fixture(scope="module")
 def two_ranks(tiny_args, tmp_path_factory) -> tuple[Path, list[str]]:
-    """The folder of what each of 2 gloo processes computed (a step of every method in METHODS, and the
-    evaluation of `eval_words`), and `eval_words`. One spawned pair serves every test, once per session
+    """The folder of what each of 2 gloo processes computed (a step of every method in METHODS, every
+    objective case on `LinearSSL`, and the evaluation of `eval_words`), and `eval_words`. One spawned pair serves every test, once per session
     (`tests.once`): each spawned process imports torch and this code anew, seconds of CPU per process."""
     def make(out: Path) -> None:
         words = tiny_args("byol", out, *EVAL_WORDS)
@@ -141,6 +208,21 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(method: str, two_ranks, 
             assert torch.allclose(r["target"][name].float(), value.float(), rtol=1e-5, atol=1e-6), name
     for name, value in ranks[0]["target"].items():
         assert torch.equal(value, ranks[1]["target"][name]), name    # targets identical across ranks
+
+
+@pytest.mark.ddp
+def test_every_objective_on_two_ranks_equals_one_process_on_the_concatenated_batch(two_ranks) -> None:
+    """Each objective's own cross-rank gathers (negatives, keys, UOTA's statistics, queues): loss,
+    gradients and objective state of 2 gloo ranks equal one process, in float64 on a network with
+    no batch norm."""
+    for name, variant in OBJECTIVE_CASES:
+        loss, grads, state = objective_case(name, variant, objective_batch(8))
+        loss2, grads2, state2 = torch.load(two_ranks[0] / f"{name}-{len(variant)}.pt")
+        torch.testing.assert_close(loss2, loss, rtol=1e-10, atol=1e-12, msg=name)
+        for g1, g2 in zip(grads, grads2, strict=True):
+            torch.testing.assert_close(g2, g1, rtol=1e-9, atol=1e-12, msg=name)
+        for k in state:
+            torch.testing.assert_close(state2[k], state[k], msg=name)
 
 
 def eval_result(words: list[str]) -> dict:

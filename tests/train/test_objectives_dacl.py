@@ -16,7 +16,7 @@ S = StepValues(step=0, total_steps=10, epoch=0.0, lr=0.1, weight_decay=0.0, ema=
 
 def tiny_online():
     torch.manual_seed(0)
-    return build_model("resnet18", PX, proj_hidden=32, proj_out=16, pred_hidden=0)
+    return build_model("test_resnet", PX, proj_hidden=32, proj_out=16, pred_hidden=0)
 
 
 def linear_mixup(sources, partner, lam):

@@ -16,7 +16,7 @@ def test_lars_skips_weight_decay_and_adaptation_for_biases_and_norm_layers(tiny_
     cfg = load_config(tiny_args("byol", tmp_path, "optim.name=lars", "optim.weight_decay=0.1",
                                 "optim.final_weight_decay=0.1"))
     torch.manual_seed(0)
-    model = build_model("resnet18", 16, 32, 16, 32)
+    model = build_model("test_resnet", 16, 32, 16, 32)
     opt = build_optimizer(cfg, [model])
     group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
     for name, p in model.named_parameters():
