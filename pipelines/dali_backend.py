@@ -30,13 +30,13 @@ from nvidia.dali.plugin.pytorch import feed_ndarray
 
 from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers
-from pipelines.dali_graph import Draws, Outputs, dali_type, draw_inputs, graph, input_specs
+from pipelines.dali_graph import NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs
 from pipelines.processes import finalise_here
 from pipelines.shards import ShardReader, image_size, scan_shards
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import FIELDS
 
-_NO_BYTES = np.empty(0, np.uint8)           # a mask that no view of the sample composites: never decoded
+_NO_MASK = np.frombuffer(NO_MASK_PNG, np.uint8)      # the mask of a sample that composites in no view
 
 
 @dataclass
@@ -49,8 +49,10 @@ class _Fed:
     draws: Draws
 
 
-def _host(tl) -> np.ndarray:
-    return (tl.as_cpu() if isinstance(tl, TensorListGPU) else tl).as_array()
+def _host(tl) -> np.ndarray | list[np.ndarray]:
+    """A debug output on the host: one array, or a list of the samples where their shapes differ."""
+    tl = tl.as_cpu() if isinstance(tl, TensorListGPU) else tl
+    return tl.as_array() if tl.is_dense_tensor() else [np.array(t) for t in tl]
 
 
 def _feed(tls: list, dev: torch.device, buffers: ReusedBuffers, channels_last: bool) -> torch.Tensor | None:
@@ -123,8 +125,8 @@ class DaliLoader(EpochLoader):
         draws = draw_inputs(self.spec, hw, self.usable[index], self.masks, gen)
         self._fed.append(_Fed(epoch, k, index, draws))
         fed = [[np.frombuffer(b, np.uint8) for b in data]]
-        if self.masks:       # read only the masks of samples that composite in some view
-            fed.append([np.frombuffer(self.reader.mask(int(i)), np.uint8) if n else _NO_BYTES
+        if self.masks:       # the masks of samples that composite in some view; a 1-px stand-in for the rest
+            fed.append([np.frombuffer(self.reader.mask(int(i)), np.uint8) if n else _NO_MASK
                         for i, n in zip(index, draws.reads_mask)])
         return fed + [draws.inputs[name] for name in self.input_names]
 

@@ -33,6 +33,8 @@ beyond 3σ are < 0.3 % of the mass); views and mixes are rounded to uint8 betwee
 from __future__ import annotations
 
 import math
+import struct
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,6 +58,18 @@ _HUE_C = np.stack([_YIQ2RGB @ np.diag([1.0, 0.0, 0.0]) @ _RGB2YIQ,
                    _YIQ2RGB @ np.array([[0, 0, 0], [0, 0, -1.0], [0, 1.0, 0]]) @ _RGB2YIQ])      # (3, 3, 3)
 _GRAY_M = np.tile(np.array(GRAY_WEIGHTS), (3, 1))                                               # G = 1wᵀ
 _SOLARIZED = [v if v < 128 else 255 - v for v in range(256)]          # levels >= half range inverted
+
+
+def _png_1px() -> bytes:
+    """A 1 x 1 gray PNG (level 0)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\x00\x00")) + chunk(b"IEND", b""))
+
+
+NO_MASK_PNG = _png_1px()      # the mask a sample that composites in no view brings to the once-per-batch decode
 
 
 # ------------------------------------------------------------------------------------------------
@@ -179,8 +193,15 @@ def _mix_inputs(mix: MixSpec, d: MixDraw, lam: torch.Tensor, size: int) -> dict[
         if "mixup" in mix.sdmp_mixers:
             out["mix/lam"], out["mix/lam_other"] = lam[0].numpy(), (1 - lam[0]).numpy()
         box = d.boxes[0].numpy()                                                            # (B, 4) y0, x0, y1, x1
-        anchor = np.stack([np.zeros((b, 2)), box[:, :2]], 1).astype(np.int32)              # (B, 2 regions, 2)
-        shape = np.stack([np.full((b, 2), size), box[:, 2:] - box[:, :2]], 1).astype(np.int32)
+        side = box[:, 2:] - box[:, :2]                                                      # (B, 2) h, w
+        # Workaround, DALI 2.4.0 (upstream bug): the GPU `multi_paste` opens a region of zero area (a
+        # box of side 0, lam near 1) and never closes it, pasting from its anchor to the bottom-right
+        # corner. An empty region is placed at the canvas's far corner, where it can never open.
+        empty = (side == 0).any(1)
+        at = np.where(empty[:, None], size, box[:, :2])
+        side = np.where(empty[:, None], 0, side)
+        anchor = np.stack([np.zeros((b, 2)), at], 1).astype(np.int32)                      # (B, 2 regions, 2)
+        shape = np.stack([np.full((b, 2), size), side], 1).astype(np.int32)
         for m in ("cutmix", "resizemix"):
             if m in mix.sdmp_mixers:
                 out[f"mix/{m}_anchor"], out[f"mix/{m}_shape"] = anchor, shape
@@ -268,16 +289,26 @@ def _blend(x, xp, lam, lam_other):
     return fn.cast(x * lam + xp * lam_other, dtype=types.UINT8)
 
 
-def _sdmp_mixer(m: str, x, xp, inputs: dict, size: int):
+def _sdmp_mixer(m: str, x, xp, inputs: dict, size: int, pasted: dict | None = None):
+    """One SDMP mixer on uint8 HWC views; `pasted` (debug, outside any conditional): gets the inputs of
+    the mixer's `multi_paste` under "paste_in0", "paste_in1"."""
     if m == "mixup":
         return _blend(x, xp, inputs["mix/lam"], inputs["mix/lam_other"])
     if m == "cutmix":                  # the partner's box pasted over the image, on the device
-        return fn.multi_paste(x, xp, in_anchors=inputs["mix/cutmix_anchor"], out_anchors=inputs["mix/cutmix_anchor"],
-                              shapes=inputs["mix/cutmix_shape"], output_size=[size, size])
-    patch = fn.resize(xp, size=inputs["mix/resizemix_size"], interp_type=types.INTERP_LINEAR, antialias=True,
-                      dtype=types.UINT8)
-    return fn.multi_paste(x, patch, out_anchors=inputs["mix/resizemix_anchor"], shapes=inputs["mix/resizemix_shape"],
-                          output_size=[size, size])
+        regions = dict(in_anchors=inputs["mix/cutmix_anchor"], out_anchors=inputs["mix/cutmix_anchor"],
+                       shapes=inputs["mix/cutmix_shape"])
+    else:
+        patch = fn.resize(xp, size=inputs["mix/resizemix_size"], interp_type=types.INTERP_LINEAR, antialias=True,
+                          dtype=types.UINT8)
+        # Workaround, DALI 2.4.0 (upstream bug): the GPU `multi_paste` sets up every input with the
+        # shape of input 0, so a box-sized patch is read with the canvas's row pitch (wrong pixels
+        # inside the box, reads past the buffer). The patch is padded to the canvas, its region read
+        # from the top-left corner, so that every input has the canvas's shape.
+        xp = fn.pad(patch, axis_names="HW", shape=[size, size], fill_value=0)
+        regions = dict(out_anchors=inputs["mix/resizemix_anchor"], shapes=inputs["mix/resizemix_shape"])
+    if pasted is not None:
+        pasted["paste_in0"], pasted["paste_in1"] = x, xp
+    return fn.multi_paste(x, xp, output_size=[size, size], **regions)
 
 
 def _sdmp(mixers: tuple[str, ...], x, xp, inputs: dict, size: int):
@@ -325,6 +356,11 @@ def mixes(spec: LoaderSpec, views: dict[str, object], inputs: dict, device: str,
         x = views[tag]
         if mix.kind == "sdmp":
             xp = fn.permute_batch(x, indices=inputs["mix/partner"])      # mixing.partner_index
+            if len(mix.sdmp_mixers) == 1:                                # no conditional: debug sees the paste
+                pasted: dict = {}
+                out.append(_sdmp_mixer(mix.sdmp_mixers[0], x, xp, inputs, size, pasted))
+                debug.update({f"mix/{v}/{k}": node for k, node in pasted.items()})
+                continue
             out.append(_sdmp(tuple(mix.sdmp_mixers), x, xp, inputs, size))
         else:
             xp = fn.permute_batch(x, indices=inputs[f"mix/{v}/partner"])
@@ -367,6 +403,14 @@ def graph(spec: LoaderSpec, inputs: dict, masks: bool, mean, std, *, channels_la
                "preallocate_width_hint": spec.decoder.size_hint_px,
                "preallocate_height_hint": spec.decoder.size_hint_px} if device == "gpu" else {"device": "cpu"}
     img = fn.decoders.image(inputs["image"], output_type=types.RGB, **decoder)
+    if any(k.endswith("/saliency") for k in inputs):
+        # Workaround, DALI 2.4.0 (upstream bug): on the GPU, an operator inside a conditional that no
+        # sample of the batch takes is skipped, and a decoder's output is then left without shape or
+        # layout ("number of dimensions 0 does not match any of the allowed layouts" in the resize
+        # after it). So the masks are decoded once per batch, outside any conditional (a sample that
+        # composites in no view brings a 1-px stand-in, `NO_MASK_PNG`), and only pixel operators
+        # run inside the per-view branches.
+        mask = fn.decoders.image(inputs["mask"], output_type=types.GRAY, **decoder)
     views: dict[str, object] = {}
     for g in recipe.crop_groups:
         for v in range(g.count):
@@ -375,8 +419,7 @@ def graph(spec: LoaderSpec, inputs: dict, masks: bool, mean, std, *, channels_la
             x = fn.resize(img, size=[g.size_px, g.size_px], roi_start=start, roi_end=end,
                           interp_type=_INTERP[g.interpolation], antialias=True, dtype=types.UINT8)
             if f"{tag}/saliency" in inputs:
-                if inputs[f"{tag}/saliency"]:                # conditional: masks decoded where drawn only
-                    mask = fn.decoders.image(inputs["mask"], output_type=types.GRAY, **decoder)
+                if inputs[f"{tag}/saliency"]:                # conditional: only the samples that drew it
                     x = saliency(x, mask, start, end, g.size_px, inputs[f"{tag}/level"])
             views[tag] = colour_ops(x, g, inputs, tag, gpu_branches)
     for g in recipe.by_role("staged"):
