@@ -31,7 +31,6 @@ from nvidia.dali.plugin.pytorch import feed_ndarray
 from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers
 from pipelines.dali_graph import NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs
-from pipelines.processes import finalise_here
 from pipelines.shards import ShardReader, image_size, scan_shards
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import FIELDS
@@ -145,7 +144,6 @@ class DaliLoader(EpochLoader):
         self._pipe, out = define_pipeline(s, self.masks, self.info.mean, self.info.std, device_id, self._next_batch,
                                           debug=self.debug, checkpoint=ckpt, gpu_branches=self.gpu_branches)
         self._pipe.build()
-        finalise_here(self._pipe)            # a child forked later must not finalise it (pipelines.processes)
         self._fields, self._debug_names = out.fields, out.debug
         self._pipe_at = self._position()
         return self._pipe
