@@ -48,7 +48,7 @@ from pipelines.spec import LoaderSpec
 from pipelines.views import ViewGroup
 
 _INTERP = {"bilinear": types.INTERP_LINEAR, "bicubic": types.INTERP_CUBIC}
-_DALI_TYPES = {np.dtype(np.uint8): types.UINT8, np.dtype(np.int32): types.INT32,
+_DALI_TYPES = {np.dtype(np.uint8): types.UINT8, np.dtype(np.int32): types.INT32, np.dtype(np.int64): types.INT64,
                np.dtype(np.float32): types.FLOAT, np.dtype(np.bool_): types.BOOL}
 # RGB <-> YIQ, for the hue rotation H(θ) = C0 + cos θ·C1 + sin θ·C2.
 _RGB2YIQ = np.array([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])
@@ -376,9 +376,11 @@ def mixes(spec: LoaderSpec, views: dict[str, object], inputs: dict, device: str,
 
 @dataclass
 class Outputs:
-    """The graph's outputs in order: each view's `Batch` field, then the debug nodes by name."""
+    """The graph's outputs in order: each view's `Batch` field, the pass-through outputs (added by the
+    pipeline's definition), then the debug nodes by name."""
 
     fields: list[str] = field(default_factory=list)      # "global_views" | "local_views" | "weak_views" | "mixed"
+    passed: list[str] = field(default_factory=list)      # the source's pass-through outputs (index, label, ...)
     debug: list[str] = field(default_factory=list)
     nodes: list = field(default_factory=list)
 

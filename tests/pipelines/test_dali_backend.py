@@ -4,6 +4,7 @@ Batch contract, sharding, seeds and resume test_contract.py's)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -369,6 +370,33 @@ def test_dacl_laws_of_the_graph(shards, device) -> None:
     mix_laws.check_dacl_laws(torch.cat([b.mix_partner for b in batches], 1), torch.cat([b.mix_lam for b in batches], 1),
                              kinds, 0.5, own=torch.arange(8).repeat(len(batches)), noises={0, 1, 2},
                              drawn=torch.cat(drawn).cpu())
+
+
+def test_the_consumers_thread_never_reads_or_draws(shards, monkeypatch, tmp_path) -> None:
+    """The training loop's thread only takes batches: the records are read and every parameter drawn in
+    DALI's worker processes, and the batch's index, label, lam and partner come out of the pipeline
+    with its views (equal to the draws made again here, on demand)."""
+    calls = tmp_path / "calls"
+
+    def noted(real):
+        def call(*args, **kwargs):
+            with open(calls, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(dali_backend, "draw_inputs", noted(dali_backend.draw_inputs))
+    monkeypatch.setattr(dali_backend.ShardReader, "_read", noted(dali_backend.ShardReader._read))
+    mix = MixSpec("sdmp", sdmp_mixers=("cutmix",))
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=with_mix_source(RELIC, mix), batch_size=8, mix=mix,
+                      seed=3)
+    loader = dali_backend.DaliLoader(spec, shards)
+    last = list(loader)[-1]
+    callers = set(calls.read_text().split())
+    assert callers and str(os.getpid()) not in callers               # read and drawn, never here
+    d = loader.last_draws
+    assert torch.equal(last.mix_lam, d.mix_lam) and torch.equal(last.mix_partner, d.mix.partner)
+    assert torch.equal(last.label, last.index % 4)                   # _Split's labels
 
 
 @pytest.mark.gpu
