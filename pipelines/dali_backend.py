@@ -101,18 +101,19 @@ def _pack_bytes(items: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     return out, lengths[:, None]
 
 
-def source_outputs(spec: LoaderSpec, masks: bool) -> list[tuple[str, np.dtype, int, list[str]]]:
+def source_outputs(spec: LoaderSpec, masks: bool, gpu: bool) -> list[tuple[str, np.dtype, int, list[str]]]:
     """The outputs of the external source (`BatchSource`), in order, as (name, dtype, sample ndim,
     members): "image" and "image_bytes" (`_pack_bytes`), "mask" and "mask_bytes" (when the graph reads
     masks), then the `dali_graph.input_specs` inputs grouped by kind (the last part of the name, dtype
     and ndim; members: the inputs stacked along the sample's first axis, one output per kind instead of
     one per view), then the pass-through outputs "ids" (index, label and, with a mix, the partner of
-    each mixed view) and, with a mix, "lam" (of each mixed view)."""
+    each mixed view) and, with a mix, "lam" (of each mixed view). `gpu`: the GPU graph's inputs
+    (`dali_graph.draw_inputs`)."""
     out = [("image", np.dtype(np.uint8), 1, []), ("image_bytes", np.dtype(np.int32), 1, [])]
     if masks:
         out += [("mask", np.dtype(np.uint8), 1, []), ("mask_bytes", np.dtype(np.int32), 1, [])]
     groups: dict[tuple, list[str]] = {}
-    for name, dtype, ndim in input_specs(spec, masks):
+    for name, dtype, ndim in input_specs(spec, masks, gpu):
         groups.setdefault((name.rsplit("/", 1)[-1], np.dtype(dtype), ndim), []).append(name)
     out += [(f"group/{kind}", dtype, ndim + (len(names) > 1), names) for (kind, dtype, ndim), names in groups.items()]
     out.append(("ids", np.dtype(np.int64), 1, []))
@@ -125,11 +126,11 @@ class BatchSource:
     `source_outputs`."""
 
     def __init__(self, spec: LoaderSpec, reader: ShardReader, labels: np.ndarray, usable: torch.Tensor,
-                 masks: bool, start: tuple[int, int], first_iteration: int = 0) -> None:
+                 masks: bool, gpu: bool, start: tuple[int, int], first_iteration: int = 0) -> None:
         self.spec, self.reader, self.labels, self.usable, self.masks = spec, reader, labels, usable, masks
-        self.order = EpochOrder(spec, len(labels))
+        self.gpu, self.order = gpu, EpochOrder(spec, len(labels))
         self.start, self.first_iteration = start, first_iteration
-        self.groups = [members for name, _, _, members in source_outputs(spec, masks) if name.startswith("group/")]
+        self.groups = [members for name, _, _, members in source_outputs(spec, masks, gpu) if name.startswith("group/")]
         self._indices: tuple[int, np.ndarray] | None = None      # the last epoch's order, cached
         self._pid = os.getpid()                                    # the process that made it
 
@@ -150,7 +151,7 @@ class BatchSource:
         data = [self.reader.image(int(i)) for i in index]
         hw = torch.tensor([image_size(b) for b in data], dtype=torch.long)               # (B, 2)
         gen = torch.Generator().manual_seed(self.order.batch_seed(k, epoch=epoch))
-        return index, data, draw_inputs(self.spec, hw, self.usable[index], self.masks, gen)
+        return index, data, draw_inputs(self.spec, hw, self.usable[index], self.masks, gen, self.gpu)
 
     def __call__(self, info) -> list[np.ndarray]:
         if self._pid != os.getpid():      # a worker: one torch thread (as DataLoader workers; OpenMP after fork)
@@ -265,8 +266,8 @@ class DaliLoader(EpochLoader):
         ckpt, self._dali_state = (self._dali_state if self.draws_in_graph else None), None
         self._iteration = ckpt[1] if ckpt else 0
         self._pipe = None                    # the old pipeline (and its workers) end before new ones start
-        self._source = BatchSource(s, self.reader, self.labels, self.usable, self.masks, self._position(),
-                                   self._iteration)
+        self._source = BatchSource(s, self.reader, self.labels, self.usable, self.masks,
+                                   s.device.startswith("cuda") or self.gpu_branches, self._position(), self._iteration)
         method = worker_start_method()
         if method == "fork":
             before_fork()                    # the workers follow pipelines.processes' rules
@@ -342,7 +343,7 @@ def define_pipeline(spec: LoaderSpec, masks: bool, mean, std, device_id: int | N
     Returns:
         (pipeline, the graph's `Outputs`).
     """
-    kinds = source_outputs(spec, masks)
+    kinds = source_outputs(spec, masks, spec.device.startswith("cuda") or gpu_branches)
     seed = derive_seed(spec.seed, spec.rank, Stream.DALI_GRAPH) % (2**31 - 1)
     in_graph = spec.mix.kind == "dacl" and "binary" in spec.mix.dacl_noises
     workers = host_workers(spec)

@@ -3,20 +3,24 @@ recipe and the mixes out, normalised, on the graph's device.
 
 Every random parameter is drawn on the host, per batch, by the laws of the torch reference and with
 the same generator calls (`augment.draw_crop_boxes`, `augment.draw_color_params`, `mixing.MIXES`),
-by `draw_inputs`, and enters the graph through one `fn.external_source` with one output per operator
-argument (`input_specs`). So the graph holds pixel operators and nothing else: no per-sample arithmetic
+by `draw_inputs`, and enters the graph through one `fn.external_source` (`dali_backend`: one input
+per operator argument, `input_specs`, packed by kind). So the graph holds pixel operators and the
+routing of the host's inputs, nothing else: no per-sample arithmetic
 on the CPU that would grow with the views (the former in-graph draws were ~1,000 tiny CPU operators
 per iteration for `relicv2`), and nothing waits for a decoded image (the crop windows come from the
 sizes in the encoded images' headers, `shards.image_size`). The one exception is DACL's Binary Mixup
 mask, a random value per pixel: drawn in the graph, on the graph's device.
 
-Per crop view (`graph`): resize of the crop window, with the flip folded into the ROI (an x-range given
-right to left comes out mirrored, bit-identical to a flip of the resized view) → saliency composite on
-the same window (`saliency`), for the samples that drew it only: a conditional, so only their masks
-are decoded → the colour ops (`colour_ops`). Staged groups take their parent's output and add their
-own colour ops. Then the mixes (`mixes`): SDMP's mixers as one branch per mixer (the batch's mixer
-runs, the others see an empty batch), CutMix and ResizeMix as `fn.multi_paste` of the box on the
-device, DACL's noises per sample. Every output leaves normalised (`crop_mirror_normalize`: the formula
+Per batch the images, and the masks where a view composites saliency, are decoded once. Per crop view
+(`graph`): resize of the crop window, with the flip folded into the ROI (an x-range given right to left
+comes out mirrored, bit-identical to a flip of the resized view) → saliency composite on the same
+window (`saliency`), for the samples that drew it only (a conditional) → the colour ops (`colour_ops`:
+on the GPU every sample runs blur and solarize with no-op parameters where it drew none, on the CPU a
+conditional skips them). Staged groups take their parent's output and add their own colour ops. Then
+the mixes (`mixes`): SDMP's mixers as one branch per mixer (the batch's mixer runs, the others see an
+empty batch), CutMix and ResizeMix as `fn.multi_paste` of the box on the device, DACL's noises per
+sample. Three workarounds of DALI 2.4.0 GPU bugs are marked where they are (ResizeMix's patch padded
+to the canvas, empty paste regions out of the canvas, masks decoded outside the conditionals). Every output leaves normalised (`crop_mirror_normalize`: the formula
 of `batch.normalize`), CHW, or HWC when a channels-last network takes it (then the loader hands out a
 permuted view, no copy).
 
@@ -121,7 +125,7 @@ def _uses_colour(g: ViewGroup) -> bool:
 
 
 def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks: bool,
-                gen: torch.Generator) -> Draws:
+                gen: torch.Generator, gpu: bool = False) -> Draws:
     """Draw a batch's parameters (the reference's calls, in its order) and turn them into the graph's
     inputs: per crop view its ROI, per view its colour matrices and op switches, per mix its partner,
     weights and boxes.
@@ -132,9 +136,10 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
         usable: (B,) bool, `augment.saliency_usable` of the records' mask coverage.
         masks: whether the graph reads masks (`DatasetInfo.reads_masks`).
         gen: the batch's CPU generator (`EpochOrder.batch_seed`).
+        gpu: the inputs of the GPU graph's branches (`colour_ops`), not the CPU graph's.
 
     Returns:
-        The draws, with `inputs` {name: (B, ...) numpy batch}; the names depend on the spec alone.
+        The draws, with `inputs` {name: (B, ...) numpy batch}; the names depend on the spec and `gpu`.
     """
     recipe, b = spec.recipe, hw.shape[0]
     boxes = draw_crop_boxes(hw, recipe, gen)
@@ -165,10 +170,16 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
                 if g.jitter_p > 0 and g.contrast > 0:
                     inputs[f"{tag}/contrast"] = t[rows]
             if g.blur_p > 0:
-                inputs[f"{tag}/sigma"] = p.sigma[rows].numpy().astype(np.float32)
-                if g.blur_p < 1:
+                sigma = p.sigma[rows].numpy().astype(np.float32)
+                inputs[f"{tag}/sigma"] = sigma
+                if g.blur_p < 1 and gpu:       # a no-op window of 1 where not drawn (DALI's own where drawn)
+                    inputs[f"{tag}/blur_window"] = np.where(p.blur[rows].numpy(), 2 * np.ceil(3 * sigma) + 1,
+                                                            1).astype(np.int32)
+                elif g.blur_p < 1:             # the conditional's predicate
                     inputs[f"{tag}/blur"] = p.blur[rows].numpy()
-            if g.solarize_p > 0:
+            if g.solarize_p > 0 and gpu:       # x ^ (mask · [x >= 128]): 255 inverts the upper levels, 0 nothing
+                inputs[f"{tag}/solarize_mask"] = np.where(p.solarize[rows].numpy(), 255, 0).astype(np.uint8)
+            elif g.solarize_p > 0:
                 inputs[f"{tag}/solarize"] = p.solarize[rows].numpy()
     mix = lam = None
     if spec.mix.kind != "none":
@@ -220,13 +231,13 @@ def _mix_inputs(mix: MixSpec, d: MixDraw, lam: torch.Tensor, size: int) -> dict[
     return out
 
 
-def input_specs(spec: LoaderSpec, masks: bool) -> list[tuple[str, np.dtype, int]]:
+def input_specs(spec: LoaderSpec, masks: bool, gpu: bool = False) -> list[tuple[str, np.dtype, int]]:
     """(name, dtype, sample ndim) of every graph input besides the encoded images (and masks), in the
     order `draw_inputs` makes them (from a draw on stand-in image sizes: the names do not depend on
     the data)."""
     b = spec.batch_size
     hw = torch.full((b, 2), max(g.size_px for g in spec.recipe.groups), dtype=torch.long)
-    d = draw_inputs(spec, hw, torch.ones(b, dtype=torch.bool), masks, torch.Generator().manual_seed(0))
+    d = draw_inputs(spec, hw, torch.ones(b, dtype=torch.bool), masks, torch.Generator().manual_seed(0), gpu)
     return [(name, a.dtype, a.ndim - 1) for name, a in d.inputs.items()]
 
 
@@ -243,10 +254,17 @@ def dali_type(dtype: np.dtype):
 def colour_ops(x, g: ViewGroup, inputs: dict, tag: str, gpu_branches: bool = False):
     """Jitter + grayscale (one fused affine pass), blur, solarize of `g` on uint8 HWC views `x`.
 
-    Called inside a pipeline built with `enable_conditionals=True`: an `if` on a per-sample input
-    splits the batch, so that blur and solarize run only on the samples whose coin came up.
+    The CPU graph takes the view's contrast offset as the colour pass's argument, and splits the batch
+    with a conditional (`enable_conditionals=True`: an `if` on a per-sample input) so that blur and
+    solarize run only on the samples whose coin came up. The GPU graph adds the offset, made on the
+    device (so it cannot be an argument), after a float pass, and gives every sample the same
+    operators with no-op parameters (a blur window of 1; solarize as x XOR 255 where x >= 128, with a
+    per-sample mask of 255 or 0, one uint8 operator): no conditional, whose splits and merges of the
+    views and their arguments cost more operators there than the work they skip.
 
     Args:
+        inputs: the graph's inputs; blur and solarize take the GPU graph's form where `draw_inputs`
+            made its inputs (`gpu=True`).
         gpu_branches: take the GPU graph's branch on the CPU too (tests compare the two there).
     """
     if f"{tag}/colour" in inputs:
@@ -254,23 +272,26 @@ def colour_ops(x, g: ViewGroup, inputs: dict, tag: str, gpu_branches: bool = Fal
         if f"{tag}/contrast" in inputs:
             mean_rgb = fn.reductions.mean(x, axes=[0, 1], keep_dims=True)         # (1, 1, 3) float
             t = fn.coord_transform(mean_rgb, M=inputs[f"{tag}/contrast"])       # b·(1-c)·mean gray
-            t = fn.reshape(t, shape=[3])                                         # (3,): T of the view
-            if x.device == "gpu" or gpu_branches:   # T made on the GPU cannot be an argument (CPU only)
-                x = fn.cast(fn.coord_transform(x, M=m, dtype=types.FLOAT) + t, dtype=types.UINT8)  # rounds
+            if x.device == "gpu" or gpu_branches:     # (1, 1, 3) offset broadcast over the view, then rounded
+                x = fn.cast(fn.coord_transform(x, M=m, dtype=types.FLOAT) + t, dtype=types.UINT8)
             else:
-                x = fn.coord_transform(x, M=m, T=t, dtype=types.UINT8)
+                x = fn.coord_transform(x, M=m, T=fn.reshape(t, shape=[3]), dtype=types.UINT8)
         else:
             x = fn.coord_transform(x, M=m, dtype=types.UINT8)
     if f"{tag}/sigma" in inputs:
         # DALI's window 2·ceil(3σ)+1 rather than the fixed 10 % kernel (23 px at 224): a few times
         # cheaper for the small σ most draws give (docs/benchmarks.md, kernel notes).
         sigma = inputs[f"{tag}/sigma"]
-        if f"{tag}/blur" in inputs:
+        if f"{tag}/blur_window" in inputs:                  # GPU: every sample, no-op windows
+            x = fn.gaussian_blur(x, sigma=sigma, window_size=inputs[f"{tag}/blur_window"])
+        elif f"{tag}/blur" in inputs:
             if inputs[f"{tag}/blur"]:                       # conditional: only the samples that drew it
                 x = fn.gaussian_blur(x, sigma=sigma)
         else:
             x = fn.gaussian_blur(x, sigma=sigma)
-    if f"{tag}/solarize" in inputs:
+    if f"{tag}/solarize_mask" in inputs:                    # GPU: every sample, no-op masks
+        x = x ^ ((x >= 128) * inputs[f"{tag}/solarize_mask"])
+    elif f"{tag}/solarize" in inputs:
         if inputs[f"{tag}/solarize"]:                       # conditional: only the drawn samples
             x = fn.lookup_table(x, keys=list(range(256)), values=_SOLARIZED, dtype=types.UINT8)
     return x

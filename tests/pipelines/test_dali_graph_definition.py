@@ -69,6 +69,13 @@ def test_gpu_graph_places_every_operator_where_dali_implements_it(preset: str, m
     passed = 1 if mix == "none" else 2
     assert out.passed == ["ids", "lam"][:passed]
     assert outputs == ["gpu"] * (n_views + n_mixed + passed) and len(out.fields) == n_views + n_mixed
+    # Conditionals only where the work differs per sample: the saliency composite and the batch's mixer
+    # or noise; blur and solarize run on every sample with no-op parameters (a leaner GPU graph).
+    views_salient = sum(g.count for g in recipe.crop_groups if g.saliency_p > 0) if salient else 0
+    mixers = len(MIXES[mix].sdmp_mixers if MIXES[mix].kind == "sdmp" else MIXES[mix].dacl_noises)
+    merges = sum(o.schema == "_conditional__Merge" for o in ops)
+    assert merges == views_salient + (n_mixed * (mixers - 1) if mix != "none" else 0)
+    assert not any(o.schema == "LookupTable" for o in ops)
     budget = CPU_BUDGET.get((preset, mix))
     if budget is not None:
         assert sum(on_cpu.values()) <= budget, f"{sum(on_cpu.values())} CPU operators per iteration"
