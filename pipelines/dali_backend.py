@@ -15,10 +15,9 @@ resume, a `set_epoch` to another epoch). DALI's own checkpoint is kept only wher
 something itself (DACL's Binary Mixup masks).
 
 The training loop's thread only takes the pipeline's outputs: the reading and drawing never run there
-(about 18 → 2 ms of its CPU per batch of 128, docs/benchmarks.md). The workers are forked while no CUDA
-context exists in the process (cheap: a test or a CPU run), and started by spawn once one does (a GPU
-run, whose model is on the device before its loader is built; DALI refuses to fork then); either way
-they follow `pipelines.processes`' rules.
+(docs/benchmarks.md: its CPU per batch before and after). The workers are forked while CUDA is not
+initialised in the process (a test or a CPU run), and forked by a fork server once it is (a GPU run:
+DALI refuses to fork then; `worker_start_method`); either way they follow `pipelines.processes`' rules.
 
 Outputs land on the training device without a round trip: each view output is copied with DALI's
 `feed_ndarray` straight into the batch tensor (device to device on a GPU, on the current torch stream;
@@ -29,6 +28,7 @@ graph (copied to the device on a GPU).
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -57,8 +57,16 @@ def host_workers(spec: LoaderSpec) -> int:
 
 
 def worker_start_method() -> str:
-    """"fork" while no CUDA context exists in this process, else "spawn" (DALI refuses to fork then)."""
-    return "spawn" if dali_backend_lib.IsDriverInitialized() else "fork"
+    """How DALI starts a pipeline's workers: "fork" while CUDA is not initialised in this process (a test,
+    a CPU run: cheap), else "forkserver" (a GPU run, whose model is on the device before its loader is
+    built: DALI refuses to fork then). The fork server is started once per process, by exec, and imports
+    torch and DALI once (no CUDA there); it forks every pipeline's workers, where "spawn" would import
+    torch again in each worker of each pipeline (3-7 s). It ends when this process ends, and the workers
+    with it (`_received`)."""
+    if not dali_backend_lib.IsDriverInitialized():
+        return "fork"
+    mp.set_forkserver_preload([__name__])         # what the server imports when it starts (once)
+    return "forkserver"
 
 
 class _Columns(ShardReader):
@@ -82,8 +90,8 @@ class _Columns(ShardReader):
 
 
 def _received(state: dict) -> "BatchSource":
-    """A `BatchSource` unpickled in a spawned DALI worker, which ends with its parent
-    (`pipelines.processes`, rule 2; a forked one gets this from the at-fork hook)."""
+    """A `BatchSource` unpickled in a DALI worker started by the fork server, which ends with its parent
+    (`pipelines.processes`, rule 2; a worker forked from this process gets it from the at-fork hook)."""
     end_with_parent()
     source = BatchSource.__new__(BatchSource)
     source.__dict__.update(state)
