@@ -88,8 +88,8 @@ class Settings:
             raise BenchError(f"bad backend {bad}; write <backend> or <backend>@cpu / <backend>@cuda")
         if self.batch_size % 2 or self.batch_size < 2:
             raise BenchError(f"--batch-size must be even and >= 2, got {self.batch_size}")
-        if self.n < self.batch_size * (self.batches + self.warmup_batches):
-            raise BenchError(f"--n {self.n} is smaller than (batches + warmup) × batch size; raise --n or lower --batches")
+        if self.n < 2 * self.batch_size:     # the runs read epoch after epoch; an epoch is 2 batches at least
+            raise BenchError(f"--n {self.n} is smaller than 2 batches of {self.batch_size}; raise --n or lower --batch-size")
 
 
 # ----------------------------------------------------------------------------- report

@@ -370,9 +370,8 @@ def parse_args(argv: list[str], prog: str = "python -m bench.profile") -> argpar
     a.methods = _csv(a.methods, sorted(OBJECTIVES), "method")
     for rc in a.recipes:
         recipe_cell(rc, 32, 16)
-    if a.batch_size % 2 or a.n < a.batch_size * (a.batches + a.warmup_batches):
-        raise ProfileError(f"--batch-size {a.batch_size} must be even and --n {a.n} at least "
-                           "(batches + warmup) × batch size")
+    if a.batch_size % 2 or a.n < 2 * a.batch_size:
+        raise ProfileError(f"--batch-size {a.batch_size} must be even and --n {a.n} at least 2 batches")
     if a.epochs < 2 or a.epoch_batches < 2 or a.n < a.batch_size * a.epoch_batches:
         raise ProfileError(f"--epochs {a.epochs} and --epoch-batches {a.epoch_batches} must be >= 2, and --n "
                            f"{a.n} at least epoch batches × batch size")
