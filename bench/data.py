@@ -75,6 +75,7 @@ class Settings:
     device: str = "cpu"                            # where batches land, unless a backend names its own
     stages: bool = True                            # also time crops-only runs (the stage split)
     quick: bool = False                            # tiny images and views (tests, smoke checks)
+    view_px: tuple[int, int] | None = None         # (global, local) view sides; None: each dataset's (`view_px`)
     out: Path = Path("reports/pipelines.json")     # the JSON report; the datasets are cached next to it
 
     def __post_init__(self) -> None:
@@ -236,6 +237,13 @@ def _items(value: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
+def _view_px(value: str | None) -> tuple[int, int] | None:
+    sides = value.split(",") if value else []
+    if value and (len(sides) != 2 or not all(x.strip().isdigit() and int(x) > 0 for x in sides)):
+        raise BenchError(f"--view-px {value!r}: write two positive sides, global,local (e.g. 32,16)")
+    return (int(sides[0]), int(sides[1])) if value else None
+
+
 def parse_args(argv: list[str] | None = None) -> Settings:
     """The command line as `Settings`.
 
@@ -256,11 +264,13 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--no-stages", dest="stages", action="store_false",
                    help="skip the crops-only runs that split each backend's time into stages")
     p.add_argument("--quick", action="store_true", help="tiny data and runs (tests)")
+    p.add_argument("--view-px", default=None, help="global,local view sides in px (default: each dataset's)")
     p.add_argument("--out", default="reports/pipelines.json", help="JSON report; datasets are cached next to it")
     a = fill_sizes(p.parse_args(argv))
     return Settings(recipes=_items(a.recipes), datasets=_items(a.datasets), backends=_items(a.backends), n=a.n,
                     repeats=a.repeats, batch_size=a.batch_size, batches=a.batches, warmup_batches=a.warmup_batches,
-                    cores=a.cores, device=a.device, stages=a.stages, quick=a.quick, out=Path(a.out))
+                    cores=a.cores, device=a.device, stages=a.stages, quick=a.quick, out=Path(a.out),
+                    view_px=_view_px(a.view_px))
 
 
 def run(s: Settings) -> dict:
@@ -276,7 +286,7 @@ def run(s: Settings) -> dict:
         "settings": {"recipes": list(s.recipes), "datasets": list(s.datasets), "backends": list(s.backends),
                      "n_images": s.n, "repeats": s.repeats, "batch_size": s.batch_size, "timed_batches": s.batches,
                      "warmup_batches": s.warmup_batches, "cores": s.cores, "device": s.device, "stages": s.stages,
-                     "quick": s.quick, "sizes_px": {d: view_px(d, s.quick) for d in s.datasets},
+                     "quick": s.quick, "sizes_px": {d: s.view_px or view_px(d, s.quick) for d in s.datasets},
                      "imagenet_like_image_px": QUICK_IMAGE_PX if s.quick else IMAGE_PX,
                      "jpeg_quality": schema.JPEG_QUALITY,
                      "statistic": "steady state after warm-up, median over repeats (min, max)"},
@@ -284,7 +294,7 @@ def run(s: Settings) -> dict:
     }
     for ds, (root, name) in prepared.items():
         entries = scan_shards(root / name / "train")
-        gpx, lpx = view_px(ds, s.quick)
+        gpx, lpx = s.view_px or view_px(ds, s.quick)
         # The ceiling decoder: the faster of two libjpeg-turbo decoders, from one run each.
         steady = not s.quick                # quick: a smoke run, not whole rounds of the workers
         probe = {dec: time_ceiling(entries, dec, None, s.batch_size, s.batches, s.warmup_batches, 1, s.cores,

@@ -112,18 +112,19 @@ def _pack_bytes(items: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
 def source_outputs(spec: LoaderSpec, masks: bool, gpu: bool) -> list[tuple[str, np.dtype, int, list[str]]]:
     """The outputs of the external source (`BatchSource`), in order, as (name, dtype, sample ndim,
     members): "image" and "image_bytes" (`_pack_bytes`), "mask" and "mask_bytes" (when the graph reads
-    masks), then the `dali_graph.input_specs` inputs grouped by kind (the last part of the name, dtype
-    and ndim; members: the inputs stacked along the sample's first axis, one output per kind instead of
-    one per view), then the pass-through outputs "ids" (index, label and, with a mix, the partner of
-    each mixed view) and, with a mix, "lam" (of each mixed view). `gpu`: the GPU graph's inputs
-    (`dali_graph.draw_inputs`)."""
+    masks), then the `dali_graph.input_specs` inputs grouped by dtype and sample shape (members: the
+    inputs stacked along the sample's first axis, one output per group instead of one per input:
+    relicv2's 42 inputs are 6 outputs), then the pass-through outputs "ids" (index, label and, with a
+    mix, the partner of each mixed view) and, with a mix, "lam" (of each mixed view). `gpu`: the GPU
+    graph's inputs (`dali_graph.draw_inputs`)."""
     out = [("image", np.dtype(np.uint8), 1, []), ("image_bytes", np.dtype(np.int32), 1, [])]
     if masks:
         out += [("mask", np.dtype(np.uint8), 1, []), ("mask_bytes", np.dtype(np.int32), 1, [])]
     groups: dict[tuple, list[str]] = {}
-    for name, dtype, ndim in input_specs(spec, masks, gpu):
-        groups.setdefault((name.rsplit("/", 1)[-1], np.dtype(dtype), ndim), []).append(name)
-    out += [(f"group/{kind}", dtype, ndim + (len(names) > 1), names) for (kind, dtype, ndim), names in groups.items()]
+    for name, dtype, shape in input_specs(spec, masks, gpu):
+        groups.setdefault((np.dtype(dtype), shape), []).append(name)
+    out += [(f"group/{dtype}" + "".join(f"x{n}" for n in shape), dtype, len(shape) + (len(names) > 1), names)
+            for (dtype, shape), names in groups.items()]
     out.append(("ids", np.dtype(np.int64), 1, []))
     return out + ([("lam", np.dtype(np.float32), 1, [])] if spec.mix.kind != "none" else [])
 

@@ -231,14 +231,14 @@ def _mix_inputs(mix: MixSpec, d: MixDraw, lam: torch.Tensor, size: int) -> dict[
     return out
 
 
-def input_specs(spec: LoaderSpec, masks: bool, gpu: bool = False) -> list[tuple[str, np.dtype, int]]:
-    """(name, dtype, sample ndim) of every graph input besides the encoded images (and masks), in the
-    order `draw_inputs` makes them (from a draw on stand-in image sizes: the names do not depend on
-    the data)."""
+def input_specs(spec: LoaderSpec, masks: bool, gpu: bool = False) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    """(name, dtype, sample shape) of every graph input besides the encoded images (and masks), in the
+    order `draw_inputs` makes them (from a draw on stand-in image sizes: names and shapes do not depend
+    on the data)."""
     b = spec.batch_size
     hw = torch.full((b, 2), max(g.size_px for g in spec.recipe.groups), dtype=torch.long)
     d = draw_inputs(spec, hw, torch.ones(b, dtype=torch.bool), masks, torch.Generator().manual_seed(0), gpu)
-    return [(name, a.dtype, a.ndim - 1) for name, a in d.inputs.items()]
+    return [(name, a.dtype, a.shape[1:]) for name, a in d.inputs.items()]
 
 
 def dali_type(dtype: np.dtype):
