@@ -90,7 +90,8 @@ class Settings:
         if self.batch_size % 2 or self.batch_size < 2:
             raise BenchError(f"--batch-size must be even and >= 2, got {self.batch_size}")
         if self.n < 2 * self.batch_size:     # the runs read epoch after epoch; an epoch is 2 batches at least
-            raise BenchError(f"--n {self.n} is smaller than 2 batches of {self.batch_size}; raise --n or lower --batch-size")
+            raise BenchError(f"--n {self.n} is smaller than 2 batches of {self.batch_size}; raise --n or lower "
+                             "--batch-size")
 
 
 # ----------------------------------------------------------------------------- report
@@ -336,7 +337,8 @@ def run(s: Settings) -> dict:
                                first_batch_s=_median(r["first_batch_s"]), thread_cpu_ms=_median(r["thread_cpu_ms"]),
                                cpu_utilisation=_median([u for u in r["cpu_utilisation"] if u is not None]) or None,
                                crops_only_runs=r.get("crops_only_img_per_s", []), crops_only_img_per_s=crops_only_rate,
-                               stage_share=stage_shares(full, crops_only_rate, _median(decode.runs.get("img_per_s", []))),
+                               stage_share=stage_shares(full, crops_only_rate,
+                                                        _median(decode.runs.get("img_per_s", []))),
                                operators=(r.get("operators") or [None])[0])
                 report["results"].append(row)
                 print(f"{ds} {rc} {be}: " + (f"{row['img_per_s']:.1f} img/s" if row["status"] == "ok" else

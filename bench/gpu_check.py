@@ -136,8 +136,9 @@ def run_views(a: argparse.Namespace) -> dict:
         if not cell_.ok:
             raise RuntimeError(f"{recipe.name}: {cell_.error}")
         runs = cell_.runs["img_per_s"]
-        out[recipe.name] = {"views": views_per_sample(recipe), "runs": runs, "img_per_s": loader_bench.spread(runs)
-                            ["img_per_s"], "views_per_s": loader_bench.spread(runs)["img_per_s"] * views_per_sample(recipe)}
+        rate = loader_bench.spread(runs)["img_per_s"]                  # the median over the rounds
+        out[recipe.name] = {"views": views_per_sample(recipe), "runs": runs, "img_per_s": rate,
+                            "views_per_s": rate * views_per_sample(recipe)}
     out["cost_6_vs_1"] = out["relicv2-1view"]["img_per_s"] / out["relicv2"]["img_per_s"]
     return out
 
@@ -179,14 +180,15 @@ def table(report: dict) -> str:
     v = report.get("views")
     if v and "error" not in v:
         lines += [f"GPU graph, batch {v['batch_size']}: 6 views (relicv2) {v['relicv2']['img_per_s']:,.0f} img/s, "
-                  f"1 view {v['relicv2-1view']['img_per_s']:,.0f} img/s: 6 views cost {v['cost_6_vs_1']:.2f}× one view"]
+                  f"1 view {v['relicv2-1view']['img_per_s']:,.0f} img/s: "
+                  f"6 views cost {v['cost_6_vs_1']:.2f}× one view"]
     t = report.get("train")
     if t and "error" not in t:
         c = t["config"]
         lines += ["", f"{c['model']['backbone']} relicv2 {c['views']['global_px']}/{c['views']['local_px']}"
                   + (" bf16, channels-last" if c["run"]["amp"] else "") + f", batch {c['data']['batch_size']}: "
                   f"{t['img_per_s']:,.0f} img/s with the DALI loader, "
-                  f"{t['cached_steps_per_s'] * t['config']['data']['batch_size']:,.0f} img/s on one batch on the device, "
+                  f"{t['cached_steps_per_s'] * c['data']['batch_size']:,.0f} img/s on one batch on the device, "
                   f"data stall {100 * t['data_stall_fraction']:.1f} %, peak {t['peak_mem_mib']:,.0f} MiB"]
     for name in ("loader", "views", "train"):
         if report.get(name, {}).get("error"):
@@ -212,10 +214,12 @@ def targets(report: dict) -> list[str]:
         r = dali[0]
         b = r["img_per_s"]
         verdict = "moonshot met" if b >= MOONSHOT_IMG_S else "met" if b >= TARGET_IMG_S else "missed"
-        out.append(f"relicv2 GPU graph {b:,.0f} img/s (target {TARGET_IMG_S:,}, moonshot {MOONSHOT_IMG_S:,}): {verdict}")
+        out.append(f"relicv2 GPU graph {b:,.0f} img/s (target {TARGET_IMG_S:,}, moonshot {MOONSHOT_IMG_S:,}): "
+                   + verdict)
         if base:
             x = b / base[0]["img_per_s"]
-            verdict = "moonshot met" if x >= MOONSHOT_VS_TORCHVISION else "met" if x >= TARGET_VS_TORCHVISION else "missed"
+            verdict = ("moonshot met" if x >= MOONSHOT_VS_TORCHVISION else "met" if x >= TARGET_VS_TORCHVISION
+                       else "missed")
             out.append(f"{x:.2f}× torchvision with {base[0]['workers']} workers (target {TARGET_VS_TORCHVISION:g}×, "
                        f"moonshot {MOONSHOT_VS_TORCHVISION:g}×): {verdict}")
         ms = r.get("thread_cpu_ms")
@@ -240,11 +244,13 @@ def targets(report: dict) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="reports/gpu-check", help="folder of gpu_check.json and gpu_check.md")
     p.add_argument("--work", default="reports/gpu-check", help="folder of the generated data and the bench JSON files")
     p.add_argument("--sections", default="known,loader,views,train,tests", help="comma-separated sections to run")
-    p.add_argument("--tests", choices=("gpu", "all"), default="gpu", help="the tests section: the other gpu tests, or all")
+    p.add_argument("--tests", choices=("gpu", "all"), default="gpu",
+                   help="the tests section: the other gpu tests, or all")
     p.add_argument("--tests-timeout", type=int, default=240, help="seconds before a test run is stopped")
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip a section whose estimate no longer fits (default 330 s; none with --quick)")
@@ -253,7 +259,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-batch", type=int, default=None, help="ResNet-50 batch size (default 128; quick 12)")
     p.add_argument("--train-steps", type=int, default=None, help="timed training steps per run (default 8; quick 2)")
     p.add_argument("--n", type=int, default=None, help="generated ImageNet-like train images (default 2000; quick 48)")
-    p.add_argument("--repeats", type=int, default=None, help="rounds per figure (median and spread; default 3, quick 1)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="rounds per figure (median and spread; default 3, quick 1)")
     p.add_argument("--cores", type=int, default=os.cpu_count(), help="CPU threads / workers for every loader")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda; cpu only to try the script")
     p.add_argument("--quick", action="store_true", help="tiny sizes: check that the script runs")
@@ -289,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             return
         elapsed = time.perf_counter() - start
         if elapsed + ESTIMATE_S[name] > a.budget_s:
-            report["skipped"][name] = f"{elapsed:.0f} s spent, about {ESTIMATE_S[name]} s more would pass {a.budget_s:.0f} s"
+            report["skipped"][name] = (f"{elapsed:.0f} s spent, about {ESTIMATE_S[name]} s more would pass "
+                                       f"{a.budget_s:.0f} s")
             print(f"== {name} skipped: {report['skipped'][name]}", flush=True)
             save()
             return

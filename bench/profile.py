@@ -28,10 +28,11 @@ Sections, each figure the median of `--repeats` timed runs after warm-up with it
 Loader cells are timed in rounds (`bench.timing.in_rounds`, as the data bench's): each round times
 every ceiling and every backend once, back to back, so that a slow spell of the machine falls on all of
 them alike; a method's real and on-device runs alternate the same way. Loader rates are steady state
-(`bench.timing.time_loader`), each row with the CPU of the thread that takes the batches. On a CPU the trainer runs the `synthetic` preset (the demo's network);
-on a GPU, ResNet-50 with bf16 and channels-last on the loader's dataset. The report states the
-device of every figure. Writes `<out>/profile-<UTC time>/` with `profile.json` (schema:
-`bench/profile_schema.json`, version 1), `profile.md` and PNG charts.
+(`bench.timing.time_loader`), each row with the CPU of the thread that takes the batches. On a CPU the
+trainer runs the `synthetic` preset (the demo's network); on a GPU, ResNet-50 with bf16 and
+channels-last on the loader's dataset. The report states the device of every figure. Writes
+`<out>/profile-<UTC time>/` with `profile.json` (schema: `bench/profile_schema.json`, version 1),
+`profile.md` and PNG charts.
 """
 
 from __future__ import annotations

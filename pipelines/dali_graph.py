@@ -19,10 +19,10 @@ on the GPU every sample runs blur and solarize with no-op parameters where it dr
 conditional skips them). Staged groups take their parent's output and add their own colour ops. Then
 the mixes (`mixes`): SDMP's mixers as one branch per mixer (the batch's mixer runs, the others see an
 empty batch), CutMix and ResizeMix as `fn.multi_paste` of the box on the device, DACL's noises per
-sample. Three workarounds of DALI 2.4.0 GPU bugs are marked where they are (ResizeMix's patch padded
-to the canvas, empty paste regions out of the canvas, masks decoded outside the conditionals). Every output leaves normalised (`crop_mirror_normalize`: the formula
-of `batch.normalize`), CHW, or HWC when a channels-last network takes it (then the loader hands out a
-permuted view, no copy).
+sample. Three workarounds of DALI 2.4.0 GPU bugs are marked where they are (ResizeMix's patch padded to
+the canvas, empty paste regions out of the canvas, masks decoded outside the conditionals). Every
+output leaves normalised (`crop_mirror_normalize`: the formula of `batch.normalize`), CHW, or HWC when
+a channels-last network takes it (then the loader hands out a permuted view, no copy).
 
 Colour jitter + grayscale are one `fn.coord_transform` per view (`colour_matrices`): without the clamps
 the four torchvision ops compose to the same affine map in every order, so the random order only
