@@ -2,15 +2,20 @@
 
 For every recipe × dataset × backend it measures source images/s and views/s of the loader alone
 (batches normalised on `--device`; a backend written `name@cpu` or `name@cuda` runs there instead, so
-that `dali,dali@cpu` compares the DALI GPU and CPU graphs in one run), with the same number of CPU cores for every backend (`--cores`:
-DataLoader workers / DALI threads, and torch's intra-op threads), as the median of `--repeats` runs,
-each timed after `--warmup-batches` batches (`bench.timing.time_loader`). The runs go in rounds: each
-round times the decode + crops ceiling and every backend once, back to back, so that a slow spell of
-a shared machine falls on all of them alike. Next to them it measures two ceilings on the same shard
-files with the faster of two libjpeg-turbo decoders (`bench.timing.time_ceiling`): decode-only, and
-decode + the recipe's crops and resizes. Each backend is also run on the recipe with its colour,
-blur, solarize and saliency ops switched off, which splits its time into the stages decode (ceiling
-decode time), crops + resizes, and colour ops (+ transfer and normalisation).
+that `dali,dali@cpu` compares the DALI GPU and CPU graphs in one run), with the same number of CPU
+cores for every backend (`--cores`: DataLoader workers / DALI threads, and torch's intra-op threads).
+Each figure is a steady-state rate (`bench.timing.time_loader`: a fresh loader read epoch after epoch
+as training reads it, its first batch — pipeline build, worker start-up, first decodes — reported
+apart, then `--warmup-batches` untimed and `--batches` timed batches, whole rounds of the workers of a
+DataLoader), the median of `--repeats` runs with their spread (min–max), beside the CPU time of the
+thread that takes the batches (the training loop's). The runs go in rounds (`bench.timing.in_rounds`,
+the one rounds loop of the benches): each round times the ceilings and every backend once, back to
+back, so that a slow spell of a shared machine falls on all of them alike. The ceilings are measured
+on the same shard files with the faster of two libjpeg-turbo decoders in `--cores` DataLoader workers
+(`bench.timing.time_ceiling`): decode-only, and decode + the recipe's crops and resizes. Each backend is
+also run on the recipe with its colour, blur, solarize and saliency ops switched off, which splits its
+time into the stages decode (ceiling decode time), crops + resizes, and colour ops (+ transfer and
+normalisation).
 
 Datasets (`bench.datasets`, cached in the output folder and reused, all written before any timing):
 - `imagenet-like`: generated JPEGs (~500×375, quality 90, textured scenes) written by preprocessing's
@@ -34,7 +39,6 @@ import json
 import os
 import statistics
 import sys
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +47,7 @@ import torch
 from bench import peers
 from bench.datasets import DATASETS, IMAGE_PX, QUICK_IMAGE_PX, BenchError, prepare, view_px
 from bench.report import header, header_lines
-from bench.timing import crops_only, time_ceiling, time_loader, views_per_sample
+from bench.timing import crops_only, in_rounds, time_ceiling, time_loader, views_per_sample
 from pipelines import schema
 from pipelines.loader import BACKENDS
 from pipelines.shards import scan_shards
@@ -71,6 +75,7 @@ class Settings:
     device: str = "cpu"                            # where batches land, unless a backend names its own
     stages: bool = True                            # also time crops-only runs (the stage split)
     quick: bool = False                            # tiny images and views (tests, smoke checks)
+    view_px: tuple[int, int] | None = None         # (global, local) view sides; None: each dataset's (`view_px`)
     out: Path = Path("reports/pipelines.json")     # the JSON report; the datasets are cached next to it
 
     def __post_init__(self) -> None:
@@ -84,8 +89,9 @@ class Settings:
             raise BenchError(f"bad backend {bad}; write <backend> or <backend>@cpu / <backend>@cuda")
         if self.batch_size % 2 or self.batch_size < 2:
             raise BenchError(f"--batch-size must be even and >= 2, got {self.batch_size}")
-        if self.n < self.batch_size * (self.batches + self.warmup_batches):
-            raise BenchError(f"--n {self.n} is smaller than (batches + warmup) × batch size; raise --n or lower --batches")
+        if self.n < 2 * self.batch_size:     # the runs read epoch after epoch; an epoch is 2 batches at least
+            raise BenchError(f"--n {self.n} is smaller than 2 batches of {self.batch_size}; raise --n or lower "
+                             "--batch-size")
 
 
 # ----------------------------------------------------------------------------- report
@@ -100,6 +106,38 @@ def operator_counts(loader) -> dict[str, dict[str, int]] | None:
 
 def _median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else 0.0
+
+
+def spread(runs: list[float]) -> dict:
+    """A rate over the rounds: its median (the figure), min and max (the spread) and the runs."""
+    return {"img_per_s": _median(runs), "img_per_s_min": min(runs, default=0.0),
+            "img_per_s_max": max(runs, default=0.0), "runs": list(runs)}
+
+
+def _backend_cell(s: Settings, work: Path, root: Path, name: str, be: str, device: str, recipe):
+    """One round of a backend's row: a steady-state run of the full recipe (and of its crops alone, for
+    the stage split), and in the first round its graph's operators."""
+    backend = be.partition("@")[0]
+
+    def make(epoch: int, rec=recipe):
+        spec = LoaderSpec(root=str(root), dataset=name, split="train", recipe=rec, batch_size=s.batch_size,
+                          seed=0, device=device, num_workers=s.cores)
+        loader = peers.build(backend, spec, work / "peer-folders")
+        loader.set_epoch(epoch)
+        return loader
+
+    def run(rnd: int) -> dict[str, list]:
+        workers = 0 if s.quick else peers.batch_workers(be, s.cores)
+        t = time_loader(lambda e: make(rnd + e), s.batches, s.warmup_batches, 1, device, workers)
+        out = {"img_per_s": list(t.img_per_s), "first_batch_s": list(t.first_batch_s),
+               "thread_cpu_ms": list(t.thread_cpu_ms), "cpu_utilisation": list(t.cpu_utilisation)}
+        if s.stages:
+            out["crops_only_img_per_s"] = list(time_loader(lambda e: make(rnd + e, crops_only(recipe)), s.batches,
+                                                           s.warmup_batches, 1, device, workers).img_per_s)
+        if rnd == 0:
+            out["operators"] = [operator_counts(make(0))]
+        return out
+    return run
 
 
 def stage_shares(full: float, crops: float | None, decode: float | None) -> dict | None:
@@ -134,28 +172,40 @@ def ratios(results: list[dict], ceilings: list[dict]) -> list[dict]:
     return out
 
 
+def _rate(r: dict) -> str:
+    """A rate with its spread over the rounds: median (min–max)."""
+    if len(r.get("runs", [])) < 2:
+        return f"{r['img_per_s']:,.0f}"
+    return f"{r['img_per_s']:,.0f} ({r['img_per_s_min']:,.0f}–{r['img_per_s_max']:,.0f})"
+
+
 def format_table(report: dict) -> str:
-    """The Markdown table of a report (printed, and copied into docs/benchmarks.md)."""
-    rows = ["| dataset | recipe | backend / ceiling | img/s | views/s | × torchvision | decode | crops+resize | colour+rest | status |",
-            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    """The Markdown table of a report (printed, and copied into docs/benchmarks.md): per row one
+    steady-state rate, the median over the rounds with its spread (min–max); the first batch (build,
+    workers, first decodes) and the CPU of the thread that takes the batches apart."""
+    rows = ["| dataset | recipe | backend / ceiling | img/s (min–max) | views/s | × torchvision | first batch s | "
+            "taking thread ms/batch | decode | crops+resize | colour+rest | status |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     pct = lambda s, k: f"{100 * s[k]:.0f} %" if s else "–"   # noqa: E731
     for r in report["results"]:
         base = next((b["img_per_s"] for b in report["results"] if b["dataset"] == r["dataset"]
                      and b["recipe"] == r["recipe"] and b["backend"] == "torchvision" and b["status"] == "ok"), None)
+        label = r["backend"] + (f" ({r['workers']} workers)" if peers.batch_workers(r["backend"], r["workers"]) else "")
         if r["status"] != "ok":
             why = r["error"].splitlines()[0][:90] if r["status"] == "failed" else r["note"]
-            rows.append(f"| {r['dataset']} | {r['recipe']} | {r['backend']} | – | – | – | – | – | – | "
+            rows.append(f"| {r['dataset']} | {r['recipe']} | {label} | – | – | – | – | – | – | – | – | "
                         f"{r['status']}: {why} |")
             continue
         s = r.get("stage_share")
-        rows.append(f"| {r['dataset']} | {r['recipe']} | {r['backend']} | {r['img_per_s']:.0f} | "
-                    f"{r['views_per_s']:.0f} | {r['img_per_s'] / base:.2f} |" if base else
-                    f"| {r['dataset']} | {r['recipe']} | {r['backend']} | {r['img_per_s']:.0f} | "
-                    f"{r['views_per_s']:.0f} | – |")
-        rows[-1] += f" {pct(s, 'decode')} | {pct(s, 'crops_resizes')} | {pct(s, 'colour_and_rest')} | ok |"
+        rows.append(f"| {r['dataset']} | {r['recipe']} | {label} | {_rate(r)} | {r['views_per_s']:,.0f} | "
+                    f"{r['img_per_s'] / base:.2f} |" if base else
+                    f"| {r['dataset']} | {r['recipe']} | {label} | {_rate(r)} | {r['views_per_s']:,.0f} | – |")
+        rows[-1] += (f" {r['first_batch_s']:.2f} | {r['thread_cpu_ms']:.1f} | {pct(s, 'decode')} | "
+                     f"{pct(s, 'crops_resizes')} | {pct(s, 'colour_and_rest')} | ok |")
     for c in report["ceilings"]:
-        rows.append(f"| {c['dataset']} | {c['recipe']} | ceiling: {c['kind']} ({c['decoder']}) | "
-                    f"{c['img_per_s']:.0f} | {c['views_per_s']:.0f} | – | – | – | – | ok |")
+        rows.append(f"| {c['dataset']} | {c['recipe']} | ceiling: {c['kind']} ({c['decoder']}, "
+                    f"{report['settings']['cores']} workers) | {_rate(c)} | {c['views_per_s']:,.0f} | – | – | – | – | "
+                    "– | – | ok |")
     return "\n".join(rows + operator_lines(report["results"]))
 
 
@@ -188,6 +238,13 @@ def _items(value: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
+def _view_px(value: str | None) -> tuple[int, int] | None:
+    sides = value.split(",") if value else []
+    if value and (len(sides) != 2 or not all(x.strip().isdigit() and int(x) > 0 for x in sides)):
+        raise BenchError(f"--view-px {value!r}: write two positive sides, global,local (e.g. 32,16)")
+    return (int(sides[0]), int(sides[1])) if value else None
+
+
 def parse_args(argv: list[str] | None = None) -> Settings:
     """The command line as `Settings`.
 
@@ -208,11 +265,13 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--no-stages", dest="stages", action="store_false",
                    help="skip the crops-only runs that split each backend's time into stages")
     p.add_argument("--quick", action="store_true", help="tiny data and runs (tests)")
+    p.add_argument("--view-px", default=None, help="global,local view sides in px (default: each dataset's)")
     p.add_argument("--out", default="reports/pipelines.json", help="JSON report; datasets are cached next to it")
     a = fill_sizes(p.parse_args(argv))
     return Settings(recipes=_items(a.recipes), datasets=_items(a.datasets), backends=_items(a.backends), n=a.n,
                     repeats=a.repeats, batch_size=a.batch_size, batches=a.batches, warmup_batches=a.warmup_batches,
-                    cores=a.cores, device=a.device, stages=a.stages, quick=a.quick, out=Path(a.out))
+                    cores=a.cores, device=a.device, stages=a.stages, quick=a.quick, out=Path(a.out),
+                    view_px=_view_px(a.view_px))
 
 
 def run(s: Settings) -> dict:
@@ -228,71 +287,62 @@ def run(s: Settings) -> dict:
         "settings": {"recipes": list(s.recipes), "datasets": list(s.datasets), "backends": list(s.backends),
                      "n_images": s.n, "repeats": s.repeats, "batch_size": s.batch_size, "timed_batches": s.batches,
                      "warmup_batches": s.warmup_batches, "cores": s.cores, "device": s.device, "stages": s.stages,
-                     "quick": s.quick, "sizes_px": {d: view_px(d, s.quick) for d in s.datasets},
+                     "quick": s.quick, "sizes_px": {d: s.view_px or view_px(d, s.quick) for d in s.datasets},
                      "imagenet_like_image_px": QUICK_IMAGE_PX if s.quick else IMAGE_PX,
-                     "jpeg_quality": schema.JPEG_QUALITY, "statistic": "median over repeats"},
+                     "jpeg_quality": schema.JPEG_QUALITY,
+                     "statistic": "steady state after warm-up, median over repeats (min, max)"},
         "results": [], "ceilings": [], "recipes": {},
     }
     for ds, (root, name) in prepared.items():
         entries = scan_shards(root / name / "train")
-        gpx, lpx = view_px(ds, s.quick)
-        decode_best: dict[str, float] = {}
-        for dec in ("pil", "torchvision.io"):
-            runs = time_ceiling(entries, dec, None, s.batch_size, s.batches, s.warmup_batches, s.repeats, s.cores)
-            decode_best[dec] = _median(runs)
-        decoder = max(decode_best, key=decode_best.get)
-        for rc in s.recipes:
-            recipe = load_recipe(rc, gpx, lpx)
+        gpx, lpx = s.view_px or view_px(ds, s.quick)
+        # The ceiling decoder: the faster of two libjpeg-turbo decoders, from one run each.
+        steady = not s.quick                # quick: a smoke run, not whole rounds of the workers
+        probe = {dec: time_ceiling(entries, dec, None, s.batch_size, s.batches, s.warmup_batches, 1, s.cores,
+                                   steady=steady)[0] for dec in ("pil", "torchvision.io")}
+        decoder = max(probe, key=probe.get)
+        recipes = {rc: load_recipe(rc, gpx, lpx) for rc in s.recipes}
+        cells = {("decode", None): lambda rnd: {"img_per_s": time_ceiling(
+            entries, decoder, None, s.batch_size, s.batches, s.warmup_batches, 1, s.cores, rnd, steady)}}
+        rows = {}
+        for rc, recipe in recipes.items():
             report["recipes"][f"{rc}@{gpx}/{lpx}"] = [dataclasses.asdict(g) for g in recipe.groups]
-            vps = views_per_sample(recipe)
+            cells[("decode+crops", rc)] = lambda rnd, recipe=recipe: {"img_per_s": time_ceiling(
+                entries, decoder, recipe, s.batch_size, s.batches, s.warmup_batches, 1, s.cores, rnd, steady)}
+            for be in s.backends:
+                device = be.partition("@")[2] or s.device
+                rows[(rc, be)] = {"dataset": ds, "recipe": rc, "backend": be, "device": device,
+                                  "workers": s.cores, "views_per_sample": views_per_sample(recipe),
+                                  **peers.row_fields(be, recipe, "none")}
+                if rows[(rc, be)].get("status") != "skipped":
+                    cells[(be, rc)] = _backend_cell(s, work, root, name, be, device, recipe)
+        timed = in_rounds(s.repeats, cells, done=lambda rnd: print(f"{ds}: round {rnd + 1}/{s.repeats} done",
+                                                                    flush=True))
+        decode = timed[("decode", None)]
+        for rc, recipe in recipes.items():
+            crops = timed[("decode+crops", rc)]
             crop_views = sum(g.count for g in recipe.crop_groups)
-            report["ceilings"].append({"dataset": ds, "recipe": rc, "kind": "decode", "decoder": decoder,
-                                       "img_per_s": decode_best[decoder], "views_per_s": 0.0,
-                                       "all_decoders": decode_best})
-            # One round per repeat, each timing the ceiling and every backend back to back, so that
-            # a slow spell of a shared machine lands on all of them alike, not on one backend.
-            ceiling_runs: list[float] = []
-            rows = {be: {"dataset": ds, "recipe": rc, "backend": be, "views_per_sample": vps,
-                         "runs": [], "crops_only_runs": [], **peers.row_fields(be, recipe, "none")}
-                    for be in s.backends}
-            for rnd in range(s.repeats):
-                ceiling_runs += time_ceiling(entries, decoder, recipe, s.batch_size, s.batches,
-                                             s.warmup_batches, 1, s.cores, first_seed=rnd)
-                for be, row in rows.items():
-                    if row.get("status") in ("failed", "skipped"):
-                        continue
-                    try:
-                        backend, _, device = be.partition("@")
-                        device = device or s.device
-                        row["device"] = device
-
-                        def make(epoch, rec=recipe, backend=backend, device=device):
-                            spec = LoaderSpec(root=str(root), dataset=name, split="train", recipe=rec,
-                                              batch_size=s.batch_size, seed=0, device=device,
-                                              num_workers=s.cores)
-                            loader = peers.build(backend, spec, work / "peer-folders")
-                            loader.set_epoch(epoch + rnd)
-                            return loader
-                        row["runs"] += time_loader(make, s.batches, s.warmup_batches, 1, device).img_per_s
-                        if s.stages:
-                            row["crops_only_runs"] += time_loader(lambda e: make(e, crops_only(recipe)),
-                                                                  s.batches, s.warmup_batches, 1, device).img_per_s
-                        if rnd == 0:
-                            row["operators"] = operator_counts(make(0))
-                    except Exception as exc:  # a broken backend is reported, not silently skipped
-                        row.update(status="failed", error=f"{type(exc).__name__}: {exc}",
-                                   traceback=traceback.format_exc(limit=4))
-            report["ceilings"].append({"dataset": ds, "recipe": rc, "kind": "decode+crops", "decoder": decoder,
-                                       "img_per_s": _median(ceiling_runs),
-                                       "views_per_s": _median(ceiling_runs) * crop_views, "runs": ceiling_runs})
-            for be, row in rows.items():
-                if row.get("status") not in ("failed", "skipped"):
-                    full, crops = _median(row["runs"]), _median(row["crops_only_runs"]) or None
-                    row.update(status="ok", img_per_s=full, views_per_s=full * vps, crops_only_img_per_s=crops,
-                               stage_share=stage_shares(full, crops, decode_best[decoder]))
+            for kind, cell, views in (("decode", decode, 0), ("decode+crops", crops, crop_views)):
+                report["ceilings"].append({"dataset": ds, "recipe": rc, "kind": kind, "decoder": decoder,
+                                           **spread(cell.runs.get("img_per_s", [])), "views_per_s":
+                                           _median(cell.runs.get("img_per_s", [])) * views, "probe": probe})
+            for be in s.backends:
+                row, cell = rows[(rc, be)], timed.get((be, rc))
+                if cell is not None and not cell.ok:
+                    row.update(status="failed", error=cell.error, traceback=cell.traceback)
+                elif cell is not None:
+                    r = cell.runs
+                    full, crops_only_rate = _median(r["img_per_s"]), _median(r.get("crops_only_img_per_s", [])) or None
+                    row.update(status="ok", **spread(r["img_per_s"]), views_per_s=full * row["views_per_sample"],
+                               first_batch_s=_median(r["first_batch_s"]), thread_cpu_ms=_median(r["thread_cpu_ms"]),
+                               cpu_utilisation=_median([u for u in r["cpu_utilisation"] if u is not None]) or None,
+                               crops_only_runs=r.get("crops_only_img_per_s", []), crops_only_img_per_s=crops_only_rate,
+                               stage_share=stage_shares(full, crops_only_rate,
+                                                        _median(decode.runs.get("img_per_s", []))),
+                               operators=(r.get("operators") or [None])[0])
                 report["results"].append(row)
                 print(f"{ds} {rc} {be}: " + (f"{row['img_per_s']:.1f} img/s" if row["status"] == "ok" else
-                                             row.get("note") or row["error"].splitlines()[0]), flush=True)
+                                             row.get("note") or row["error"]), flush=True)
     report["ratios"] = ratios(report["results"], report["ceilings"])
     s.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = s.out.with_name(f".{s.out.name}.tmp")

@@ -1,21 +1,31 @@
-"""`python -m bench.gpu_check --out DIR`: the GPU-resident path checked and measured in one go, one report.
+"""`python -m bench.gpu_check`: the GPU-resident path checked and measured in one go, into one report,
+within about 6 minutes on one H100 (a GPU machine lent for a short time slot, DALI installed in it).
 
-Run on a GPU machine (`make gpu-check`; without `make install` there: `PYTHONPATH=$PWD python3 -m
-bench.gpu_check`). In order, each section writing its part of the report as soon as it is done:
+On the GPU machine, from the repository root, without `make install` (any Python >= 3.11 with torch,
+torchvision and timm; DALI where `DALI_SITE` says, when it is not installed in that Python):
 
-1. **loader** — `bench.data` on the same generated ImageNet-like JPEGs: the DALI GPU graph
-   (`dali`), the DALI CPU graph (`dali@cpu`) and the torchvision baseline, for `relicv2` and `rsa`
-   at batch 128 and 256, source images/s and views/s, with the decode ceilings of the CPU;
-2. **views** — the GPU graph with 1 view (relicv2's first large crop) against relicv2's 6 views;
-3. **train** — ResNet-50 `relicv2` at 224/96, bf16, channels-last: `bench.train.time_steps` with the
-   DALI GPU loader against the same steps fed one batch already on the device (the data-stall
-   fraction `1 - real/on-device`);
-4. **tests** — the `gpu`-marked tests (`--tests all`: the whole suite, in parallel processes when
-   pytest-xdist is there), with every test that ran and its outcome; last, so that the measurements
-   are saved even if a test hangs.
+    DALI_SITE=<folder with nvidia/dali> bash bench/gpu_session.sh     # prints versions, runs the check below
+    PYTHONPATH=<that folder>:$PWD python3 -m bench.gpu_check --out reports/gpu-check
 
-Writes `gpu_check.json` (machine, versions, commit, date, settings, every run) and `gpu_check.md` (the
-table) into `--out` and prints the table last, with the issue's targets marked met or missed.
+Try it first on a CPU, with tiny sizes: `python -m bench.gpu_check --device cpu --quick`.
+
+Sections, in this order, each writing its part of the report (`gpu_check.json`, `gpu_check.md` in
+`--out`) as soon as it is done; a section whose estimate no longer fits in `--budget-s` is skipped
+with a note, so that the report comes back within the slot:
+
+1. **known** — the 7 `gpu` tests that failed on the first GPU run (docs/benchmarks.md, 26 Nov 2026):
+   ResizeMix and CutMix on the GPU graph, relicv2 with saliency masks, SDMP's resume on CUDA;
+2. **loader** — `bench.data` on generated ImageNet-like JPEGs, `relicv2` at `--batch-size`: the DALI
+   GPU graph against the torchvision baseline (as many DataLoader workers as cores) and the CPU's
+   decode ceilings; steady-state source images/s over `--repeats` rounds with their spread, each
+   loader's first batch and the CPU per batch of the thread that takes the batches apart;
+3. **views** — the GPU graph with relicv2's 6 views against its first large crop alone;
+4. **train** — ResNet-50 `relicv2` at 224/96, bf16, channels-last: `bench.train.time_steps` with the
+   DALI GPU loader against the same steps fed one batch already on the device (the data stall);
+5. **tests** — every other `gpu` test (`--tests all`: the whole suite); last, so that the
+   measurements are saved even if a test hangs.
+
+The table printed last marks the issue's targets met or missed (`targets`).
 """
 
 from __future__ import annotations
@@ -36,22 +46,40 @@ import torch
 from bench import data as loader_bench
 from bench.datasets import CLASSES, prepare, view_px
 from bench.report import header, header_lines
-from bench.timing import time_loader, views_per_sample
+from bench.timing import in_rounds, time_loader, views_per_sample
 from pipelines.loader import build_loader
 from pipelines.spec import LoaderSpec
 from pipelines.views import Recipe, load_recipe
 
-TARGET_IMG_S, FLOOR_IMG_S = 6000, 3000      # relicv2 source images/s on one H100 (target, floor)
-MAX_VIEW_COST = 1.5                          # 6 views cost at most 1.5x one view
-MAX_STALL = 0.05                             # data-stall fraction of ResNet-50 relicv2 training
+# The issue's targets on one H100 (steady state, batch 256, generated ImageNet-like JPEGs).
+TARGET_IMG_S, MOONSHOT_IMG_S = 10_000, 12_000   # relicv2 source images/s of the DALI GPU graph
+TARGET_VS_TORCHVISION, MOONSHOT_VS_TORCHVISION = 2.0, 3.0
+MAX_VIEW_COST = 1.4                              # 6 views cost at most 1.4x one view
+MAX_STALL = 0.03                                 # data-stall fraction of ResNet-50 relicv2 training
+MAX_THREAD_MS = 3.0                              # CPU of the thread that takes the batches, per batch
+# The gpu tests that failed on the first GPU run (H200, DALI 2.4.0), run first.
+KNOWN_FAILURES = (
+    "tests/pipelines/test_contract.py::test_contract[dali@cuda-relicv2]",
+    "tests/pipelines/test_dali_backend.py::test_gpu_graph_views_stay_on_the_device",
+    "tests/pipelines/test_dali_backend.py::test_resizemix_pastes_partner_in_box[cuda]",
+    "tests/pipelines/test_dali_backend.py::test_dali_mix_equals_torch_reference[cuda-resizemix]",
+    "tests/pipelines/test_dali_backend.py::test_sdmp_laws_of_the_graph[cuda-cutmix]",
+    "tests/pipelines/test_dali_backend.py::test_sdmp_laws_of_the_graph[cuda-resizemix]",
+    "tests/train/test_cuda.py::test_objective_trains_and_resumes_on_cuda[sdmp]",
+)
+# Seconds each section takes on one H100 with 16 cores (estimates from its sizes), for the budget.
+ESTIMATE_S = {"known": 45, "loader": 100, "views": 30, "train": 45, "tests": 100}
 
 
 def run_tests(which: str, out: Path, timeout_s: int) -> dict:
-    """Run the `gpu`-marked tests (or all) in a subprocess; every test's outcome from its JUnit XML."""
-    xml = out / "tests.xml"
+    """Run tests in a subprocess: "known" (`KNOWN_FAILURES`), "gpu" (the other `gpu`-marked tests) or
+    "all"; every test's outcome from the JUnit XML."""
+    xml = out / f"tests-{which}.xml"
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", f"--junitxml={xml}"]
-    if which == "gpu":
-        cmd += ["-m", "gpu"]
+    if which == "known":
+        cmd += list(KNOWN_FAILURES)
+    elif which == "gpu":
+        cmd += ["-m", "gpu", *(f"--deselect={t}" for t in KNOWN_FAILURES)]
     else:
         try:
             import xdist  # noqa: F401
@@ -76,88 +104,104 @@ def run_tests(which: str, out: Path, timeout_s: int) -> dict:
             "count": count, "cases": cases, "tail": tail}
 
 
-def run_loader(work: Path, batch_size: int, cores: int, n: int, repeats: int, quick: bool, device: str) -> dict:
-    """`bench.data` on the ImageNet-like JPEGs: the GPU graph, the CPU graph and torchvision."""
-    images = 2048 if not quick else 32                         # timed source images per run
+def run_loader(a: argparse.Namespace) -> dict:
+    """`bench.data` on the ImageNet-like JPEGs: the GPU graph (or, on the CPU, the CPU graph) against
+    torchvision, with the CPU's decode ceilings."""
     return loader_bench.run(loader_bench.Settings(
-        recipes=("relicv2", "rsa"), datasets=("imagenet-like",), backends=("dali", "dali@cpu", "torchvision"),
-        n=n, repeats=repeats, batch_size=batch_size, batches=max(2, images // batch_size), warmup_batches=2,
-        cores=cores, device=device, stages=False, quick=quick, out=work / f"pipelines-b{batch_size}.json"))
+        recipes=("relicv2",), datasets=("imagenet-like",), backends=("dali", "torchvision"), n=a.n,
+        repeats=a.repeats, batch_size=a.batch_size, batches=a.batches, warmup_batches=3, cores=a.cores,
+        device=a.device, stages=False, quick=a.quick, out=Path(a.work) / f"pipelines-b{a.batch_size}.json"))
 
 
-def run_views(work: Path, batch_size: int, cores: int, n: int, repeats: int, quick: bool, device: str) -> dict:
-    """Images/s of the GPU graph with relicv2's 6 views and with its first large crop alone."""
-    six = load_recipe("relicv2", *view_px("imagenet-like", quick))
+def run_views(a: argparse.Namespace) -> dict:
+    """Steady-state images/s of the GPU graph with relicv2's 6 views and with its first large crop
+    alone, timed in rounds."""
+    six = load_recipe("relicv2", *view_px("imagenet-like", a.quick))
     one = Recipe("relicv2-1view", (six.groups[0],))
-    root, name = prepare("imagenet-like", work / "bench-data", n, quick, cores)     # the loader section's data
-    batches = 2 if quick else max(2, 2048 // batch_size)
-    out = {}
-    for recipe in (six, one):
-        def make(epoch, recipe=recipe):
-            loader = build_loader("dali", LoaderSpec(root=str(root), dataset=name, split="train",
-                                                     recipe=recipe, batch_size=batch_size, device=device,
-                                                     num_workers=cores))
+    root, name = prepare("imagenet-like", Path(a.work) / "bench-data", a.n, a.quick, a.cores)   # the loader's data
+
+    def cell(recipe: Recipe):
+        def make(epoch: int):
+            loader = build_loader("dali", LoaderSpec(root=str(root), dataset=name, split="train", recipe=recipe,
+                                                     batch_size=a.batch_size, device=a.device, num_workers=a.cores))
             loader.set_epoch(epoch)
             return loader
-        timing = time_loader(make, batches, 2, repeats, device)
-        views = views_per_sample(recipe)
-        out[recipe.name] = {"views": views, "runs": list(timing.img_per_s), "img_per_s": timing.median,
-                            "views_per_s": timing.median * views}
+        return lambda rnd: {"img_per_s": list(time_loader(lambda e: make(rnd + e), a.batches, 3, 1,
+                                                          a.device).img_per_s)}
+
+    timed = in_rounds(a.repeats, {r.name: cell(r) for r in (six, one)})
+    out: dict = {"batch_size": a.batch_size}
+    for recipe in (six, one):
+        cell_ = timed[recipe.name]
+        if not cell_.ok:
+            raise RuntimeError(f"{recipe.name}: {cell_.error}")
+        runs = cell_.runs["img_per_s"]
+        rate = loader_bench.spread(runs)["img_per_s"]                  # the median over the rounds
+        out[recipe.name] = {"views": views_per_sample(recipe), "runs": runs, "img_per_s": rate,
+                            "views_per_s": rate * views_per_sample(recipe)}
     out["cost_6_vs_1"] = out["relicv2-1view"]["img_per_s"] / out["relicv2"]["img_per_s"]
     return out
 
 
-def run_train(work: Path, batch_size: int, cores: int, n: int, steps: int, repeats: int, quick: bool,
-              device: str) -> dict:
-    """ResNet-50 relicv2 steps with the DALI GPU loader against one batch kept on the device."""
+def run_train(a: argparse.Namespace) -> dict:
+    """ResNet-50 relicv2 steps with the DALI loader against one batch kept on the device."""
     from bench.train import time_steps
     from train.config import load_config, to_dict
 
-    gpx, lpx = view_px("imagenet-like", quick)
-    root, name = prepare("imagenet-like", work / "bench-data", n, quick, cores)     # the loader section's data
+    gpx, lpx = view_px("imagenet-like", a.quick)
+    root, name = prepare("imagenet-like", Path(a.work) / "bench-data", a.n, a.quick, a.cores)   # the loader's data
     cfg = load_config(["method=relicv2", "data=imagenet", f"data.name={name}", f"data.root={root}",
-                       "data.backend=dali", f"data.batch_size={batch_size}", f"data.num_workers={cores}",
+                       "data.backend=dali", f"data.batch_size={a.train_batch}", f"data.num_workers={a.cores}",
                        f"data.num_classes={CLASSES}", f"views.global_px={gpx}", f"views.local_px={lpx}",
-                       "model.backbone=resnet50", "run.amp=true", "model.channels_last=true", f"run.device={device}"])
+                       f"model.backbone={'test_resnet' if a.quick else 'resnet50'}", f"run.amp={a.device == 'cuda'}",
+                       f"model.channels_last={a.device == 'cuda'}", f"run.device={a.device}"])
     torch.backends.cudnn.benchmark = True
-    if device == "cuda":
+    if a.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    row = time_steps(cfg, torch.device(device), steps, repeats, warmup_steps=3)
-    row["peak_mem_mib"] = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else 0.0
+    row = time_steps(cfg, torch.device(a.device), a.train_steps, a.repeats, warmup_steps=3)
+    row["peak_mem_mib"] = torch.cuda.max_memory_allocated() / 2**20 if a.device == "cuda" else 0.0
     row["config"] = to_dict(cfg)
     return row
 
 
+def _rows(report: dict, backend: str) -> list[dict]:
+    rep = report.get("loader", {})
+    return [r for r in rep.get("results", []) if r["backend"] == backend and r["status"] == "ok"]
+
+
 def table(report: dict) -> str:
-    """The report as Markdown: the loader tables (`bench.data.format_table`), the view cost, training,
+    """The report as Markdown: the loader table (`bench.data.format_table`), the view cost, training,
     tests, targets."""
     lines = []
-    for key, rep in sorted(report.get("loader", {}).items()):
-        if "error" in rep:
-            lines += [f"loader {key} failed: {rep['error']}", ""]
-            continue
-        lines += [f"loader at batch {rep['settings']['batch_size']} (`dali`: the DALI GPU graph, `dali@cpu`: "
-                  "the DALI CPU graph; ceilings on the CPU):", loader_bench.format_table(rep), ""]
+    rep = report.get("loader")
+    if rep and "error" not in rep:
+        lines += [f"loader at batch {rep['settings']['batch_size']} (`dali`: the DALI graph on the run's device; "
+                  "ceilings on the CPU):", loader_bench.format_table(rep), ""]
     v = report.get("views")
     if v and "error" not in v:
-        lines += [f"GPU graph, batch {v['batch_size']}: 6 views (relicv2) {v['relicv2']['img_per_s']:.0f} img/s, "
-                  f"1 view {v['relicv2-1view']['img_per_s']:.0f} img/s: 6 views cost {v['cost_6_vs_1']:.2f}× one view"]
+        lines += [f"GPU graph, batch {v['batch_size']}: 6 views (relicv2) {v['relicv2']['img_per_s']:,.0f} img/s, "
+                  f"1 view {v['relicv2-1view']['img_per_s']:,.0f} img/s: "
+                  f"6 views cost {v['cost_6_vs_1']:.2f}× one view"]
     t = report.get("train")
     if t and "error" not in t:
-        lines += ["", f"ResNet-50 relicv2 224/96 bf16, batch {t['config']['data']['batch_size']}: "
-                  f"{t['img_per_s']:.0f} img/s with the DALI GPU loader, "
-                  f"{t['cached_steps_per_s'] * t['config']['data']['batch_size']:.0f} img/s on one batch on the device, "
-                  f"data stall {100 * t['data_stall_fraction']:.1f} %, peak {t['peak_mem_mib']:.0f} MiB"]
-    for name in ("views", "train"):
+        c = t["config"]
+        lines += ["", f"{c['model']['backbone']} relicv2 {c['views']['global_px']}/{c['views']['local_px']}"
+                  + (" bf16, channels-last" if c["run"]["amp"] else "") + f", batch {c['data']['batch_size']}: "
+                  f"{t['img_per_s']:,.0f} img/s with the DALI loader, "
+                  f"{t['cached_steps_per_s'] * c['data']['batch_size']:,.0f} img/s on one batch on the device, "
+                  f"data stall {100 * t['data_stall_fraction']:.1f} %, peak {t['peak_mem_mib']:,.0f} MiB"]
+    for name in ("loader", "views", "train"):
         if report.get(name, {}).get("error"):
             lines += ["", f"{name} failed: {report[name]['error']}"]
-    tests = report.get("tests")
-    if tests:
-        c = tests["count"]
-        lines += ["", f"tests ({tests['which']}): {c['passed']} passed, {c['failure']} failed, {c['error']} errors, "
-                  f"{c['skipped']} skipped in {tests['seconds']:.0f} s"]
-        lines += [f"  {x['outcome']}: {x['test']}: {x['message'][:200]}" for x in tests["cases"]
-                  if x["outcome"] in ("failure", "error")]
+    for name in ("known", "tests"):
+        tests = report.get(name)
+        if tests and "count" in tests:
+            c = tests["count"]
+            lines += ["", f"tests ({tests['which']}): {c['passed']} passed, {c['failure'] + c['error']} failed, "
+                      f"{c['skipped']} skipped in {tests['seconds']:.0f} s"]
+            lines += [f"  {x['outcome']}: {x['test']}: {x['message'][:200]}" for x in tests["cases"]
+                      if x["outcome"] in ("failure", "error")]
+    lines += [f"skipped: {name} ({why})" for name, why in report.get("skipped", {}).items()]
     lines += ["", "targets: " + "; ".join(targets(report))]
     return "\n".join(lines)
 
@@ -165,43 +209,82 @@ def table(report: dict) -> str:
 def targets(report: dict) -> list[str]:
     """The issue's targets, each with its measured value, met or missed."""
     out = []
-    best = [r["img_per_s"] for rep in report.get("loader", {}).values() if "results" in rep
-            for r in rep["results"] if r["backend"] == "dali" and r["recipe"] == "relicv2" and r["status"] == "ok"]
-    if best:
-        b = max(best)
-        verdict = "met" if b >= TARGET_IMG_S else "floor met" if b >= FLOOR_IMG_S else "missed"
-        out.append(f"relicv2 GPU graph {b:.0f} img/s (target {TARGET_IMG_S}, floor {FLOOR_IMG_S}): {verdict}")
+    dali, base = _rows(report, "dali"), _rows(report, "torchvision")
+    if dali:
+        r = dali[0]
+        b = r["img_per_s"]
+        verdict = "moonshot met" if b >= MOONSHOT_IMG_S else "met" if b >= TARGET_IMG_S else "missed"
+        out.append(f"relicv2 GPU graph {b:,.0f} img/s (target {TARGET_IMG_S:,}, moonshot {MOONSHOT_IMG_S:,}): "
+                   + verdict)
+        if base:
+            x = b / base[0]["img_per_s"]
+            verdict = ("moonshot met" if x >= MOONSHOT_VS_TORCHVISION else "met" if x >= TARGET_VS_TORCHVISION
+                       else "missed")
+            out.append(f"{x:.2f}× torchvision with {base[0]['workers']} workers (target {TARGET_VS_TORCHVISION:g}×, "
+                       f"moonshot {MOONSHOT_VS_TORCHVISION:g}×): {verdict}")
+        ms = r.get("thread_cpu_ms")
+        if ms is not None:
+            out.append(f"taking thread {ms:.1f} ms CPU per batch (≤ {MAX_THREAD_MS:g}): "
+                       + ("met" if ms <= MAX_THREAD_MS else "missed"))
     v = report.get("views", {})
     if "cost_6_vs_1" in v:
         out.append(f"6 views cost {v['cost_6_vs_1']:.2f}× 1 view (≤ {MAX_VIEW_COST}): "
                    + ("met" if v["cost_6_vs_1"] <= MAX_VIEW_COST else "missed"))
     t = report.get("train", {})
     if "data_stall_fraction" in t:
-        out.append(f"stall {100 * t['data_stall_fraction']:.1f} % (< {100 * MAX_STALL:.0f} %): "
-                   + ("met" if t["data_stall_fraction"] < MAX_STALL else "missed"))
+        out.append(f"stall {100 * t['data_stall_fraction']:.1f} % (≤ {100 * MAX_STALL:.0f} %): "
+                   + ("met" if t["data_stall_fraction"] <= MAX_STALL else "missed"))
+    counts = [report[k]["count"] for k in ("known", "tests") if "count" in report.get(k, {})]
+    if counts:
+        passed, failed = sum(c["passed"] for c in counts), sum(c["failure"] + c["error"] for c in counts)
+        out.append(f"gpu tests {passed} passed, {failed} failed: "
+                   + ("missed" if failed else "met" if passed else "none ran (no CUDA device)"))
     return out or ["nothing measured"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="reports/gpu-check", help="folder of gpu_check.json and gpu_check.md")
     p.add_argument("--work", default="reports/gpu-check", help="folder of the generated data and the bench JSON files")
-    p.add_argument("--tests", choices=("gpu", "all", "none"), default="gpu", help="which tests to run first")
-    p.add_argument("--tests-timeout", type=int, default=900, help="seconds before the test run is stopped")
-    p.add_argument("--sections", default="loader,views,train,tests", help="comma-separated sections to run")
-    p.add_argument("--batch-sizes", default="128,256", help="loader batch sizes")
-    p.add_argument("--train-batch", type=int, default=128, help="ResNet-50 batch size")
-    p.add_argument("--n", type=int, default=4000, help="generated ImageNet-like train images")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per figure (medians)")
-    p.add_argument("--cores", type=int, default=os.cpu_count(), help="CPU threads for every loader")
-    p.add_argument("--device", default="cuda", help="cuda; cpu only to try the script (with --quick)")
+    p.add_argument("--sections", default="known,loader,views,train,tests", help="comma-separated sections to run")
+    p.add_argument("--tests", choices=("gpu", "all"), default="gpu",
+                   help="the tests section: the other gpu tests, or all")
+    p.add_argument("--tests-timeout", type=int, default=240, help="seconds before a test run is stopped")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="skip a section whose estimate no longer fits (default 330 s; none with --quick)")
+    p.add_argument("--batch-size", type=int, default=None, help="loader batch size (default 256; quick 8)")
+    p.add_argument("--batches", type=int, default=None, help="timed loader batches per run (default 24; quick 2)")
+    p.add_argument("--train-batch", type=int, default=None, help="ResNet-50 batch size (default 128; quick 12)")
+    p.add_argument("--train-steps", type=int, default=None, help="timed training steps per run (default 8; quick 2)")
+    p.add_argument("--n", type=int, default=None, help="generated ImageNet-like train images (default 2000; quick 48)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="rounds per figure (median and spread; default 3, quick 1)")
+    p.add_argument("--cores", type=int, default=os.cpu_count(), help="CPU threads / workers for every loader")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda; cpu only to try the script")
     p.add_argument("--quick", action="store_true", help="tiny sizes: check that the script runs")
     a = p.parse_args(argv)
+    q = a.quick
+    a.batch_size = a.batch_size or (8 if q else 256)
+    a.batches = a.batches or (2 if q else 24)
+    a.train_batch = a.train_batch or (12 if q else 128)
+    a.train_steps = a.train_steps or (2 if q else 8)
+    a.n = a.n or (48 if q else 2000)
+    a.repeats = a.repeats or (1 if q else 3)
+    a.budget_s = a.budget_s if a.budget_s is not None else (float("inf") if q else 330.0)
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: torch sees no CUDA device; run this on a GPU machine (or --quick --device cpu to try it)")
-    out, work = Path(a.out), Path(a.work)
+        sys.exit("error: torch sees no CUDA device; run this on a GPU machine (or --device cpu --quick to try it)")
+    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **header(), "settings": vars(a)}
+    start = time.perf_counter()
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **header(), "settings": vars(a),
+              "skipped": {}}
     sections = a.sections.split(",")
 
     def save() -> None:
@@ -209,6 +292,15 @@ def main(argv: list[str] | None = None) -> int:
         (out / "gpu_check.md").write_text(table(report) + "\n")
 
     def section(name: str, fn) -> None:
+        if name not in sections:
+            return
+        elapsed = time.perf_counter() - start
+        if elapsed + ESTIMATE_S[name] > a.budget_s:
+            report["skipped"][name] = (f"{elapsed:.0f} s spent, about {ESTIMATE_S[name]} s more would pass "
+                                       f"{a.budget_s:.0f} s")
+            print(f"== {name} skipped: {report['skipped'][name]}", flush=True)
+            save()
+            return
         t0 = time.perf_counter()
         print(f"== {name}", flush=True)
         try:
@@ -216,28 +308,18 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # one broken section is reported; the others still run
             report[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
             print(report[name]["traceback"], flush=True)
-        print(f"== {name} done in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"== {name} done in {time.perf_counter() - t0:.0f} s ({time.perf_counter() - start:.0f} s in all)",
+              flush=True)
         save()
 
-    if "loader" in sections:
-        report["loader"] = {}
-        for bs in (int(x) for x in a.batch_sizes.split(",")):
-            try:
-                report["loader"][f"b{bs}"] = run_loader(work, bs, a.cores, a.n, a.repeats, a.quick, a.device)
-            except Exception as e:
-                report["loader"][f"b{bs}"] = {"error": f"{type(e).__name__}: {e}",
-                                              "traceback": traceback.format_exc(limit=6)}
-            save()
-    bs = max(int(x) for x in a.batch_sizes.split(","))
-    if "views" in sections:
-        section("views", lambda: {"batch_size": bs, **run_views(work, bs, a.cores, a.n, a.repeats, a.quick, a.device)})
-    if "train" in sections:
-        section("train", lambda: run_train(work, a.train_batch, a.cores, a.n, 8, a.repeats, a.quick, a.device))
-    if "tests" in sections and a.tests != "none":        # last: the measurements come back even if they hang
-        section("tests", lambda: run_tests(a.tests, out, timeout_s=a.tests_timeout))
+    section("known", lambda: run_tests("known", out, timeout_s=a.tests_timeout))
+    section("loader", lambda: run_loader(a))
+    section("views", lambda: run_views(a))
+    section("train", lambda: run_train(a))
+    section("tests", lambda: run_tests(a.tests, out, timeout_s=a.tests_timeout))   # last: the figures are saved
     print("\n" + "\n".join(header_lines(report)))
     print(table(report))
-    print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
+    print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'} in {time.perf_counter() - start:.0f} s")
     return 0
 
 

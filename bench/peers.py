@@ -74,6 +74,15 @@ def check(peer: str, recipe: Recipe, mix_kind: str) -> str:
         "; ".join(_lightly_differences(recipe))
 
 
+BATCH_WORKERS = ("torch", "torchvision", "lightly")    # loaders whose DataLoader workers each make whole batches
+
+
+def batch_workers(loader: str, cores: int) -> int:
+    """How many processes of `loader` (a backend, optionally `name@device`, or a peer) each make whole
+    batches (`bench.timing.time_loader`'s `workers`): its `cores` DataLoader workers, or 0."""
+    return cores if loader.partition("@")[0] in BATCH_WORKERS else 0
+
+
 def row_fields(loader: str, recipe: Recipe, mix_kind: str) -> dict[str, str]:
     """What a bench row of `loader` (a backend, optionally `name@device`, or a peer) starts with: a
     peer's `settings`, or `status` "skipped" with its `note`; nothing for a backend."""

@@ -25,12 +25,14 @@ Sections, each figure the median of `--repeats` timed runs after warm-up with it
 3. **scaling**: loader images/s against worker count (1, 2, 4, ... up to `--cores`) and on-device
    trainer images/s against batch size.
 
-Loader cells are timed in rounds: each round times every ceiling and every backend once, back to
-back, so that a slow spell of the machine falls on all of them alike; a method's real and on-device
-runs alternate the same way. On a CPU the trainer runs the `synthetic` preset (the demo's network);
-on a GPU, ResNet-50 with bf16 and channels-last on the loader's dataset. The report states the
-device of every figure. Writes `<out>/profile-<UTC time>/` with `profile.json` (schema:
-`bench/profile_schema.json`, version 1), `profile.md` and PNG charts.
+Loader cells are timed in rounds (`bench.timing.in_rounds`, as the data bench's): each round times
+every ceiling and every backend once, back to back, so that a slow spell of the machine falls on all of
+them alike; a method's real and on-device runs alternate the same way. Loader rates are steady state
+(`bench.timing.time_loader`), each row with the CPU of the thread that takes the batches. On a CPU the
+trainer runs the `synthetic` preset (the demo's network); on a GPU, ResNet-50 with bf16 and
+channels-last on the loader's dataset. The report states the device of every figure. Writes
+`<out>/profile-<UTC time>/` with `profile.json` (schema: `bench/profile_schema.json`, version 1),
+`profile.md` and PNG charts.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ from bench import peers, profile_report
 from bench.data import fill_sizes, operator_counts
 from bench.datasets import DATASETS, BenchError, prepare, view_px
 from bench.report import header
-from bench.timing import crops_only, sync, time_ceiling, time_epochs, time_loader, views_per_sample, without_blur
+from bench.timing import (crops_only, in_rounds, sync, time_ceiling, time_epochs, time_loader, views_per_sample,
+                          without_blur)
 from bench.train import in_fresh_process, peak_memory_mb, time_steps
 from pipelines.loader import BACKENDS
 from pipelines.mixing import MIX_KINDS, MixSpec
@@ -132,7 +135,8 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
     entries = scan_shards(root / name / "train")
     ceil_args = (a.batch_size, a.batches, a.warmup_batches)
     # The ceiling decoder: the faster of two libjpeg-turbo decoders, from one probe run each.
-    probe = {d: time_ceiling(entries, d, None, *ceil_args, 1, a.cores)[0]
+    steady = not a.quick                    # quick: a smoke run, not whole rounds of the workers
+    probe = {d: time_ceiling(entries, d, None, *ceil_args, 1, a.cores, steady=steady)[0]
              for d in ("pil", "torchvision.io")}
     decoder = max(probe, key=probe.get)
     cells = {rc: recipe_cell(rc, *sizes) for rc in recipes}
@@ -147,67 +151,72 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
         loader.set_epoch(epoch)
         return loader
 
-    read_runs, decode_runs = [], []
-    crop_ceiling = {rc: [] for rc in recipes}
-    rows = {(rc, be): {"recipe": rc, "backend": be, "device": be.partition("@")[2] or a.device, "status": "ok",
-                       "ladder": {k: [] for k in _ladder(*cells[rc])}, "util": [],
-                       **peers.row_fields(be, cells[rc][0], cells[rc][1].kind)}
-            for rc in recipes for be in backends}
-    epochs = {be: {"first": [], "median": [], "gap": [], "boundary": []} for be in backends}
-    for rnd in range(a.repeats):
-        read_runs += time_ceiling(entries, "read", None, *ceil_args, 1, a.cores, first_seed=rnd)
-        decode_runs += time_ceiling(entries, decoder, None, *ceil_args, 1, a.cores, first_seed=rnd)
-        for rc, (recipe, mix) in cells.items():
-            crop_ceiling[rc] += time_ceiling(entries, decoder, recipe, *ceil_args, 1, a.cores, first_seed=rnd)
-            for be in backends:
-                row = rows[(rc, be)]
-                if row["status"] != "ok":
-                    continue
-                try:
-                    for step, (r, m) in _ladder(recipe, mix).items():
-                        timing = time_loader(lambda e, r=r, m=m: make(be, r, m, a.cores, rnd + e), a.batches,
-                                             a.warmup_batches, 1, row["device"])
-                        row["ladder"][step] += timing.img_per_s
-                        if step == "full":
-                            row["util"] += timing.cpu_utilisation
-                    if rnd == 0:
-                        row["operators"] = operator_counts(make(be, recipe, mix, a.cores, 0))
-                    if rc == recipes[0]:   # first batch and epoch boundaries: whole short epochs
-                        e = time_epochs(lambda ep, r=recipe, m=mix: make(be, r, m, a.cores, ep,
-                                                                          a.epoch_batches * a.batch_size),
-                                        a.epochs, row["device"], first_epoch=rnd * a.epochs)
-                        epochs[be]["first"].append(e.first_batch_s)
-                        epochs[be]["median"].append(1000 * e.median_gap_s)
-                        epochs[be]["gap"].append(1000 * e.mean_gap_s)
-                        epochs[be]["boundary"].append(1000 * max(e.boundary_gaps_s))
-                except Exception as exc:   # a broken backend is reported, never skipped silently
-                    row.update(status="failed", error=f"{type(exc).__name__}: {exc}".splitlines()[0],
-                               traceback=traceback.format_exc(limit=4))
-        print(f"  loader round {rnd + 1}/{a.repeats} done", flush=True)
+    def backend_cell(rc: str, be: str):
+        recipe, mix = cells[rc]
+        device = be.partition("@")[2] or a.device
+        workers = 0 if a.quick else peers.batch_workers(be, a.cores)
 
-    read, decode = stat(read_runs), stat(decode_runs)
+        def run(rnd: int) -> dict[str, list]:
+            out: dict[str, list] = {}
+            for step, (r, m) in _ladder(recipe, mix).items():
+                timing = time_loader(lambda e, r=r, m=m: make(be, r, m, a.cores, rnd + e), a.batches,
+                                     a.warmup_batches, 1, device, workers)
+                out[step] = list(timing.img_per_s)
+                if step == "full":
+                    out["util"], out["thread_cpu_ms"] = list(timing.cpu_utilisation), list(timing.thread_cpu_ms)
+            if rnd == 0:
+                out["operators"] = [operator_counts(make(be, recipe, mix, a.cores, 0))]
+            if rc == recipes[0]:   # first batch and epoch boundaries: whole short epochs
+                e = time_epochs(lambda ep: make(be, recipe, mix, a.cores, ep, a.epoch_batches * a.batch_size),
+                                a.epochs, device, first_epoch=rnd * a.epochs)
+                out.update(first=[e.first_batch_s], median=[1000 * e.median_gap_s], gap=[1000 * e.mean_gap_s],
+                           boundary=[1000 * max(e.boundary_gaps_s)])
+            return out
+        return run
+
+    ceiling = lambda d, recipe=None: lambda rnd: {"img_per_s": time_ceiling(   # noqa: E731
+        entries, d, recipe, *ceil_args, 1, a.cores, rnd, steady)}
+    timed_cells = {("read", None): ceiling("read"), ("decode", None): ceiling(decoder)}
+    rows = {}
+    for rc, (recipe, mix) in cells.items():
+        timed_cells[("decode+crops", rc)] = ceiling(decoder, recipe)
+        for be in backends:
+            rows[(rc, be)] = {"recipe": rc, "backend": be, "device": be.partition("@")[2] or a.device, "status": "ok",
+                              **peers.row_fields(be, recipe, mix.kind)}
+            if rows[(rc, be)]["status"] == "ok":
+                timed_cells[(rc, be)] = backend_cell(rc, be)
+    timed = in_rounds(a.repeats, timed_cells, done=lambda rnd: print(f"  loader round {rnd + 1}/{a.repeats} done",
+                                                                       flush=True))
+
+    read, decode = stat(timed[("read", None)].runs["img_per_s"]), stat(timed[("decode", None)].runs["img_per_s"])
+    crop_ceiling = {rc: timed[("decode+crops", rc)].runs["img_per_s"] for rc in recipes}
     ceilings = [{"recipe": None, "kind": "read", "decoder": "none", "img_per_s": read},
                 {"recipe": None, "kind": "decode", "decoder": decoder, "img_per_s": decode, "probe": probe}]
     ceilings += [{"recipe": rc, "kind": "decode+crops", "decoder": decoder, "img_per_s": stat(runs)}
                  for rc, runs in crop_ceiling.items()]
     out = []
     for (rc, be), row in rows.items():
-        ladder, util = row.pop("ladder"), [u for u in row.pop("util") if u is not None]
+        cell = timed.get((rc, be))
+        if cell is not None and not cell.ok:
+            row.update(status="failed", error=cell.error, traceback=cell.traceback)
         if row["status"] == "ok":
+            r = cell.runs
+            ladder = {k: r[k] for k in _ladder(*cells[rc])}
+            util = [u for u in r["util"] if u is not None]
             full = stat(ladder["full"])
             row.update(img_per_s=full, views_per_s=full["median"] * views_per_sample(cells[rc][0]),
                        cpu_utilisation=statistics.median(util) if util else None,
+                       thread_cpu_ms=stat(r["thread_cpu_ms"]), operators=r["operators"][0],
                        vs_ceiling_decode=full["median"] / decode["median"],
                        vs_ceiling_decode_crops=statistics.median(crop_ceiling[rc]) / full["median"],
                        stages_ms=stages_ms({k: statistics.median(v) for k, v in ladder.items()},
                                            read["median"], decode["median"]),
                        ladder_img_per_s={k: stat(v) for k, v in ladder.items()})
-            if rc == recipes[0] and epochs[be]["first"]:
-                e = epochs[be]
-                row.update(first_batch_s=stat(e["first"]), epoch_boundary={
-                    "median_gap_ms": stat(e["median"]), "mean_gap_ms": stat(e["gap"]),
-                    "longest_boundary_gap_ms": stat(e["boundary"]),
-                    "stall": stat([b / g for b, g in zip(e["boundary"], e["gap"])])})
+            if rc == recipes[0]:
+                row.update(first_batch_s=stat(r["first"]), epoch_boundary={
+                    "median_gap_ms": stat(r["median"]), "mean_gap_ms": stat(r["gap"]),
+                    "longest_boundary_gap_ms": stat(r["boundary"]),
+                    "stall": stat([b / g for b, g in zip(r["boundary"], r["gap"])])})
         out.append(row)
     for row in out:                       # the ratios to the baseline and the peers, once every row has its rate
         if row["status"] != "ok":
@@ -224,13 +233,12 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
     counts = [w for w in worker_counts(a.cores) if w != a.cores] if a.scaling else []
     rc0 = recipes[0]
     ok = [r for r in out if r["recipe"] == rc0 and r["status"] == "ok" and r["backend"] not in peers.PEERS]
-    runs = {(r["backend"], w): [] for r in ok for w in counts}
-    for rnd in range(a.repeats):
-        for (be, w) in runs:
-            runs[(be, w)] += time_loader(lambda e, be=be, w=w: make(be, *cells[rc0], w, rnd + e), a.batches,
-                                         a.warmup_batches, 1, be.partition("@")[2] or a.device).img_per_s
-    for (be, w), r in runs.items():
-        scaling.append({"recipe": rc0, "backend": be, "workers": w, "img_per_s": stat(r)})
+    points = in_rounds(a.repeats, {(r["backend"], w): (lambda rnd, be=r["backend"], w=w: {"img_per_s": list(time_loader(
+        lambda e: make(be, *cells[rc0], w, rnd + e), a.batches, a.warmup_batches, 1, be.partition("@")[2] or a.device,
+        0 if a.quick else peers.batch_workers(be, w)).img_per_s)}) for r in ok for w in counts})
+    for (be, w), cell in points.items():
+        if cell.ok:
+            scaling.append({"recipe": rc0, "backend": be, "workers": w, "img_per_s": stat(cell.runs["img_per_s"])})
     if a.scaling:
         scaling += [{"recipe": rc0, "backend": r["backend"], "workers": a.cores, "img_per_s": r["img_per_s"]}
                     for r in ok]
@@ -363,9 +371,8 @@ def parse_args(argv: list[str], prog: str = "python -m bench.profile") -> argpar
     a.methods = _csv(a.methods, sorted(OBJECTIVES), "method")
     for rc in a.recipes:
         recipe_cell(rc, 32, 16)
-    if a.batch_size % 2 or a.n < a.batch_size * (a.batches + a.warmup_batches):
-        raise ProfileError(f"--batch-size {a.batch_size} must be even and --n {a.n} at least "
-                           "(batches + warmup) × batch size")
+    if a.batch_size % 2 or a.n < 2 * a.batch_size:
+        raise ProfileError(f"--batch-size {a.batch_size} must be even and --n {a.n} at least 2 batches")
     if a.epochs < 2 or a.epoch_batches < 2 or a.n < a.batch_size * a.epoch_batches:
         raise ProfileError(f"--epochs {a.epochs} and --epoch-batches {a.epoch_batches} must be >= 2, and --n "
                            f"{a.n} at least epoch batches × batch size")

@@ -1,19 +1,27 @@
 """Timing of the loaders and of their ceilings, one way for every bench (`bench.data`, `make profile`,
-the GPU check).
+the GPU check), and the rounds every bench times its cells in.
 
-    timing = time_loader(lambda r: build(epoch=r), batches=16, warmup=3, repeats=3, device="cuda")
-    timing.median, timing.img_per_s, timing.cpu_utilisation
+    timing = time_loader(lambda r: build(epoch=r), batches=16, warmup=3, repeats=3, device="cuda", workers=16)
+    timing.median, timing.img_per_s, timing.first_batch_s, timing.thread_cpu_ms, timing.cpu_utilisation
     ceiling = time_ceiling(scan_shards(split), "pil", recipe, 32, 16, 3, repeats=3, cores=2)
     epochs = time_epochs(lambda e: build(epoch=e), epochs=3, device="cpu")   # first batch, epoch-boundary stall
+    cells = in_rounds(3, {"torchvision": lambda rnd: {...}, ...})            # every cell once per round
 
-A loader run builds a fresh loader, skips its warm-up batches and times the next ones between two
-device syncs; the machine's CPU share in each timed window is read from /proc/stat (every process
-counts). An epoch run builds one loader and reads whole epochs of it: the time from building it to its
-first batch, and the gap at each epoch boundary against the mean gap between batches. A ceiling reads the same shard records in `cores` DataLoader workers with one of two
-libjpeg-turbo decoders (PIL, `torchvision.io.decode_image`): the bytes alone (`read`), decode-only, or
-decode + the recipe's crops and resizes (one decode per sample, every crop view resized to its size,
-no colour ops). The recipe variants here (`crops_only`, `without_blur`) are the ablations that split a
-loader's time into stages.
+A loader run builds a fresh loader and reads it the way training does, epoch after epoch: the time from
+building it to its first batch is reported apart (pipeline build, worker start-up, first decodes), then
+it skips its warm-up batches and times the next ones between two device syncs: the steady-state rate.
+While timed, the machine's CPU share is read from /proc/stat (every process counts) and the CPU time of
+the thread that takes the batches (the training loop's, `time.thread_time` around each `next`). Steady
+state needs enough batches: loaders whose `workers` processes each make whole batches (a DataLoader)
+hand them out in bursts of one per worker, so warm-up and timed batches are whole rounds of the workers,
+at least 2 and 4 (`steady_batches`); 2 warm-up and 8 timed batches of a 16-worker DataLoader had all
+been made before the window opened (the decode ceiling's 4.7 M img/s on an H200). An epoch run builds
+one loader and reads whole epochs of it: the time from building it to its first batch, and the gap at
+each epoch boundary against the mean gap between batches. A ceiling reads the same shard records in
+`cores` DataLoader workers with one of two libjpeg-turbo decoders (PIL, `torchvision.io.decode_image`):
+the bytes alone (`read`), decode-only, or decode + the recipe's crops and resizes (one decode per
+sample, every crop view resized to its size, no colour ops). The recipe variants here (`crops_only`,
+`without_blur`) are the ablations that split a loader's time into stages.
 """
 
 from __future__ import annotations
@@ -21,9 +29,10 @@ from __future__ import annotations
 import io
 import statistics
 import time
-from dataclasses import dataclass, replace
+import traceback
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Hashable, Iterator
 
 import numpy as np
 import torch
@@ -72,11 +81,25 @@ def cpu_utilisation(start: tuple[int, int] | None, end: tuple[int, int] | None) 
     return (end[0] - start[0]) / (end[1] - start[1])
 
 
+def steady_batches(batches: int, warmup: int, workers: int) -> tuple[int, int]:
+    """(timed, warm-up) batches of a steady-state run: at least `batches` and `warmup`, and with
+    `workers` > 0 processes that each make whole batches, whole rounds of them: at least 4 timed and 2
+    warm-up rounds (a DataLoader has up to 2 batches per worker made ahead; module docstring)."""
+    if workers <= 0:
+        return batches, warmup
+    rounds = lambda n, least: workers * max(least, -(-n // workers))   # noqa: E731
+    return rounds(batches, 4), rounds(warmup, 2)
+
+
 @dataclass(frozen=True)
 class LoaderTiming:
-    """Timed runs of one loader, each on a fresh loader after its warm-up batches."""
-    img_per_s: tuple[float, ...]                 # source images per second, one per run
+    """Timed runs of one loader, each on a fresh loader: its first batch, then steady state."""
+    img_per_s: tuple[float, ...]                 # steady-state source images per second, one per run
     cpu_utilisation: tuple[float | None, ...]    # share of the machine's cores busy in each run (None: unknown)
+    first_batch_s: tuple[float, ...] = ()        # from the start of building the loader to its first batch
+    thread_cpu_ms: tuple[float, ...] = ()        # CPU of the thread that takes the batches, median ms a timed batch
+    batches: int = 0                             # timed batches per run (`steady_batches`)
+    warmup: int = 0                              # warm-up batches per run, the first one included
 
     @property
     def median(self) -> float:
@@ -84,37 +107,105 @@ class LoaderTiming:
         return statistics.median(self.img_per_s)
 
 
+def _endless(loader) -> Iterator:
+    """The loader's batches epoch after epoch, as the training loop reads them (a loader whose epoch
+    ends moves on to the next, or repeats its order)."""
+    while True:
+        n = 0
+        for batch in loader:
+            n += 1
+            yield batch
+        if not n:
+            raise ValueError("the loader yields no batches; give it more records or a smaller batch")
+
+
 def time_loader(make: Callable[[int], Loader], batches: int, warmup: int, repeats: int,
-                device: str | torch.device) -> LoaderTiming:
-    """Time `repeats` runs of a loader: run r builds a fresh one (`make(r)`), takes `warmup` batches
-    untimed, then times `batches` batches between two device syncs.
+                device: str | torch.device, workers: int = 0) -> LoaderTiming:
+    """Time `repeats` runs of a loader: run r builds a fresh one (`make(r)`), takes its first batch
+    (timed from the start of `make`), the rest of the warm-up batches untimed, then times the
+    steady-state batches between two device syncs, reading across epochs as training does.
 
     Args:
         make: builds the loader of run r (and sets its epoch).
-        batches: timed batches per run, >= 1.
-        warmup: untimed batches per run before them (worker start-up, graph build, first decodes).
+        batches: timed batches per run, >= 1 (more with `workers`: `steady_batches`).
+        warmup: batches per run before them, the first included (worker start-up, graph build, first
+            decodes).
         repeats: runs, >= 1.
         device: where the batches land; a CUDA device is synced around the timed window.
+        workers: processes of the loader that each make whole batches (DataLoader workers), or 0.
 
     Returns:
-        Source images/s of every run, and the machine's CPU share in each timed window.
+        Per run: steady-state source images/s, the machine's CPU share, the first batch's time and the
+        taking thread's CPU per batch.
     """
-    rates, utilisation = [], []
+    batches, warmup = steady_batches(batches, max(1, warmup), workers)
+    rates, utilisation, first, thread = [], [], [], []
     for r in range(repeats):
+        t0 = time.perf_counter()
         loader = make(r)
-        it = iter(loader)
-        for _ in range(warmup):
+        it = _endless(loader)
+        next(it)
+        sync(device)
+        first.append(time.perf_counter() - t0)
+        for _ in range(warmup - 1):
             next(it)
         sync(device)
-        ticks, t0 = cpu_ticks(), time.perf_counter()
-        n = 0
+        ticks, cpu_ms, n = cpu_ticks(), [], 0
+        t0 = time.perf_counter()
         for _ in range(batches):
+            c0 = time.thread_time()
             n += next(it).batch_size
+            cpu_ms.append(1000 * (time.thread_time() - c0))
         sync(device)
         rates.append(n / (time.perf_counter() - t0))
         utilisation.append(cpu_utilisation(ticks, cpu_ticks()))
+        thread.append(statistics.median(cpu_ms))
+        it.close()
         del it, loader
-    return LoaderTiming(tuple(rates), tuple(utilisation))
+    return LoaderTiming(tuple(rates), tuple(utilisation), tuple(first), tuple(thread), batches, warmup)
+
+
+@dataclass
+class Cell:
+    """One cell of a bench timed in rounds (`in_rounds`): its figures over the rounds, or why it failed."""
+    runs: dict[str, list] = field(default_factory=dict)    # figure name -> one or more values per round
+    error: str | None = None                               # "Type: message" of the round that failed
+    traceback: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def in_rounds(repeats: int, cells: dict[Hashable, Callable[[int], dict[str, list]]],
+              done: Callable[[int], None] | None = None) -> dict[Hashable, Cell]:
+    """Time every cell once per round, `repeats` rounds, each round every cell back to back, so that a
+    slow spell of a shared machine falls on all of them alike, not on one backend or ceiling: the one
+    rounds loop of the benches.
+
+    Args:
+        cells: {key: run(round) -> {figure: values of this round}}, in the order they run in a round.
+        done: called with the round's number after each round (progress lines).
+
+    Returns:
+        {key: Cell}: each figure's values over the rounds. A cell that raises is reported failed (its
+        error and traceback) and left out of the later rounds, never skipped silently.
+    """
+    out = {key: Cell() for key in cells}
+    for rnd in range(repeats):
+        for key, run in cells.items():
+            cell = out[key]
+            if not cell.ok:
+                continue
+            try:
+                for name, values in run(rnd).items():
+                    cell.runs.setdefault(name, []).extend(values)
+            except Exception as exc:   # a broken backend is reported, not silently skipped
+                cell.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                cell.traceback = traceback.format_exc(limit=4)
+        if done is not None:
+            done(rnd)
+    return out
 
 
 @dataclass(frozen=True)
@@ -214,10 +305,12 @@ def _collate_views(items):
 
 
 def time_ceiling(entries, decoder: str, recipe: Recipe | None, batch_size: int, batches: int,
-                 warmup: int, repeats: int, cores: int, first_seed: int = 0) -> list[float]:
-    """Images/s of decode-only (`recipe` None) or decode + crops of `recipe`, in `cores` workers;
-    run r reads the records in the order seeded with `first_seed + r`. `decoder="read"` times
-    reading the bytes alone."""
+                 warmup: int, repeats: int, cores: int, first_seed: int = 0, steady: bool = True) -> list[float]:
+    """Steady-state images/s of decode-only (`recipe` None) or decode + crops of `recipe`, in `cores`
+    DataLoader workers (warm-up and timed batches whole rounds of them, `steady_batches`, unless not
+    `steady`: a smoke run); run r reads the records in the order seeded with `first_seed + r`.
+    `decoder="read"` times reading the bytes alone."""
+    batches, warmup = steady_batches(batches, warmup, cores if steady else 0)
     groups = None if recipe is None else list(recipe.crop_groups)
     ds = _CeilingDataset(ShardReader(entries), decoder, groups)
     need = (warmup + batches) * batch_size

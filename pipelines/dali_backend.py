@@ -1,56 +1,198 @@
 """DALI backend: the records of `spec.EpochOrder`'s batches → the graph of `dali_graph` → `Batch`.
 
-One DALI pipeline per loader, built once and fed through one `fn.external_source`: per batch the host
-reads the records' encoded images (and the masks of the samples that draw background removal) with
-positioned reads (`shards.ShardReader`), takes the images' sizes from their headers, and draws every
-parameter with the reference's laws and generator calls (`dali_graph.draw_inputs`, seeded with
-`EpochOrder.batch_seed`: a batch's draws are the torch reference's draws for the same batch). Order,
-rank sharding, the reshuffle per epoch and the resume position are therefore `EpochOrder`'s, as in every
-backend. The pipeline's prefetch queue reads ahead along `EpochOrder.schedule`, across epoch boundaries;
-the pipeline is rebuilt only when the position jumps (a resume, a `set_epoch` to another epoch). DALI's
-own checkpoint is kept only where the graph draws something itself (DACL's Binary Mixup masks).
+One DALI pipeline per loader, built once and fed through one parallel `fn.external_source`: per batch
+a `BatchSource`, in DALI's Python worker processes, reads the records' encoded images (and the masks
+of the samples that draw background removal) with positioned reads (`shards.ShardReader`), takes the
+images' sizes from their headers, and draws every parameter with the reference's laws and generator
+calls (`dali_graph.draw_inputs`, seeded with `EpochOrder.batch_seed`: a batch's draws are the torch
+reference's draws for the same batch). The source is a pure function of the batch's place in the
+schedule, (epoch, batch number), computed from the pipeline's start position and DALI's iteration
+number (`BatchInfo.iteration`), so any worker may make any batch and a resumed pipeline makes the same
+ones. Order, rank sharding, the reshuffle per epoch and the resume position are therefore
+`EpochOrder`'s, as in every backend. The pipeline's prefetch queue reads ahead along
+`EpochOrder.schedule`, across epoch boundaries; the pipeline is rebuilt only when the position jumps (a
+resume, a `set_epoch` to another epoch). DALI's own checkpoint is kept only where the graph draws
+something itself (DACL's Binary Mixup masks).
+
+The training loop's thread only takes the pipeline's outputs: the reading and drawing never run there
+(docs/benchmarks.md: its CPU per batch before and after). The workers are forked while CUDA is not
+initialised in the process (a test or a CPU run), and forked by a fork server once it is (a GPU run:
+DALI refuses to fork then; `worker_start_method`); either way they follow `pipelines.processes`' rules.
 
 Outputs land on the training device without a round trip: each view output is copied with DALI's
 `feed_ndarray` straight into the batch tensor (device to device on a GPU, on the current torch stream;
-into a reused host buffer, `batch.ReusedBuffers`, on the CPU). Labels, indices, lam and partners are
-known on the host and never enter the graph.
+into a reused host buffer, `batch.ReusedBuffers`, on the CPU). The index, label, lam and partner of the
+batch's samples come out of the pipeline beside its views: the source's outputs passed through the
+graph (copied to the device on a GPU).
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+import multiprocessing as mp
+import os
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Iterator
 
 import numpy as np
 import torch
 from nvidia.dali import Pipeline, fn, pipeline_def
+from nvidia.dali import backend as dali_backend_lib
 from nvidia.dali.backend import TensorListGPU
 from nvidia.dali.plugin.pytorch import feed_ndarray
 
 from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers
-from pipelines.dali_graph import Draws, Outputs, dali_type, draw_inputs, graph, input_specs
-from pipelines.processes import finalise_here
-from pipelines.shards import ShardReader, image_size, scan_shards
+from pipelines.dali_graph import NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs
+from pipelines.processes import before_fork, end_with_parent
+from pipelines.shards import ShardReader, ShardRecord, image_size, scan_shards
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import FIELDS
 
-_NO_BYTES = np.empty(0, np.uint8)           # a mask that no view of the sample composites: never decoded
+
+def host_workers(spec: LoaderSpec) -> int:
+    """DALI Python workers of a loader: a quarter of its CPU threads, 1 to 4 (a batch of 256 ImageNet
+    records takes one worker about 24 ms to read and draw on an H200's host: 4 make 40,000 img/s)."""
+    return max(1, min(4, spec.num_workers // 4))
 
 
-@dataclass
-class _Fed:
-    """A batch handed to the pipeline and not yet returned by it."""
+def worker_start_method() -> str:
+    """How DALI starts a pipeline's workers: "fork" while CUDA is not initialised in this process (a test,
+    a CPU run: cheap), else "forkserver" (a GPU run, whose model is on the device before its loader is
+    built: DALI refuses to fork then). The fork server is started once per process, by exec, and imports
+    torch and DALI once (no CUDA there); it forks every pipeline's workers, where "spawn" would import
+    torch again in each worker of each pipeline (3-7 s). It ends when this process ends, and the workers
+    with it (`_received`)."""
+    if not dali_backend_lib.IsDriverInitialized():
+        return "fork"
+    mp.set_forkserver_preload([__name__])         # what the server imports when it starts (once)
+    return "forkserver"
 
-    epoch: int
-    k: int                                  # batch number in the epoch
-    index: np.ndarray                       # (B,) int64 dataset indices
-    draws: Draws
+
+class _Columns(ShardReader):
+    """A `ShardReader` whose records are numpy columns: what a spawned worker is sent is about 40 bytes a
+    record (ImageNet's 1.28 M records as objects would be about 150 MB per worker)."""
+
+    def __init__(self, records: list[ShardRecord]) -> None:
+        self.shards = sorted({r.shard for r in records})
+        sid = {s: i for i, s in enumerate(self.shards)}
+        self.cols = np.array([(sid[r.shard], r.image_offset, r.image_size, r.mask_offset, r.mask_size)
+                              for r in records], np.int64).reshape(-1, 5)              # (N, 5)
+        self._fds = {}
+
+    def image(self, i: int) -> bytes:
+        s, offset, size, _, _ = self.cols[i].tolist()
+        return self._read(self.shards[s], offset, size)
+
+    def mask(self, i: int) -> bytes | None:
+        s, _, _, offset, size = self.cols[i].tolist()
+        return self._read(self.shards[s], offset, size) if offset >= 0 else None
 
 
-def _host(tl) -> np.ndarray:
-    return (tl.as_cpu() if isinstance(tl, TensorListGPU) else tl).as_array()
+def _received(state: dict) -> "BatchSource":
+    """A `BatchSource` unpickled in a DALI worker started by the fork server, which ends with its parent
+    (`pipelines.processes`, rule 2; a worker forked from this process gets it from the at-fork hook)."""
+    end_with_parent()
+    source = BatchSource.__new__(BatchSource)
+    source.__dict__.update(state)
+    return source
+
+
+def _pack_bytes(items: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """Encoded files as one (B, L) uint8 array, each row zero-padded to the longest, and their (B, 1)
+    int32 lengths: one output instead of B (the pipeline's feeding costs the training thread ~10 µs a
+    sample), cut back to the bytes in the graph (`_unpack`)."""
+    lengths = np.array([len(b) for b in items], np.int32)
+    out = np.zeros((len(items), int(lengths.max())), np.uint8)
+    for row, b in zip(out, items):
+        row[:len(b)] = np.frombuffer(b, np.uint8)
+    return out, lengths[:, None]
+
+
+def source_outputs(spec: LoaderSpec, masks: bool, gpu: bool) -> list[tuple[str, np.dtype, int, list[str]]]:
+    """The outputs of the external source (`BatchSource`), in order, as (name, dtype, sample ndim,
+    members): "image" and "image_bytes" (`_pack_bytes`), "mask" and "mask_bytes" (when the graph reads
+    masks), then the `dali_graph.input_specs` inputs grouped by dtype and sample shape (members: the
+    inputs stacked along the sample's first axis, one output per group instead of one per input:
+    relicv2's 42 inputs are 6 outputs), then the pass-through outputs "ids" (index, label and, with a
+    mix, the partner of each mixed view) and, with a mix, "lam" (of each mixed view). `gpu`: the GPU
+    graph's inputs (`dali_graph.draw_inputs`)."""
+    out = [("image", np.dtype(np.uint8), 1, []), ("image_bytes", np.dtype(np.int32), 1, [])]
+    if masks:
+        out += [("mask", np.dtype(np.uint8), 1, []), ("mask_bytes", np.dtype(np.int32), 1, [])]
+    groups: dict[tuple, list[str]] = {}
+    for name, dtype, shape in input_specs(spec, masks, gpu):
+        groups.setdefault((np.dtype(dtype), shape), []).append(name)
+    out += [(f"group/{dtype}" + "".join(f"x{n}" for n in shape), dtype, len(shape) + (len(names) > 1), names)
+            for (dtype, shape), names in groups.items()]
+    out.append(("ids", np.dtype(np.int64), 1, []))
+    return out + ([("lam", np.dtype(np.float32), 1, [])] if spec.mix.kind != "none" else [])
+
+
+class BatchSource:
+    """The parallel external source's callback: batch `BatchInfo.iteration` of a pipeline that starts at
+    loader position `start`, read and drawn (module docstring), as the numpy arrays of
+    `source_outputs`."""
+
+    def __init__(self, spec: LoaderSpec, reader: ShardReader, labels: np.ndarray, usable: torch.Tensor,
+                 masks: bool, gpu: bool, start: tuple[int, int], first_iteration: int = 0) -> None:
+        self.spec, self.reader, self.labels, self.usable, self.masks = spec, reader, labels, usable, masks
+        self.gpu, self.order = gpu, EpochOrder(spec, len(labels))
+        self.start, self.first_iteration = start, first_iteration
+        self.groups = [members for name, _, _, members in source_outputs(spec, masks, gpu) if name.startswith("group/")]
+        self._indices: tuple[int, np.ndarray] | None = None      # the last epoch's order, cached
+        self._pid = os.getpid()                                    # the process that made it
+
+    def __reduce__(self):
+        return _received, ({**self.__dict__, "_indices": None, "_pid": None},)
+
+    def position(self, iteration: int) -> tuple[int, int]:
+        """(epoch, batch number) of the pipeline's iteration `iteration` (`EpochOrder.schedule`'s order)."""
+        done = self.start[1] + iteration - self.first_iteration
+        return self.start[0] + done // len(self.order), done % len(self.order)
+
+    def batch(self, epoch: int, k: int) -> tuple[np.ndarray, list[bytes], Draws]:
+        """(index (B,) int64, the encoded images, the draws) of batch k of `epoch`."""
+        if self._indices is None or self._indices[0] != epoch:
+            self._indices = (epoch, self.order.indices(epoch))
+        bs = self.spec.batch_size
+        index = self._indices[1][k * bs:(k + 1) * bs]
+        data = [self.reader.image(int(i)) for i in index]
+        hw = torch.tensor([image_size(b) for b in data], dtype=torch.long)               # (B, 2)
+        gen = torch.Generator().manual_seed(self.order.batch_seed(k, epoch=epoch))
+        return index, data, draw_inputs(self.spec, hw, self.usable[index], self.masks, gen, self.gpu)
+
+    def __call__(self, info) -> list[np.ndarray]:
+        if self._pid != os.getpid():      # a worker: one torch thread (as DataLoader workers; OpenMP after fork)
+            torch.set_num_threads(1)
+            self._pid = os.getpid()
+        index, data, draws = self.batch(*self.position(info.iteration))
+        fed = [*_pack_bytes(data)]
+        if self.masks:       # the masks of samples that composite in some view; a 1-px stand-in for the rest
+            fed += _pack_bytes([self.reader.mask(int(i)) if n else NO_MASK_PNG for i, n in zip(index, draws.reads_mask)])
+        for names in self.groups:
+            a = [draws.inputs[n] for n in names]
+            fed.append(np.stack(a, 1) if len(a) > 1 else a[0])                             # (B, n, ...)
+        ids = [index[:, None].astype(np.int64), self.labels[index][:, None]]
+        if draws.mix is None:
+            return fed + [np.concatenate(ids, 1)]
+        ids.append(draws.mix.partner.T.numpy().astype(np.int64))                          # (B, V)
+        return fed + [np.concatenate(ids, 1), np.ascontiguousarray(draws.mix_lam.T.numpy())]
+
+
+def _host(tl) -> np.ndarray | list[np.ndarray]:
+    """A debug output on the host: one array, or a list of the samples where their shapes differ."""
+    tl = tl.as_cpu() if isinstance(tl, TensorListGPU) else tl
+    return tl.as_array() if tl.is_dense_tensor() else [np.array(t) for t in tl]
+
+
+def _tensor(tl, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """A dense DALI batch (a pass-through output) as a tensor on `dev` (on the current stream on a GPU)."""
+    t = tl.as_tensor()
+    on_gpu = isinstance(tl, TensorListGPU)
+    out = torch.empty(t.shape(), dtype=dtype, device=dev if on_gpu else "cpu")
+    feed_ndarray(t, out, cuda_stream=torch.cuda.current_stream(dev) if on_gpu else None)
+    return out.to(dev, non_blocking=True)
 
 
 def _feed(tls: list, dev: torch.device, buffers: ReusedBuffers, channels_last: bool) -> torch.Tensor | None:
@@ -77,25 +219,32 @@ class DaliLoader(EpochLoader):
     def __init__(self, spec: LoaderSpec, info: DatasetInfo, *, debug: bool = False, gpu_branches: bool = False) -> None:
         self.spec, self.info, self.debug, self.gpu_branches = spec, info, debug, gpu_branches
         records = scan_shards(info.dir / spec.split, info.count)
-        self.reader = ShardReader(records)
+        self.reader = _Columns(records)
         self.labels = np.array([r.label for r in records], np.int64)
         self.usable = saliency_usable(torch.tensor([r.coverage for r in records]))
         self.masks = info.reads_masks(spec.recipe)
         self.order = EpochOrder(spec, info.count)
-        self.input_names = [name for name, _, _ in input_specs(spec, self.masks)]
         self.draws_in_graph = spec.mix.kind == "dacl" and "binary" in spec.mix.dacl_noises   # a DALI checkpoint matters
         self._buffers = ReusedBuffers()              # CPU device: the views land in reused host memory
-        self._pipe, self._pipe_at, self._fields, self._debug_names = None, None, [], []
-        self._fed: deque[_Fed] = deque()
-        self._schedule: Iterator | None = None
-        self._dali_state: bytes | None = None        # DALI checkpoint to build the next pipeline from
-        self.last_draws: Draws | None = None         # the draws of the last batch handed out
+        self._pipe, self._pipe_at, self._out = None, None, Outputs()
+        self._source: BatchSource | None = None
+        self._iteration = 0                          # DALI's iteration number of the pipeline's next batch
+        self._dali_state: tuple[bytes, int] | None = None   # DALI checkpoint (and its iteration) to build from
+        self._last: tuple[int, int] | None = None    # (epoch, batch number) of the last batch handed out
         self.last_debug: dict[str, np.ndarray] = {}  # debug: the graph's own draws of that batch
+
+    @property
+    def last_draws(self) -> Draws | None:
+        """The draws of the last batch handed out, made again here on demand (tests, debugging): the
+        source is a pure function of the batch's place, and the training loop never asks for them."""
+        if self._last is None:
+            return None
+        return self._source.batch(*self._last)[2]
 
     def state_dict(self) -> dict:
         dali = self._dali_state
         if self.draws_in_graph and self._pipe is not None and self._pipe_at == self._position():
-            dali = self._pipe.checkpoint()
+            dali = (self._pipe.checkpoint(), self._iteration)
         return {**super().state_dict(), "dali": dali}
 
     def load_state_dict(self, state: dict) -> None:
@@ -114,20 +263,6 @@ class DaliLoader(EpochLoader):
     def _position(self) -> tuple[int, int]:
         return self.order.epoch, self.order.batches_done
 
-    def _next_batch(self, info=None) -> list:
-        """The external source's callback: the next batch of the schedule, read and drawn on the host."""
-        epoch, k, index = next(self._schedule)
-        data = [self.reader.image(int(i)) for i in index]
-        hw = torch.tensor([image_size(b) for b in data], dtype=torch.long)             # (B, 2)
-        gen = torch.Generator().manual_seed(self.order.batch_seed(k, epoch=epoch))
-        draws = draw_inputs(self.spec, hw, self.usable[index], self.masks, gen)
-        self._fed.append(_Fed(epoch, k, index, draws))
-        fed = [[np.frombuffer(b, np.uint8) for b in data]]
-        if self.masks:       # read only the masks of samples that composite in some view
-            fed.append([np.frombuffer(self.reader.mask(int(i)), np.uint8) if n else _NO_BYTES
-                        for i, n in zip(index, draws.reads_mask)])
-        return fed + [draws.inputs[name] for name in self.input_names]
-
     def _pipeline(self):
         """The pipeline, rebuilt when the position it reads next is not the loader's."""
         if self._pipe is not None and self._pipe_at == self._position():
@@ -138,13 +273,17 @@ class DaliLoader(EpochLoader):
             index = torch.device(s.device).index
             device_id = torch.cuda.current_device() if index is None else index
         ckpt, self._dali_state = (self._dali_state if self.draws_in_graph else None), None
-        self._fed.clear()
-        self._schedule = self.order.schedule()
-        self._pipe, out = define_pipeline(s, self.masks, self.info.mean, self.info.std, device_id, self._next_batch,
-                                          debug=self.debug, checkpoint=ckpt, gpu_branches=self.gpu_branches)
+        self._iteration = ckpt[1] if ckpt else 0
+        self._pipe = None                    # the old pipeline (and its workers) end before new ones start
+        self._source = BatchSource(s, self.reader, self.labels, self.usable, self.masks,
+                                   s.device.startswith("cuda") or self.gpu_branches, self._position(), self._iteration)
+        method = worker_start_method()
+        if method == "fork":
+            before_fork()                    # the workers follow pipelines.processes' rules
+        self._pipe, self._out = define_pipeline(s, self.masks, self.info.mean, self.info.std, device_id, self._source,
+                                                debug=self.debug, checkpoint=ckpt[0] if ckpt else None,
+                                                gpu_branches=self.gpu_branches, start_method=method)
         self._pipe.build()
-        finalise_here(self._pipe)            # a child forked later must not finalise it (pipelines.processes)
-        self._fields, self._debug_names = out.fields, out.debug
         self._pipe_at = self._position()
         return self._pipe
 
@@ -157,30 +296,46 @@ class DaliLoader(EpochLoader):
             # The stream is run()'s positional-only argument: DALI takes a keyword for a pipeline input
             # (and refuses it with prefetching). One call on both devices, so the CPU tests run it too.
             outs = pipe.run(torch.cuda.current_stream(dev) if dev.type == "cuda" else None)
-            fed = self._fed.popleft()
+            self._iteration += 1
+            out = self._out
             views: dict[str, list] = {}
-            for name, tl in zip(self._fields, outs):
+            for name, tl in zip(out.fields, outs):
                 views.setdefault(name, []).append(tl)
-            d = fed.draws
-            self.last_draws = d
-            self.last_debug = {n: _host(tl) for n, tl in zip(self._debug_names, outs[len(self._fields):])}
+            passed = dict(zip(out.passed, outs[len(out.fields):]))
+            if self.debug:
+                self.last_debug = {n: _host(tl) for n, tl in zip(out.debug, outs[len(out.fields) + len(out.passed):])}
             fields = {f: _feed(views.get(f, []), dev, self._buffers, s.channels_last)
                       for f in (*FIELDS, "mixed")}
-            index = torch.from_numpy(fed.index.astype(np.int64))
-            batch = Batch(**fields, index=index.to(dev, non_blocking=True),
-                          label=torch.from_numpy(self.labels[fed.index]).to(dev, non_blocking=True),
-                          mix_lam=None if d.mix_lam is None else d.mix_lam.to(dev, non_blocking=True),
-                          mix_partner=None if d.mix is None else d.mix.partner.long().to(dev, non_blocking=True))
+            ids = _tensor(passed["ids"], torch.int64, dev)                   # (B, 2 + V) index, label, partners
+            mixed = "lam" in passed
+            batch = Batch(**fields, index=ids[:, 0].contiguous(), label=ids[:, 1].contiguous(),
+                          mix_lam=_tensor(passed["lam"], torch.float32, dev).T.contiguous() if mixed else None,
+                          mix_partner=ids[:, 2:].T.contiguous() if mixed else None)
+            self._last = self._position()
             o.advance()
             self._pipe_at = self._position()
             yield batch
 
 
+def _unpack(nodes: dict, kinds: list) -> dict:
+    """The graph's inputs from the source's outputs (`source_outputs`, `kinds`): the encoded files cut
+    back to their bytes, every grouped input taken out of its group. Host routing, on the CPU."""
+    inputs = {name: fn.slice(nodes[name], start=[0], shape=nodes[f"{name}_bytes"], axes=[0])
+              for name in ("image", "mask") if name in nodes}
+    for name, _, _, members in kinds:
+        if len(members) == 1:
+            inputs[members[0]] = nodes[name]
+        for j, member in enumerate(members if len(members) > 1 else []):
+            inputs[member] = nodes[name][j]
+    return inputs
+
+
 def define_pipeline(spec: LoaderSpec, masks: bool, mean, std, device_id: int | None, source=None, *,
-                    debug: bool = False, checkpoint: bytes | None = None,
-                    gpu_branches: bool = False) -> tuple[Pipeline, Outputs]:
-    """The (unbuilt) DALI pipeline of `spec`: one external source of the encoded images (and masks) and
-    the `dali_graph.input_specs` inputs, then `dali_graph.graph`.
+                    debug: bool = False, checkpoint: bytes | None = None, gpu_branches: bool = False,
+                    start_method: str = "fork") -> tuple[Pipeline, Outputs]:
+    """The (unbuilt) DALI pipeline of `spec`: one external source (`source_outputs`: the encoded images
+    and masks, the `dali_graph.input_specs` inputs, the pass-through outputs), then `dali_graph.graph`,
+    then the pass-through outputs (on the graph's device).
 
     With `device_id=None` a graph of a "cuda" spec is defined (and can be serialised, its operators
     looked up) on a machine without a GPU; only building it needs the device.
@@ -188,31 +343,40 @@ def define_pipeline(spec: LoaderSpec, masks: bool, mean, std, device_id: int | N
     Args:
         masks: the graph reads masks (`DatasetInfo.reads_masks`).
         mean, std: the dataset's statistics. device_id: the GPU, or None.
-        source: the external source's callback (None: a graph that is only defined).
+        source: the external source's callback, run in `host_workers(spec)` DALI worker processes
+            (`BatchSource`; None: a graph that is only defined).
         checkpoint: a DALI checkpoint to start from (the in-graph draws' state).
         gpu_branches: a CPU graph takes the GPU graph's branches (`dali_graph.colour_ops`).
+        start_method: how DALI starts the workers, "fork" or "spawn" (`worker_start_method()`).
 
     Returns:
         (pipeline, the graph's `Outputs`).
     """
-    kinds = [("image", np.uint8, 1)] + ([("mask", np.uint8, 1)] if masks else []) + input_specs(spec, masks)
+    kinds = source_outputs(spec, masks, spec.device.startswith("cuda") or gpu_branches)
     seed = derive_seed(spec.seed, spec.rank, Stream.DALI_GRAPH) % (2**31 - 1)
     in_graph = spec.mix.kind == "dacl" and "binary" in spec.mix.dacl_noises
+    workers = host_workers(spec)
     built: dict = {}
 
     @pipeline_def(batch_size=spec.batch_size, num_threads=max(1, spec.num_workers), device_id=device_id, seed=seed,
                   prefetch_queue_depth=2, enable_conditionals=True, enable_checkpointing=in_graph,
-                  checkpoint=checkpoint)
+                  checkpoint=checkpoint, py_num_workers=workers, py_start_method=start_method)
     def pipe():
         if source is None:         # defined only: one named input per output of the callback
-            nodes = [fn.external_source(name=name, dtype=dali_type(t), ndim=n) for name, t, n in kinds]
+            nodes = [fn.external_source(name=name, dtype=dali_type(t), ndim=n) for name, t, n, _ in kinds]
         else:
+            # batch mode: each batch one task, made by any worker; `workers` batches ahead
             nodes = fn.external_source(source=source, num_outputs=len(kinds), batch=True, batch_info=True,
-                                       dtype=[dali_type(t) for _, t, _ in kinds], ndim=[n for _, _, n in kinds])
-        out = built["out"] = graph(spec, dict(zip([name for name, _, _ in kinds], nodes)), masks, mean, std,
-                                   channels_last=spec.channels_last, debug=debug, seed=seed,
-                                   gpu_branches=gpu_branches)
-        return tuple(out.nodes)
+                                       parallel=True, prefetch_queue_depth=max(2, workers),
+                                       dtype=[dali_type(t) for _, t, _, _ in kinds], ndim=[n for _, _, n, _ in kinds])
+        nodes = dict(zip([name for name, _, _, _ in kinds], nodes))
+        out = built["out"] = graph(spec, _unpack(nodes, kinds), masks, mean, std,
+                                   channels_last=spec.channels_last, debug=debug, seed=seed, gpu_branches=gpu_branches)
+        passed = [name for name in ("ids", "lam") if name in nodes]
+        out.passed = passed
+        on_device = [nodes[n].gpu() if spec.device.startswith("cuda") else nodes[n] for n in passed]
+        n = len(out.fields)
+        return tuple(out.nodes[:n] + on_device + out.nodes[n:])
 
     p = pipe()
     p._build_graph()           # defines the graph (DALI's own validation), without a device or data

@@ -3,22 +3,26 @@ recipe and the mixes out, normalised, on the graph's device.
 
 Every random parameter is drawn on the host, per batch, by the laws of the torch reference and with
 the same generator calls (`augment.draw_crop_boxes`, `augment.draw_color_params`, `mixing.MIXES`),
-by `draw_inputs`, and enters the graph through one `fn.external_source` with one output per operator
-argument (`input_specs`). So the graph holds pixel operators and nothing else: no per-sample arithmetic
+by `draw_inputs`, and enters the graph through one `fn.external_source` (`dali_backend`: one input
+per operator argument, `input_specs`, packed by kind). So the graph holds pixel operators and the
+routing of the host's inputs, nothing else: no per-sample arithmetic
 on the CPU that would grow with the views (the former in-graph draws were ~1,000 tiny CPU operators
 per iteration for `relicv2`), and nothing waits for a decoded image (the crop windows come from the
 sizes in the encoded images' headers, `shards.image_size`). The one exception is DACL's Binary Mixup
 mask, a random value per pixel: drawn in the graph, on the graph's device.
 
-Per crop view (`graph`): resize of the crop window, with the flip folded into the ROI (an x-range given
-right to left comes out mirrored, bit-identical to a flip of the resized view) → saliency composite on
-the same window (`saliency`), for the samples that drew it only: a conditional, so only their masks
-are decoded → the colour ops (`colour_ops`). Staged groups take their parent's output and add their
-own colour ops. Then the mixes (`mixes`): SDMP's mixers as one branch per mixer (the batch's mixer
-runs, the others see an empty batch), CutMix and ResizeMix as `fn.multi_paste` of the box on the
-device, DACL's noises per sample. Every output leaves normalised (`crop_mirror_normalize`: the formula
-of `batch.normalize`), CHW, or HWC when a channels-last network takes it (then the loader hands out a
-permuted view, no copy).
+Per batch the images, and the masks where a view composites saliency, are decoded once. Per crop view
+(`graph`): resize of the crop window, with the flip folded into the ROI (an x-range given right to left
+comes out mirrored, bit-identical to a flip of the resized view) → saliency composite on the same
+window (`saliency`), for the samples that drew it only (a conditional) → the colour ops (`colour_ops`:
+on the GPU every sample runs blur and solarize with no-op parameters where it drew none, on the CPU a
+conditional skips them). Staged groups take their parent's output and add their own colour ops. Then
+the mixes (`mixes`): SDMP's mixers as one branch per mixer (the batch's mixer runs, the others see an
+empty batch), CutMix and ResizeMix as `fn.multi_paste` of the box on the device, DACL's noises per
+sample. Three workarounds of DALI 2.4.0 GPU bugs are marked where they are (ResizeMix's patch padded to
+the canvas, empty paste regions out of the canvas, masks decoded outside the conditionals). Every
+output leaves normalised (`crop_mirror_normalize`: the formula of `batch.normalize`), CHW, or HWC when
+a channels-last network takes it (then the loader hands out a permuted view, no copy).
 
 Colour jitter + grayscale are one `fn.coord_transform` per view (`colour_matrices`): without the clamps
 the four torchvision ops compose to the same affine map in every order, so the random order only
@@ -33,6 +37,8 @@ beyond 3σ are < 0.3 % of the mass); views and mixes are rounded to uint8 betwee
 from __future__ import annotations
 
 import math
+import struct
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,7 +52,7 @@ from pipelines.spec import LoaderSpec
 from pipelines.views import ViewGroup
 
 _INTERP = {"bilinear": types.INTERP_LINEAR, "bicubic": types.INTERP_CUBIC}
-_DALI_TYPES = {np.dtype(np.uint8): types.UINT8, np.dtype(np.int32): types.INT32,
+_DALI_TYPES = {np.dtype(np.uint8): types.UINT8, np.dtype(np.int32): types.INT32, np.dtype(np.int64): types.INT64,
                np.dtype(np.float32): types.FLOAT, np.dtype(np.bool_): types.BOOL}
 # RGB <-> YIQ, for the hue rotation H(θ) = C0 + cos θ·C1 + sin θ·C2.
 _RGB2YIQ = np.array([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])
@@ -56,6 +62,18 @@ _HUE_C = np.stack([_YIQ2RGB @ np.diag([1.0, 0.0, 0.0]) @ _RGB2YIQ,
                    _YIQ2RGB @ np.array([[0, 0, 0], [0, 0, -1.0], [0, 1.0, 0]]) @ _RGB2YIQ])      # (3, 3, 3)
 _GRAY_M = np.tile(np.array(GRAY_WEIGHTS), (3, 1))                                               # G = 1wᵀ
 _SOLARIZED = [v if v < 128 else 255 - v for v in range(256)]          # levels >= half range inverted
+
+
+def _png_1px() -> bytes:
+    """A 1 x 1 gray PNG (level 0)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\x00\x00")) + chunk(b"IEND", b""))
+
+
+NO_MASK_PNG = _png_1px()      # the mask a sample that composites in no view brings to the once-per-batch decode
 
 
 # ------------------------------------------------------------------------------------------------
@@ -107,7 +125,7 @@ def _uses_colour(g: ViewGroup) -> bool:
 
 
 def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks: bool,
-                gen: torch.Generator) -> Draws:
+                gen: torch.Generator, gpu: bool = False) -> Draws:
     """Draw a batch's parameters (the reference's calls, in its order) and turn them into the graph's
     inputs: per crop view its ROI, per view its colour matrices and op switches, per mix its partner,
     weights and boxes.
@@ -118,9 +136,10 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
         usable: (B,) bool, `augment.saliency_usable` of the records' mask coverage.
         masks: whether the graph reads masks (`DatasetInfo.reads_masks`).
         gen: the batch's CPU generator (`EpochOrder.batch_seed`).
+        gpu: the inputs of the GPU graph's branches (`colour_ops`), not the CPU graph's.
 
     Returns:
-        The draws, with `inputs` {name: (B, ...) numpy batch}; the names depend on the spec alone.
+        The draws, with `inputs` {name: (B, ...) numpy batch}; the names depend on the spec and `gpu`.
     """
     recipe, b = spec.recipe, hw.shape[0]
     boxes = draw_crop_boxes(hw, recipe, gen)
@@ -151,10 +170,16 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
                 if g.jitter_p > 0 and g.contrast > 0:
                     inputs[f"{tag}/contrast"] = t[rows]
             if g.blur_p > 0:
-                inputs[f"{tag}/sigma"] = p.sigma[rows].numpy().astype(np.float32)
-                if g.blur_p < 1:
+                sigma = p.sigma[rows].numpy().astype(np.float32)
+                inputs[f"{tag}/sigma"] = sigma
+                if g.blur_p < 1 and gpu:       # a no-op window of 1 where not drawn (DALI's own where drawn)
+                    inputs[f"{tag}/blur_window"] = np.where(p.blur[rows].numpy(), 2 * np.ceil(3 * sigma) + 1,
+                                                            1).astype(np.int32)
+                elif g.blur_p < 1:             # the conditional's predicate
                     inputs[f"{tag}/blur"] = p.blur[rows].numpy()
-            if g.solarize_p > 0:
+            if g.solarize_p > 0 and gpu:       # x ^ (mask · [x >= 128]): 255 inverts the upper levels, 0 nothing
+                inputs[f"{tag}/solarize_mask"] = np.where(p.solarize[rows].numpy(), 255, 0).astype(np.uint8)
+            elif g.solarize_p > 0:
                 inputs[f"{tag}/solarize"] = p.solarize[rows].numpy()
     mix = lam = None
     if spec.mix.kind != "none":
@@ -179,8 +204,15 @@ def _mix_inputs(mix: MixSpec, d: MixDraw, lam: torch.Tensor, size: int) -> dict[
         if "mixup" in mix.sdmp_mixers:
             out["mix/lam"], out["mix/lam_other"] = lam[0].numpy(), (1 - lam[0]).numpy()
         box = d.boxes[0].numpy()                                                            # (B, 4) y0, x0, y1, x1
-        anchor = np.stack([np.zeros((b, 2)), box[:, :2]], 1).astype(np.int32)              # (B, 2 regions, 2)
-        shape = np.stack([np.full((b, 2), size), box[:, 2:] - box[:, :2]], 1).astype(np.int32)
+        side = box[:, 2:] - box[:, :2]                                                      # (B, 2) h, w
+        # Workaround, DALI 2.4.0 (upstream bug): the GPU `multi_paste` opens a region of zero area (a
+        # box of side 0, lam near 1) and never closes it, pasting from its anchor to the bottom-right
+        # corner. An empty region is placed at the canvas's far corner, where it can never open.
+        empty = (side == 0).any(1)
+        at = np.where(empty[:, None], size, box[:, :2])
+        side = np.where(empty[:, None], 0, side)
+        anchor = np.stack([np.zeros((b, 2)), at], 1).astype(np.int32)                      # (B, 2 regions, 2)
+        shape = np.stack([np.full((b, 2), size), side], 1).astype(np.int32)
         for m in ("cutmix", "resizemix"):
             if m in mix.sdmp_mixers:
                 out[f"mix/{m}_anchor"], out[f"mix/{m}_shape"] = anchor, shape
@@ -199,14 +231,14 @@ def _mix_inputs(mix: MixSpec, d: MixDraw, lam: torch.Tensor, size: int) -> dict[
     return out
 
 
-def input_specs(spec: LoaderSpec, masks: bool) -> list[tuple[str, np.dtype, int]]:
-    """(name, dtype, sample ndim) of every graph input besides the encoded images (and masks), in the
-    order `draw_inputs` makes them (from a draw on stand-in image sizes: the names do not depend on
-    the data)."""
+def input_specs(spec: LoaderSpec, masks: bool, gpu: bool = False) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    """(name, dtype, sample shape) of every graph input besides the encoded images (and masks), in the
+    order `draw_inputs` makes them (from a draw on stand-in image sizes: names and shapes do not depend
+    on the data)."""
     b = spec.batch_size
     hw = torch.full((b, 2), max(g.size_px for g in spec.recipe.groups), dtype=torch.long)
-    d = draw_inputs(spec, hw, torch.ones(b, dtype=torch.bool), masks, torch.Generator().manual_seed(0))
-    return [(name, a.dtype, a.ndim - 1) for name, a in d.inputs.items()]
+    d = draw_inputs(spec, hw, torch.ones(b, dtype=torch.bool), masks, torch.Generator().manual_seed(0), gpu)
+    return [(name, a.dtype, a.shape[1:]) for name, a in d.inputs.items()]
 
 
 def dali_type(dtype: np.dtype):
@@ -222,10 +254,17 @@ def dali_type(dtype: np.dtype):
 def colour_ops(x, g: ViewGroup, inputs: dict, tag: str, gpu_branches: bool = False):
     """Jitter + grayscale (one fused affine pass), blur, solarize of `g` on uint8 HWC views `x`.
 
-    Called inside a pipeline built with `enable_conditionals=True`: an `if` on a per-sample input
-    splits the batch, so that blur and solarize run only on the samples whose coin came up.
+    The CPU graph takes the view's contrast offset as the colour pass's argument, and splits the batch
+    with a conditional (`enable_conditionals=True`: an `if` on a per-sample input) so that blur and
+    solarize run only on the samples whose coin came up. The GPU graph adds the offset, made on the
+    device (so it cannot be an argument), after a float pass, and gives every sample the same
+    operators with no-op parameters (a blur window of 1; solarize as x XOR 255 where x >= 128, with a
+    per-sample mask of 255 or 0, one uint8 operator): no conditional, whose splits and merges of the
+    views and their arguments cost more operators there than the work they skip.
 
     Args:
+        inputs: the graph's inputs; blur and solarize take the GPU graph's form where `draw_inputs`
+            made its inputs (`gpu=True`).
         gpu_branches: take the GPU graph's branch on the CPU too (tests compare the two there).
     """
     if f"{tag}/colour" in inputs:
@@ -233,23 +272,26 @@ def colour_ops(x, g: ViewGroup, inputs: dict, tag: str, gpu_branches: bool = Fal
         if f"{tag}/contrast" in inputs:
             mean_rgb = fn.reductions.mean(x, axes=[0, 1], keep_dims=True)         # (1, 1, 3) float
             t = fn.coord_transform(mean_rgb, M=inputs[f"{tag}/contrast"])       # b·(1-c)·mean gray
-            t = fn.reshape(t, shape=[3])                                         # (3,): T of the view
-            if x.device == "gpu" or gpu_branches:   # T made on the GPU cannot be an argument (CPU only)
-                x = fn.cast(fn.coord_transform(x, M=m, dtype=types.FLOAT) + t, dtype=types.UINT8)  # rounds
+            if x.device == "gpu" or gpu_branches:     # (1, 1, 3) offset broadcast over the view, then rounded
+                x = fn.cast(fn.coord_transform(x, M=m, dtype=types.FLOAT) + t, dtype=types.UINT8)
             else:
-                x = fn.coord_transform(x, M=m, T=t, dtype=types.UINT8)
+                x = fn.coord_transform(x, M=m, T=fn.reshape(t, shape=[3]), dtype=types.UINT8)
         else:
             x = fn.coord_transform(x, M=m, dtype=types.UINT8)
     if f"{tag}/sigma" in inputs:
         # DALI's window 2·ceil(3σ)+1 rather than the fixed 10 % kernel (23 px at 224): a few times
         # cheaper for the small σ most draws give (docs/benchmarks.md, kernel notes).
         sigma = inputs[f"{tag}/sigma"]
-        if f"{tag}/blur" in inputs:
+        if f"{tag}/blur_window" in inputs:                  # GPU: every sample, no-op windows
+            x = fn.gaussian_blur(x, sigma=sigma, window_size=inputs[f"{tag}/blur_window"])
+        elif f"{tag}/blur" in inputs:
             if inputs[f"{tag}/blur"]:                       # conditional: only the samples that drew it
                 x = fn.gaussian_blur(x, sigma=sigma)
         else:
             x = fn.gaussian_blur(x, sigma=sigma)
-    if f"{tag}/solarize" in inputs:
+    if f"{tag}/solarize_mask" in inputs:                    # GPU: every sample, no-op masks
+        x = x ^ ((x >= 128) * inputs[f"{tag}/solarize_mask"])
+    elif f"{tag}/solarize" in inputs:
         if inputs[f"{tag}/solarize"]:                       # conditional: only the drawn samples
             x = fn.lookup_table(x, keys=list(range(256)), values=_SOLARIZED, dtype=types.UINT8)
     return x
@@ -268,16 +310,26 @@ def _blend(x, xp, lam, lam_other):
     return fn.cast(x * lam + xp * lam_other, dtype=types.UINT8)
 
 
-def _sdmp_mixer(m: str, x, xp, inputs: dict, size: int):
+def _sdmp_mixer(m: str, x, xp, inputs: dict, size: int, pasted: dict | None = None):
+    """One SDMP mixer on uint8 HWC views; `pasted` (debug, outside any conditional): gets the inputs of
+    the mixer's `multi_paste` under "paste_in0", "paste_in1"."""
     if m == "mixup":
         return _blend(x, xp, inputs["mix/lam"], inputs["mix/lam_other"])
     if m == "cutmix":                  # the partner's box pasted over the image, on the device
-        return fn.multi_paste(x, xp, in_anchors=inputs["mix/cutmix_anchor"], out_anchors=inputs["mix/cutmix_anchor"],
-                              shapes=inputs["mix/cutmix_shape"], output_size=[size, size])
-    patch = fn.resize(xp, size=inputs["mix/resizemix_size"], interp_type=types.INTERP_LINEAR, antialias=True,
-                      dtype=types.UINT8)
-    return fn.multi_paste(x, patch, out_anchors=inputs["mix/resizemix_anchor"], shapes=inputs["mix/resizemix_shape"],
-                          output_size=[size, size])
+        regions = dict(in_anchors=inputs["mix/cutmix_anchor"], out_anchors=inputs["mix/cutmix_anchor"],
+                       shapes=inputs["mix/cutmix_shape"])
+    else:
+        patch = fn.resize(xp, size=inputs["mix/resizemix_size"], interp_type=types.INTERP_LINEAR, antialias=True,
+                          dtype=types.UINT8)
+        # Workaround, DALI 2.4.0 (upstream bug): the GPU `multi_paste` sets up every input with the
+        # shape of input 0, so a box-sized patch is read with the canvas's row pitch (wrong pixels
+        # inside the box, reads past the buffer). The patch is padded to the canvas, its region read
+        # from the top-left corner, so that every input has the canvas's shape.
+        xp = fn.pad(patch, axis_names="HW", shape=[size, size], fill_value=0)
+        regions = dict(out_anchors=inputs["mix/resizemix_anchor"], shapes=inputs["mix/resizemix_shape"])
+    if pasted is not None:
+        pasted["paste_in0"], pasted["paste_in1"] = x, xp
+    return fn.multi_paste(x, xp, output_size=[size, size], **regions)
 
 
 def _sdmp(mixers: tuple[str, ...], x, xp, inputs: dict, size: int):
@@ -325,6 +377,11 @@ def mixes(spec: LoaderSpec, views: dict[str, object], inputs: dict, device: str,
         x = views[tag]
         if mix.kind == "sdmp":
             xp = fn.permute_batch(x, indices=inputs["mix/partner"])      # mixing.partner_index
+            if len(mix.sdmp_mixers) == 1:                                # no conditional: debug sees the paste
+                pasted: dict = {}
+                out.append(_sdmp_mixer(mix.sdmp_mixers[0], x, xp, inputs, size, pasted))
+                debug.update({f"mix/{v}/{k}": node for k, node in pasted.items()})
+                continue
             out.append(_sdmp(tuple(mix.sdmp_mixers), x, xp, inputs, size))
         else:
             xp = fn.permute_batch(x, indices=inputs[f"mix/{v}/partner"])
@@ -340,9 +397,11 @@ def mixes(spec: LoaderSpec, views: dict[str, object], inputs: dict, device: str,
 
 @dataclass
 class Outputs:
-    """The graph's outputs in order: each view's `Batch` field, then the debug nodes by name."""
+    """The graph's outputs in order: each view's `Batch` field, the pass-through outputs (added by the
+    pipeline's definition), then the debug nodes by name."""
 
     fields: list[str] = field(default_factory=list)      # "global_views" | "local_views" | "weak_views" | "mixed"
+    passed: list[str] = field(default_factory=list)      # the source's pass-through outputs (index, label, ...)
     debug: list[str] = field(default_factory=list)
     nodes: list = field(default_factory=list)
 
@@ -367,6 +426,14 @@ def graph(spec: LoaderSpec, inputs: dict, masks: bool, mean, std, *, channels_la
                "preallocate_width_hint": spec.decoder.size_hint_px,
                "preallocate_height_hint": spec.decoder.size_hint_px} if device == "gpu" else {"device": "cpu"}
     img = fn.decoders.image(inputs["image"], output_type=types.RGB, **decoder)
+    if any(k.endswith("/saliency") for k in inputs):
+        # Workaround, DALI 2.4.0 (upstream bug): on the GPU, an operator inside a conditional that no
+        # sample of the batch takes is skipped, and a decoder's output is then left without shape or
+        # layout ("number of dimensions 0 does not match any of the allowed layouts" in the resize
+        # after it). So the masks are decoded once per batch, outside any conditional (a sample that
+        # composites in no view brings a 1-px stand-in, `NO_MASK_PNG`), and only pixel operators
+        # run inside the per-view branches.
+        mask = fn.decoders.image(inputs["mask"], output_type=types.GRAY, **decoder)
     views: dict[str, object] = {}
     for g in recipe.crop_groups:
         for v in range(g.count):
@@ -375,8 +442,7 @@ def graph(spec: LoaderSpec, inputs: dict, masks: bool, mean, std, *, channels_la
             x = fn.resize(img, size=[g.size_px, g.size_px], roi_start=start, roi_end=end,
                           interp_type=_INTERP[g.interpolation], antialias=True, dtype=types.UINT8)
             if f"{tag}/saliency" in inputs:
-                if inputs[f"{tag}/saliency"]:                # conditional: masks decoded where drawn only
-                    mask = fn.decoders.image(inputs["mask"], output_type=types.GRAY, **decoder)
+                if inputs[f"{tag}/saliency"]:                # conditional: only the samples that drew it
                     x = saliency(x, mask, start, end, g.size_px, inputs[f"{tag}/level"])
             views[tag] = colour_ops(x, g, inputs, tag, gpu_branches)
     for g in recipe.by_role("staged"):

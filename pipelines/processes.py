@@ -9,13 +9,14 @@ two rules, kept here for preprocess, pipelines and train alike:
    objects, whose finalisers could run there: a DALI pipeline's waits on its worker threads, which
    the child does not have, so a child forked from a process that once built a pipeline (a test
    session, a notebook) hung before doing anything (in its first collection, or in threading's
-   after-fork clean-up). So an object whose finaliser must run in its own process is registered
-   (`finalise_here`: our DALI pipelines), and while one exists `before_fork` collects the garbage,
-   which finalises an unreachable one in the parent; and a forked child freezes what it inherits
-   (`gc.freeze`, its first act), so that its collections never look at it (which also keeps them off
-   the pages it shares with its parent, as Python's documentation of `gc.freeze` says). A full
-   collection before every fork did the first part for everything, at 0.2 s a fork in a process
-   holding torch and more in a long-lived one: a sixth of the test suite's CPU.
+   after-fork clean-up). So the fork happens with the collector off (the at-fork hooks turn it off
+   just before and back on after, in the parent as it was), and a forked child freezes what it
+   inherits (`gc.freeze`) before it turns the collector back on: no collection in the child, not even
+   one that threading's after-fork clean-up would start, ever looks at the inherited objects (which
+   also keeps it off the pages the child shares with its parent, as Python's documentation of
+   `gc.freeze` says). The parent finalises its own garbage when it collects. A full collection before
+   every fork did the same at 0.2 s a fork in a process holding torch and up to 1 s in a test session,
+   and so did one before every fork while a DALI pipeline existed (each DALI loader forks its workers).
 2. End with the parent, however the parent ends (`kill -9`, the OOM killer, a crash). An orphan is
    re-parented to init and works on: it holds memory and cores, and writes into a staging or run
    folder that the next run resumes from. Each child runs a watchdog thread that polls its parent's pid
@@ -38,14 +39,13 @@ import os
 import signal
 import threading
 import time
-import weakref
 from multiprocessing.context import BaseContext
 from pathlib import Path
 
 POLL_S = 0.2                     # how often a child looks at its parent's pid: a dead parent's children end within it
 _forking_pid: int | None = None  # the pid of the process that is forking, read by the child it forks
+_collecting = True               # whether the collector was on when the fork began
 _hooked = False                  # the at-fork hooks are registered in this process (inherited by its children)
-_finalise_here: weakref.WeakSet = weakref.WeakSet()     # objects whose finalisers must run in this process
 
 
 def end_with_parent(parent: int | None = None) -> None:
@@ -67,32 +67,31 @@ def _watch(parent: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _remember_forking_pid() -> None:
-    global _forking_pid
+def _before_fork_hook() -> None:
+    global _forking_pid, _collecting
     _forking_pid = os.getpid()
+    _collecting = gc.isenabled()
+    gc.disable()                             # rule 1: no collection until the child has frozen
+
+
+def _in_parent() -> None:
+    if _collecting:
+        gc.enable()
 
 
 def _in_forked_child() -> None:
     gc.freeze()                              # rule 1: the inherited objects are the parent's to collect
+    if _collecting:
+        gc.enable()
     end_with_parent(_forking_pid)            # the pid before the fork: a parent dead already ends us now
 
 
-def finalise_here(obj: object) -> None:
-    """Register an object whose finaliser must run in this process, never in a forked child (a DALI
-    pipeline: it waits on its worker threads, which a child does not have). While one exists,
-    `before_fork` collects the garbage first, so that an unreachable one is finalised here (rule 1)."""
-    _finalise_here.add(obj)
-
-
 def before_fork() -> None:
-    """Call before forking workers (or before a library does): collects the garbage while an object
-    of `finalise_here` exists, and makes every child forked from this process from now on leave the
-    objects it inherits to it (module docstring, 1) and end with it (2)."""
+    """Call before forking workers (or before a library does): makes every child forked from this
+    process from now on leave the objects it inherits to it (module docstring, 1) and end with it (2)."""
     global _hooked
-    if _finalise_here:
-        gc.collect()
     if not _hooked:
-        os.register_at_fork(before=_remember_forking_pid, after_in_child=_in_forked_child)
+        os.register_at_fork(before=_before_fork_hook, after_in_parent=_in_parent, after_in_child=_in_forked_child)
         _hooked = True
 
 

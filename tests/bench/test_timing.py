@@ -1,4 +1,5 @@
-"""`bench.timing`: the one loader timing of the data bench, the profile and the GPU check, and the
+"""`bench.timing`: the one loader timing of the data bench, the profile and the GPU check (steady state,
+first batch and the taking thread's CPU apart), the one rounds loop they time their cells in, and the
 first-batch and epoch-boundary timing of the profile."""
 
 from __future__ import annotations
@@ -7,7 +8,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from bench.timing import EpochTiming, LoaderTiming, cpu_utilisation, time_epochs, time_loader
+import time
+
+from bench.timing import (EpochTiming, LoaderTiming, cpu_utilisation, in_rounds, steady_batches, time_epochs,
+                          time_loader)
 
 
 @dataclass
@@ -40,6 +44,52 @@ def test_each_run_builds_a_fresh_loader_skips_its_warmup_and_times_the_rest() ->
     assert len(timing.img_per_s) == len(timing.cpu_utilisation) == 3 and all(r > 0 for r in timing.img_per_s)
     assert all(u is None or 0.0 <= u <= 1.0 for u in timing.cpu_utilisation)
     assert min(timing.img_per_s) <= timing.median <= max(timing.img_per_s)
+
+
+class _Bursts:
+    """A DataLoader of `workers` processes that each make a whole batch in `round_s`: the batches come in
+    bursts of `workers`, the first after `round_s`, one epoch of `epoch` batches after another."""
+
+    def __init__(self, workers: int, round_s: float, epoch: int) -> None:
+        self.workers, self.round_s, self.epoch, self.made = workers, round_s, epoch, 0
+
+    def __iter__(self):
+        for _ in range(self.epoch):
+            if self.made % self.workers == 0:
+                time.sleep(self.round_s)
+            self.made += 1
+            yield _Batch(8)
+
+
+def test_steady_state_is_timed_over_whole_rounds_of_the_workers_across_epochs() -> None:
+    assert steady_batches(8, 2, 16) == (64, 32) and steady_batches(100, 40, 16) == (112, 48)
+    assert steady_batches(16, 3, 0) == (16, 3)
+    # 4 workers, a round of 4 batches of 8 every 20 ms: 1,600 img/s. 2 warm-up and 2 timed batches
+    # (the former GPU check's window) fall inside one burst: an impossible rate.
+    burst = time_loader(lambda r: _Bursts(4, 0.02, 6), batches=2, warmup=2, repeats=1, device="cpu")
+    steady = time_loader(lambda r: _Bursts(4, 0.02, 6), batches=2, warmup=2, repeats=1, device="cpu", workers=4)
+    assert burst.median > 10_000
+    assert (steady.batches, steady.warmup) == (16, 8)                  # 4 and 2 rounds, over 4 epochs of 6
+    assert 800 < steady.median <= 1_700                                # sleeps only ever run long
+    assert steady.first_batch_s[0] >= 0.02 and steady.thread_cpu_ms[0] < 5
+
+
+def test_rounds_time_every_cell_once_per_round_and_report_a_broken_one() -> None:
+    order: list[tuple[str, int]] = []
+
+    def cell(name: str, fail_at: int | None = None):
+        def run(rnd: int) -> dict[str, list]:
+            order.append((name, rnd))
+            if rnd == fail_at:
+                raise RuntimeError(f"{name} broke\nsecond line")
+            return {"img_per_s": [10.0 * rnd]}
+        return run
+
+    got = in_rounds(3, {"ceiling": cell("ceiling"), "dali": cell("dali", fail_at=1), "torch": cell("torch")})
+    assert order == [("ceiling", 0), ("dali", 0), ("torch", 0), ("ceiling", 1), ("dali", 1), ("torch", 1),
+                     ("ceiling", 2), ("torch", 2)]
+    assert got["ceiling"].runs == {"img_per_s": [0.0, 10.0, 20.0]} and got["ceiling"].ok
+    assert not got["dali"].ok and got["dali"].error == "RuntimeError: dali broke" and "Traceback" in got["dali"].traceback
 
 
 def test_cpu_utilisation_is_the_busy_share_of_the_ticks_and_unknown_without_any() -> None:

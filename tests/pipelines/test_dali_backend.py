@@ -4,6 +4,7 @@ Batch contract, sharding, seeds and resume test_contract.py's)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -210,6 +211,76 @@ def test_dali_mix_equals_torch_reference(mixed_batches, kind: str) -> None:
         assert (got - want).abs().max() <= tol
 
 
+def gpu_multi_paste(inputs: list[np.ndarray], in_anchors: np.ndarray, out_anchors: np.ndarray, shapes: np.ndarray,
+                    size: int) -> np.ndarray:
+    """One sample of DALI 2.4.0's GPU `multi_paste` as it ran on an H100 (the upstream bugs that
+    `dali_graph` works around): every input is read with the shape of input 0 (its row pitch; past the
+    end of a buffer: -1, never a pixel), and a region of zero area whose anchor lies inside the canvas
+    pastes from there to the bottom-right corner. Where neither happens it is the CPU operator.
+
+    Args:
+        inputs: the regions' (H, W, 3) uint8 inputs. in_anchors, out_anchors, shapes: (regions, 2).
+
+    Returns:
+        (size, size, 3) int16 canvas.
+    """
+    out = np.zeros((size, size, 3), np.int16)
+    h0, w0, c = inputs[0].shape
+    for x, (iy, ix), (oy, ox), (h, w) in zip(inputs, in_anchors, out_anchors, shapes):
+        flat = np.full(h0 * w0 * c, -1, np.int16)
+        n = min(x.size, flat.size)
+        flat[:n] = x.ravel()[:n]
+        x = flat.reshape(h0, w0, c)
+        if h * w == 0:
+            if oy >= size or ox >= size:
+                continue
+            h, w = size - oy, size - ox                                  # opened, never closed
+        out[oy:oy + h, ox:ox + w] = x[iy:iy + h, ix:ix + w]
+    return out
+
+
+@pytest.mark.parametrize("mixer", ["cutmix", "resizemix"])
+def test_gpu_paste_rules_replayed_on_the_graphs_inputs_give_its_mixes(shards, device, mixer: str) -> None:
+    """The inputs the graph gives `multi_paste` are ones DALI's GPU kernel pastes right: replayed with
+    its rules (`gpu_multi_paste`), they give the graph's own mixes. That needs every input of the
+    canvas's shape (ResizeMix's patch padded to it) and no zero-area region inside the canvas (lam near
+    1, which Beta(0.1, 0.1) draws often: boxes of side 0)."""
+    loader = _loader(shards, MIX_RECIPE, device, seed=4, mix=MixSpec("sdmp", alpha=0.1, sdmp_mixers=(mixer,)))
+    empty = 0
+    for b in loader:
+        inputs = loader.last_draws.inputs
+        anchors, shapes = inputs[f"mix/{mixer}_anchor"], inputs[f"mix/{mixer}_shape"]
+        empty += int((shapes[:, 1].prod(1) == 0).sum())
+        for v in range(2):
+            canvas, patch = loader.last_debug[f"mix/{v}/paste_in0"], loader.last_debug[f"mix/{v}/paste_in1"]
+            got = _pixels(b.mixed[v]).round().permute(0, 2, 3, 1).numpy()                # (B, S, S, 3)
+            for i in range(8):
+                assert patch[i].shape == canvas[i].shape == (16, 16, 3)
+                in_anchors = anchors[i] if mixer == "cutmix" else np.zeros_like(anchors[i])
+                want = gpu_multi_paste([canvas[i], patch[i]], in_anchors, anchors[i], shapes[i], 16)
+                assert np.array_equal(got[i], want), (mixer, v, i, anchors[i], shapes[i])
+    assert empty > 0                                                     # the zero-area case was there
+
+
+@pytest.mark.parametrize("target", ["cpu", "cpu+gpu-branches", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_batch_where_no_sample_takes_a_branch_gives_the_views_without_it(shards, target: str) -> None:
+    """Blur, solarize and the saliency composite drawn so rarely (p = 1e-6) that no sample of any
+    view takes them: the views are those of the recipe without them, bit for bit (on the GPU, DALI 2.4
+    left an operator in a branch that no sample takes without shape or layout)."""
+    on = ViewGroup("v", 2, 16, area=(0.3, 1.0), jitter_p=0.8, brightness=0.4, contrast=0.4, blur_p=1e-6,
+                   solarize_p=1e-6, saliency_p=1e-6)
+    off = replace(on, blur_p=0.0, solarize_p=0.0, saliency_p=0.0)
+    device, _, branches = target.partition("+")
+    views = []
+    for g in (on, off):
+        spec = LoaderSpec(root="", dataset="", split="train", recipe=Recipe("rare", (g,)), batch_size=8,
+                          device=device, seed=2)
+        views.append([b.global_views for b in on_host(dali_backend.DaliLoader(spec, shards,
+                                                                              gpu_branches=bool(branches)), device)])
+    assert len(views[0]) == N // 8
+    assert all(torch.equal(a, b) for a, b in zip(*views))
+
+
 # ---- through the real preprocessing and manifest ----------------------------------------------
 
 
@@ -299,6 +370,33 @@ def test_dacl_laws_of_the_graph(shards, device) -> None:
     mix_laws.check_dacl_laws(torch.cat([b.mix_partner for b in batches], 1), torch.cat([b.mix_lam for b in batches], 1),
                              kinds, 0.5, own=torch.arange(8).repeat(len(batches)), noises={0, 1, 2},
                              drawn=torch.cat(drawn).cpu())
+
+
+def test_the_consumers_thread_never_reads_or_draws(shards, monkeypatch, tmp_path) -> None:
+    """The training loop's thread only takes batches: the records are read and every parameter drawn in
+    DALI's worker processes, and the batch's index, label, lam and partner come out of the pipeline
+    with its views (equal to the draws made again here, on demand)."""
+    calls = tmp_path / "calls"
+
+    def noted(real):
+        def call(*args, **kwargs):
+            with open(calls, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(dali_backend, "draw_inputs", noted(dali_backend.draw_inputs))
+    monkeypatch.setattr(dali_backend.ShardReader, "_read", noted(dali_backend.ShardReader._read))
+    mix = MixSpec("sdmp", sdmp_mixers=("cutmix",))
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=with_mix_source(RELIC, mix), batch_size=8, mix=mix,
+                      seed=3)
+    loader = dali_backend.DaliLoader(spec, shards)
+    last = list(loader)[-1]
+    callers = set(calls.read_text().split())
+    assert callers and str(os.getpid()) not in callers               # read and drawn, never here
+    d = loader.last_draws
+    assert torch.equal(last.mix_lam, d.mix_lam) and torch.equal(last.mix_partner, d.mix.partner)
+    assert torch.equal(last.label, last.index % 4)                   # _Split's labels
 
 
 @pytest.mark.gpu

@@ -1,5 +1,6 @@
 """The processes viewmill starts (`pipelines.processes`): a child forked from a process that once built
-a DALI pipeline freezes what it inherits, so it does not finalise the pipeline without its threads;
+a DALI pipeline freezes what it inherits before any collection can run there, so it does not finalise
+the pipeline without its threads;
 and children end with their parent, however it dies: children forked by our pools or by a library after
 `before_fork`, children of children, and exec'd processes that call `end_with_parent`."""
 
@@ -8,12 +9,14 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from pipelines.processes import POLL_S, fork_context
-from tests.processes import kill_and_reap, left_after, live, start, wait_for
+from tests.processes import ROOT, kill_and_reap, left_after, live, start, wait_for
 
 
 def _collect() -> None:
@@ -43,30 +46,26 @@ def test_a_forked_worker_does_not_finalise_the_parent_s_dali_pipeline() -> None:
     assert not hung and child.exitcode == 0
 
 
-def test_an_unreachable_dali_pipeline_of_a_loader_is_finalised_here_before_a_fork(tiny_data_root) -> None:
-    """A DALI loader that is dropped leaves its pipeline in a reference cycle (the pipeline calls back
-    into the loader): garbage that only a collection frees. The next fork's `before_fork` collects it
-    in this process, where its threads exist, instead of leaving it to a child."""
-    pytest.importorskip("nvidia.dali")
-    import weakref
-
-    from pipelines.loader import build_loader
-    from pipelines.processes import before_fork
-    from pipelines.spec import LoaderSpec
-    from pipelines.views import load_recipe
-
-    loader = build_loader("dali", LoaderSpec(root=str(tiny_data_root), dataset="synthetic", split="train",
-                                             recipe=load_recipe("byol", 32, 16), batch_size=8, num_workers=1))
-    next(iter(loader))
-    pipe = weakref.ref(loader._pipe)
-    gc.disable()                                      # no collection but the one under test
-    try:
-        del loader
-        assert pipe() is not None                     # unreachable, not yet finalised
-        before_fork()
-        assert pipe() is None
-    finally:
-        gc.enable()
+def test_no_collection_can_run_in_a_forked_child_before_it_freezes_what_it_inherits() -> None:
+    """A hook that runs in the child before ours (as threading's after-fork clean-up does, registered at
+    import) sees the collector off, so nothing there can start a collection that would finalise an
+    inherited DALI pipeline without its threads; the child turns it on once it has frozen, and the
+    parent is left as it was (a fresh process, so that the hook runs first)."""
+    code = (
+        "import gc, os, sys\n"
+        "seen = []\n"
+        "os.register_at_fork(after_in_child=lambda: seen.append(gc.isenabled()))\n"
+        "from pipelines import processes\n"
+        "processes.before_fork()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    print('child', seen, gc.isenabled(), gc.get_freeze_count() > 0, flush=True)\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print('parent', gc.isenabled())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.split("\n")[:2] == ["child [False] True True", "parent True"], out.stderr
 
 
 # A parent that starts its children one way, says how many processes it started, then sleeps until killed.
