@@ -65,6 +65,9 @@ Deviations:
   under the exact inverse), `uota/d2` the mean squared distance the weights come from.
 - N_warm is a share of the run (`objective.warmup`, default 0.1: the paper's 20 of 200 epochs), so
   that a short run reweights too; `objective.warmup_epochs >= 0` gives it in epochs instead.
+- ImageNet-1k (`data/imagenet.yaml`) runs the BYOL base's own recipe (1000 epochs, LARS lr 0.2, EMA
+  0.996): Sec. S.5 trains "X+UOTA" with X's pipeline, and its BYOL+UOTA numbers are ImageNet-100 with
+  ResNet-18 (200 epochs, lr 0.6 tuned there), a setting the ImageNet-1k preset does not claim.
 - The weights are computed over the batch gathered from all ranks (one Sigma and one
   normalisation for the global batch), so DDP equals the single-process run.
 - Per-view sub-losses of a multi-crop view are averaged over the global target views other than
