@@ -10,7 +10,8 @@ def mlp(in_dim: int, hidden_dim: int, out_dim: int, num_layers: int = 2,
     """Linear-BN-ReLU blocks followed by a final Linear (and an affine-free BN if `last_bn`).
 
     With num_layers=2 this is the BYOL projector/predictor (arXiv:2006.07733v3, Sec. 3.3); with
-    last_bn=True and num_layers=3 the MoCo v3 projector (BN also on the output). Hidden
+    last_bn=True MoCo v3's heads (BN also on the output): 2 layers for the projector and the predictor
+    on a ResNet, 3 for the projector on a ViT (`moco/builder.py` of facebookresearch/moco-v3). Hidden
     Linears have no bias because the BatchNorm after them has one.
 
     Args:

@@ -121,7 +121,8 @@ def _cat_views(embs: list[ViewEmbeddings]) -> ViewEmbeddings:
 
 
 def build_model(backbone: str, image_px: int, proj_hidden: int, proj_out: int, pred_hidden: int,
-                proj_layers: int = 2, bn_per_view: bool = False, proj_last_bn: bool = False) -> SSLModel:
+                proj_layers: int = 2, bn_per_view: bool = False, proj_last_bn: bool = False,
+                pred_last_bn: bool = False) -> SSLModel:
     """Build an online network with randomly initialised weights.
 
     Args:
@@ -133,11 +134,13 @@ def build_model(backbone: str, image_px: int, proj_hidden: int, proj_out: int, p
         proj_layers: number of Linear layers of the projector, >= 1.
         bn_per_view: one backbone call per view in train mode (module docstring).
         proj_last_bn: an affine-free BatchNorm on the projector's output (MoCo v3's projector).
+        pred_last_bn: an affine-free BatchNorm on the predictor's output (MoCo v3's ResNet predictor).
 
     Returns:
         The SSLModel, in train mode.
     """
     net, feat_dim = build_backbone(backbone, image_px)
     projector = mlp(feat_dim, proj_hidden, proj_out, num_layers=proj_layers, last_bn=proj_last_bn)
-    predictor = mlp(proj_out, pred_hidden, proj_out, num_layers=2) if pred_hidden > 0 else None
+    predictor = (mlp(proj_out, pred_hidden, proj_out, num_layers=2, last_bn=pred_last_bn) if pred_hidden > 0
+                 else None)
     return SSLModel(net, feat_dim, projector, predictor, bn_per_view)

@@ -117,6 +117,9 @@ class Recipe:
 
 RECIPE_DIR = Path(__file__).resolve().parent / "recipes"
 PRESETS = ("byol", "relicv2", "rsa", "multicrop8", "plain")
+# Presets that change only a parameter of one of the PRESETS families (the backends' contract runs the
+# families; a crop range is a parameter every backend reads): name -> its family.
+VARIANTS = {"mocov3": "byol"}
 INTERPOLATIONS = ("bilinear", "bicubic")
 BLUR_SIGMA_AT = ("reference", "view")
 _GROUP_KEYS = tuple(f.name for f in _fields(ViewGroup))
@@ -260,8 +263,8 @@ def _range(v, where: str, key: str, lo: float, hi: float) -> tuple[float, float]
 
 
 def load_recipe(name_or_path: str, global_px: int, local_px: int) -> Recipe:
-    """Load a preset (`byol`, `relicv2`, `rsa`, `multicrop8`, `plain`) or a YAML file, sizes and roles
-    resolved.
+    """Load a preset (`byol`, `relicv2`, `rsa`, `multicrop8`, `plain`; `mocov3`: `byol` with crops of
+    20-100 %) or a YAML file, sizes and roles resolved.
 
     YAML layout: `name: <str>` (optional) and `groups:` a list of mappings with the `ViewGroup`
     fields; `size_px` may be `global` or `local` (which also sets the group's role). Staged groups
@@ -274,10 +277,11 @@ def load_recipe(name_or_path: str, global_px: int, local_px: int) -> Recipe:
     import yaml
 
     path = Path(name_or_path)
-    if name_or_path in PRESETS:
+    if name_or_path in PRESETS or name_or_path in VARIANTS:
         path = RECIPE_DIR / f"{name_or_path}.yaml"
     elif not path.is_file():
-        raise FileNotFoundError(f"recipe {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a YAML file")
+        raise FileNotFoundError(f"recipe {name_or_path!r} is neither a preset ({', '.join([*PRESETS, *VARIANTS])}) "
+                                "nor a YAML file")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
@@ -325,4 +329,4 @@ def recipe_for_dataset(name_or_path: str, image_px: int) -> Recipe:
 
 
 __all__ = ["ViewGroup", "Recipe", "RecipeError", "load_recipe", "validate_recipe", "recipe_for_dataset",
-           "dataset_sizes", "PRESETS", "ROLES", "FIELDS"]
+           "dataset_sizes", "PRESETS", "VARIANTS", "ROLES", "FIELDS"]

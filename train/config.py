@@ -78,6 +78,7 @@ class ModelConfig:
     proj_layers: int = 2            # projector Linear layers
     proj_last_bn: bool = False      # BatchNorm (no affine) on the projector's output (MoCo v3)
     pred_hidden: int = 2048         # predictor hidden width; 0: no predictor
+    pred_last_bn: bool = False      # BatchNorm (no affine) on the predictor's output (MoCo v3's ResNet head)
     channels_last: bool = True      # channels-last memory format of the network (GPU and CPU)
     bn_per_view: bool = False       # one backbone call (BatchNorm batch) per view, not per resolution
     init: str = ""                  # a fresh run's backbone weights: a backbone.safetensors or a timm checkpoint; "": random

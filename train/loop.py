@@ -81,7 +81,7 @@ def train(run: Run, parts: Parts, log: Log, backend: str) -> bool:
             terms = {"loss": out.loss.detach().float().item()}  # sync: the only host reads of a step
             terms |= {k: v.float().item() for k, v in out.logs.items()}  # sync: log terms
             check_finite(parts, cfg.method, done, terms)
-            log.step(done, cfg.optim.steps, terms, s.lr, s.ema, meter.read_and_reset())
+            log.step(done, cfg.optim.steps, terms, s.lr, parts.objective.target_momentum(s), meter.read_and_reset())
         k = cfg.run.eval_every_epochs * steps_per_epoch
         if k and done % k == 0 and done < cfg.optim.steps:
             result = evaluate_backbone(cfg, online.backbone, backend, device, eval_loaders)

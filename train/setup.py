@@ -56,7 +56,7 @@ def resolve_backend(cfg: Config, device: torch.device) -> str:
 # The parts of a saved config that fix the network's layout: a checkpoint only loads into a network
 # built with the same values (views.global_px decides the small-image stem).
 LAYOUT_KEYS = ("method", "model.backbone", "model.proj_hidden", "model.proj_out", "model.proj_layers",
-               "model.proj_last_bn", "model.pred_hidden", "views.global_px")
+               "model.proj_last_bn", "model.pred_hidden", "model.pred_last_bn", "views.global_px")
 
 
 def check_same_network(cfg: Config, saved: dict, path: str, fix: str) -> None:
@@ -166,7 +166,7 @@ def build_online(cfg: Config, device: torch.device) -> nn.Module:
     faster so: the demo's step 567 -> 411 ms on 1 core, 306 -> 232 ms on 2 (the same losses)."""
     m = cfg.model
     online = build_model(m.backbone, cfg.views.global_px, m.proj_hidden, m.proj_out, m.pred_hidden,
-                         m.proj_layers, m.bn_per_view, m.proj_last_bn).to(device)
+                         m.proj_layers, m.bn_per_view, m.proj_last_bn, m.pred_last_bn).to(device)
     if cfg.model.channels_last:
         online = online.to(memory_format=torch.channels_last)
     return online

@@ -116,3 +116,19 @@ def test_bn_per_view_normalises_each_view_with_its_own_statistics() -> None:
     torch.testing.assert_close(got[1].z[0], alone.z[0])
     (together,) = shared([torch.cat([clean, mixed])])
     assert not torch.allclose(together.z[0], got[0].z[0], atol=1e-3)
+
+
+def test_moco_v3_resnet_heads_end_in_an_affine_free_batchnorm_each():
+    """moco-v3's `MoCo_ResNet`: a 2-layer projector and a 2-layer predictor, both ending in
+    BatchNorm1d(affine=False) after a bias-free Linear; SDMP's ResNet predictor has none."""
+    from torch import nn
+
+    def layout(head: nn.Module) -> list[str]:
+        return [f"{type(m).__name__}{'' if not isinstance(m, nn.BatchNorm1d) else m.affine}" for m in head]
+
+    moco = build_model("resnet18", 16, 32, 16, 32, proj_layers=2, proj_last_bn=True, pred_last_bn=True)
+    assert layout(moco.projector) == layout(moco.predictor) == ["Linear", "BatchNorm1dTrue", "ReLU", "Linear",
+                                                                 "BatchNorm1dFalse"]
+    assert moco.predictor[3].bias is None
+    sdmp = build_model("resnet18", 16, 32, 16, 32, proj_layers=2, proj_last_bn=True)
+    assert layout(sdmp.predictor)[-1] == "Linear" and sdmp.predictor[-1].bias is not None

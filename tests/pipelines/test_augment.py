@@ -160,26 +160,30 @@ def test_saliency_background_goes_before_the_colour_ops():
     assert not torch.allclose(corner, level.view(-1, 1).expand(-1, 3))
 
 
-def test_rsa_blur_is_mocov2s_sigma_in_view_px_and_not_the_identity_at_32_px():
-    """RSA takes MoCo v2's blur (sigma in [0.1, 2] px) at every view size; presets that scale sigma
-    from 224 px (BYOL) keep doing so. At 32 px the RSA blur visibly changes a view."""
+@pytest.mark.parametrize("preset", ["byol", "relicv2", "rsa", "multicrop8", "mocov3"])
+def test_every_recipe_blurs_with_sigma_in_px_of_the_view_and_not_the_identity_at_32_px(preset: str):
+    """One blur reading for every recipe family: sigma in [0.1, 2] px of the view itself at every size (the
+    codes behind the papers' CIFAR tables: MoCo v2's blur in RSA's, MoCo v3's in SDMP's, SwAV's PIL radius).
+    Scaled from 224 px, BYOL's and RELICv2's 32-px views got sigma <= 0.29 px, next to the identity, while
+    RSA's and SwAV's got up to 2 px. At 224 px this is BYOL's and RELICv2's 23-px window."""
     from pipelines.views import load_recipe
 
-    aggressive = load_recipe("rsa", 32, 16).groups[1]
-    assert augment.blur_sigma_px(aggressive) == (0.1, 2.0) and augment.blur_kernel_px(aggressive) == 13
-    byol = load_recipe("byol", 32, 16).groups[0]
-    assert augment.blur_sigma_px(byol)[1] == pytest.approx(2.0 * 32 / 224) and augment.blur_kernel_px(byol) == 3
-    assert augment.blur_sigma_px(load_recipe("rsa", 224, 96).groups[1]) == augment.blur_sigma_px(
-        load_recipe("byol", 224, 96).groups[0])                            # the two readings agree at 224
-    x = (torch.arange(32).view(1, 32) + torch.arange(32).view(32, 1)) % 2 * torch.ones(1, 3, 1, 1)   # checkerboard
-    y = augment.gaussian_blur(x, torch.tensor([1.0]), augment.blur_kernel_px(aggressive))
-    assert float((y - x).abs().mean()) > 0.3
+    for g in load_recipe(preset, 32, 16).groups:
+        if g.blur_p > 0:
+            assert augment.blur_sigma_px(g) == (0.1, 2.0) and augment.blur_kernel_px(g) >= 13, g.name
+            x = (torch.arange(g.size_px).view(1, -1) + torch.arange(g.size_px).view(-1, 1)) % 2 * torch.ones(1, 3, 1, 1)
+            y = augment.gaussian_blur(x, torch.tensor([1.0]), augment.blur_kernel_px(g))     # a checkerboard
+            assert float((y - x).abs().mean()) > 0.3, g.name
+    for g in load_recipe(preset, 224, 96).groups:
+        if g.blur_p > 0 and g.size_px == 224 and preset in ("byol", "relicv2", "mocov3"):
+            assert augment.blur_kernel_px(g) == 23, g.name
 
 
 def test_relicv2_blur_is_a_23_px_window_with_sigma_0_1_to_2_on_every_view():
     """RELICv2 App. A.1 step 5: "a 23 x 23 Gaussian kernel with standard deviation sampled uniformly
     in [0.1, 2.0]", for the 224-px large and the 96-px small crops alike (the small ones were given
-    sigma in [0.04, 0.86], scaled from 224); both scale with the view at other sizes."""
+    sigma in [0.04, 0.86], scaled from 224); sigma in px of the view at other sizes, the window 23 px
+    or the view's side."""
     from pipelines.views import load_recipe
 
     recipe = load_recipe("relicv2", 224, 96)
@@ -187,4 +191,5 @@ def test_relicv2_blur_is_a_23_px_window_with_sigma_0_1_to_2_on_every_view():
     for g in recipe.groups:
         assert augment.blur_kernel_px(g) == 23 and augment.blur_sigma_px(g) == pytest.approx((0.1, 2.0)), g.name
     small = load_recipe("relicv2", 224, 48).groups[-1]
-    assert augment.blur_sigma_px(small) == pytest.approx((0.05, 1.0)) and augment.blur_kernel_px(small) == 13
+    assert augment.blur_sigma_px(small) == pytest.approx((0.1, 2.0)) and augment.blur_kernel_px(small) == 23
+    assert augment.blur_kernel_px(load_recipe("relicv2", 32, 16).groups[-1]) == 17

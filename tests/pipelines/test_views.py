@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from pipelines.views import PRESETS, Recipe, RecipeError, ViewGroup, load_recipe, recipe_for_dataset
+from pipelines.views import PRESETS, VARIANTS, Recipe, RecipeError, ViewGroup, load_recipe, recipe_for_dataset
 
 
 def test_presets_resolve_sizes_and_parameters():
@@ -28,6 +30,10 @@ def test_presets_resolve_sizes_and_parameters():
     plain = load_recipe("plain", 32, 16).groups[0]
     assert (plain.crop_p, plain.flip_p, plain.jitter_p, plain.blur_p) == (0.0, 0.0, 0.0, 0.0)
     assert set(PRESETS) == {"byol", "relicv2", "rsa", "multicrop8", "plain"}
+    # MoCo v3's ResNet views: BYOL's with crops of 20-100 % (its CONFIG.md's --crop-min=.2), nothing else.
+    mocov3, byol = load_recipe("mocov3", 32, 16), load_recipe("byol", 32, 16)
+    assert [replace(g, area=(0.08, 1.0)) for g in mocov3.groups] == list(byol.groups)
+    assert all(g.area == (0.2, 1.0) for g in mocov3.groups) and VARIANTS["mocov3"] == "byol"
     assert recipe_for_dataset("byol", 500).groups[0].size_px == 224
     assert [g.size_px for g in recipe_for_dataset("multicrop8", 32).groups] == [32, 16]
 

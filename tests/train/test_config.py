@@ -166,17 +166,68 @@ def test_relicv2_online_and_target_have_the_same_form_on_every_data_preset(data:
     assert load_config(["method=relicv2", f"data={data}"]).model.pred_hidden == 0
 
 
-@pytest.mark.parametrize("method, layers, last_bn, out, tau", [
-    ("mocov3", 3, True, None, 1.0),     # MoCo v3's ResNet recipe: tau 1.0, 3-layer projector, last BN
-    ("sdmp", 3, True, None, 1.0),       # SDMP's code on ResNets: MoCo v3's ResNet setting
-    ("dacl", 3, False, 128, None),      # DACL Sec. 5.2: "a 3-layer MLP projection-head ... 128-dimensional"
+@pytest.mark.parametrize("method, layers, last_bn, pred_bn, out, tau, recipe", [
+    ("mocov3", 2, True, True, None, 1.0, "mocov3"),   # moco-v3's MoCo_ResNet: 2-layer heads, both with a last BN
+    ("sdmp", 2, True, False, None, 1.0, "byol"),      # SDMP's MoCo_ResNet: its predictor has no last BN
+    ("dacl", 3, False, False, 128, None, "plain"),    # DACL Sec. 5.2: "a 3-layer MLP projection-head ... 128-dimensional"
 ])
-def test_method_presets_use_the_heads_and_temperatures_their_papers_state(method, layers, last_bn, out, tau) -> None:
+def test_method_presets_use_the_heads_and_temperatures_their_papers_state(method, layers, last_bn, pred_bn, out, tau,
+                                                                          recipe) -> None:
     for data in ("synthetic", "cifar10", "imagenet"):
         cfg = load_config([f"method={method}", f"data={data}"])
-        assert (cfg.model.proj_layers, cfg.model.proj_last_bn) == (layers, last_bn), data
+        assert (cfg.model.proj_layers, cfg.model.proj_last_bn, cfg.model.pred_last_bn) == (layers, last_bn, pred_bn), data
         assert out is None or cfg.model.proj_out == out
         assert tau is None or cfg.objective.tau == tau
+        assert cfg.views.recipe == recipe
+
+
+# Each method's ImageNet setting from its own paper (or the code it names), read from a written ImageNet-1k
+# manifest at 8 GPUs x 256: (epochs, lr at batch 256, weight decay, warm-up epochs, EMA momentum at step 0).
+IMAGENET = {
+    "byol": (1000, 0.2, 1.5e-6, 10, 0.996),      # BYOL Sec. 3.3 / App. C: tau_base 0.996
+    "relicv2": (1000, 0.2, 1.5e-6, 10, 0.996),   # RELICv2 Sec. 3 (1000 epochs, 10 warm-up), App. B: EMA 0.996
+    "uota": (1000, 0.2, 1.5e-6, 10, 0.996),      # UOTA Sec. S.5: the BYOL base's own pipeline
+    "mocov3": (1000, 0.3, 1.5e-6, 10, 0.996),    # MoCo v3 CONFIG.md, ResNet-50 1000 epochs
+    "sdmp": (300, 0.3, 1e-6, 10, 0.99),          # SDMP Table 1 (300 epochs) on MoCo v3's 300-epoch config
+    "rsa": (200, 0.6, 1e-6, 10, 0.996),          # RSA Sec. 4.1: LARS, lr 0.6 (200 epochs), wd 1e-6; BYOL's rest
+    "dacl": (100, 0.3, 1e-6, 10, None),          # DACL Sec. 5.2: 100 epochs, lr 0.3, wd 1e-6, 10 warm-up epochs
+}
+
+
+@pytest.mark.parametrize("method", sorted(IMAGENET))
+def test_each_method_trains_imagenet_as_its_paper_states(tmp_path, method: str) -> None:
+    from train.schedules import scaled_lr
+
+    write_manifest(tmp_path, "imagenet", train=1_281_167, px=500, classes=1000)
+    cfg = load_config([f"method={method}", "data=imagenet", f"data.root={tmp_path}"], world_size=8)
+    epochs, lr, wd, warmup, ema = IMAGENET[method]
+    per_epoch = 1_281_167 // 2048
+    assert cfg.data.batch_size == 2048 and cfg.optim.name == "lars"
+    assert (cfg.optim.steps, cfg.optim.warmup_steps) == (epochs * per_epoch, warmup * per_epoch)
+    assert scaled_lr(cfg.optim.lr, 2048) == pytest.approx(lr * 8)
+    assert cfg.optim.weight_decay == cfg.optim.final_weight_decay == wd
+    assert ema is None or (cfg.optim.ema_start, cfg.optim.ema_end) == (ema, 1.0)
+    if method == "rsa":
+        assert cfg.objective.beta_base == 0.4
+        short = load_config(["method=rsa", "data=imagenet", f"data.root={tmp_path}", "optim.epochs=100", "optim.lr=0.9"],
+                            world_size=8)
+        assert short.optim.steps == 100 * per_epoch and short.optim.lr == 0.9
+
+
+@pytest.mark.parametrize("data", ["cifar10", "cifar100"])
+def test_cifar_sdmp_preset_is_table_5s_resnet_50_for_200_epochs(tmp_path, data: str) -> None:
+    """SDMP Sec. 4.2 / Table 5: ResNet-50 (the small-image stem at 32 px) for 200 epochs, 2000 for the long
+    rows; the optimiser of its code's defaults (LARS lr 0.6, wd 1e-6, 10 warm-up epochs, momentum 0.99)."""
+    write_manifest(tmp_path, data, train=50_000, px=32, classes=10)
+    cfg = load_config(["method=sdmp", f"data={data}", f"data.root={tmp_path}"])
+    per_epoch = 50_000 // 512
+    assert cfg.model.backbone == "resnet50" and (cfg.model.proj_hidden, cfg.model.pred_hidden) == (4096, 4096)
+    assert (cfg.optim.steps, cfg.optim.warmup_steps) == (200 * per_epoch, 10 * per_epoch)
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.ema_start) == ("lars", 0.6, 1e-6, 0.99)
+    long = load_config(["method=sdmp", f"data={data}", f"data.root={tmp_path}", "optim.epochs=2000",
+                        "model.backbone=resnet101"])
+    assert long.optim.steps == 2000 * per_epoch and long.model.backbone == "resnet101"
+    assert load_config(["method=mocov3", f"data={data}", f"data.root={tmp_path}"]).model.backbone == "resnet18"
 
 
 def test_relicv2_loss_weights_are_the_only_ones_the_paper_states() -> None:
@@ -286,7 +337,7 @@ def test_the_imagenet_preset_is_a_per_gpu_batch_that_fits_on_any_number_of_gpus(
     from train.schedules import scaled_lr
 
     write_manifest(tmp_path, "imagenet", train=1_281_167, px=500, classes=1000)
-    for method in ("relicv2", "byol", "sdmp"):
+    for method in ("relicv2", "byol", "uota"):
         cfg = load_config([f"method={method}", "data=imagenet", f"data.root={tmp_path}"], world_size=world)
         assert cfg.data.batch_size == 256 * world and cfg.data.batch_size // world == 256
         assert scaled_lr(cfg.optim.lr, cfg.data.batch_size) == pytest.approx(0.2 * world)

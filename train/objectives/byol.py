@@ -3,7 +3,9 @@
 Paper: "Bootstrap Your Own Latent: A New Approach to Self-Supervised Learning", Grill et al.,
 arXiv:2006.07733v3. Implemented: Eq. (2) normalised regression loss 2 - 2 cos and its
 symmetrisation (Sec. 3.1). Reference code: https://github.com/deepmind/deepmind-research/tree/master/byol
-(commit unknown). The EMA target update (Eq. 1) is the loop's `target.update_from`.
+(commit unknown). The EMA target update (Eq. 1) is the loop's `target.update_from`. ImageNet
+(`data/imagenet.yaml`): Sec. 3.3's LARS, lr 0.2 x batch/256, weight decay 1.5e-6, 1000 epochs with 10
+of warm-up, tau_base 0.996 -> 1.
 
 Deviations: none.
 """

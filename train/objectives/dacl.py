@@ -17,8 +17,12 @@ Binary Mixup's rho (Eq. 6): Sec. 3.1's "high rho" and Sec. 5's grid {0.1, 0.3, 0
 together as the grid giving the probability of swapping an element (`data.mix.binary_swap`, default
 0.3), so rho = P(keep) in {0.9, 0.7, 0.5} (`pipelines.mixing`).
 
+ImageNet (Sec. 5.2, `data/imagenet.yaml`, per_method): LARS, lr 0.3 x batch/256, 100 epochs with 10 of
+linear warm-up then cosine, weight decay 1e-6 (batch 4096: 16 GPUs x 256).
+
 Deviations:
 - SimCLR+DACL's two views use the `byol` recipe (see `simclr.py`).
+- Sec. 5.2's encoder is ResNet-50 (4x); timm has no 4x-wide ResNet-50, so the presets keep ResNet-50.
 """
 
 from __future__ import annotations

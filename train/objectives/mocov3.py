@@ -3,9 +3,20 @@
 Paper: "An Empirical Study of Training Self-Supervised Vision Transformers", Chen, Xie, He,
 arXiv:2104.02057v4. Implemented: Algorithm 1, ctr(q1, k2) + ctr(q2, k1) with
 ctr(q, k) = 2 tau * CE(q k^T / tau), keys from all devices. Reference code:
-https://github.com/facebookresearch/moco-v3 (commit unknown).
+https://github.com/facebookresearch/moco-v3 (commit unknown; `moco/builder.py`, CONFIG.md).
 
-Deviations: none.
+Setting (`mocov3.yaml`, the ResNet one, as the code builds `MoCo_ResNet`): tau = 1.0; a 2-layer
+projector and a 2-layer predictor (hidden width 4096 on ImageNet), each ending in an affine-free
+BatchNorm (`model.proj_last_bn`, `model.pred_last_bn`); the 3-layer projector is the ViT head. Views:
+BYOL's with crops of 20-100 % (`--crop-min=.2` in every ResNet-50 config; the `mocov3` recipe). On
+ImageNet (`data/imagenet.yaml`, per_method) the 1,000-epoch ResNet-50 config: LARS, lr 0.3 x batch/256,
+weight decay 1.5e-6, momentum 0.996 -> 1 (cosine, `--moco-m-cos`), 10 warm-up epochs.
+
+Deviations:
+- Weight decay follows the project's cosine from `optim.weight_decay` to `optim.final_weight_decay`;
+  the presets set both equal, which is MoCo v3's constant decay.
+- On CIFAR and the synthetic data the optimiser is the data preset's (the paper trains ResNets on
+  ImageNet only).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ deviation and is used on the online side.
 
 Loss weights: alpha = 0.3 and beta = 2.0, App. C.1's "contrast scale" and "invariance scale" of the
 JFT-300M runs (1000 and 5000 epochs; 1.0 at 3000), the only values the paper states; it gives none
-for ImageNet. tau = 0.2 from the same appendix.
+for ImageNet. tau = 0.2 and the target EMA 0.996 (`data/imagenet.yaml`) from the same appendix; the
+ImageNet schedule is Sec. 3's (LARS, cosine, 1000 epochs, 10 of warm-up).
 
 Deviations:
 - Embeddings are L2-normalised before the inner product of phi_tau (the paper leaves it implicit;

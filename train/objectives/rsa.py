@@ -10,7 +10,15 @@ view's online output under stop-gradient, Eq. (6) beta = beta_base * (cos(pi k /
 over optimiser steps; Algorithm 1.
 Reference code: https://github.com/tmllab/RSA (commit unknown).
 
-Deviations: none.
+Settings (Sec. 4.1, "Network structure and optimization"): CIFAR-10/100 the small-dataset setting
+(`data/cifar*.yaml`, per_method: SGD lr 0.1, wd 5e-4, batch 256, beta_base 0.3, 1024/128 heads);
+ImageNet-1K (`data/imagenet.yaml`, per_method): LARS, one cosine cycle, lr 0.6 x batch/256 for 200
+epochs (0.9 for 100), momentum 0.9, wd 1e-6, batch 2048 (8 GPUs x 256), beta_base 0.4.
+
+Deviations:
+- ImageNet's warm-up (10 epochs) and target momentum (0.996 -> 1) are BYOL's: the paper says "we
+  follow [15]" (BYOL) for ImageNet-1K and names neither; its 0.99 -> 1 is said of its small and medium
+  datasets.
 """
 
 from __future__ import annotations

@@ -18,7 +18,22 @@ network sees one clean and one mixed view every step, as many as MoCo v3 sees, a
 statistics are never those of mixed images alone. Extra-view version: both plain MoCo directions
 plus the mixed query of view 0 against view 1's clean and mixed keys (three online views per step).
 
+Setting: SDMP's ResNet code (`moco/builder.py`, `MoCo_ResNet`): a 2-layer projector with an affine-free
+last BatchNorm and a 2-layer predictor without one, tau = 1.0 (`sdmp.yaml`); BYOL's views (Sec. 4).
+CIFAR-10/100 (Sec. 4.2, Table 5): ResNet-50 (`model.backbone=resnet101` for the other rows) with the
+small-image stem, 200 epochs (`optim.epochs=2000` for the long rows); ImageNet (Table 1, ResNet-50): 300
+epochs (`data/*.yaml`, per_method).
+
 Deviations:
+- The paper states no optimiser for its ResNets: CIFAR takes its code's defaults (LARS, lr 0.6 x
+  batch/256, weight decay 1e-6, 10 warm-up epochs, momentum 0.99 -> 1, heads 4096 wide) at the CIFAR
+  preset's batch 512 (the code's default is 4096: 12 steps an epoch on CIFAR); ImageNet takes MoCo v3's
+  300-epoch ResNet-50 config (lr 0.3, weight decay 1e-6, momentum 0.99 -> 1), whose 72.8 % is the
+  baseline Table 1 improves to 73.5 %.
+- The extra-view version (Sec. 4.3.3, Table 9) is trained there for 2/3 of the replace version's
+  epochs, to spend the same compute on three views; the preset's length stays the run's budget
+  whichever version runs (a length is the user's to choose), and the start of an extra-view run says
+  what the equal-compute length is.
 - The view replaced is drawn once per step for the whole batch (the text does not say per step or
   per sample; per step keeps each backbone call to one kind of image).
 - No 2*tau factor on the loss (Algorithm 1 has none; MoCo v3's own ctr() has it): the plain term is
@@ -147,3 +162,11 @@ class SDMP(Objective):
             mixed = sdmp_loss(emb_mix.p[0], k[1], k_mix[1], lam[0], tau)
         loss = plain + mixed
         return LossOut(loss=loss, logs={"loss/sdmp_plain": plain.detach(), "loss/sdmp_mixed": mixed.detach()})
+
+    def describe(self, total_steps: int, steps_per_epoch: int) -> str | None:
+        """For the extra-view version, the length Table 9 compares it at, said once at the start."""
+        if self.cfg.version != "extra":
+            return None
+        return (f"sdmp: extra-view version, three online views a step; Sec. 4.3.3 trains it for 2/3 of the replace "
+                f"version's epochs for the same compute: optim.steps={round(2 * total_steps / 3)} here "
+                f"(this run: {total_steps})")
