@@ -26,9 +26,11 @@ from pathlib import Path
 
 import safetensors
 import safetensors.torch
-import timm
-from timm.models.resnet import ResNet
 from torch import Tensor, nn
+
+# timm is imported where a network is built or read, not here: importing it (torchvision and
+# torch._dynamo with it) costs about 5 CPU-seconds, which every process importing the training code
+# would pay, the launcher of a multi-process run and a refused command included.
 
 SMALL_IMAGE_PX = 64      # at or below this input side the small-image stem is used
 VIT_TOKENS_PER_SIDE = 8  # small ViTs see an 8x8 token grid at the global-view size
@@ -64,6 +66,8 @@ def backbone_kwargs(name: str, image_px: int) -> dict:
 
 def is_resnet(model: nn.Module) -> bool:
     """A timm ResNet, or its `features_only` pyramid (a FeatureListNet of the same named modules)."""
+    from timm.models.resnet import ResNet
+
     return isinstance(model, ResNet) or all(hasattr(model, k) for k in ("conv1", "bn1", "maxpool", "layer1"))
 
 
@@ -113,6 +117,8 @@ def build_backbone(name: str, image_px: int) -> tuple[nn.Module, int]:
     Raises:
         ValueError: unknown model name, bad image size, or no small stem for this family.
     """
+    import timm
+
     if not timm.is_model(name):
         raise ValueError(f"unknown backbone {name!r}; use a timm model name such as resnet18, "
                          f"resnet50 or vit_small_patch16_224")
@@ -232,6 +238,8 @@ def init_weights(path: str | os.PathLike, backbone: nn.Module, name: str, image_
                              f"views.global_px={meta.get('image_px')}, or pass weights of {name}")
         state = safetensors.torch.load_file(str(path))
     else:
+        import timm.models
+
         try:
             state = timm.models.load_state_dict(str(path))
         except Exception as e:  # torch and safetensors raise several types for a damaged or foreign file

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import safetensors
 import safetensors.torch
-import timm
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -37,6 +36,8 @@ class SaliencyNet(nn.Module):
 
     def __init__(self, backbone: str, small_stem: bool = False, width: int = 32) -> None:
         super().__init__()
+        import timm     # where a network is built (models.backbone)
+
         if not timm.is_model(backbone):
             raise ValueError(f"unknown backbone {backbone!r}; use a timm ResNet name such as test_resnet, "
                              "resnet18 or resnet50")
