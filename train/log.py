@@ -54,12 +54,16 @@ EVAL_FIGURES = (("knn_top1", "kNN", "{:.1%}"), ("linear_top1", "linear", "{:.1%}
 
 
 def eval_line(result: dict[str, float], random_init: dict[str, float] | None = None) -> str:
-    """`kNN 28.6% (random init 17.3%) | linear ... | rankme 41.2 (...) | std 0.0301 (...) | alignment ...`:
-    the figures `result` has, each with the random-init backbone's when given."""
+    """`kNN 28.6% (random init 17.3%: +11.3 points) | linear ... | rankme 41.2 (random init ...) | ...`:
+    the figures `result` has, each with the random-init backbone's when given (the run's own starting
+    weights: what the gain is measured against), accuracies with their gain in points."""
     parts = []
     for key, label, fmt in EVAL_FIGURES:
         if key in result:
-            ref = f" (random init {fmt.format(random_init[key])})" if random_init and key in random_init else ""
+            ref = ""
+            if random_init and key in random_init:
+                gain = f": {100 * (result[key] - random_init[key]):+.1f} points" if fmt.endswith("%}") else ""
+                ref = f" (random init {fmt.format(random_init[key])}{gain})"
             parts.append(f"{label} {fmt.format(result[key])}{ref}")
     return " | ".join(parts)
 
