@@ -68,4 +68,6 @@ def test_rounds_train_on_noisy_labels_and_recover_the_objects() -> None:
     label_iou = np.mean([quality.iou(lab, gt) for lab, gt in zip(noisy, truth)])
     net_iou = np.mean([quality.iou(p, gt) for p, gt in zip(predict(out.nets["final"], x), truth)])
     print(f"labels IoU {label_iou:.3f}, final network IoU {net_iou:.3f}")
-    assert net_iou > label_iou + 0.05, (net_iou, label_iou)
+    # net - label IoU over RefineSettings.seed 0-4 x 1 or 2 threads: 0.235 mean, 0.061 spread, 0.108 least; a bar
+    # at 0 sits 3.8 spreads under the mean.
+    assert net_iou > label_iou, (net_iou, label_iou)
