@@ -53,6 +53,7 @@ def test_synthetic_run_prints_summary_then_rerun_does_nothing(tmp_path: Path, ca
     assert "nothing to do" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_every_second_of_an_image_folder_run_is_named(tmp_path: Path) -> None:
     """The summary's stages add up to its total (what no stage timed is `other`); the FFCV import and
     copy that run beside them in their own process are listed apart; the command's own line adds

@@ -178,7 +178,7 @@ def test_alignment_is_the_mean_squared_distance_of_the_normalised_views() -> Non
     assert float(alignment_sums(mean_colour, same, "cpu")[0]) == 0.0
 
 
-@pytest.mark.parametrize("backend", ["torch", "ffcv", "dali"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("ffcv", marks=pytest.mark.slow), "dali"])
 def test_a_run_s_later_evaluations_reuse_its_loaders_and_score_as_fresh_ones(backend, tiny_args, tmp_path,
                                                                              monkeypatch) -> None:
     """`EvalLoaders`: the second evaluation of a run builds no loader, reads every record again from the

@@ -9,6 +9,7 @@ from train.config import load_config
 from train.memory import estimate, saved_bytes
 
 
+@pytest.mark.slow
 def test_saved_activations_grow_linearly_with_the_batch_and_with_the_views() -> None:
     byol = load_config(["method=byol", "data=synthetic"])
     relic = load_config(["method=relicv2", "data=synthetic", "objective.num_negatives=2"])
