@@ -114,6 +114,7 @@ def test_non_finite_loss_stops_with_step_and_terms(tiny_args, tmp_path) -> None:
         train(cfg)
 
 
+@pytest.mark.slow
 def test_the_network_runs_channels_last_on_the_cpu_with_the_losses_of_nchw(tiny_args, tmp_path) -> None:
     """`model.channels_last` (the default) holds on the CPU too (oneDNN's convolutions run faster so:
     the demo's step about 27 % shorter); the layout changes the speed, not what is learned."""
@@ -128,24 +129,30 @@ def test_the_network_runs_channels_last_on_the_cpu_with_the_losses_of_nchw(tiny_
     assert losses["true"] == pytest.approx(losses["false"], rel=1e-4)
 
 
+# The demo's recipe cut to a quarter of its steps. Gains over the random-init backbone, measured on the
+# built-in dataset (26 Nov 2026): seeds 0-4 gave kNN +5.3 / +6.8 / +7.0 / +7.5 / +5.7 points (mean 6.5,
+# spread 0.85) and linear +2.9 / +2.9 / +4.0 / +3.1 / +4.3 (3.4, 0.59); 1 or 2 torch threads and loader
+# workers, two runs at once on 2 cores, changed no figure. Each bar sits over three spreads under its mean.
+DEMO_TEST_STEPS = 100
+KNN_BAR, LINEAR_BAR = 0.035, 0.015
+
+
 @pytest.mark.slow
 @pytest.mark.long
-def test_demo_run_beats_random_init(tmp_path_factory, tmp_path) -> None:
-    """`make demo` as it runs (dacl on the default synthetic dataset, data/synthetic.yaml: 400 steps,
-    under 2 minutes on 2 CPU cores) visibly learns: kNN top-1 at least 8 points and the linear probe
-    4 points above the random-init backbone; measured +9.3 / +6.0 (README).
-    Runs of one config differ by about a point (CPU threads); 300 steps (+8.3 / +4.0) would be too
-    close to the line, and the former rsa demo (+2.9 / -0.7) fails both."""
+def test_the_demo_recipe_learns_in_a_quarter_of_the_demo(tmp_path_factory, tmp_path, capsys) -> None:
+    """`make demo`'s run (dacl on the default synthetic dataset, data/synthetic.yaml) for a quarter of
+    its steps beats the random-init backbone by kNN and linear bars each at least three spreads under
+    the mean of the measured runs; the end line names what the gain is measured against."""
     from preprocess.prepare import prepare_dataset
 
     root = tmp_path_factory.mktemp("demo-data")
     prepare_dataset("synthetic", root, workers=2, seed=0)
-    # One loader thread: the suite runs two tests at once on 2 cores, where the demo's two loader
-    # threads next to another test's oversubscribe them (1.4 s a step against 0.32 with one); the
-    # loader's batches do not depend on its thread count.
+    demo = load_config(["method=dacl", "data=synthetic"])
+    assert (demo.optim.steps, demo.data.mix.alpha, demo.data.backend) == (400, 0.5, "auto")
+    # One loader worker: the suite runs two tests at once on 2 cores; the batches do not depend on it.
     cfg = load_config(["method=dacl", "data=synthetic", f"data.root={root}", f"run.out_dir={tmp_path}", "run.name=run",
-                       "data.num_workers=1"])
-    assert cfg.data.backend == "auto" and cfg.optim.steps == 400
+                       "data.num_workers=1", f"optim.steps={DEMO_TEST_STEPS}"])
     last = train_records(train(cfg), "eval")[-1]
-    assert last["knn_top1"] >= last["random_init/knn_top1"] + 0.08, last
-    assert last["linear_top1"] >= last["random_init/linear_top1"] + 0.04, last
+    knn, linear = (last[k] - last[f"random_init/{k}"] for k in ("knn_top1", "linear_top1"))
+    assert knn >= KNN_BAR and linear >= LINEAR_BAR, last
+    assert f"(random init {last['random_init/knn_top1']:.1%}: {100 * knn:+.1f} points)" in capsys.readouterr().out
