@@ -62,7 +62,7 @@ def eval_line(result: dict[str, float], random_init: dict[str, float] | None = N
         if key in result:
             ref = ""
             if random_init and key in random_init:
-                gain = f": {100 * (result[key] - random_init[key]):+.1f} points" if fmt.endswith("%}") else ""
+                gain = f": {100 * (result[key] - random_init[key]):+.1f} points" if key.endswith("_top1") else ""
                 ref = f" (random init {fmt.format(random_init[key])}{gain})"
             parts.append(f"{label} {fmt.format(result[key])}{ref}")
     return " | ".join(parts)
