@@ -37,7 +37,8 @@ from typing import Callable, Hashable, Iterator
 import numpy as np
 import torch
 
-from pipelines.shards import ShardReader
+from pipelines.processes import worker_context, worker_started
+from pipelines.shards import ColumnReader
 from pipelines.spec import Loader
 from pipelines.views import Recipe
 
@@ -259,11 +260,11 @@ def time_epochs(make: Callable[[int], Loader], epochs: int, device: str | torch.
 class _CeilingDataset(torch.utils.data.Dataset):
     """Reads one record's image bytes from its shard, decodes it and (optionally) crops the views."""
 
-    def __init__(self, reader: ShardReader, decoder: str, crop_groups: list | None) -> None:
+    def __init__(self, reader: ColumnReader, decoder: str, crop_groups: list | None) -> None:
         self.reader, self.decoder, self.crop_groups = reader, decoder, crop_groups
 
     def __len__(self) -> int:
-        return len(self.reader.records)
+        return len(self.reader)
 
     def __getitem__(self, i: int):
         import torchvision.transforms as T
@@ -312,7 +313,7 @@ def time_ceiling(entries, decoder: str, recipe: Recipe | None, batch_size: int, 
     `decoder="read"` times reading the bytes alone."""
     batches, warmup = steady_batches(batches, warmup, cores if steady else 0)
     groups = None if recipe is None else list(recipe.crop_groups)
-    ds = _CeilingDataset(ShardReader(entries), decoder, groups)
+    ds = _CeilingDataset(ColumnReader(entries), decoder, groups)
     need = (warmup + batches) * batch_size
     runs = []
     for r in range(repeats):
@@ -321,7 +322,8 @@ def time_ceiling(entries, decoder: str, recipe: Recipe | None, batch_size: int, 
         order = (order * (need // len(order) + 1))[:need]
         dl = torch.utils.data.DataLoader(
             torch.utils.data.Subset(ds, order), batch_size=batch_size, num_workers=cores,
-            collate_fn=_collate_views, worker_init_fn=_seed_worker)
+            collate_fn=_collate_views, worker_init_fn=_seed_worker,
+            multiprocessing_context=worker_context(__name__) if cores > 0 else None)
         it = iter(dl)
         for _ in range(warmup):
             next(it)
@@ -334,4 +336,5 @@ def time_ceiling(entries, decoder: str, recipe: Recipe | None, batch_size: int, 
 
 
 def _seed_worker(worker_id: int) -> None:
+    worker_started(worker_id)
     torch.manual_seed(1000 + worker_id)

@@ -44,8 +44,8 @@ from nvidia.dali.plugin.pytorch import feed_ndarray
 from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers
 from pipelines.dali_graph import NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs
-from pipelines.processes import before_fork, end_with_parent
-from pipelines.shards import ShardReader, ShardRecord, image_size, scan_shards
+from pipelines.processes import before_fork, end_with_creator
+from pipelines.shards import ColumnReader, ShardReader, image_size, scan_shards
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import FIELDS
 
@@ -69,30 +69,12 @@ def worker_start_method() -> str:
     return "forkserver"
 
 
-class _Columns(ShardReader):
-    """A `ShardReader` whose records are numpy columns: what a spawned worker is sent is about 40 bytes a
-    record (ImageNet's 1.28 M records as objects would be about 150 MB per worker)."""
-
-    def __init__(self, records: list[ShardRecord]) -> None:
-        self.shards = sorted({r.shard for r in records})
-        sid = {s: i for i, s in enumerate(self.shards)}
-        self.cols = np.array([(sid[r.shard], r.image_offset, r.image_size, r.mask_offset, r.mask_size)
-                              for r in records], np.int64).reshape(-1, 5)              # (N, 5)
-        self._fds = {}
-
-    def image(self, i: int) -> bytes:
-        s, offset, size, _, _ = self.cols[i].tolist()
-        return self._read(self.shards[s], offset, size)
-
-    def mask(self, i: int) -> bytes | None:
-        s, _, _, offset, size = self.cols[i].tolist()
-        return self._read(self.shards[s], offset, size) if offset >= 0 else None
-
-
-def _received(state: dict) -> "BatchSource":
-    """A `BatchSource` unpickled in a DALI worker started by the fork server, which ends with its parent
-    (`pipelines.processes`, rule 2; a worker forked from this process gets it from the at-fork hook)."""
-    end_with_parent()
+def _received(state: dict, creator: int) -> "BatchSource":
+    """A `BatchSource` unpickled in a DALI worker started by the fork server, which ends with `creator`,
+    the process that built the pipeline (`pipelines.processes`, rule 2; a worker forked from it gets
+    that from the at-fork hook). DALI unpickles it with the worker's arguments, before multiprocessing
+    knows the worker's parent process: the pid travels with it."""
+    end_with_creator(creator)
     source = BatchSource.__new__(BatchSource)
     source.__dict__.update(state)
     return source
@@ -144,7 +126,7 @@ class BatchSource:
         self._pid = os.getpid()                                    # the process that made it
 
     def __reduce__(self):
-        return _received, ({**self.__dict__, "_indices": None, "_pid": None},)
+        return _received, ({**self.__dict__, "_indices": None, "_pid": None}, os.getpid())
 
     def position(self, iteration: int) -> tuple[int, int]:
         """(epoch, batch number) of the pipeline's iteration `iteration` (`EpochOrder.schedule`'s order)."""
@@ -218,10 +200,9 @@ class DaliLoader(EpochLoader):
 
     def __init__(self, spec: LoaderSpec, info: DatasetInfo, *, debug: bool = False, gpu_branches: bool = False) -> None:
         self.spec, self.info, self.debug, self.gpu_branches = spec, info, debug, gpu_branches
-        records = scan_shards(info.dir / spec.split, info.count)
-        self.reader = _Columns(records)
-        self.labels = np.array([r.label for r in records], np.int64)
-        self.usable = saliency_usable(torch.tensor([r.coverage for r in records]))
+        self.reader = ColumnReader(scan_shards(info.dir / spec.split, info.count))
+        self.labels = self.reader.labels
+        self.usable = saliency_usable(torch.from_numpy(self.reader.coverage))
         self.masks = info.reads_masks(spec.recipe)
         self.order = EpochOrder(spec, info.count)
         self.draws_in_graph = spec.mix.kind == "dacl" and "binary" in spec.mix.dacl_noises   # a DALI checkpoint matters

@@ -26,6 +26,14 @@ two rules, kept here for preprocess, pipelines and train alike:
    method. Forked children freeze and get the watchdog in an at-fork hook that `before_fork` registers
    once per process (so also the children a library forks: FFCV's writers, DataLoader workers); a process
    started by exec (a rank of the elastic launcher or torchrun) calls `end_with_parent` itself.
+3. No fork of a process that holds a CUDA context: a DataLoader's workers start from a fork server
+   there (`worker_context`), as DALI's do (`dali_backend.worker_start_method`). Forking such a
+   process copies the locks its CUDA, pin-memory and DALI threads hold at that instant into a child
+   that has none of those threads; on an H200 (torch 2.11, DALI 2.4.0) the second torchvision loader
+   forked in one process hung for good, its workers idle and the training thread waiting for a
+   batch. PyTorch's documentation says the same of CUDA with fork. The server is started by exec
+   once per process, imports the modules it is told to preload, and forks each worker from itself; a
+   worker it starts ends with the process that asked for it (`worker_started`).
 
 `proc_stat`, `running` and `descendants` read /proc for who runs and who started whom (the reaper of
 a local Ray instance, `preprocess.ray_engine`, and the tests that kill runs use them).
@@ -37,6 +45,7 @@ import gc
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 from multiprocessing.context import BaseContext
@@ -46,23 +55,40 @@ POLL_S = 0.2                     # how often a child looks at its parent's pid: 
 _forking_pid: int | None = None  # the pid of the process that is forking, read by the child it forks
 _collecting = True               # whether the collector was on when the fork began
 _hooked = False                  # the at-fork hooks are registered in this process (inherited by its children)
+_watched_in: int | None = None   # the pid of the process whose watchdog runs (a forked child's differs)
 
 
 def end_with_parent(parent: int | None = None) -> None:
-    """End this process (SIGKILL) as soon as `parent` is no longer its parent (module docstring, 2).
+    """End this process (SIGKILL) as soon as `parent` is no longer its parent (module docstring, 2);
+    once per process (a second call in the same process does nothing).
 
     Args:
         parent: the pid of the process whose death ends this one; default the current parent. A
             parent that is already gone ends this process at once.
     """
     parent = os.getppid() if parent is None else parent
-    if os.getppid() != parent:
+    _end_when(lambda: os.getppid() != parent)     # re-parented (to init or a subreaper) once the parent dies
+
+
+def end_with_process(pid: int) -> None:
+    """End this process (SIGKILL) as soon as process `pid`, not its parent, has ended (a worker of a fork
+    server ends with the process that asked for it); once per process, as `end_with_parent`."""
+    _, started, _ = proc_stat(pid)
+    _end_when(lambda: proc_stat(pid)[1] != started or proc_stat(pid)[0] in ("", "Z"))   # pid reused, or gone
+
+
+def _end_when(gone) -> None:
+    global _watched_in
+    if _watched_in == os.getpid():
+        return
+    if gone():
         os.kill(os.getpid(), signal.SIGKILL)
-    threading.Thread(target=_watch, args=(parent,), name="viewmill-end-with-parent", daemon=True).start()
+    _watched_in = os.getpid()
+    threading.Thread(target=_watch, args=(gone,), name="viewmill-end-with-parent", daemon=True).start()
 
 
-def _watch(parent: int) -> None:
-    while os.getppid() == parent:            # re-parented (to init or a subreaper) once the parent dies
+def _watch(gone) -> None:
+    while not gone():
         time.sleep(POLL_S)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -99,6 +125,42 @@ def fork_context() -> BaseContext:
     """The multiprocessing fork start method, after `before_fork`."""
     before_fork()
     return mp.get_context("fork")
+
+
+def cuda_in_use() -> bool:
+    """Whether this process holds a CUDA context (torch has initialised CUDA): then it must not fork
+    (module docstring, 3). False without torch imported."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
+def worker_context(preload: str) -> BaseContext:
+    """The start method of a DataLoader's workers: fork (`fork_context`: cheap, the reader's pages shared)
+    while this process holds no CUDA context, else the fork server (module docstring, 3), which
+    imports `preload` (the loader's module, and torch with it) once, when it starts. Pass
+    `worker_init_fn=worker_started` with it, and a dataset that pickles small (`shards.ColumnReader`)."""
+    if not cuda_in_use():
+        return fork_context()
+    mp.set_forkserver_preload([preload])     # read once, when this process first starts its server
+    return mp.get_context("forkserver")
+
+
+def worker_started(worker_id: int = 0) -> None:
+    """A DataLoader's `worker_init_fn`: the worker ends with the process that started it, whichever
+    start method made it (rule 2; `end_with_creator`)."""
+    creator = mp.parent_process()
+    end_with_creator(os.getppid() if creator is None else creator.pid)
+
+
+def end_with_creator(creator: int) -> None:
+    """End this worker with `creator`, the process that asked for it (rule 2): its parent when forked (the
+    at-fork hook did that already), else the process itself: the parent of a fork server's worker is
+    the server, which lives as long as any of its workers does (each holds the server's liveness pipe).
+    """
+    if creator == os.getppid():
+        end_with_parent()
+    else:
+        end_with_process(creator)
 
 
 def proc_stat(pid: int) -> tuple[str, str, int]:

@@ -21,8 +21,8 @@ from torch import Tensor
 
 from pipelines.augment import render_views
 from pipelines.batch import Batch, make_batch
-from pipelines.shards import ShardReader, scan_shards
-from pipelines.processes import fork_context
+from pipelines.processes import worker_context, worker_started
+from pipelines.shards import ColumnReader, scan_shards
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec
 
 
@@ -39,7 +39,7 @@ def decode(data: bytes, mode: str) -> Tensor:
 class _BatchReader(torch.utils.data.Dataset):
     """Item (seed, indices) → one whole batch as a CPU `Batch` (runs in DataLoader workers)."""
 
-    def __init__(self, spec: LoaderSpec, info: DatasetInfo, reader: ShardReader) -> None:
+    def __init__(self, spec: LoaderSpec, info: DatasetInfo, reader: ColumnReader) -> None:
         self.spec, self.info, self.reader = spec, info, reader
         self.masks = info.reads_masks(spec.recipe)
 
@@ -48,16 +48,16 @@ class _BatchReader(torch.utils.data.Dataset):
 
     def __getitem__(self, item: tuple[int, np.ndarray]) -> Batch:
         seed, indices = item
-        s, records = self.spec, self.reader.records
+        s, reader = self.spec, self.reader
         images = [decode(self.reader.image(i), "RGB") for i in indices]
         masks = None
         if self.masks:
             masks = [None if (m := self.reader.mask(i)) is None else decode(m, "L") for i in indices]
-        coverage = torch.tensor([records[i].coverage for i in indices])
+        coverage = torch.from_numpy(reader.coverage[np.asarray(indices)])
         gen = torch.Generator().manual_seed(seed)
         views = render_views(images, masks, coverage, s.recipe, gen)
         index = torch.as_tensor(np.asarray(indices, np.int64))
-        label = torch.tensor([records[i].label for i in indices], dtype=torch.long)
+        label = torch.from_numpy(reader.labels[np.asarray(indices)])
         return make_batch(views, s.recipe, s.mix, gen, self.info.mean, self.info.std, index, label, "cpu")
 
 
@@ -80,7 +80,7 @@ class TorchLoader(EpochLoader):
     def __init__(self, spec: LoaderSpec, info: DatasetInfo) -> None:
         self.spec = spec
         self.order = EpochOrder(spec, info.count)
-        self.batches = _BatchReader(spec, info, ShardReader(scan_shards(info.dir / spec.split, info.count)))
+        self.batches = _BatchReader(spec, info, ColumnReader(scan_shards(info.dir / spec.split, info.count)))
         self._ahead: Iterator[Batch] | None = None     # batches read ahead from position `_ahead_at`
         self._ahead_at: tuple[int, int] | None = None
 
@@ -88,11 +88,13 @@ class TorchLoader(EpochLoader):
         items = _Schedule(self.order)
         if self.spec.num_workers == 0:
             return (self.batches[it] for it in items)
-        # Forked workers, also in a process that was itself spawned (a bench's fresh process, whose
-        # default start method is then spawn: each worker would import torch again, seconds each).
+        # Forked workers (or a fork server's, `worker_context`), also in a process that was itself
+        # spawned (a bench's fresh process, whose default start method is then spawn: each worker would
+        # import torch again, seconds each).
         return iter(torch.utils.data.DataLoader(self.batches, batch_size=None, sampler=items,
                                                 num_workers=self.spec.num_workers, prefetch_factor=2,
-                                                multiprocessing_context=fork_context()))
+                                                worker_init_fn=worker_started,
+                                                multiprocessing_context=worker_context(__name__)))
 
     def __iter__(self) -> Iterator[Batch]:
         o = self.order

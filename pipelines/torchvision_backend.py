@@ -36,8 +36,8 @@ from torch import Tensor
 
 from pipelines.augment import SALIENCY_MIN_COVERAGE, blur_sigma_px
 from pipelines.batch import Batch, make_batch
-from pipelines.shards import ShardReader, scan_shards
-from pipelines.processes import before_fork, fork_context
+from pipelines.processes import before_fork, worker_context, worker_started
+from pipelines.shards import ColumnReader, scan_shards
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import Recipe, ViewGroup
 
@@ -109,13 +109,13 @@ def _to_uint8_chw(img: Image.Image) -> Tensor:
 class ShardDataset(torch.utils.data.Dataset):
     """Map-style dataset over the shards; item = (dataset index, per-sample seed)."""
 
-    def __init__(self, reader: ShardReader, recipe: Recipe, masks: bool) -> None:
+    def __init__(self, reader: ColumnReader, recipe: Recipe, masks: bool) -> None:
         self.reader, self.recipe, self.masks = reader, recipe, masks
         self.crops = {g.name: _CropGroup(g) for g in recipe.crop_groups}
         self.staged = {g.name: _ColourOps(g) for g in recipe.by_role("staged")}
 
     def __len__(self) -> int:
-        return len(self.reader.records)
+        return len(self.reader)
 
     def decode(self, data: bytes) -> Image.Image:
         """The RGB image of encoded bytes, as the users' pipelines decode it (PIL, libjpeg-turbo)."""
@@ -127,7 +127,7 @@ class ShardDataset(torch.utils.data.Dataset):
         img = self.decode(self.reader.image(i))
         data = self.reader.mask(i) if self.masks else None
         mask = Image.open(io.BytesIO(data)).convert("L") if data is not None else None
-        coverage = self.reader.records[i].coverage
+        coverage = float(self.reader.coverage[i])
         done = {g.name: [self.crops[g.name](img, mask, coverage) for _ in range(g.count)]
                 for g in self.recipe.crop_groups}
         for g in self.recipe.by_role("staged"):
@@ -142,8 +142,7 @@ class ShardDataset(torch.utils.data.Dataset):
                 views = self.render(i, seed)
         else:
             views = self.render(i, seed)
-        r = self.reader.records[i]
-        return {"views": views, "index": r.index, "label": r.label}
+        return {"views": views, "index": int(self.reader.indices[i]), "label": int(self.reader.labels[i])}
 
 
 class _Batches:
@@ -175,14 +174,14 @@ class TorchvisionLoader(EpochLoader):
     def __init__(self, spec: LoaderSpec, info: DatasetInfo) -> None:
         self.spec, self.info = spec, info
         self.order = EpochOrder(spec, info.count)
-        reader = ShardReader(scan_shards(info.dir / spec.split, info.count))
+        reader = ColumnReader(scan_shards(info.dir / spec.split, info.count))
         masks = info.reads_masks(spec.recipe)
         self.device = torch.device(spec.device)
         self.loader = torch.utils.data.DataLoader(
             ShardDataset(reader, spec.recipe, masks), batch_sampler=_Batches(self.order),
             num_workers=spec.num_workers, collate_fn=collate, pin_memory=self.device.type == "cuda",
-            persistent_workers=spec.num_workers > 0,
-            multiprocessing_context=fork_context() if spec.num_workers > 0 else None)   # as torch_backend's
+            persistent_workers=spec.num_workers > 0, worker_init_fn=worker_started,
+            multiprocessing_context=worker_context(__name__) if spec.num_workers > 0 else None)
 
     def __iter__(self) -> Iterator[Batch]:
         s, o = self.spec, self.order

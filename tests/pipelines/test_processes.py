@@ -1,8 +1,9 @@
 """The processes viewmill starts (`pipelines.processes`): a child forked from a process that once built
 a DALI pipeline freezes what it inherits before any collection can run there, so it does not finalise
-the pipeline without its threads;
-and children end with their parent, however it dies: children forked by our pools or by a library after
-`before_fork`, children of children, and exec'd processes that call `end_with_parent`."""
+the pipeline without its threads; children end with their parent, however it dies: children forked by
+our pools or by a library after `before_fork`, children of children, exec'd processes that call
+`end_with_parent`, and the workers a fork server starts for a process holding CUDA (DataLoader's and
+DALI's), which end with that process, not with the server; and such a process never forks."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from pipelines.processes import POLL_S, fork_context
 from tests.processes import ROOT, kill_and_reap, left_after, live, start, wait_for
@@ -92,6 +95,26 @@ elif kind == "exec":                       # an exec'd child told its parent's p
     code = "import sys, time; from pipelines import processes; processes.end_with_parent(int(sys.argv[1])); time.sleep(120)"
     subprocess.Popen([sys.executable, "-c", code, str(os.getpid())])
     n = 1
+elif kind == "server":                     # DataLoader workers of a process holding CUDA: the fork server's
+    import torch
+    processes.cuda_in_use = lambda: True
+    loader = torch.utils.data.DataLoader(range(4), num_workers=2, persistent_workers=True,
+                                         worker_init_fn=processes.worker_started,
+                                         multiprocessing_context=processes.worker_context("pipelines.processes"))
+    it = iter(loader)
+    next(it)
+    n = 4                                  # the server, its 2 workers, multiprocessing's resource tracker
+elif kind == "dali-server":                # DALI's workers where CUDA is initialised: the fork server's
+    from pipelines import dali_backend
+    from pipelines.loader import build_loader
+    from pipelines.spec import LoaderSpec
+    from pipelines.views import load_recipe
+    dali_backend.worker_start_method = lambda: "forkserver"
+    spec = LoaderSpec(root=sys.argv[2], dataset="synthetic", recipe=load_recipe("byol", 32, 16), split="train",
+                      batch_size=8, num_workers=4)
+    batches = iter(build_loader("dali", spec))
+    next(batches)
+    n = 3                                  # the server, 1 DALI worker, multiprocessing's resource tracker
 elif kind == "unguarded":                  # the control: a fork without before_fork outlives its parent
     mp.get_context("fork").Process(target=sleeper).start()
     n = 1
@@ -100,9 +123,9 @@ time.sleep(120)
 """
 
 
-@pytest.mark.parametrize("kind", ["pool", "library", "exec", "unguarded"])
-def test_children_end_when_their_parent_is_killed(kind) -> None:
-    parent = start(["-c", PARENT, kind])
+@pytest.mark.parametrize("kind", ["pool", "library", "exec", "server", "dali-server", "unguarded"])
+def test_children_end_when_their_parent_is_killed(kind, tiny_data_root) -> None:
+    parent = start(["-c", PARENT, kind, str(tiny_data_root)])
     expected = int(parent.stdout.readline())
     wait_for(lambda: len(live(parent.mark)) == expected + 1, 30, f"{expected} children", parent)
     noted = kill_and_reap(parent)
@@ -164,7 +187,6 @@ def test_loader_workers_are_forked_where_the_default_start_method_is_spawn(backe
     benches' fresh processes), the DataLoader workers of the torch-based loaders are still forked: a
     spawned worker imports torch again (seconds) and is not watched (rule 2)."""
     import multiprocessing as mp
-    from pathlib import Path
 
     from pipelines.loader import build_loader
     from pipelines.processes import descendants
@@ -179,5 +201,42 @@ def test_loader_workers_are_forked_where_the_default_start_method_is_spawn(backe
     # A forked worker has this process's command line; a spawned one that of multiprocessing's spawn.
     mine = Path(f"/proc/{os.getpid()}/cmdline").read_bytes()
     lines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid, _ in descendants(os.getpid())]
-    workers = [line for line in lines if b"resource_tracker" not in line]      # not multiprocessing's helper
+    workers = [line for line in lines                     # not multiprocessing's helpers (another test's)
+               if b"resource_tracker" not in line and b"forkserver import main" not in line]
     assert workers and all(line == mine for line in workers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "torchvision"])
+def test_loader_workers_come_from_the_fork_server_in_a_process_holding_cuda(backend, tiny_data_root,
+                                                                            monkeypatch) -> None:
+    """In a process holding a CUDA context the torch-based loaders never fork (rule 3): their workers are
+    the fork server's children, and their batches are the forked workers' batches."""
+    from pipelines import processes
+    from pipelines.loader import build_loader
+    from pipelines.processes import descendants, proc_stat
+    from pipelines.spec import LoaderSpec
+    from pipelines.views import load_recipe
+
+    spec = LoaderSpec(root=str(tiny_data_root), dataset="synthetic", recipe=load_recipe("byol", 32, 16),
+                      split="train", batch_size=8, num_workers=2)
+
+    def first_batches():
+        before = {pid for pid, _ in descendants(os.getpid())}
+        it = iter(build_loader(backend, spec))
+        batches = [next(it) for _ in range(2)]
+        started = {pid: proc_stat(pid)[2] for pid, _ in descendants(os.getpid()) if pid not in before}
+        return batches, {pid: parent for pid, parent in started.items()
+                         if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()}
+
+    forked, by_fork = first_batches()
+    assert len(by_fork) == 2 and set(by_fork.values()) == {os.getpid()}
+    monkeypatch.setattr(processes, "cuda_in_use", lambda: True)
+    served, by_server = first_batches()
+    workers = {pid: parent for pid, parent in by_server.items() if parent != os.getpid()}
+    (server,) = set(workers.values())                    # one server (started once per process) ...
+    assert len(workers) == 2 and proc_stat(server)[2] == os.getpid()   # ... whose parent is this process
+    assert b"forkserver import main" in Path(f"/proc/{server}/cmdline").read_bytes().replace(b"\0", b" ")
+    assert set(by_server) - set(workers) <= {server}     # nothing forked from this process
+    for a, b in zip(forked, served):
+        assert torch.equal(a.index, b.index) and torch.equal(a.global_views, b.global_views)
