@@ -31,8 +31,11 @@ The table printed last marks the issue's targets met or missed (`targets`).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -68,7 +71,37 @@ KNOWN_FAILURES = (
     "tests/train/test_cuda.py::test_objective_trains_and_resumes_on_cuda[sdmp]",
 )
 # Seconds each section takes on one H100 with 16 cores (estimates from its sizes), for the budget.
-ESTIMATE_S = {"known": 45, "loader": 100, "views": 30, "train": 45, "tests": 100}
+ESTIMATE_S = {"known": 75, "loader": 100, "views": 30, "train": 45, "tests": 100}
+LIMIT_X = 3            # a section still running at LIMIT_X times its estimate is stopped (`time_limit`)
+
+
+class SectionTimeout(Exception):
+    """A section ran past its limit (a hang: the GPU machine's slot is too short to wait it out)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int, stacks: Path):
+    """Stop the block with `SectionTimeout` after `seconds`, writing every thread's stack of this process
+    into `stacks` first (where it hung); no limit for seconds <= 0."""
+    if seconds <= 0:
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SectionTimeout(f"stopped after {seconds} s; the stacks of its threads are in {stacks.name}")
+
+    with stacks.open("w") as f:
+        faulthandler.dump_traceback_later(seconds, file=f)
+        previous = signal.signal(signal.SIGALRM, stop)
+        signal.alarm(seconds + 1)
+        try:
+            yield
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+            faulthandler.cancel_dump_traceback_later()
+    if not stacks.stat().st_size:
+        stacks.unlink()
 
 
 def run_tests(which: str, out: Path, timeout_s: int) -> dict:
@@ -304,8 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         print(f"== {name}", flush=True)
         try:
-            report[name] = fn()
-        except Exception as e:  # one broken section is reported; the others still run
+            with time_limit(0 if a.quick else LIMIT_X * ESTIMATE_S[name], out / f"{name}-stacks.txt"):
+                report[name] = fn()
+        except Exception as e:  # one broken or hung section is reported; the others still run
             report[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
             print(report[name]["traceback"], flush=True)
         print(f"== {name} done in {time.perf_counter() - t0:.0f} s ({time.perf_counter() - start:.0f} s in all)",

@@ -1,6 +1,9 @@
-"""The GPU report's verdicts: each target of the GPU issue is marked met or missed from the numbers."""
+"""The GPU report: each target of the GPU issue is marked met or missed from the numbers, and a hung
+section is stopped at its limit."""
 
 from __future__ import annotations
+
+import pytest
 
 from bench.gpu_check import targets
 
@@ -23,3 +26,25 @@ def test_targets_met_moonshot_and_missed() -> None:
     assert verdicts(_report(10_500, 5_000, 2.9, 1.4, 0.03, 0)) == ["met", "met", "met", "met", "met", "met"]
     assert verdicts(_report(6_094, 4_196, 23.5, 2.01, 0.135, 7)) == ["missed"] * 6      # the first GPU runs
     assert targets({}) == ["nothing measured"]
+
+
+def test_a_hung_section_is_stopped_at_its_limit_with_the_stacks_of_where_it_hung(tmp_path) -> None:
+    """A hang (a loader waiting for a batch that never comes) must not eat the GPU machine's slot: the
+    section is stopped and the report says where it hung."""
+    import threading
+    import time
+
+    from bench.gpu_check import SectionTimeout, time_limit
+
+    def waits_for_a_batch_that_never_comes() -> None:
+        threading.Event().wait()
+
+    t0 = time.perf_counter()
+    with pytest.raises(SectionTimeout, match="stopped after 1 s"):
+        with time_limit(1, tmp_path / "loader-stacks.txt"):
+            waits_for_a_batch_that_never_comes()
+    assert time.perf_counter() - t0 < 30
+    assert "waits_for_a_batch_that_never_comes" in (tmp_path / "loader-stacks.txt").read_text()
+    with time_limit(5, tmp_path / "views-stacks.txt"):           # a section within its limit: no file left
+        pass
+    assert not (tmp_path / "views-stacks.txt").exists()
