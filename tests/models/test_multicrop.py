@@ -126,9 +126,9 @@ def test_moco_v3_resnet_heads_end_in_an_affine_free_batchnorm_each():
     def layout(head: nn.Module) -> list[str]:
         return [f"{type(m).__name__}{'' if not isinstance(m, nn.BatchNorm1d) else m.affine}" for m in head]
 
-    moco = build_model("resnet18", 16, 32, 16, 32, proj_layers=2, proj_last_bn=True, pred_last_bn=True)
+    moco = build_model("test_resnet", 16, 32, 16, 32, proj_layers=2, proj_last_bn=True, pred_last_bn=True)
     assert layout(moco.projector) == layout(moco.predictor) == ["Linear", "BatchNorm1dTrue", "ReLU", "Linear",
                                                                  "BatchNorm1dFalse"]
     assert moco.predictor[3].bias is None
-    sdmp = build_model("resnet18", 16, 32, 16, 32, proj_layers=2, proj_last_bn=True)
+    sdmp = build_model("test_resnet", 16, 32, 16, 32, proj_layers=2, proj_last_bn=True)
     assert layout(sdmp.predictor)[-1] == "Linear" and sdmp.predictor[-1].bias is not None

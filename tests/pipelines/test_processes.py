@@ -10,8 +10,6 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +17,7 @@ import pytest
 import torch
 
 from pipelines.processes import POLL_S, fork_context
-from tests.processes import ROOT, kill_and_reap, left_after, live, start, wait_for
+from tests.processes import kill_and_reap, left_after, live, start, wait_for
 
 
 def _collect() -> None:
@@ -66,9 +64,8 @@ def test_no_collection_can_run_in_a_forked_child_before_it_freezes_what_it_inher
         "    os._exit(0)\n"
         "os.waitpid(pid, 0)\n"
         "print('parent', gc.isenabled())\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert out.stdout.split("\n")[:2] == ["child [False] True True", "parent True"], out.stderr
+    out, err = start(["-c", code]).communicate(timeout=60)
+    assert out.split("\n")[:2] == ["child [False] True True", "parent True"], err
 
 
 # A parent that starts its children one way, says how many processes it started, then sleeps until killed.

@@ -18,7 +18,6 @@ from train.setup import Parts
 from tests.train.test_objectives_modules import DIM, GLOBAL_PX, make_batch
 
 
-
 class BF16Features(torch.nn.Module):
     """The backbone with its convolutions in float32 and its features handed on in bf16, as a GPU's
     autocast hands them to the heads: a CPU without bf16 instructions runs bf16 convolutions by
