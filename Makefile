@@ -40,15 +40,17 @@ help:  ## list targets and variables
 
 install: $(STAMP)  ## system packages FFCV needs, .venv, the project (editable); idempotent
 
-# pip installs without byte-compiling, then one compileall on every core compiles what is new (pip compiles
-# file by file on one core: a third of a fresh install). Like pip, it skips a file that does not compile
-# (a test of a newer Python's syntax), hence `|| true`.
-PIP      := $(PY) -m pip install -q --no-compile -c requirements.lock
+# uv installs the pinned packages (pip's resolver, one download and unpack at a time, took 3 of a fresh
+# install's 3.4 minutes; uv about a third of that), without byte-compiling; then one compileall on every core
+# compiles what is new. Like pip, it skips a file that does not compile (a test of a newer Python's syntax),
+# hence `|| true`.
+PIP      := $(VENV)/bin/uv pip install -q --python $(PY) -c requirements.lock
 COMPILE  := $(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
 define system_venv_torch
 	@command -v pkg-config >/dev/null && pkg-config --exists libturbojpeg && pkg-config --exists opencv4 && pkg-config --exists libavdevice \
 	  || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq pkg-config libopencv-dev libturbojpeg0-dev libavdevice-dev; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(VENV)/bin/uv || $(PY) -m pip install -q -c requirements.lock uv
 	$(PIP) "setuptools>=64" wheel numpy torch torchvision
 endef
 
