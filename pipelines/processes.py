@@ -74,7 +74,12 @@ def end_with_process(pid: int) -> None:
     """End this process (SIGKILL) as soon as process `pid`, not its parent, has ended (a worker of a fork
     server ends with the process that asked for it); once per process, as `end_with_parent`."""
     _, started, _ = proc_stat(pid)
-    _end_when(lambda: proc_stat(pid)[1] != started or proc_stat(pid)[0] in ("", "Z"))   # pid reused, or gone
+
+    def gone() -> bool:
+        state, since, _ = proc_stat(pid)
+        return state in ("", "Z") or since != started        # ended, or its pid is another process's now
+
+    _end_when(gone)
 
 
 def _end_when(gone) -> None:
