@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from pipelines.processes import worker_context, worker_started
-from pipelines.shards import ColumnReader
+from pipelines.shards import ShardReader
 from pipelines.spec import Loader
 from pipelines.views import Recipe
 
@@ -260,7 +260,7 @@ def time_epochs(make: Callable[[int], Loader], epochs: int, device: str | torch.
 class _CeilingDataset(torch.utils.data.Dataset):
     """Reads one record's image bytes from its shard, decodes it and (optionally) crops the views."""
 
-    def __init__(self, reader: ColumnReader, decoder: str, crop_groups: list | None) -> None:
+    def __init__(self, reader: ShardReader, decoder: str, crop_groups: list | None) -> None:
         self.reader, self.decoder, self.crop_groups = reader, decoder, crop_groups
 
     def __len__(self) -> int:
@@ -313,7 +313,7 @@ def time_ceiling(entries, decoder: str, recipe: Recipe | None, batch_size: int, 
     `decoder="read"` times reading the bytes alone."""
     batches, warmup = steady_batches(batches, warmup, cores if steady else 0)
     groups = None if recipe is None else list(recipe.crop_groups)
-    ds = _CeilingDataset(ColumnReader(entries), decoder, groups)
+    ds = _CeilingDataset(ShardReader(entries), decoder, groups)
     need = (warmup + batches) * batch_size
     runs = []
     for r in range(repeats):

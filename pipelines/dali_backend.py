@@ -45,7 +45,7 @@ from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers
 from pipelines.dali_graph import NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs
 from pipelines.processes import before_fork, end_with_creator
-from pipelines.shards import ColumnReader, ShardReader, image_size, scan_shards
+from pipelines.shards import ShardReader, image_size, scan_shards
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import FIELDS
 
@@ -200,7 +200,7 @@ class DaliLoader(EpochLoader):
 
     def __init__(self, spec: LoaderSpec, info: DatasetInfo, *, debug: bool = False, gpu_branches: bool = False) -> None:
         self.spec, self.info, self.debug, self.gpu_branches = spec, info, debug, gpu_branches
-        self.reader = ColumnReader(scan_shards(info.dir / spec.split, info.count))
+        self.reader = ShardReader(scan_shards(info.dir / spec.split, info.count))
         self.labels = self.reader.labels
         self.usable = saliency_usable(torch.from_numpy(self.reader.coverage))
         self.masks = info.reads_masks(spec.recipe)

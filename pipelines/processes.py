@@ -143,7 +143,7 @@ def worker_context(preload: str) -> BaseContext:
     """The start method of a DataLoader's workers: fork (`fork_context`: cheap, the reader's pages shared)
     while this process holds no CUDA context, else the fork server (module docstring, 3), which
     imports `preload` (the loader's module, and torch with it) once, when it starts. Pass
-    `worker_init_fn=worker_started` with it, and a dataset that pickles small (`shards.ColumnReader`)."""
+    `worker_init_fn=worker_started` with it, and a dataset that pickles small (`shards.ShardReader`)."""
     if not cuda_in_use():
         return fork_context()
     mp.set_forkserver_preload([preload])     # read once, when this process first starts its server

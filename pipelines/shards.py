@@ -116,14 +116,33 @@ def image_size(data: bytes) -> tuple[int, int]:
 
 class ShardReader:
     """Positioned reads of records' members: one descriptor per shard and process, `os.pread` (no
-    seek, so threads may share it); picklable into DataLoader workers, which open their own."""
+    seek, so threads may share it). The records are kept as numpy columns, so that what a worker
+    process is sent is small whatever starts it (64 bytes a record; a fork server's or a spawned
+    worker gets the reader pickled); each worker opens its own descriptors."""
 
     def __init__(self, records: list[ShardRecord]) -> None:
-        self.records = records
+        self.shards = sorted({r.shard for r in records})
+        sid = {s: i for i, s in enumerate(self.shards)}
+        self.cols = np.array([(sid[r.shard], r.image_offset, r.image_size, r.mask_offset, r.mask_size, r.label,
+                               r.index) for r in records], np.int64).reshape(-1, 7)          # (N, 7)
+        self.coverage = np.array([r.coverage for r in records], np.float64)              # (N,) or NO_MASK_COVERAGE
         self._fds: dict[str, int] = {}
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_fds": {}}
+
+    def __len__(self) -> int:
+        return len(self.cols)
+
+    @property
+    def labels(self) -> np.ndarray:
+        """(N,) int64 class labels (`schema.NO_LABEL` in an unlabelled dataset)."""
+        return self.cols[:, 5]
+
+    @property
+    def indices(self) -> np.ndarray:
+        """(N,) int64 dataset indices."""
+        return self.cols[:, 6]
 
     def _read(self, shard: str, offset: int, size: int) -> bytes:
         fd = self._fds.get(shard)
@@ -133,45 +152,10 @@ class ShardReader:
 
     def image(self, i: int) -> bytes:
         """The encoded image of record i (JPEG or PNG bytes)."""
-        r = self.records[i]
-        return self._read(r.shard, r.image_offset, r.image_size)
-
-    def mask(self, i: int) -> bytes | None:
-        """The encoded mask of record i (PNG bytes), or None without one."""
-        r = self.records[i]
-        return self._read(r.shard, r.mask_offset, r.mask_size) if r.mask_offset >= 0 else None
-
-
-class ColumnReader(ShardReader):
-    """A `ShardReader` whose records are numpy columns, for readers pickled into worker processes that
-    are not forked (a fork server's, a spawned process's): about 64 bytes a record, where ImageNet's
-    1.28 M records as objects would be about 150 MB per worker."""
-
-    def __init__(self, records: list[ShardRecord]) -> None:
-        self.shards = sorted({r.shard for r in records})
-        sid = {s: i for i, s in enumerate(self.shards)}
-        self.cols = np.array([(sid[r.shard], r.image_offset, r.image_size, r.mask_offset, r.mask_size, r.label,
-                               r.index) for r in records], np.int64).reshape(-1, 7)          # (N, 7)
-        self.coverage = np.array([r.coverage for r in records], np.float64)              # (N,)
-        self._fds = {}
-
-    def __len__(self) -> int:
-        return len(self.cols)
-
-    def image(self, i: int) -> bytes:
         s, offset, size = self.cols[i, :3].tolist()
         return self._read(self.shards[s], offset, size)
 
     def mask(self, i: int) -> bytes | None:
+        """The encoded mask of record i (PNG bytes), or None without one."""
         s, _, _, offset, size = self.cols[i, :5].tolist()
         return self._read(self.shards[s], offset, size) if offset >= 0 else None
-
-    @property
-    def labels(self) -> np.ndarray:
-        """(N,) int64 class labels (-1: unlabelled)."""
-        return self.cols[:, 5]
-
-    @property
-    def indices(self) -> np.ndarray:
-        """(N,) int64 dataset indices."""
-        return self.cols[:, 6]

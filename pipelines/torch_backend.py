@@ -22,7 +22,7 @@ from torch import Tensor
 from pipelines.augment import render_views
 from pipelines.batch import Batch, make_batch
 from pipelines.processes import worker_context, worker_started
-from pipelines.shards import ColumnReader, scan_shards
+from pipelines.shards import ShardReader, scan_shards
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec
 
 
@@ -39,7 +39,7 @@ def decode(data: bytes, mode: str) -> Tensor:
 class _BatchReader(torch.utils.data.Dataset):
     """Item (seed, indices) → one whole batch as a CPU `Batch` (runs in DataLoader workers)."""
 
-    def __init__(self, spec: LoaderSpec, info: DatasetInfo, reader: ColumnReader) -> None:
+    def __init__(self, spec: LoaderSpec, info: DatasetInfo, reader: ShardReader) -> None:
         self.spec, self.info, self.reader = spec, info, reader
         self.masks = info.reads_masks(spec.recipe)
 
@@ -80,7 +80,7 @@ class TorchLoader(EpochLoader):
     def __init__(self, spec: LoaderSpec, info: DatasetInfo) -> None:
         self.spec = spec
         self.order = EpochOrder(spec, info.count)
-        self.batches = _BatchReader(spec, info, ColumnReader(scan_shards(info.dir / spec.split, info.count)))
+        self.batches = _BatchReader(spec, info, ShardReader(scan_shards(info.dir / spec.split, info.count)))
         self._ahead: Iterator[Batch] | None = None     # batches read ahead from position `_ahead_at`
         self._ahead_at: tuple[int, int] | None = None
 

@@ -26,7 +26,6 @@ extension are ignored. The folder is written in one streamed pass by `preprocess
 from __future__ import annotations
 
 import io
-import math
 import os
 from pathlib import Path
 

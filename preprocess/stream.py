@@ -232,7 +232,7 @@ class ShardSplit:
     def __getitem__(self, i: int) -> Record:
         i = int(i)
         h, w = (int(v) for v in self.sizes[i])
-        return Record(image=None, label=self.reader.records[i].label, index=i, encoded=self.reader.image(i),
+        return Record(image=None, label=int(self.reader.labels[i]), index=i, encoded=self.reader.image(i),
                       size=(h, w))
 
 

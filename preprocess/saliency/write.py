@@ -62,7 +62,7 @@ class StoredSplit:
         i = int(i)
         data = self._reader.image(i)
         image = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-        label = self._reader.records[i].label
+        label = int(self._reader.labels[i])
         rec = Record(image=image, label=label, index=i,
                      encoded=data if self.mode == "jpg" else None)
         return replace(rec, mask=binarise(self.masks(i), *image.shape[:2]))

@@ -45,7 +45,7 @@ def test_the_copy_holds_centred_masks_of_the_same_coverage_in_both_formats(tmp_p
             assert np.array_equal(b, centred_rectangle(32, 32, float((a >= 128).mean())))
             assert c == pytest.approx((b >= 128).mean())
             dali = np.asarray(Image.open(io.BytesIO(shards.mask(i))))
-            assert np.array_equal(dali, b) and shards.records[i].coverage == pytest.approx(c, abs=1e-6)
+            assert np.array_equal(dali, b) and shards.coverage[i] == pytest.approx(c, abs=1e-6)
 
 
 def test_a_dataset_without_masks_is_refused_in_one_line(tmp_path: Path) -> None:
