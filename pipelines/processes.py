@@ -27,13 +27,13 @@ two rules, kept here for preprocess, pipelines and train alike:
    once per process (so also the children a library forks: FFCV's writers, DataLoader workers); a process
    started by exec (a rank of the elastic launcher or torchrun) calls `end_with_parent` itself.
 3. No fork of a process that holds a CUDA context: a DataLoader's workers start from a fork server
-   there (`worker_context`), as DALI's do (`dali_backend.worker_start_method`). Forking such a
-   process copies the locks its CUDA, pin-memory and DALI threads hold at that instant into a child
-   that has none of those threads; on an H200 (torch 2.11, DALI 2.4.0) the second torchvision loader
-   forked in one process hung for good, its workers idle and the training thread waiting for a
-   batch. PyTorch's documentation says the same of CUDA with fork. The server is started by exec
-   once per process, imports the modules it is told to preload, and forks each worker from itself; a
-   worker it starts ends with the process that asked for it (`worker_started`).
+   there (`worker_context`), as DALI's do (`dali_backend.worker_start_method`). Forking such a process
+   copies the locks its CUDA, pin-memory and DALI threads hold at that instant into a child that has
+   none of those threads; on an H200 (torch 2.11, DALI 2.4.0) the second torchvision loader forked in
+   one process hung for good, its workers idle and the thread taking the batches waiting for one.
+   PyTorch's documentation says the same of CUDA with fork. The server is started by exec once per
+   process, imports the modules it is told to preload, and forks each worker from itself; a worker it
+   starts ends with the process that asked for it (`worker_started`).
 
 `proc_stat`, `running` and `descendants` read /proc for who runs and who started whom (the reaper of
 a local Ray instance, `preprocess.ray_engine`, and the tests that kill runs use them).

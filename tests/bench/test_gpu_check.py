@@ -32,18 +32,15 @@ def test_a_hung_section_is_stopped_at_its_limit_with_the_stacks_of_where_it_hung
     """A hang (a loader waiting for a batch that never comes) must not eat the GPU machine's slot: the
     section is stopped and the report says where it hung."""
     import threading
-    import time
 
     from bench.gpu_check import SectionTimeout, time_limit
 
     def waits_for_a_batch_that_never_comes() -> None:
-        threading.Event().wait()
+        threading.Event().wait(120)          # not stopped: returns after 120 s, and pytest.raises fails
 
-    t0 = time.perf_counter()
     with pytest.raises(SectionTimeout, match="stopped after 1 s"):
         with time_limit(1, tmp_path / "loader-stacks.txt"):
             waits_for_a_batch_that_never_comes()
-    assert time.perf_counter() - t0 < 30
     assert "waits_for_a_batch_that_never_comes" in (tmp_path / "loader-stacks.txt").read_text()
     with time_limit(5, tmp_path / "views-stacks.txt"):           # a section within its limit: no file left
         pass
