@@ -70,7 +70,8 @@ KNOWN_FAILURES = (
     "tests/pipelines/test_dali_backend.py::test_sdmp_laws_of_the_graph[cuda-resizemix]",
     "tests/train/test_cuda.py::test_objective_trains_and_resumes_on_cuda[sdmp]",
 )
-# Seconds each section takes on one H100 with 16 cores (estimates from its sizes), for the budget.
+# Seconds each section takes on one H100 with 16 cores (estimates from its sizes; "known" measured on an
+# H200, 27 Nov 2026), for the budget and the sections' time limits.
 ESTIMATE_S = {"known": 75, "loader": 100, "views": 30, "train": 45, "tests": 100}
 LIMIT_X = 3            # a section still running at LIMIT_X times its estimate is stopped (`time_limit`)
 
