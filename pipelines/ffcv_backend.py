@@ -1,8 +1,9 @@
 """FFCV backend: the `.beton` file → decode once → every view of the recipe → `Batch` on the device.
 
 The wiring of FFCV's `Loader`: its traversal order is `pipelines.spec.EpochOrder`'s, its image
-field goes through our decode-once multi-crop operation (`ffcv_decode.DecodeViews`), label, index,
-mask and coverage through FFCV's own decoders. After the crops, two paths, one semantics (the
+field goes through our decode-once multi-crop operation (`ffcv_decode.DecodeViews`), label, index
+and coverage through a numpy gather (`Scalars`), masks through FFCV's `BytesDecoder`; FFCV compiles
+none of them (`python_stages`: the decoder's kernel is compiled once per machine). After the crops, two paths, one semantics (the
 reference order of `augment.finish_views`: flip, saliency composite, colour jitter in a per-view
 random order with torchvision's per-op clamping and HSV hue, grayscale, Gaussian blur, solarize,
 staged views; then mixes):
@@ -32,16 +33,18 @@ from __future__ import annotations
 
 import queue
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
 import cv2
 import numpy as np
 import torch
-from ffcv.fields.basics import FloatDecoder, IntDecoder
+from ffcv.fields.basics import BasicDecoder
 from ffcv.fields.bytes import BytesDecoder
 from ffcv.loader import Loader
 from ffcv.pipeline import PipelineSpec
+from ffcv.pipeline.compiler import Compiler
 from ffcv.traversal_order.base import TraversalOrder
 from torch import Tensor
 
@@ -68,6 +71,40 @@ class _EpochTraversal(TraversalOrder):
     def sample_order(self, epoch: int) -> np.ndarray:
         left = [idx for _, idx in self.epoch_order.remaining()]
         return np.concatenate(left).astype(np.uint64) if left else np.zeros(0, np.uint64)
+
+
+@contextmanager
+def python_stages() -> Iterator[None]:
+    """Build an FFCV `Loader` whose pipeline stages stay Python functions.
+
+    FFCV compiles each operation's code and its file reader with numba for every `Loader`, about
+    2.5 s of CPU on 2 cores, paid by every process and every loader (a run's train and evaluation
+    loaders, each rank, each test). Here every operation does its per-batch work in code compiled
+    once: the decoder in `ffcv_decode.decode_rows` (numba's on-disk cache), the scalar fields in numpy
+    (`Scalars`), the masks in libffcv's memcpy (FFCV's own `BytesDecoder`, a call per sample).
+    FFCV's switch is global, so it is set only while the `Loader` is built (where FFCV compiles).
+    """
+    was = Compiler.is_enabled
+    Compiler.set_enabled(False)
+    try:
+        yield
+    finally:
+        Compiler.set_enabled(was)
+
+
+class Scalars(BasicDecoder):
+    """FFCV's decoder of a scalar field (int64 or float64), one numpy gather a batch."""
+
+    def __init__(self, dtype: str) -> None:
+        super().__init__()
+        self.dtype = np.dtype(dtype)
+
+    def generate_code(self):
+        def decode(indices, destination, metadata, storage_state):
+            destination[:len(indices), 0] = metadata[indices]
+            return destination[:len(indices)]
+
+        return decode
 
 
 def _next_guarded(it) -> tuple | None:
@@ -125,15 +162,17 @@ class FFCVLoader(EpochLoader):
         self._epoch_it = None
         pipelines = {
             schema.IMAGE: PipelineSpec(schema.IMAGE, decoder=DecodeViews(self.layout, self.key, self.laws)),
-            schema.LABEL: [IntDecoder()], schema.INDEX: [IntDecoder()],
+            **{name: PipelineSpec(name, decoder=Scalars(dtype))
+               for name, dtype in ((schema.LABEL, "<i8"), (schema.INDEX, "<i8"), (schema.COVERAGE, "<f8"))},
             schema.MASK: [BytesDecoder()] if self.masks else None,
-            schema.COVERAGE: [FloatDecoder()],
         }
-        # os_cache: the page cache serves every rank on a node from one copy of the file.
-        self.loader = Loader(str(info.dir / f"{spec.split}.beton"), batch_size=spec.batch_size,
-                             num_workers=max(1, spec.num_workers), os_cache=True,
-                             order=_EpochTraversal(self.order), pipelines=pipelines, drop_last=spec.drop_last,
-                             batches_ahead=2)
+        # os_cache: the page cache serves every rank on a node from one copy of the file (and the
+        # decoder reads it as FFCV's `OSCacheManager` lays it out).
+        with python_stages():
+            self.loader = Loader(str(info.dir / f"{spec.split}.beton"), batch_size=spec.batch_size,
+                                 num_workers=max(1, spec.num_workers), os_cache=True,
+                                 order=_EpochTraversal(self.order), pipelines=pipelines, drop_last=spec.drop_last,
+                                 batches_ahead=2)
 
     def __iter__(self) -> Iterator[Batch]:
         return (d.batch for d in self.decoded())

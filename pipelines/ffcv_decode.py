@@ -20,22 +20,23 @@ the loader finishes it on the host (`ffcv_ops.finish_salient`).
 
 Randomness is counter-based: a parameter is a hash of (key, dataset index, view, draw), the key
 mixed from (seed, rank, epoch) by the loader, so it depends neither on FFCV's thread scheduling nor
-on the batch a sample lands in. The key reaches the compiled code through a fixed address (numba
-freezes arrays captured by a closure, so the key array is read with `memcpy` from its address on
-each call).
+on the batch a sample lands in.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
+import llvmlite.binding as llvm
 import numba
 import numpy as np
 import torch
 from ffcv.fields.rgb_image import IMAGE_MODES
 from ffcv.libffcv import ctypes_imdecode, ctypes_memcopy, ctypes_resize
 from ffcv.pipeline.allocation_query import AllocationQuery
-from ffcv.pipeline.compiler import Compiler
 from ffcv.pipeline.operation import Operation
 from torch import Tensor
 
@@ -150,114 +151,164 @@ def view_params(q: Tensor) -> ViewParams:
 
 _JPG = IMAGE_MODES["jpg"]
 
+# The C functions the decode kernel calls, by name: libffcv's turbojpeg decode, resize (OpenCV INTER_AREA) and
+# memcpy, and the compiled ops (`ffcv_ops.compiled`). Numba links a name at load time (`_link` gives each
+# its address in this process), so the kernel, unlike one holding addresses, goes into numba's on-disk
+# cache. Pointers are passed as integers (the C calling convention passes both alike).
+_P, _I64, _U64, _U32 = numba.types.uintp, numba.types.int64, numba.types.uint64, numba.types.uint32
+_C_FUNCTIONS = {
+    "imdecode": (ctypes_imdecode, numba.types.int32(_P, _U64, _U32, _U32, _P, _U32, _U32, _U32, _U32, _U32, _U32,
+                                                    numba.types.boolean, numba.types.boolean)),
+    "resize": (ctypes_resize, numba.types.int32(*[_I64] * 11)),
+    "memcpy": (ctypes_memcopy, numba.types.void(_P, _P, _U64)),
+    "draw_crop": ("draw_crop", numba.types.void(_U64, _U64, _I64, _I64, _I64, _I64, _P, _P, _P)),
+    "draw_uniforms": ("draw_uniforms", numba.types.void(_U64, _U64, _I64, _I64, _I64, _I64, _P)),
+    "finish_view": ("finish_view", numba.types.void(_P, _I64, _P, _P, _P, _P, _P, _P, _I64)),
+    "finish_staged": ("finish_staged", numba.types.void(_P, _I64, _P, _P, _P, _P, _P, _P, _P)),
+}
+_c = {name: numba.types.ExternalFunction(f"viewmill_ffcv_{name}", sig) for name, (_, sig) in _C_FUNCTIONS.items()}
+imdecode_c, resize_c, memcpy_c = _c["imdecode"], _c["resize"], _c["memcpy"]
+draw_crop_c, draw_uniforms_c, finish_view_c, finish_staged_c = (
+    _c["draw_crop"], _c["draw_uniforms"], _c["finish_view"], _c["finish_staged"])
+
+
+@functools.lru_cache(maxsize=None)
+def _link() -> None:
+    """Give the decode kernel's C functions (`_C_FUNCTIONS`) their addresses in this process, before the
+    kernel is compiled or loaded from the cache."""
+    ops = ffcv_ops.compiled()
+    for name, (fn, _) in _C_FUNCTIONS.items():
+        fn = getattr(ops, fn) if isinstance(fn, str) else fn
+        llvm.add_symbol(f"viewmill_ffcv_{name}", ctypes.cast(fn, ctypes.c_void_p).value)
+
+
+class DecodePlan(NamedTuple):
+    """What the decode kernel needs of a `CropLayout` and its laws, as arrays and numbers."""
+
+    n_views: int                  # crop views
+    view_group: np.ndarray        # (crop views,) its crop group
+    offsets: np.ndarray           # (views,) byte offset of each view's pixels in the row
+    sizes: np.ndarray             # (views,) S
+    crop_laws: np.ndarray         # (crop groups, 5) float64, `ffcv_ops.crop_law`
+    windows_offset: int
+    with_ops: bool                # the compiled per-view ops run after each crop
+    laws: np.ndarray              # (all groups, F) float64, `ffcv_ops.group_table`
+    all_view_group: np.ndarray    # (views,) its group among `CropLayout.all_groups`
+    staged_parent: np.ndarray     # (staged views + 1,) each staged view's parent view; -1 ends it
+    params_offset: int
+    side: int                     # the largest view side with ops (scratch buffers), else 0
+
+    @staticmethod
+    def of(lay: CropLayout, laws: np.ndarray) -> "DecodePlan":
+        with_ops = lay.params_offset >= 0
+        staged_parent = [lay.first_view_of(g.parent) + k for g in lay.staged for k in range(g.count)]
+        return DecodePlan(
+            lay.num_crop_views, np.repeat(np.arange(len(lay.groups)), [g.count for g in lay.groups]),
+            np.array(lay.offsets, np.int64), np.array(lay.sizes, np.int64),
+            np.array([ffcv_ops.crop_law(g) for g in lay.groups], np.float64), lay.windows_offset, with_ops,
+            np.ascontiguousarray(laws, np.float64),
+            np.repeat(np.arange(len(lay.all_groups)), [g.count for g in lay.all_groups]),
+            np.array(staged_parent + [-1], np.int64), lay.params_offset, max(lay.sizes) if with_ops else 0)
+
+
+N_DRAWS, FIRST_DRAW, PARAM_BYTES = ffcv_ops.N_PARAMS, ffcv_ops.FIRST_DRAW, ffcv_ops.PARAM_BYTES
+
+
+@numba.njit(nogil=True, parallel=True, cache=True)
+def decode_rows(batch_indices, destination, temp_storage, data_ptr, heights, widths, modes, file, file_ptrs,
+                file_sizes, key, plan):
+    """Decode each sample of the batch once and write its row (see `CropLayout`): every crop view (drawn,
+    resized), its window and, with ops, the finished views and their drawn parameters. Parallel over
+    the samples; `file`, `file_ptrs`, `file_sizes` are FFCV's page-cache state of the `.beton` file (its
+    `OSCacheManager` reader: a sample's bytes start at its pointer and run for the stored size)."""
+    law_bytes, crop_law_bytes = plan.laws.shape[1] * 8, plan.crop_laws.shape[1] * 8
+    n_staged = plan.staged_parent.shape[0] - 1
+    scratch = 3 * plan.side * plan.side                       # float32 scratch of one view
+    pad_len = 3 * (3 * plan.side + 2)                         # one padded row: the blur radius <= side + 1
+    for dst_ix in numba.prange(len(batch_indices)):
+        sample = batch_indices[dst_ix]
+        ptr = data_ptr[sample]
+        data = file[ptr:ptr + file_sizes[np.searchsorted(file_ptrs, ptr)]]
+        height, width = heights[sample], widths[sample]
+        img = data.ctypes.data
+        if modes[sample] == _JPG:
+            img = temp_storage[dst_ix].ctypes.data
+            imdecode_c(data.ctypes.data, data.size, height, width, img, height, width, 0, 0, 1, 1, False, False)
+        out = destination[dst_ix].ctypes.data
+        u = np.empty(N_DRAWS, np.float64)
+        uc = np.empty(CROP_DRAWS, np.float64)
+        box = np.empty(4, np.int64)
+        buf = np.empty(scratch, np.float32)
+        child = np.empty(scratch, np.float32)
+        tmp = np.empty(scratch, np.float32)
+        pad = np.empty(pad_len, np.float32)
+        for v in range(plan.n_views):
+            g = plan.view_group[v]
+            draw_crop_c(key[0], key[1], sample, v, height, width, plan.crop_laws.ctypes.data + crop_law_bytes * g,
+                        uc.ctypes.data, box.ctypes.data)
+            y0, x0, h, w = box[0], box[1], box[2], box[3]
+            s = plan.sizes[v]
+            resize_c(0, img, height, width, y0, y0 + h, x0, x0 + w, out + plan.offsets[v], s, s)
+            memcpy_c(box.ctypes.data, out + plan.windows_offset + WINDOW_BYTES * v, WINDOW_BYTES)
+            if not plan.with_ops:
+                continue
+            # The view's own ops on its crop, in place, then each staged view on the finished float
+            # crop (one crop, two outputs); the parameters go into the row.
+            draw_uniforms_c(key[0], key[1], sample, v, FIRST_DRAW, N_DRAWS, u.ctypes.data)
+            has_child = False
+            for k in range(n_staged):
+                if plan.staged_parent[k] == v:
+                    has_child = True
+            finish_view_c(out + plan.offsets[v], s, u.ctypes.data, plan.laws.ctypes.data + law_bytes * g,
+                          out + plan.params_offset + PARAM_BYTES * v, buf.ctypes.data, tmp.ctypes.data,
+                          pad.ctypes.data, 1 if has_child else 0)
+            for k in range(n_staged):
+                if plan.staged_parent[k] != v:
+                    continue
+                sv = plan.n_views + k
+                draw_uniforms_c(key[0], key[1], sample, sv, FIRST_DRAW, N_DRAWS, u.ctypes.data)
+                finish_staged_c(buf.ctypes.data, s, u.ctypes.data,
+                                plan.laws.ctypes.data + law_bytes * plan.all_view_group[sv],
+                                out + plan.params_offset + PARAM_BYTES * sv, out + plan.offsets[sv],
+                                child.ctypes.data, tmp.ctypes.data, pad.ctypes.data)
+
 
 class DecodeViews(Operation):
-    """Decode each image once and write all the recipe's crops into one row (see `CropLayout`)."""
+    """Decode each image once and write all the recipe's crops into one row (see `CropLayout`).
+
+    FFCV compiles an operation's code for every `Loader` (about a second each on 2 cores); this one
+    hands FFCV a Python function (build the `Loader` with `ffcv_backend.python_stages`) that calls
+    `decode_rows`, compiled once per machine (numba's on-disk cache) whatever the recipe.
+    """
 
     def __init__(self, layout: CropLayout, key: np.ndarray, laws: np.ndarray) -> None:
-        """Args: key: (2,) uint64, updated in place per epoch and read through its address; laws:
-        `ffcv_ops.group_table` of `layout.all_groups` (used with compiled ops)."""
+        """Args: key: (2,) uint64, updated in place per epoch; laws: `ffcv_ops.group_table` of
+        `layout.all_groups` (used with compiled ops)."""
         super().__init__()
-        self.layout, self.key, self.laws = layout, key, laws
+        self.layout, self.key, self.plan = layout, key, DecodePlan.of(layout, laws)
 
     def declare_state_and_memory(self, previous_state):
         n = int(self.metadata["width"].max()) * int(self.metadata["height"].max()) * 3
         row = (self.layout.row_bytes,)
-        return (replace(previous_state, jit_mode=True, shape=row, dtype=np.dtype("u1")),
+        return (replace(previous_state, jit_mode=False, shape=row, dtype=np.dtype("u1")),
                 (AllocationQuery(row, np.dtype("u1")), AllocationQuery((n,), np.dtype("u1"))))
 
     def generate_code(self):
-        lay, laws = self.layout, self.laws
-        mem_read = self.memory_read
-        my_range = Compiler.get_iterator()
-        memcpy, resize, imdecode = ctypes_memcopy, ctypes_resize, ctypes_imdecode
-        set_chunksize = numba.set_parallel_chunksize
-        key_address = np.uint64(self.key.ctypes.data)
-        jpg = _JPG
-        n_views = lay.num_crop_views
-        view_group = np.repeat(np.arange(len(lay.groups)), [g.count for g in lay.groups])
-        offsets = np.array(lay.offsets, np.int64)
-        sizes = np.array(lay.sizes, np.int64)
-        crop_laws = np.array([ffcv_ops.crop_law(g) for g in lay.groups], np.float64)       # (G, 5)
-        crop_law_bytes = crop_laws.shape[1] * 8
-        windows_offset, window_bytes = lay.windows_offset, WINDOW_BYTES
-        crop_draws = CROP_DRAWS
-        # The draws and the per-view ops are C functions compiled once per process (`ffcv_ops.compiled`),
-        # so this loop is all that each pipeline compiles. Group laws, each staged view's parent view:
-        with_ops = lay.params_offset >= 0
-        ops = ffcv_ops.compiled()
-        draw_crop, draw_uniforms = ops.draw_crop, ops.draw_uniforms
-        finish_view, finish_staged = ops.finish_view, ops.finish_staged
-        law_bytes = laws.shape[1] * 8
-        all_view_group = np.repeat(np.arange(len(lay.all_groups)), [g.count for g in lay.all_groups])
-        staged_parent = np.array([lay.first_view_of(g.parent) + k for g in lay.staged for k in range(g.count)]
-                                 + [-1], np.int64)                                # (staged views + 1,)
-        n_staged = len(staged_parent) - 1
-        params_offset = lay.params_offset
-        n_draws, first_draw, param_bytes = ffcv_ops.N_PARAMS, ffcv_ops.FIRST_DRAW, ffcv_ops.PARAM_BYTES
-        side = max(lay.sizes) if with_ops else 0
-        scratch = 3 * side * side                            # float32 scratch of one view
-        pad_len = 3 * (3 * side + 2)                         # one padded row: the blur radius <= side + 1
+        _link()
+        key, plan = self.key, self.plan
 
         def decode(batch_indices, my_storage, metadata, storage_state):
             destination, temp_storage = my_storage
-            # Samples go to FFCV's threads one at a time: their cost varies with the crop sizes
+            file, file_ptrs, file_sizes = storage_state
+            # Samples go to the kernel's threads one at a time: their cost varies with the crop sizes
             # and the drawn ops, and two fixed halves of the batch left a core idle ~10 % of the
             # time (CPU use 1.80 -> 1.95 of 2 cores on relicv2).
-            chunk = set_chunksize(1)
-            for dst_ix in my_range(len(batch_indices)):
-                sample = batch_indices[dst_ix]
-                field = metadata[sample]
-                data = mem_read(field["data_ptr"], storage_state)
-                height, width = field["height"], field["width"]
-                if field["mode"] == jpg:
-                    # libffcv's turbojpeg decode, called through ctypes directly.
-                    imdecode(data.ctypes.data, data.size, height, width, temp_storage[dst_ix].ctypes.data,
-                             height, width, 0, 0, 1, 1, False, False)
-                    img = temp_storage[dst_ix][:3 * height * width].reshape(height, width, 3)
-                else:
-                    img = data.reshape(height, width, 3)
-                key = np.empty(2, np.uint64)
-                memcpy(key_address, key.ctypes.data, 16)
-                out = destination[dst_ix]
-                u = np.empty(n_draws, np.float64)
-                uc = np.empty(crop_draws, np.float64)
-                box = np.empty(4, np.int64)
-                buf = np.empty(scratch, np.float32)
-                child = np.empty(scratch, np.float32)
-                tmp = np.empty(scratch, np.float32)
-                pad = np.empty(pad_len, np.float32)
-                for v in range(n_views):
-                    g = view_group[v]
-                    draw_crop(key[0], key[1], sample, v, height, width, crop_laws.ctypes.data + crop_law_bytes * g,
-                              uc.ctypes.data, box.ctypes.data)
-                    y0, x0, h, w = box[0], box[1], box[2], box[3]
-                    s = sizes[v]
-                    resize(0, img.ctypes.data, height, width, y0, y0 + h, x0, x0 + w, out.ctypes.data + offsets[v], s, s)
-                    memcpy(box.ctypes.data, out.ctypes.data + windows_offset + window_bytes * v, window_bytes)
-                    if not with_ops:
-                        continue
-                    # The view's own ops on its crop, in place, then each staged view on the
-                    # finished float crop (one crop, two outputs); the parameters go into the row.
-                    draw_uniforms(key[0], key[1], sample, v, first_draw, n_draws, u.ctypes.data)
-                    has_child = False
-                    for k in range(n_staged):
-                        if staged_parent[k] == v:
-                            has_child = True
-                    row = out.ctypes.data
-                    finish_view(row + offsets[v], s, u.ctypes.data, laws.ctypes.data + law_bytes * g,
-                                row + params_offset + param_bytes * v, buf.ctypes.data, tmp.ctypes.data,
-                                pad.ctypes.data, 1 if has_child else 0)
-                    for k in range(n_staged):
-                        if staged_parent[k] != v:
-                            continue
-                        sv = n_views + k
-                        draw_uniforms(key[0], key[1], sample, sv, first_draw, n_draws, u.ctypes.data)
-                        finish_staged(buf.ctypes.data, s, u.ctypes.data, laws.ctypes.data + law_bytes * all_view_group[sv],
-                                      row + params_offset + param_bytes * sv, row + offsets[sv],
-                                      child.ctypes.data, tmp.ctypes.data, pad.ctypes.data)
-            set_chunksize(chunk)
+            chunk = numba.set_parallel_chunksize(1)
+            try:
+                decode_rows(batch_indices, destination, temp_storage, metadata["data_ptr"], metadata["height"],
+                            metadata["width"], metadata["mode"], file, file_ptrs, file_sizes, key, plan)
+            finally:
+                numba.set_parallel_chunksize(chunk)
             return destination[:len(batch_indices)]
 
-        decode.is_parallel = True
         return decode
