@@ -154,7 +154,9 @@ _JPG = IMAGE_MODES["jpg"]
 # The C functions the decode kernel calls, by name: libffcv's turbojpeg decode, resize (OpenCV INTER_AREA) and
 # memcpy, and the compiled ops (`ffcv_ops.compiled`). Numba links a name at load time (`_link` gives each
 # its address in this process), so the kernel, unlike one holding addresses, goes into numba's on-disk
-# cache. Pointers are passed as integers (the C calling convention passes both alike).
+# cache. Pointers are passed as integers (the C calling convention passes both alike). The cache is renewed
+# when this file changes, so the kernel reads nothing from other modules but these signatures (here) and
+# its arguments: the numbers it shares with them come in its `DecodePlan`.
 _P, _I64, _U64, _U32 = numba.types.uintp, numba.types.int64, numba.types.uint64, numba.types.uint32
 _C_FUNCTIONS = {
     "imdecode": (ctypes_imdecode, numba.types.int32(_P, _U64, _U32, _U32, _P, _U32, _U32, _U32, _U32, _U32, _U32,
@@ -197,6 +199,12 @@ class DecodePlan(NamedTuple):
     staged_parent: np.ndarray     # (staged views + 1,) each staged view's parent view; -1 ends it
     params_offset: int
     side: int                     # the largest view side with ops (scratch buffers), else 0
+    jpg: int                      # FFCV's image mode of a JPEG
+    n_draws: int                  # `ffcv_ops.N_PARAMS`: the uniforms of a view's ops ...
+    first_draw: int               # ... from its draw `ffcv_ops.FIRST_DRAW` on
+    param_bytes: int              # `ffcv_ops.PARAM_BYTES` of the drawn parameters of a view
+    crop_draws: int               # `augment.CROP_DRAWS`: the uniforms of a crop
+    window_bytes: int             # `WINDOW_BYTES`
 
     @staticmethod
     def of(lay: CropLayout, laws: np.ndarray) -> "DecodePlan":
@@ -208,10 +216,8 @@ class DecodePlan(NamedTuple):
             np.array([ffcv_ops.crop_law(g) for g in lay.groups], np.float64), lay.windows_offset, with_ops,
             np.ascontiguousarray(laws, np.float64),
             np.repeat(np.arange(len(lay.all_groups)), [g.count for g in lay.all_groups]),
-            np.array(staged_parent + [-1], np.int64), lay.params_offset, max(lay.sizes) if with_ops else 0)
-
-
-N_DRAWS, FIRST_DRAW, PARAM_BYTES = ffcv_ops.N_PARAMS, ffcv_ops.FIRST_DRAW, ffcv_ops.PARAM_BYTES
+            np.array(staged_parent + [-1], np.int64), lay.params_offset, max(lay.sizes) if with_ops else 0,
+            _JPG, ffcv_ops.N_PARAMS, ffcv_ops.FIRST_DRAW, ffcv_ops.PARAM_BYTES, CROP_DRAWS, WINDOW_BYTES)
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)
@@ -231,12 +237,12 @@ def decode_rows(batch_indices, destination, temp_storage, data_ptr, heights, wid
         data = file[ptr:ptr + file_sizes[np.searchsorted(file_ptrs, ptr)]]
         height, width = heights[sample], widths[sample]
         img = data.ctypes.data
-        if modes[sample] == _JPG:
+        if modes[sample] == plan.jpg:
             img = temp_storage[dst_ix].ctypes.data
             imdecode_c(data.ctypes.data, data.size, height, width, img, height, width, 0, 0, 1, 1, False, False)
         out = destination[dst_ix].ctypes.data
-        u = np.empty(N_DRAWS, np.float64)
-        uc = np.empty(CROP_DRAWS, np.float64)
+        u = np.empty(plan.n_draws, np.float64)
+        uc = np.empty(plan.crop_draws, np.float64)
         box = np.empty(4, np.int64)
         buf = np.empty(scratch, np.float32)
         child = np.empty(scratch, np.float32)
@@ -249,27 +255,27 @@ def decode_rows(batch_indices, destination, temp_storage, data_ptr, heights, wid
             y0, x0, h, w = box[0], box[1], box[2], box[3]
             s = plan.sizes[v]
             resize_c(0, img, height, width, y0, y0 + h, x0, x0 + w, out + plan.offsets[v], s, s)
-            memcpy_c(box.ctypes.data, out + plan.windows_offset + WINDOW_BYTES * v, WINDOW_BYTES)
+            memcpy_c(box.ctypes.data, out + plan.windows_offset + plan.window_bytes * v, plan.window_bytes)
             if not plan.with_ops:
                 continue
             # The view's own ops on its crop, in place, then each staged view on the finished float
             # crop (one crop, two outputs); the parameters go into the row.
-            draw_uniforms_c(key[0], key[1], sample, v, FIRST_DRAW, N_DRAWS, u.ctypes.data)
+            draw_uniforms_c(key[0], key[1], sample, v, plan.first_draw, plan.n_draws, u.ctypes.data)
             has_child = False
             for k in range(n_staged):
                 if plan.staged_parent[k] == v:
                     has_child = True
             finish_view_c(out + plan.offsets[v], s, u.ctypes.data, plan.laws.ctypes.data + law_bytes * g,
-                          out + plan.params_offset + PARAM_BYTES * v, buf.ctypes.data, tmp.ctypes.data,
+                          out + plan.params_offset + plan.param_bytes * v, buf.ctypes.data, tmp.ctypes.data,
                           pad.ctypes.data, 1 if has_child else 0)
             for k in range(n_staged):
                 if plan.staged_parent[k] != v:
                     continue
                 sv = plan.n_views + k
-                draw_uniforms_c(key[0], key[1], sample, sv, FIRST_DRAW, N_DRAWS, u.ctypes.data)
+                draw_uniforms_c(key[0], key[1], sample, sv, plan.first_draw, plan.n_draws, u.ctypes.data)
                 finish_staged_c(buf.ctypes.data, s, u.ctypes.data,
                                 plan.laws.ctypes.data + law_bytes * plan.all_view_group[sv],
-                                out + plan.params_offset + PARAM_BYTES * sv, out + plan.offsets[sv],
+                                out + plan.params_offset + plan.param_bytes * sv, out + plan.offsets[sv],
                                 child.ctypes.data, tmp.ctypes.data, pad.ctypes.data)
 
 

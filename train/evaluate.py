@@ -333,9 +333,9 @@ def eval_limit(count: int, split: str, max_samples: int) -> int:
 
 class EvalLoaders:
     """The loaders of a run's evaluations, built at its first evaluation and read again from the
-    start at each later one: building an FFCV loader compiles its pipeline (about 2.5 s on 2 cores,
-    three loaders an evaluation), and every evaluation reads the same records in the same order,
-    with the same draws for the alignment views."""
+    start at each later one: a loader's start-up (a DALI pipeline's build, worker processes) is paid
+    once, and every evaluation reads the same records in the same order, with the same draws for the
+    alignment views."""
 
     def __init__(self) -> None:
         self._built: dict[tuple[str, str, str], Loader] = {}

@@ -126,8 +126,7 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("backend", [pytest.param(*b.values, marks=[*b.marks, pytest.mark.slow]) if b.values == ("ffcv",)
-                                     else b for b in EVERY_BACKEND])       # ffcv compiles per loader: ~10 s a case
+@pytest.mark.parametrize("backend", EVERY_BACKEND)
 def test_contract(root: Path, backend: str, case: str) -> None:
     recipe, mix = CASES[case]
     ranks = [_loader(backend, _spec(root, recipe, mix, rank=r, world_size=2)) for r in range(2)]
@@ -217,7 +216,6 @@ def wide_and_tall(tmp_path_factory) -> tuple[Path, list[torch.Tensor]]:
     return out, images
 
 
-@pytest.mark.slow
 def test_whole_image_views_of_non_square_images_are_the_whole_image_on_every_backend(wide_and_tall) -> None:
     """A view with no random crop (`plain`, and DACL's `image` mix source) is the whole image resized to
     the square (squashed), on every backend: not a centre crop with the ratio clamped to [3/4, 4/3]

@@ -101,7 +101,6 @@ def check_range(x: torch.Tensor) -> None:
 PATHS = pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
 
 
-@pytest.mark.slow
 @PATHS
 def test_batch_contract_relicv2_and_rsa(small, compiled: bool) -> None:
     path, split = small
@@ -121,7 +120,6 @@ def test_batch_contract_relicv2_and_rsa(small, compiled: bool) -> None:
     assert not torch.equal(b.global_views, b.weak_views)         # aggressive ops were applied
 
 
-@pytest.mark.slow
 def test_each_batch_comes_with_the_windows_its_views_were_cropped_from(small) -> None:
     """The windows the decoder wrote into the rows, read back with the batch (`FFCVLoader.decoded`), are the
     crops' own: on images whose R/G channels are 2x/2y, a view's first pixel is the mean over the first
@@ -142,7 +140,6 @@ def test_each_batch_comes_with_the_windows_its_views_were_cropped_from(small) ->
     assert seen == 5
 
 
-@pytest.mark.slow
 def test_output_buffers_are_reused_only_when_no_tensor_holds_them(small) -> None:
     """The compiled path writes each batch into a buffer no live tensor shares: batches (or slices of
     them) that the caller keeps never change, and buffers of dropped batches are written again."""
@@ -335,7 +332,6 @@ def staged_recipe(ops_on: bool) -> Recipe:
     ))
 
 
-@pytest.mark.slow
 def test_loader_views_equal_torch_ops_on_the_same_crops(tmp_path: Path) -> None:
     """Through FFCV: the parameters read back from the rows, fed to torch_backend's ops on the very same
     crops (a loader with every op off draws the same windows), give the loader's views within one
@@ -419,7 +415,6 @@ def test_dacl_mix_batch_contract_and_torch_reference(small) -> None:
     assert stats.kstest(lams, stats.uniform(0.6, 0.4).cdf).pvalue > 1e-3
 
 
-@pytest.mark.slow
 def test_build_loader_on_prepared_dataset_with_resizemix_and_dacl_image_source(tiny_data_root) -> None:
     """The registry path (`build_loader`, manifest, real preprocessor output) with both mix kinds."""
     groups = (ViewGroup("g", count=2, size_px=16, area=(0.2, 1.0)),          # the whole image, as the mix source is
