@@ -3,12 +3,12 @@
 The wiring of FFCV's `Loader`: its traversal order is `pipelines.spec.EpochOrder`'s, its image
 field goes through our decode-once multi-crop operation (`ffcv_decode.DecodeViews`), label, index
 and coverage through a numpy gather (`Scalars`), masks through FFCV's `BytesDecoder`; FFCV compiles
-none of them (`python_stages`: the decoder's kernel is compiled once per machine). After the crops, two paths, one semantics (the
-reference order of `augment.finish_views`: flip, saliency composite, colour jitter in a per-view
-random order with torchvision's per-op clamping and HSV hue, grayscale, Gaussian blur, solarize,
-staged views; then mixes):
+none of them (`python_stages`: the decoder's kernel is compiled once per machine). After the crops,
+two paths, one semantics (the reference order of `augment.finish_views`: flip, saliency composite,
+colour jitter in a per-view random order with torchvision's per-op clamping and HSV hue, grayscale,
+Gaussian blur, solarize, staged views; then mixes):
 - CPU device (`ops`): the per-view ops run compiled inside the decode operation
-  (`pipelines.ffcv_ops`), parallel over samples in FFCV's threads; views that drew saliency are
+  (`pipelines.ffcv_ops`), parallel over samples in numba's threads; views that drew saliency are
   finished on the host once their masks are decoded (`ffcv_ops.finish_salient`); each `Batch` field is
   normalised straight from the rows in one compiled pass into reused buffers.
 - Other devices: the uint8 crops go to `spec.device` and `augment.finish_views` runs there, batched,
@@ -77,8 +77,8 @@ class _EpochTraversal(TraversalOrder):
 def python_stages() -> Iterator[None]:
     """Build an FFCV `Loader` whose pipeline stages stay Python functions.
 
-    FFCV compiles each operation's code and its file reader with numba for every `Loader`, about
-    2.5 s of CPU on 2 cores, paid by every process and every loader (a run's train and evaluation
+    FFCV compiles each operation's code and its file reader with numba for every `Loader` (1.5-1.8
+    CPU-s on 2 cores, 3.3-3.7 s for a process's first), paid by every process and every loader (a run's train and evaluation
     loaders, each rank, each test). Here every operation does its per-batch work in code compiled
     once: the decoder in `ffcv_decode.decode_rows` (numba's on-disk cache), the scalar fields in numpy
     (`Scalars`), the masks in libffcv's memcpy (FFCV's own `BytesDecoder`, a call per sample).

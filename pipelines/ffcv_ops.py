@@ -1,8 +1,8 @@
 """Compiled per-view pixel ops of the FFCV backend on the CPU (numba; FFCV itself is not needed here).
 
 On a CPU loader, `ffcv_decode.DecodeViews` calls these kernels (`finish_view`, `finish_staged`, as C
-functions; see `compiled`) right after it resizes each crop into its row, inside FFCV's compiled
-pipeline (parallel over the samples of a batch in FFCV's threads):
+functions; see `compiled`) right after it resizes each crop into its row, inside its compiled kernel
+(`ffcv_decode.decode_rows`, parallel over the samples of a batch):
 horizontal flip, colour jitter (the four ops in a per-view random order), grayscale, Gaussian blur and
 solarize, then staged views (RSA) on top of their parent's finished pixels. They reproduce
 `pipelines.augment.apply_color_ops` op for op: float32 pixels in [0, 1], torchvision's per-op

@@ -80,7 +80,7 @@ def loaders_in_a_new_process(root: Path) -> dict:
 @pytest.mark.skipif(importlib.util.find_spec("ffcv") is None, reason="ffcv not installed")
 def test_ffcv_loaders_compile_nothing_per_loader_and_their_decoder_comes_from_the_cache(tiny_data_root) -> None:
     """A second FFCV loader of another recipe compiles nothing (FFCV compiled every loader's
-    pipeline: about 2.5 CPU-s each), and a new process loads the decode kernel from numba's cache."""
+    pipeline: 1.5-1.8 CPU-s each on 2 cores), and a new process loads the decode kernel from numba's cache."""
     loaders_in_a_new_process(tiny_data_root)            # compiles, or loads what an earlier run cached
     second = loaders_in_a_new_process(tiny_data_root)
     assert second["further"] == []
