@@ -282,7 +282,7 @@ def decode_rows(batch_indices, destination, temp_storage, data_ptr, heights, wid
 class DecodeViews(Operation):
     """Decode each image once and write all the recipe's crops into one row (see `CropLayout`).
 
-    FFCV compiles an operation's code for every `Loader` (about a second each on 2 cores); this one
+    FFCV compiles an operation's code for every `Loader` (1.5-1.8 CPU-s a loader on 2 cores); this one
     hands FFCV a Python function (build the `Loader` with `ffcv_backend.python_stages`) that calls
     `decode_rows`, compiled once per machine (numba's on-disk cache) whatever the recipe.
     """

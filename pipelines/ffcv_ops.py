@@ -521,15 +521,14 @@ def normalize_views(rows, row_bytes, n, off, count, s, lut, out):
 def compiled() -> SimpleNamespace:
     """The kernels, compiled (or loaded from numba's cache) once per process.
 
-    The decoder calls `draw_crop`, `draw_uniforms`, `finish_view` and `finish_staged`, and the loader
-    `finish_salient` and `normalize_views`, as C functions through ctypes (as the decoder calls
-    libffcv), with addresses for arrays; all six are compiled here, once, and nothing is compiled
-    while batches flow. Linking them as numba dispatchers instead cost every FFCV pipeline more
-    compile time, their code re-optimised into each pipeline (~1.5 s for the ops; the draws took the
-    decoder's compile from 0.5 to 1.1 s on 2 cores), and a dispatcher that gained a new overload
-    after FFCV pipelines had been compiled in the process (a second loader typing FFCV's row buffers
-    read-only; `finish_salient` typed lazily on its first call) raised KeyError inside numba's
-    overload list. The jitted kernels are returned too, for tests.
+    The decoder's kernel (`ffcv_decode.decode_rows`) calls `draw_crop`, `draw_uniforms`, `finish_view`
+    and `finish_staged` as C functions linked by name (as it calls libffcv), and the loader
+    `finish_salient` and `normalize_views` through ctypes, with addresses for arrays; all six are
+    compiled here, once, and nothing is compiled while batches flow. Linked as numba dispatchers
+    instead, their code was re-optimised into the decoder's (~1.5 s more compile when FFCV compiled
+    it per loader), and a dispatcher that gained a new overload after FFCV pipelines had been
+    compiled in the process raised KeyError inside numba's overload list. The jitted kernels are
+    returned too, for tests.
     """
     import ctypes
 
