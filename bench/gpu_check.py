@@ -9,21 +9,29 @@ torchvision and timm; DALI where `DALI_SITE` says, when it is not installed in t
 
 Try it first on a CPU, with tiny sizes: `python -m bench.gpu_check --device cpu --quick`.
 
-Sections, in this order, each writing its part of the report (`gpu_check.json`, `gpu_check.md` in
-`--out`) as soon as it is done; a section whose estimate no longer fits in `--budget-s` is skipped
-with a note, so that the report comes back within the slot:
+Sections, in the order `--sections` gives them (default: views, profile, train, tests, loader), each
+writing its part of the report (`gpu_check.json`, `gpu_check.md` in `--out`) as soon as it is done; a
+section whose estimate no longer fits in `--budget-s` is skipped with a note, and one still running at
+twice its estimate is stopped, its threads' stacks written, so that the report comes back within the
+slot. The loader comes last by default: its torchvision baseline forks DataLoader workers in a process
+holding CUDA, which hung on 27 Nov before the loaders started their workers from a fork server:
 
-1. **known** — the 7 `gpu` tests that failed on the first GPU run (docs/benchmarks.md, 26 Nov 2026):
-   ResizeMix and CutMix on the GPU graph, relicv2 with saliency masks, SDMP's resume on CUDA;
+1. **known** (only when named in `--sections`) — the 7 `gpu` tests that failed on the first GPU run
+   (docs/benchmarks.md, 26 Nov 2026; they passed on 27 Nov): ResizeMix and CutMix on the GPU graph,
+   relicv2 with saliency masks, SDMP's resume on CUDA;
 2. **loader** — `bench.data` on generated ImageNet-like JPEGs, `relicv2` at `--batch-size`: the DALI
    GPU graph against the torchvision baseline (as many DataLoader workers as cores) and the CPU's
    decode ceilings; steady-state source images/s over `--repeats` rounds with their spread, each
    loader's first batch and the CPU per batch of the thread that takes the batches apart;
-3. **views** — the GPU graph with relicv2's 6 views against its first large crop alone;
-4. **train** — ResNet-50 `relicv2` at 224/96, bf16, channels-last: `bench.train.time_steps` with the
+3. **views** — the GPU graph with relicv2's 6 views against its first large crop alone, and two
+   ablations of the 6 views: crops only (no colour, blur, solarize) and without blur;
+4. **profile** — the device's work per steady-state batch of the GPU graph, 6 views and 1 view
+   (`bench.timing.profile_kernels`: every kernel and copy the process launched, DALI's included): the
+   device busy against the batch's wall time, launches per batch, the kernels that take the most;
+5. **train** — ResNet-50 `relicv2` at 224/96, bf16, channels-last: `bench.train.time_steps` with the
    DALI GPU loader against the same steps fed one batch already on the device (the data stall);
-5. **tests** — every other `gpu` test (`--tests all`: the whole suite); last, so that the
-   measurements are saved even if a test hangs.
+6. **tests** — every other `gpu` test (all of them when **known** is not among the sections; `--tests
+   all`: the whole suite), in parallel processes, stopped after `--tests-timeout`.
 
 The table printed last marks the issue's targets met or missed (`targets`).
 """
@@ -49,7 +57,7 @@ import torch
 from bench import data as loader_bench
 from bench.datasets import CLASSES, prepare, view_px
 from bench.report import header, header_lines
-from bench.timing import in_rounds, time_loader, views_per_sample
+from bench.timing import crops_only, in_rounds, profile_kernels, time_loader, views_per_sample, without_blur
 from pipelines.loader import build_loader
 from pipelines.spec import LoaderSpec
 from pipelines.views import Recipe, load_recipe
@@ -72,8 +80,8 @@ KNOWN_FAILURES = (
 )
 # Seconds each section takes on one H100 with 16 cores (estimates from its sizes; "known" measured on an
 # H200, 27 Nov 2026), for the budget and the sections' time limits.
-ESTIMATE_S = {"known": 75, "loader": 100, "views": 30, "train": 45, "tests": 100}
-LIMIT_X = 3            # a section still running at LIMIT_X times its estimate is stopped (`time_limit`)
+ESTIMATE_S = {"known": 75, "loader": 100, "views": 60, "profile": 40, "train": 45, "tests": 100}
+LIMIT_X = 2            # a section still running at LIMIT_X times its estimate is stopped (`time_limit`)
 
 
 class SectionTimeout(Exception):
@@ -105,19 +113,20 @@ def time_limit(seconds: int, stacks: Path):
         stacks.unlink()
 
 
-def run_tests(which: str, out: Path, timeout_s: int) -> dict:
-    """Run tests in a subprocess: "known" (`KNOWN_FAILURES`), "gpu" (the other `gpu`-marked tests) or
-    "all"; every test's outcome from the JUnit XML."""
+def run_tests(which: str, out: Path, timeout_s: int, exclude: tuple[str, ...] = ()) -> dict:
+    """Run tests in a subprocess: "known" (`KNOWN_FAILURES`), "gpu" (the `gpu`-marked tests but
+    `exclude`) or "all"; every test's outcome from the JUnit XML. "gpu" and "all" run in parallel
+    processes where pytest-xdist is installed (each test on its own: `--dist load`)."""
     xml = out / f"tests-{which}.xml"
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", f"--junitxml={xml}"]
     if which == "known":
         cmd += list(KNOWN_FAILURES)
-    elif which == "gpu":
-        cmd += ["-m", "gpu", *(f"--deselect={t}" for t in KNOWN_FAILURES)]
     else:
+        if which == "gpu":
+            cmd += ["-m", "gpu", *(f"--deselect={t}" for t in exclude)]
         try:
             import xdist  # noqa: F401
-            cmd += ["-n", str(min(8, os.cpu_count() or 1)), "--dist", "loadfile"]
+            cmd += ["-n", str(min(4 if which == "gpu" else 8, os.cpu_count() or 1)), "--dist", "load"]
         except ImportError:
             pass
     t0 = time.perf_counter()
@@ -147,25 +156,34 @@ def run_loader(a: argparse.Namespace) -> dict:
         device=a.device, stages=False, quick=a.quick, out=Path(a.work) / f"pipelines-b{a.batch_size}.json"))
 
 
-def run_views(a: argparse.Namespace) -> dict:
-    """Steady-state images/s of the GPU graph with relicv2's 6 views and with its first large crop
-    alone, timed in rounds."""
+def _view_recipes(a: argparse.Namespace) -> tuple[Recipe, Recipe]:
+    """relicv2 at the bench's sizes, and its first large crop alone."""
     six = load_recipe("relicv2", *view_px("imagenet-like", a.quick))
-    one = Recipe("relicv2-1view", (six.groups[0],))
-    root, name = prepare("imagenet-like", Path(a.work) / "bench-data", a.n, a.quick, a.cores)   # the loader's data
+    return six, Recipe("relicv2-1view", (six.groups[0],))
+
+
+def _make_gpu_loader(a: argparse.Namespace, recipe: Recipe, epoch: int):
+    """The DALI loader of `recipe` on the bench's ImageNet-like JPEGs (the loader section's data)."""
+    root, name = prepare("imagenet-like", Path(a.work) / "bench-data", a.n, a.quick, a.cores)
+    loader = build_loader("dali", LoaderSpec(root=str(root), dataset=name, split="train", recipe=recipe,
+                                             batch_size=a.batch_size, device=a.device, num_workers=a.cores))
+    loader.set_epoch(epoch)
+    return loader
+
+
+def run_views(a: argparse.Namespace) -> dict:
+    """Steady-state images/s of the GPU graph with relicv2's 6 views, with its first large crop alone,
+    and with the 6 views' crops only and without blur, timed in rounds."""
+    six, one = _view_recipes(a)
+    recipes = (six, one, crops_only(six), without_blur(six))
 
     def cell(recipe: Recipe):
-        def make(epoch: int):
-            loader = build_loader("dali", LoaderSpec(root=str(root), dataset=name, split="train", recipe=recipe,
-                                                     batch_size=a.batch_size, device=a.device, num_workers=a.cores))
-            loader.set_epoch(epoch)
-            return loader
-        return lambda rnd: {"img_per_s": list(time_loader(lambda e: make(rnd + e), a.batches, 3, 1,
-                                                          a.device).img_per_s)}
+        return lambda rnd: {"img_per_s": list(time_loader(lambda e: _make_gpu_loader(a, recipe, rnd + e), a.batches,
+                                                          3, 1, a.device).img_per_s)}
 
-    timed = in_rounds(a.repeats, {r.name: cell(r) for r in (six, one)})
+    timed = in_rounds(a.repeats, {r.name: cell(r) for r in recipes})
     out: dict = {"batch_size": a.batch_size}
-    for recipe in (six, one):
+    for recipe in recipes:
         cell_ = timed[recipe.name]
         if not cell_.ok:
             raise RuntimeError(f"{recipe.name}: {cell_.error}")
@@ -174,6 +192,16 @@ def run_views(a: argparse.Namespace) -> dict:
         out[recipe.name] = {"views": views_per_sample(recipe), "runs": runs, "img_per_s": rate,
                             "views_per_s": rate * views_per_sample(recipe)}
     out["cost_6_vs_1"] = out["relicv2-1view"]["img_per_s"] / out["relicv2"]["img_per_s"]
+    return out
+
+
+def run_profile(a: argparse.Namespace) -> dict:
+    """The device's work per steady-state batch of the GPU graph, relicv2's 6 views and 1 view
+    (`profile_kernels`; the Chrome traces, gzipped, beside the report)."""
+    out: dict = {"batch_size": a.batch_size}
+    for recipe in _view_recipes(a):
+        out[recipe.name] = profile_kernels(lambda: _make_gpu_loader(a, recipe, 0), max(4, a.batches // 2), 3,
+                                           a.device, trace=Path(a.out) / f"trace-{recipe.name}.json.gz")
     return out
 
 
@@ -215,7 +243,18 @@ def table(report: dict) -> str:
     if v and "error" not in v:
         lines += [f"GPU graph, batch {v['batch_size']}: 6 views (relicv2) {v['relicv2']['img_per_s']:,.0f} img/s, "
                   f"1 view {v['relicv2-1view']['img_per_s']:,.0f} img/s: "
-                  f"6 views cost {v['cost_6_vs_1']:.2f}× one view"]
+                  f"6 views cost {v['cost_6_vs_1']:.2f}× one view; 6 views, crops only "
+                  f"{v['relicv2-crops']['img_per_s']:,.0f} img/s, without blur {v['relicv2-noblur']['img_per_s']:,.0f}"]
+    p = report.get("profile")
+    if p and "error" not in p:
+        for name, r in p.items():
+            if not isinstance(r, dict):
+                continue
+            lines += ["", f"profile {name}, batch {p['batch_size']}: {r['wall_ms']:.1f} ms a batch"
+                      + (f", device busy {r['busy_ms']:.1f} ms (kernels and copies {r['kernel_ms']:.1f} ms), "
+                         f"{r['kernels']:.0f} kernels a batch from {r['launching_threads']} threads"
+                         if "busy_ms" in r else "")]
+            lines += [f"  {x['ms']:7.2f} ms {x['calls']:6.1f}× {x['name']}" for x in r.get("top", [])]
     t = report.get("train")
     if t and "error" not in t:
         c = t["config"]
@@ -224,7 +263,7 @@ def table(report: dict) -> str:
                   f"{t['img_per_s']:,.0f} img/s with the DALI loader, "
                   f"{t['cached_steps_per_s'] * c['data']['batch_size']:,.0f} img/s on one batch on the device, "
                   f"data stall {100 * t['data_stall_fraction']:.1f} %, peak {t['peak_mem_mib']:,.0f} MiB"]
-    for name in ("loader", "views", "train"):
+    for name in ("loader", "views", "profile", "train"):
         if report.get(name, {}).get("error"):
             lines += ["", f"{name} failed: {report[name]['error']}"]
     for name in ("known", "tests"):
@@ -282,12 +321,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="reports/gpu-check", help="folder of gpu_check.json and gpu_check.md")
     p.add_argument("--work", default="reports/gpu-check", help="folder of the generated data and the bench JSON files")
-    p.add_argument("--sections", default="known,loader,views,train,tests", help="comma-separated sections to run")
+    p.add_argument("--sections", default="views,profile,train,tests,loader",
+                   help="comma-separated sections to run, in that order")
     p.add_argument("--tests", choices=("gpu", "all"), default="gpu",
                    help="the tests section: the other gpu tests, or all")
     p.add_argument("--tests-timeout", type=int, default=240, help="seconds before a test run is stopped")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="skip a section whose estimate no longer fits (default 330 s; none with --quick)")
+                   help="skip a section whose estimate no longer fits (default 360 s; none with --quick)")
     p.add_argument("--batch-size", type=int, default=None, help="loader batch size (default 256; quick 8)")
     p.add_argument("--batches", type=int, default=None, help="timed loader batches per run (default 24; quick 2)")
     p.add_argument("--train-batch", type=int, default=None, help="ResNet-50 batch size (default 128; quick 12)")
@@ -306,7 +346,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.train_steps = a.train_steps or (2 if q else 8)
     a.n = a.n or (48 if q else 2000)
     a.repeats = a.repeats or (1 if q else 3)
-    a.budget_s = a.budget_s if a.budget_s is not None else (float("inf") if q else 330.0)
+    a.budget_s = a.budget_s if a.budget_s is not None else (float("inf") if q else 360.0)
     return a
 
 
@@ -326,8 +366,6 @@ def main(argv: list[str] | None = None) -> int:
         (out / "gpu_check.md").write_text(table(report) + "\n")
 
     def section(name: str, fn) -> None:
-        if name not in sections:
-            return
         elapsed = time.perf_counter() - start
         if elapsed + ESTIMATE_S[name] > a.budget_s:
             report["skipped"][name] = (f"{elapsed:.0f} s spent, about {ESTIMATE_S[name]} s more would pass "
@@ -347,11 +385,18 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         save()
 
-    section("known", lambda: run_tests("known", out, timeout_s=a.tests_timeout))
-    section("loader", lambda: run_loader(a))
-    section("views", lambda: run_views(a))
-    section("train", lambda: run_train(a))
-    section("tests", lambda: run_tests(a.tests, out, timeout_s=a.tests_timeout))   # last: the figures are saved
+    run = {"known": lambda: run_tests("known", out, timeout_s=a.tests_timeout),
+           "loader": lambda: run_loader(a),
+           "views": lambda: run_views(a),
+           "profile": lambda: run_profile(a),
+           "train": lambda: run_train(a),
+           "tests": lambda: run_tests(a.tests, out, timeout_s=a.tests_timeout,
+                                      exclude=KNOWN_FAILURES if "known" in sections else ())}
+    unknown = [n for n in sections if n not in run]
+    if unknown:
+        sys.exit(f"error: unknown section(s) {', '.join(unknown)}; choose from {', '.join(run)}")
+    for name in sections:                   # in the order given
+        section(name, run[name])
     print("\n" + "\n".join(header_lines(report)))
     print(table(report))
     print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'} in {time.perf_counter() - start:.0f} s")

@@ -166,6 +166,70 @@ def time_loader(make: Callable[[int], Loader], batches: int, warmup: int, repeat
     return LoaderTiming(tuple(rates), tuple(utilisation), tuple(first), tuple(thread), batches, warmup)
 
 
+def device_work(events: list[dict], batches: int, top: int = 15) -> dict:
+    """Per batch, from a Chrome trace's events (torch.profiler's `export_chrome_trace`): the device
+    busy (`busy_ms`: the union of the kernels', copies' and memsets' intervals), their summed time
+    (`kernel_ms`: more than busy where streams overlap), kernel launches (`kernels`), the host threads
+    that launched them (`launching_threads`), and the `top` names by time ({name, ms, calls})."""
+    work = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted((e["ts"], e["ts"] + e["dur"]) for e in work):      # microseconds
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    by_name: dict[str, list[float]] = {}
+    for e in work:
+        by_name.setdefault(e["name"], []).append(e["dur"])
+    rows = sorted(((sum(d), len(d), n) for n, d in by_name.items()), reverse=True)
+    launches = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "aunch" in e.get("name", "")]
+    return {"busy_ms": busy / 1000 / batches, "kernel_ms": sum(e["dur"] for e in work) / 1000 / batches,
+            "kernels": sum(e.get("cat") == "kernel" for e in work) / batches,
+            "launching_threads": len({e.get("tid") for e in launches}),
+            "top": [{"name": n[:160], "ms": t / 1000 / batches, "calls": c / batches} for t, c, n in rows[:top]]}
+
+
+def profile_kernels(make: Callable[[], Loader], batches: int, warmup: int, device: str | torch.device,
+                    trace: Path | None = None, top: int = 15) -> dict:
+    """The device's work per steady-state batch of a loader: every kernel and copy that the process
+    launched while `batches` batches were taken (torch.profiler's CUDA activity records them all, from
+    every thread: DALI's included), after `warmup` untimed ones.
+
+    Returns:
+        wall_ms, the wall time per batch, and on a CUDA device `device_work`'s figures of the trace (on
+        a CPU nothing else is recorded). `trace`: where the Chrome trace is also written, gzipped.
+    """
+    import gzip
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    loader = make()
+    it = _endless(loader)
+    for _ in range(max(1, warmup)):
+        next(it)
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            next(it)
+        sync(device)
+        wall = time.perf_counter() - t0
+    it.close()
+    out: dict = {"batches": batches, "wall_ms": 1000 * wall / batches}
+    if not cuda:
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+        if trace is not None:
+            trace.write_bytes(gzip.compress(path.read_bytes()))
+    out.update(device_work(events, batches, top))
+    return out
+
+
 @dataclass
 class Cell:
     """One cell of a bench timed in rounds (`in_rounds`): its figures over the rounds, or why it failed."""

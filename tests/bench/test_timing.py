@@ -10,8 +10,8 @@ import pytest
 
 import time
 
-from bench.timing import (EpochTiming, LoaderTiming, cpu_utilisation, in_rounds, steady_batches, time_epochs,
-                          time_loader)
+from bench.timing import (EpochTiming, LoaderTiming, cpu_utilisation, device_work, in_rounds, steady_batches,
+                          time_epochs, time_loader)
 
 
 @dataclass
@@ -147,3 +147,22 @@ def test_epoch_timing_gives_the_first_batch_and_the_boundary_gap_in_mean_gaps() 
     assert e.boundary_stall == pytest.approx(1.0)
     with pytest.raises(ValueError, match="at least 2 batches per epoch"):
         time_epochs(lambda ep: _EpochLoader(clock, 0.0, 0.1, 0.1, 1), epochs=2, device="cpu", clock=clock)
+
+
+def test_device_work_is_the_union_of_the_device_intervals_per_batch() -> None:
+    """Two streams overlapping: the device is busy for the union of the intervals, less than the sum of
+    the kernels' times; host-side events are not device work."""
+    events = [{"cat": "kernel", "name": "resize", "ts": 0, "dur": 400, "tid": 7},      # stream 1: 0-400 us
+              {"cat": "kernel", "name": "blur", "ts": 300, "dur": 300, "tid": 8},      # stream 2: 300-600, overlaps
+              {"cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 1000, "dur": 200},     # alone: 1000-1200
+              {"cat": "kernel", "name": "resize", "ts": 1100, "dur": 50},               # inside the copy
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 5, "tid": 1},
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 290, "dur": 5, "tid": 2},
+              {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 0, "dur": 900, "tid": 3},
+              {"cat": "cpu_op", "name": "aten::copy_", "ts": 0, "dur": 5000}]
+    w = device_work(events, batches=2)
+    assert w["busy_ms"] == pytest.approx((600 + 200) / 1000 / 2)
+    assert w["kernel_ms"] == pytest.approx((400 + 300 + 200 + 50) / 1000 / 2)
+    assert w["kernels"] == 1.5 and w["launching_threads"] == 2
+    assert [(r["name"], r["calls"]) for r in w["top"]] == [("resize", 1.0), ("blur", 0.5), ("Memcpy DtoD", 0.5)]
+    assert w["top"][0]["ms"] == pytest.approx(0.225)
