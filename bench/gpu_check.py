@@ -25,6 +25,8 @@ holding CUDA, which hung on 27 Nov before the loaders started their workers from
    loader's first batch and the CPU per batch of the thread that takes the batches apart;
 3. **views** — the GPU graph with relicv2's 6 views against its first large crop alone, and two
    ablations of the 6 views: crops only (no colour, blur, solarize) and without blur;
+   **decoder** (only when named) — the 6 views and 1 view with each share of the JPEGs sent to the
+   hardware decoder in `HW_LOADS` (the rest on nvJPEG's hybrid path: the CPU's threads and CUDA cores);
 4. **profile** — the device's work per steady-state batch of the GPU graph, 6 views and 1 view
    (`bench.timing.profile_kernels`: every kernel and copy the process launched, DALI's included): the
    device busy against the batch's wall time, launches per batch, the kernels that take the most;
@@ -59,7 +61,7 @@ from bench.datasets import CLASSES, prepare, view_px
 from bench.report import header, header_lines
 from bench.timing import crops_only, in_rounds, profile_kernels, time_loader, views_per_sample, without_blur
 from pipelines.loader import build_loader
-from pipelines.spec import LoaderSpec
+from pipelines.spec import DecoderHints, LoaderSpec
 from pipelines.views import Recipe, load_recipe
 
 # The issue's targets on one H100 (steady state, batch 256, generated ImageNet-like JPEGs).
@@ -80,8 +82,9 @@ KNOWN_FAILURES = (
 )
 # Seconds each section takes on one H100 with 16 cores (estimates from its sizes; "known" measured on an
 # H200, 27 Nov 2026), for the budget and the sections' time limits.
-ESTIMATE_S = {"known": 75, "loader": 100, "views": 60, "profile": 40, "train": 45, "tests": 100}
+ESTIMATE_S = {"known": 75, "loader": 100, "views": 60, "decoder": 60, "profile": 40, "train": 45, "tests": 100}
 LIMIT_X = 2            # a section still running at LIMIT_X times its estimate is stopped (`time_limit`)
+HW_LOADS = (DecoderHints.hw_load, 0.85, 1.0)     # the decoder section's shares of hardware-decoded JPEGs
 
 
 class SectionTimeout(Exception):
@@ -162,11 +165,13 @@ def _view_recipes(a: argparse.Namespace) -> tuple[Recipe, Recipe]:
     return six, Recipe("relicv2-1view", (six.groups[0],))
 
 
-def _make_gpu_loader(a: argparse.Namespace, recipe: Recipe, epoch: int):
-    """The DALI loader of `recipe` on the bench's ImageNet-like JPEGs (the loader section's data)."""
+def _make_gpu_loader(a: argparse.Namespace, recipe: Recipe, epoch: int, hw_load: float = DecoderHints.hw_load):
+    """The DALI loader of `recipe` on the bench's ImageNet-like JPEGs (the loader section's data), its
+    decoder sending `hw_load` of the JPEGs to the hardware decoder."""
     root, name = prepare("imagenet-like", Path(a.work) / "bench-data", a.n, a.quick, a.cores)
     loader = build_loader("dali", LoaderSpec(root=str(root), dataset=name, split="train", recipe=recipe,
-                                             batch_size=a.batch_size, device=a.device, num_workers=a.cores))
+                                             batch_size=a.batch_size, device=a.device, num_workers=a.cores,
+                                             decoder=DecoderHints(hw_load=hw_load)))
     loader.set_epoch(epoch)
     return loader
 
@@ -193,6 +198,23 @@ def run_views(a: argparse.Namespace) -> dict:
                             "views_per_s": rate * views_per_sample(recipe)}
     out["cost_6_vs_1"] = out["relicv2-1view"]["img_per_s"] / out["relicv2"]["img_per_s"]
     return out
+
+
+def run_decoder(a: argparse.Namespace) -> dict:
+    """Steady-state images/s of the GPU graph, relicv2's 6 views and its first view alone, with each
+    share of the JPEGs sent to the hardware decoder in `HW_LOADS` (the rest decoded on the CPU's
+    threads and CUDA cores: nvJPEG's hybrid path), timed in rounds."""
+    six, one = _view_recipes(a)
+    cells = {(r.name, h): (lambda rnd, r=r, h=h: {"img_per_s": list(time_loader(
+        lambda e: _make_gpu_loader(a, r, rnd + e, h), a.batches, 3, 1, a.device).img_per_s)})
+        for r in (six, one) for h in HW_LOADS}
+    timed = in_rounds(a.repeats, cells)
+    rows = []
+    for (name, h), cell in timed.items():
+        runs = cell.runs.get("img_per_s", [])
+        rows.append({"recipe": name, "hw_load": h, "runs": runs, "error": cell.error,
+                     "img_per_s": loader_bench.spread(runs)["img_per_s"] if runs else None})
+    return {"batch_size": a.batch_size, "rows": rows}
 
 
 def run_profile(a: argparse.Namespace) -> dict:
@@ -245,6 +267,11 @@ def table(report: dict) -> str:
                   f"1 view {v['relicv2-1view']['img_per_s']:,.0f} img/s: "
                   f"6 views cost {v['cost_6_vs_1']:.2f}× one view; 6 views, crops only "
                   f"{v['relicv2-crops']['img_per_s']:,.0f} img/s, without blur {v['relicv2-noblur']['img_per_s']:,.0f}"]
+    d = report.get("decoder")
+    if d and "error" not in d:
+        lines += ["", f"GPU graph, batch {d['batch_size']}, by the share of JPEGs sent to the hardware decoder:"]
+        lines += [f"  {r['recipe']} hw_load {r['hw_load']:.2f}: "
+                  + (f"{r['img_per_s']:,.0f} img/s" if r["img_per_s"] else f"failed ({r['error']})") for r in d["rows"]]
     p = report.get("profile")
     if p and "error" not in p:
         for name, r in p.items():
@@ -263,7 +290,7 @@ def table(report: dict) -> str:
                   f"{t['img_per_s']:,.0f} img/s with the DALI loader, "
                   f"{t['cached_steps_per_s'] * c['data']['batch_size']:,.0f} img/s on one batch on the device, "
                   f"data stall {100 * t['data_stall_fraction']:.1f} %, peak {t['peak_mem_mib']:,.0f} MiB"]
-    for name in ("loader", "views", "profile", "train"):
+    for name in ("loader", "views", "decoder", "profile", "train"):
         if report.get(name, {}).get("error"):
             lines += ["", f"{name} failed: {report[name]['error']}"]
     for name in ("known", "tests"):
@@ -326,6 +353,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tests", choices=("gpu", "all"), default="gpu",
                    help="the tests section: the other gpu tests, or all")
     p.add_argument("--tests-timeout", type=int, default=240, help="seconds before a test run is stopped")
+    p.add_argument("--limit-s", type=int, default=0,
+                   help="stop a section after this many seconds, writing its threads' stacks (default: twice "
+                        "its estimate)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip a section whose estimate no longer fits (default 360 s; none with --quick)")
     p.add_argument("--batch-size", type=int, default=None, help="loader batch size (default 256; quick 8)")
@@ -376,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         print(f"== {name}", flush=True)
         try:
-            with time_limit(0 if a.quick else LIMIT_X * ESTIMATE_S[name], out / f"{name}-stacks.txt"):
+            limit = a.limit_s or LIMIT_X * ESTIMATE_S[name]
+            with time_limit(0 if a.quick else limit, out / f"{name}-stacks.txt"):
                 report[name] = fn()
         except Exception as e:  # one broken or hung section is reported; the others still run
             report[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
@@ -388,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     run = {"known": lambda: run_tests("known", out, timeout_s=a.tests_timeout),
            "loader": lambda: run_loader(a),
            "views": lambda: run_views(a),
+           "decoder": lambda: run_decoder(a),
            "profile": lambda: run_profile(a),
            "train": lambda: run_train(a),
            "tests": lambda: run_tests(a.tests, out, timeout_s=a.tests_timeout,
