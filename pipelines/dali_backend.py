@@ -28,7 +28,6 @@ graph (copied to the device on a GPU).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -44,7 +43,7 @@ from nvidia.dali.plugin.pytorch import feed_ndarray
 from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers
 from pipelines.dali_graph import NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs
-from pipelines.processes import before_fork, end_with_creator
+from pipelines.processes import before_fork, end_with_creator, fork_server
 from pipelines.shards import ShardReader, image_size, scan_shards
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import FIELDS
@@ -65,7 +64,7 @@ def worker_start_method() -> str:
     with it (`_received`)."""
     if not dali_backend_lib.IsDriverInitialized():
         return "fork"
-    mp.set_forkserver_preload([__name__])         # what the server imports when it starts (once)
+    fork_server(__name__)          # what the server imports when this process first starts it
     return "forkserver"
 
 

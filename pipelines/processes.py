@@ -32,8 +32,14 @@ two rules, kept here for preprocess, pipelines and train alike:
    none of those threads; on an H200 (torch 2.11, DALI 2.4.0) the second torchvision loader forked in
    one process hung for good, its workers idle and the thread taking the batches waiting for one.
    PyTorch's documentation says the same of CUDA with fork. The server is started by exec once per
-   process, imports the modules it is told to preload, and forks each worker from itself; a worker it
-   starts ends with the process that asked for it (`worker_started`).
+   process, imports the heavy libraries every worker needs (`SERVER_PRELOAD`) and the module of the
+   first that asked for it, and forks each worker from itself; a worker it starts ends with the process
+   that asked for it (`worker_started`). Preloading matters beyond start-up time: the process starting
+   a worker writes the worker's arguments into a pipe that the worker reads only after importing the
+   parent's main module, so once the arguments outgrow the pipe's buffer (64 KiB; a reader's records
+   take 64 bytes each) the parent waits for each worker's imports in turn. On an H200's 16-core host
+   the 16 workers of one torchvision loader, each importing torchvision and timm itself, had not
+   started after 110 s.
 
 `proc_stat`, `running` and `descendants` read /proc for who runs and who started whom (the reaper of
 a local Ray instance, `preprocess.ray_engine`, and the tests that kill runs use them).
@@ -56,6 +62,9 @@ _forking_pid: int | None = None  # the pid of the process that is forking, read 
 _collecting = True               # whether the collector was on when the fork began
 _hooked = False                  # the at-fork hooks are registered in this process (inherited by its children)
 _watched_in: int | None = None   # the pid of the process whose watchdog runs (a forked child's differs)
+# What a fork server imports when it starts (rule 3), those not installed skipped: the libraries that
+# the workers of every loader import (through the main module of the process that starts them).
+SERVER_PRELOAD = ("numpy", "PIL.Image", "torch", "torchvision", "timm", "nvidia.dali", "numba")
 
 
 def end_with_parent(parent: int | None = None) -> None:
@@ -146,7 +155,13 @@ def worker_context(preload: str) -> BaseContext:
     `worker_init_fn=worker_started` with it, and a dataset that pickles small (`shards.ShardReader`)."""
     if not cuda_in_use():
         return fork_context()
-    mp.set_forkserver_preload([preload])     # read once, when this process first starts its server
+    return fork_server(preload)
+
+
+def fork_server(preload: str) -> BaseContext:
+    """The fork-server start method (rule 3), whose server, when this process first starts it, imports
+    `SERVER_PRELOAD` and `preload` (a later call's module is imported by each worker that needs it)."""
+    mp.set_forkserver_preload([*SERVER_PRELOAD, preload])
     return mp.get_context("forkserver")
 
 

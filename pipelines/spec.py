@@ -35,7 +35,12 @@ class LoaderError(ValueError):
 class DecoderHints:
     """Settings of the GPU JPEG decode (DALI's nvJPEG `mixed` decoder); ignored by CPU decoders."""
 
-    hw_load: float = 0.65              # share of the JPEGs sent to the hardware decoder (A100/H100), the rest on CUDA cores
+    # Share of the JPEGs sent to the hardware JPEG decoder (A100, H100, H200); the rest take nvJPEG's
+    # hybrid path (Huffman decoding on the CPU's threads, the rest on CUDA cores). All of them: on an
+    # H200 with 16 cores, relicv2's 6 views ran at 9,136 img/s with 1.0 against 8,194 with 0.85 and
+    # 6,765 with DALI's default 0.65, one view at 18,535 / 18,947 / 14,567 (docs/benchmarks.md, 27
+    # Nov 2026): the hybrid path's CPU work competed with the graph's own host work.
+    hw_load: float = 1.0
     size_hint_px: int = 0              # image side the decoder preallocates its buffers for (the dataset's max); 0: none
 
 

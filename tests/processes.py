@@ -94,3 +94,9 @@ def kill_and_reap(popen: subprocess.Popen, group: bool = False) -> set[tuple[int
     popen.stdout.close()
     popen.stderr.close()
     return noted
+
+
+def imported(queue, names: list[str]) -> None:
+    """A worker's target: put on `queue` which of the modules `names` its process has imported (this
+    module imports none of the heavy ones)."""
+    queue.put([n for n in names if n in sys.modules])

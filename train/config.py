@@ -28,6 +28,7 @@ import yaml
 from pipelines.loader import Backend
 from pipelines.mixing import MixSpec
 from pipelines.schema import DatasetError, Manifest, read_manifest
+from pipelines.spec import DecoderHints
 from pipelines.views import Recipe, dataset_sizes
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class DataConfig:
     backend: BackendChoice = "auto"  # "torch" | "torchvision" | "ffcv" | "dali"; "auto": ffcv on CPU, dali on GPU
     batch_size: int | str = 256     # the global batch (all processes), or "<n>/gpu": n per process (`global_batch`)
     max_batch_per_gpu: int = 0      # the largest per-process batch the preset says fits one GPU; 0: no limit
-    hw_decoder_load: float = 0.65   # DALI on a GPU: share of the JPEGs for the hardware decoder (A100/H100)
+    hw_decoder_load: float = DecoderHints.hw_load   # DALI on a GPU: share of the JPEGs for the hardware decoder
     decode_size_hint_px: int = 0    # DALI on a GPU: image side the decoder preallocates for; 0: none
     num_workers: int = 2            # decoding/augmentation workers per rank
     num_classes: int = 10           # classes, for kNN / linear-probe evaluation; 0: an unlabelled dataset

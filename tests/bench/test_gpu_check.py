@@ -45,3 +45,23 @@ def test_a_hung_section_is_stopped_at_its_limit_with_the_stacks_of_where_it_hung
     with time_limit(5, tmp_path / "views-stacks.txt"):           # a section within its limit: no file left
         pass
     assert not (tmp_path / "views-stacks.txt").exists()
+
+
+def test_a_section_s_time_limit_is_not_taken_for_a_failed_cell(tmp_path) -> None:
+    """The rounds of a bench report a cell that raises and go on with the others; a section's time limit
+    must stop the whole section instead (on a GPU machine a hung cell would otherwise eat the slot)."""
+    import threading
+
+    from bench.gpu_check import SectionTimeout, time_limit
+    from bench.timing import in_rounds
+
+    ran = []
+
+    def hangs(rnd: int) -> dict:
+        threading.Event().wait(120)
+        return {}
+
+    with pytest.raises(SectionTimeout):
+        with time_limit(1, tmp_path / "loader-stacks.txt"):
+            in_rounds(2, {"torchvision": hangs, "dali": lambda rnd: ran.append(rnd) or {}})
+    assert ran == []                       # stopped in the first cell of the first round
