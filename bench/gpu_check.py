@@ -9,31 +9,32 @@ torchvision and timm; DALI where `DALI_SITE` says, when it is not installed in t
 
 Try it first on a CPU, with tiny sizes: `python -m bench.gpu_check --device cpu --quick`.
 
-Sections, in the order `--sections` gives them (default: views, profile, train, tests, loader), each
-writing its part of the report (`gpu_check.json`, `gpu_check.md` in `--out`) as soon as it is done; a
-section whose estimate no longer fits in `--budget-s` is skipped with a note, and one still running at
-twice its estimate is stopped, its threads' stacks written, so that the report comes back within the
-slot. The loader comes last by default: its torchvision baseline forks DataLoader workers in a process
-holding CUDA, which hung on 27 Nov before the loaders started their workers from a fork server:
+Sections, in the order `--sections` gives them (default: views, train, tests, loader), each writing
+its part of the report (`gpu_check.json`, `gpu_check.md` in `--out`) as soon as it is done; a section
+whose estimate no longer fits in `--budget-s` is skipped with a note, and one still running at twice its
+estimate (or `--limit-s`) is stopped, its threads' stacks written, so that the report comes back
+within the slot. The loader comes last by default: its torchvision baseline's 16 workers had not
+started after 110 s on the H200 (27 Nov, each importing torchvision and timm in turn; the fork server
+now preloads them, `pipelines.processes`, not yet run there again).
 
-1. **known** (only when named in `--sections`) — the 7 `gpu` tests that failed on the first GPU run
-   (docs/benchmarks.md, 26 Nov 2026; they passed on 27 Nov): ResizeMix and CutMix on the GPU graph,
-   relicv2 with saliency masks, SDMP's resume on CUDA;
-2. **loader** — `bench.data` on generated ImageNet-like JPEGs, `relicv2` at `--batch-size`: the DALI
-   GPU graph against the torchvision baseline (as many DataLoader workers as cores) and the CPU's
-   decode ceilings; steady-state source images/s over `--repeats` rounds with their spread, each
-   loader's first batch and the CPU per batch of the thread that takes the batches apart;
-3. **views** — the GPU graph with relicv2's 6 views against its first large crop alone, and two
-   ablations of the 6 views: crops only (no colour, blur, solarize) and without blur;
-   **decoder** (only when named) — the 6 views and 1 view with each share of the JPEGs sent to the
-   hardware decoder in `HW_LOADS` (the rest on nvJPEG's hybrid path: the CPU's threads and CUDA cores);
-4. **profile** — the device's work per steady-state batch of the GPU graph, 6 views and 1 view
-   (`bench.timing.profile_kernels`: every kernel and copy the process launched, DALI's included): the
-   device busy against the batch's wall time, launches per batch, the kernels that take the most;
-5. **train** — ResNet-50 `relicv2` at 224/96, bf16, channels-last: `bench.train.time_steps` with the
-   DALI GPU loader against the same steps fed one batch already on the device (the data stall);
-6. **tests** — every other `gpu` test (all of them when **known** is not among the sections; `--tests
-   all`: the whole suite), in parallel processes, stopped after `--tests-timeout`.
+- **views** — the GPU graph with relicv2's 6 views against its first large crop alone, and two
+  ablations of the 6 views: crops only (no colour, blur, solarize) and without blur;
+- **train** — ResNet-50 `relicv2` at 224/96, bf16, channels-last: `bench.train.time_steps` with the
+  DALI GPU loader against the same steps fed one batch already on the device (the data stall);
+- **tests** — the `gpu` tests (but those of **known** when it runs too; `--tests all`: the whole
+  suite), in parallel processes, stopped after `--tests-timeout`;
+- **loader** — `bench.data` on generated ImageNet-like JPEGs, `relicv2` at `--batch-size`: the DALI
+  GPU graph against the torchvision baseline (as many DataLoader workers as cores) and the CPU's
+  decode ceilings; steady-state source images/s over `--repeats` rounds with their spread, each
+  loader's first batch and the CPU per batch of the thread that takes the batches apart;
+- **decoder** (when named) — the 6 views and 1 view with each share of the JPEGs sent to the hardware
+  decoder in `HW_LOADS` (the rest on nvJPEG's hybrid path: the CPU's threads and CUDA cores);
+- **profile** (when named) — the device's work per steady-state batch of the GPU graph, 6 views and 1
+  view (`bench.timing.profile_kernels`: every kernel and copy the process launched, DALI's included):
+  the device busy against the batch's wall time, launches per batch, the kernels that take the most;
+- **known** (when named) — the 7 `gpu` tests that failed on the first GPU run (docs/benchmarks.md, 26
+  Nov 2026; they have passed since): ResizeMix and CutMix on the GPU graph, relicv2 with saliency
+  masks, SDMP's resume on CUDA.
 
 The table printed last marks the issue's targets met or missed (`targets`).
 """
@@ -80,9 +81,10 @@ KNOWN_FAILURES = (
     "tests/pipelines/test_dali_backend.py::test_sdmp_laws_of_the_graph[cuda-resizemix]",
     "tests/train/test_cuda.py::test_objective_trains_and_resumes_on_cuda[sdmp]",
 )
-# Seconds each section takes on one H100 with 16 cores (estimates from its sizes; "known" measured on an
-# H200, 27 Nov 2026), for the budget and the sections' time limits.
-ESTIMATE_S = {"known": 75, "loader": 100, "views": 60, "decoder": 60, "profile": 40, "train": 45, "tests": 100}
+# Seconds each section takes on one H100 with 16 cores, for the budget and the sections' time limits
+# (measured on an H200 on 27 Nov 2026: known 75, views 61, decoder 54, profile 15, train 40, tests 186 in
+# 4 processes; the loader's estimate is from its sizes: its torchvision baseline has not run there yet).
+ESTIMATE_S = {"known": 75, "loader": 100, "views": 60, "decoder": 55, "profile": 15, "train": 40, "tests": 150}
 LIMIT_X = 2            # a section still running at LIMIT_X times its estimate is stopped (`time_limit`)
 HW_LOADS = (0.65, 0.85, 1.0)     # the decoder section's shares of hardware-decoded JPEGs (0.65: DALI's default)
 
@@ -132,7 +134,7 @@ def run_tests(which: str, out: Path, timeout_s: int, exclude: tuple[str, ...] = 
             cmd += ["-m", "gpu", *(f"--deselect={t}" for t in exclude)]
         try:
             import xdist  # noqa: F401
-            cmd += ["-n", str(min(4 if which == "gpu" else 8, os.cpu_count() or 1)), "--dist", "load"]
+            cmd += ["-n", str(min(8, os.cpu_count() or 1)), "--dist", "load"]
         except ImportError:
             pass
     t0 = time.perf_counter()
@@ -351,7 +353,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="reports/gpu-check", help="folder of gpu_check.json and gpu_check.md")
     p.add_argument("--work", default="reports/gpu-check", help="folder of the generated data and the bench JSON files")
-    p.add_argument("--sections", default="views,profile,train,tests,loader",
+    p.add_argument("--sections", default="views,train,tests,loader",
                    help="comma-separated sections to run, in that order")
     p.add_argument("--tests", choices=("gpu", "all"), default="gpu",
                    help="the tests section: the other gpu tests, or all")
