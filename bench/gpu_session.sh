@@ -3,8 +3,8 @@
 #
 #   DALI_SITE=<folder with nvidia/dali> bash bench/gpu_session.sh [bench.gpu_check arguments]
 #
-# runs `python3 -m bench.gpu_check` (about 6 minutes on one H100: the 7 formerly failing gpu tests,
-# the loader, views, training and the other gpu tests) from the working tree, without `make install`,
+# runs `python3 -m bench.gpu_check` (about 6 minutes on one H100: views, training, every gpu test, the
+# loader against torchvision) from the working tree, without `make install`,
 # with DALI_SITE (unpacked wheels, when DALI is not installed in that Python) first on the path, and
 # writes its report and log into $OUT (default reports/gpu-check).
 set -euo pipefail
