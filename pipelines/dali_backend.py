@@ -14,8 +14,12 @@ ones. Order, rank sharding, the reshuffle per epoch and the resume position are 
 resume, a `set_epoch` to another epoch). DALI's own checkpoint is kept only where the graph draws
 something itself (DACL's Binary Mixup masks).
 
-The training loop's thread only takes the pipeline's outputs: the reading and drawing never run there
-(docs/benchmarks.md: its CPU per batch before and after). The workers are forked while CUDA is not
+The training loop's thread only takes finished batches: the reading and drawing never run there, and
+neither do DALI's run (feeding the source's outputs into the pipeline, waiting for the iteration) nor
+the copies into the batch, which a taker thread does for the next batch while the loop trains on this
+one (`DaliLoader._taker`; not where the graph draws something itself: its DALI checkpoint must stay at
+the batch handed out). docs/benchmarks.md has the loop's CPU per batch before and after each step.
+The workers are forked while CUDA is not
 initialised in the process (a test or a CPU run), and forked by a fork server once it is (a GPU run:
 DALI refuses to fork then; `worker_start_method`); either way they follow `pipelines.processes`' rules.
 
@@ -28,8 +32,10 @@ graph (copied to the device on a GPU).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Iterator
 
@@ -212,6 +218,9 @@ class DaliLoader(EpochLoader):
         self._dali_state: tuple[bytes, int] | None = None   # DALI checkpoint (and its iteration) to build from
         self._last: tuple[int, int] | None = None    # (epoch, batch number) of the last batch handed out
         self.last_debug: dict[str, np.ndarray] = {}  # debug: the graph's own draws of that batch
+        # The next batch, made by the taker thread while the last one is used: (its position, future).
+        self._ahead: tuple[tuple[int, int], Future] | None = None
+        self._taker: ThreadPoolExecutor | None = None
 
     @property
     def last_draws(self) -> Draws | None:
@@ -228,6 +237,7 @@ class DaliLoader(EpochLoader):
         return {**super().state_dict(), "dali": dali}
 
     def load_state_dict(self, state: dict) -> None:
+        self._drop_ahead()
         super().load_state_dict(state)
         self._pipe, self._dali_state = None, state.get("dali")
 
@@ -270,31 +280,60 @@ class DaliLoader(EpochLoader):
     def __iter__(self) -> Iterator[Batch]:
         o, s = self.order, self.spec
         dev = torch.device(s.device)
+        stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None   # the consumer's
         epoch = o.epoch
         while o.epoch == epoch and len(o):
-            pipe = self._pipeline()
+            batch, self.last_debug = self._take(stream)
+            self._last = self._position()
+            o.advance()
+            self._pipe_at = self._position()
+            if not self.draws_in_graph:              # the next batch, made while this one is used
+                self._taker = self._taker or ThreadPoolExecutor(1, thread_name_prefix="viewmill-dali-taker")
+                self._ahead = (self._position(), self._taker.submit(self._run, stream))
+            yield batch
+
+    def _take(self, stream) -> tuple[Batch, dict]:
+        """The batch at the loader's position: the taker thread's when it made that one, else made here
+        (the first batch, or after the position jumped: the pipeline is rebuilt)."""
+        if self._ahead is not None and self._ahead[0] == self._position():
+            future, self._ahead = self._ahead[1], None
+            return future.result()
+        if self._drop_ahead():
+            self._pipe_at = None                     # the pipeline made a batch past the position: rebuild
+        self._pipeline()
+        return self._run(stream)
+
+    def _drop_ahead(self) -> bool:
+        """Wait for the taker thread's batch and drop it; whether there was one."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            wait([ahead[1]])
+        return ahead is not None
+
+    def _run(self, stream) -> tuple[Batch, dict]:
+        """One iteration of the pipeline as a `Batch` on the spec's device (and the debug outputs), its
+        copies on `stream` (the consumer's). Runs on the taker thread, or the consumer's when no batch
+        is ahead; never on both at once."""
+        s, out = self.spec, self._out
+        dev = torch.device(s.device)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             # The stream is run()'s positional-only argument: DALI takes a keyword for a pipeline input
             # (and refuses it with prefetching). One call on both devices, so the CPU tests run it too.
-            outs = pipe.run(torch.cuda.current_stream(dev) if dev.type == "cuda" else None)
+            outs = self._pipe.run(stream)
             self._iteration += 1
-            out = self._out
             views: dict[str, list] = {}
             for name, tl in zip(out.fields, outs):
                 views.setdefault(name, []).append(tl)
             passed = dict(zip(out.passed, outs[len(out.fields):]))
-            if self.debug:
-                self.last_debug = {n: _host(tl) for n, tl in zip(out.debug, outs[len(out.fields) + len(out.passed):])}
-            fields = {f: _feed(views.get(f, []), dev, self._buffers, s.channels_last)
-                      for f in (*FIELDS, "mixed")}
+            debug = ({n: _host(tl) for n, tl in zip(out.debug, outs[len(out.fields) + len(out.passed):])}
+                     if self.debug else {})
+            fields = {f: _feed(views.get(f, []), dev, self._buffers, s.channels_last) for f in (*FIELDS, "mixed")}
             ids = _tensor(passed["ids"], torch.int64, dev)                   # (B, 2 + V) index, label, partners
             mixed = "lam" in passed
             batch = Batch(**fields, index=ids[:, 0].contiguous(), label=ids[:, 1].contiguous(),
                           mix_lam=_tensor(passed["lam"], torch.float32, dev).T.contiguous() if mixed else None,
                           mix_partner=ids[:, 2:].T.contiguous() if mixed else None)
-            self._last = self._position()
-            o.advance()
-            self._pipe_at = self._position()
-            yield batch
+        return batch, debug
 
 
 def _unpack(nodes: dict, kinds: list) -> dict:

@@ -5,6 +5,7 @@ Batch contract, sharding, seeds and resume test_contract.py's)."""
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -374,9 +375,14 @@ def test_dacl_laws_of_the_graph(shards, device) -> None:
 
 def test_the_consumers_thread_never_reads_or_draws(shards, monkeypatch, tmp_path) -> None:
     """The training loop's thread only takes batches: the records are read and every parameter drawn in
-    DALI's worker processes, and the batch's index, label, lam and partner come out of the pipeline
+    DALI's worker processes, each batch but the first run through the pipeline and copied into the
+    batch by the taker thread, and the batch's index, label, lam and partner come out of the pipeline
     with its views (equal to the draws made again here, on demand)."""
     calls = tmp_path / "calls"
+    runs = []
+    real_run = dali_backend.DaliLoader._run
+    monkeypatch.setattr(dali_backend.DaliLoader, "_run",
+                        lambda self, stream: runs.append(threading.get_ident()) or real_run(self, stream))
 
     def noted(real):
         def call(*args, **kwargs):
@@ -391,9 +397,13 @@ def test_the_consumers_thread_never_reads_or_draws(shards, monkeypatch, tmp_path
     spec = LoaderSpec(root="", dataset="", split="train", recipe=with_mix_source(RELIC, mix), batch_size=8, mix=mix,
                       seed=3)
     loader = dali_backend.DaliLoader(spec, shards)
-    last = list(loader)[-1]
+    batches = list(loader)
+    last = batches[-1]
     callers = set(calls.read_text().split())
     assert callers and str(os.getpid()) not in callers               # read and drawn, never here
+    loader._ahead[1].result()                                        # the next epoch's first, made ahead
+    assert len(runs) == len(batches) + 1
+    assert runs[0] == threading.get_ident() and threading.get_ident() not in runs[1:]
     d = loader.last_draws
     assert torch.equal(last.mix_lam, d.mix_lam) and torch.equal(last.mix_partner, d.mix.partner)
     assert torch.equal(last.label, last.index % 4)                   # _Split's labels
@@ -444,3 +454,31 @@ def test_channels_last_views_are_the_same_views_laid_out_for_the_network(shards,
         assert b.global_views.permute(0, 1, 3, 4, 2).is_contiguous()                # (V, B, S, S, 3) memory
         assert all(b.global_views[v].is_contiguous(memory_format=torch.channels_last) for v in range(2))
         assert torch.equal(a.global_views, b.global_views.cpu()) and torch.equal(a.weak_views, b.weak_views.cpu())
+
+
+def test_a_batch_made_ahead_is_dropped_when_the_position_jumps(shards) -> None:
+    """The taker thread makes the next batch while the last one is used; a resume or a jump to another
+    epoch in between drops it and rebuilds the pipeline there: the batches are those of the new
+    position, equal to a fresh loader's."""
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=RELIC, batch_size=8, seed=5)
+
+    def fresh(epoch: int = 0, state: dict | None = None) -> list:
+        loader = dali_backend.DaliLoader(spec, shards)
+        loader.set_epoch(epoch)
+        if state is not None:
+            loader.load_state_dict(state)
+        return [b.index for b in loader]
+
+    loader = dali_backend.DaliLoader(spec, shards)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()                     # before batch 1
+    next(it), next(it)                              # batch 3 is being made ahead
+    assert loader._ahead is not None
+    loader.load_state_dict(state)
+    resumed = [b.index for b in loader]
+    assert len(resumed) == len(loader) - 1
+    assert all(torch.equal(a, b) for a, b in zip(resumed, fresh(state=state)))
+    loader.set_epoch(4)                             # the ahead batch is epoch 1's first
+    jumped = [b.index for b in loader]
+    assert all(torch.equal(a, b) for a, b in zip(jumped, fresh(4), strict=True))
