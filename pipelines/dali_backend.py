@@ -218,8 +218,9 @@ class DaliLoader(EpochLoader):
         self._dali_state: tuple[bytes, int] | None = None   # DALI checkpoint (and its iteration) to build from
         self._last: tuple[int, int] | None = None    # (epoch, batch number) of the last batch handed out
         self.last_debug: dict[str, np.ndarray] = {}  # debug: the graph's own draws of that batch
-        # The next batch, made by the taker thread while the last one is used: (its position, future).
-        self._ahead: tuple[tuple[int, int], Future] | None = None
+        # The next batch, made by the taker thread while the last one is used: (its position, the CUDA
+        # stream of its copies or None, its future).
+        self._ahead: tuple[tuple[int, int], object, Future] | None = None
         self._taker: ThreadPoolExecutor | None = None
 
     @property
@@ -289,15 +290,18 @@ class DaliLoader(EpochLoader):
             self._pipe_at = self._position()
             if not self.draws_in_graph:              # the next batch, made while this one is used
                 self._taker = self._taker or ThreadPoolExecutor(1, thread_name_prefix="viewmill-dali-taker")
-                self._ahead = (self._position(), self._taker.submit(self._run, stream))
+                self._ahead = (self._position(), stream, self._taker.submit(self._run, stream))
             yield batch
 
     def _take(self, stream) -> tuple[Batch, dict]:
         """The batch at the loader's position: the taker thread's when it made that one, else made here
         (the first batch, or after the position jumped: the pipeline is rebuilt)."""
         if self._ahead is not None and self._ahead[0] == self._position():
-            future, self._ahead = self._ahead[1], None
-            return future.result()
+            (_, made_on, future), self._ahead = self._ahead, None
+            made = future.result()
+            if made_on is not None and made_on != stream:
+                stream.wait_stream(made_on)          # copied on another stream (a consumer that changed it)
+            return made
         if self._drop_ahead():
             self._pipe_at = None                     # the pipeline made a batch past the position: rebuild
         self._pipeline()
@@ -307,7 +311,7 @@ class DaliLoader(EpochLoader):
         """Wait for the taker thread's batch and drop it; whether there was one."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            wait([ahead[1]])
+            wait([ahead[2]])
         return ahead is not None
 
     def _run(self, stream) -> tuple[Batch, dict]:

@@ -401,7 +401,7 @@ def test_the_consumers_thread_never_reads_or_draws(shards, monkeypatch, tmp_path
     last = batches[-1]
     callers = set(calls.read_text().split())
     assert callers and str(os.getpid()) not in callers               # read and drawn, never here
-    loader._ahead[1].result()                                        # the next epoch's first, made ahead
+    loader._ahead[2].result()                                        # the next epoch's first, made ahead
     assert len(runs) == len(batches) + 1
     assert runs[0] == threading.get_ident() and threading.get_ident() not in runs[1:]
     d = loader.last_draws
