@@ -286,6 +286,10 @@ def table(report: dict) -> str:
                       + (f", device busy {r['busy_ms']:.1f} ms (kernels and copies {r['kernel_ms']:.1f} ms), "
                          f"{r['kernels']:.0f} kernels a batch from {r['launching_threads']} threads"
                          if "busy_ms" in r else "")]
+            st = r.get("busiest_stream")
+            if st:
+                lines += [f"  its busiest stream a batch: {st['work_ms']:.1f} ms of work, {st['waits_ms']:.1f} ms of "
+                          f"waits of 1 ms or more, {st['gaps_ms']:.1f} ms of shorter gaps (operators' host set-up)"]
             lines += [f"  {x['ms']:7.2f} ms {x['calls']:6.1f}× {x['name']}" for x in r.get("top", [])]
     t = report.get("train")
     if t and "error" not in t:

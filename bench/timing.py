@@ -185,7 +185,26 @@ def device_work(events: list[dict], batches: int, top: int = 15) -> dict:
     return {"busy_ms": busy / 1000 / batches, "kernel_ms": sum(e["dur"] for e in work) / 1000 / batches,
             "kernels": sum(e.get("cat") == "kernel" for e in work) / batches,
             "launching_threads": len({e.get("tid") for e in launches}),
-            "top": [{"name": n[:160], "ms": t / 1000 / batches, "calls": c / batches} for t, c, n in rows[:top]]}
+            "top": [{"name": n[:160], "ms": t / 1000 / batches, "calls": c / batches} for t, c, n in rows[:top]],
+            "busiest_stream": _stream_gaps(work, batches)}
+
+
+def _stream_gaps(work: list[dict], batches: int) -> dict | None:
+    """The stream with the most device work (a DALI graph's GPU operators share one) per batch: its
+    work, and the idle time between two of its events split into waits of 1 ms or more (for an input:
+    the decoder's output) and gaps under 1 ms (an operator's host set-up before its first copy or
+    kernel: what a graph of many small operators pays)."""
+    streams: dict[object, list[dict]] = {}
+    for e in work:
+        streams.setdefault(e.get("args", {}).get("stream"), []).append(e)
+    if not streams:
+        return None
+    sid, on = max(streams.items(), key=lambda kv: sum(e["dur"] for e in kv[1]))
+    on = sorted(on, key=lambda e: e["ts"])
+    idle = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(on, on[1:])]
+    return {"stream": sid, "work_ms": sum(e["dur"] for e in on) / 1000 / batches,
+            "waits_ms": sum(g for g in idle if g >= 1000) / 1000 / batches,
+            "gaps_ms": sum(g for g in idle if 0 < g < 1000) / 1000 / batches}
 
 
 def profile_kernels(make: Callable[[], Loader], batches: int, warmup: int, device: str | torch.device,

@@ -152,17 +152,20 @@ def test_epoch_timing_gives_the_first_batch_and_the_boundary_gap_in_mean_gaps() 
 def test_device_work_is_the_union_of_the_device_intervals_per_batch() -> None:
     """Two streams overlapping: the device is busy for the union of the intervals, less than the sum of
     the kernels' times; host-side events are not device work."""
-    events = [{"cat": "kernel", "name": "resize", "ts": 0, "dur": 400, "tid": 7},      # stream 1: 0-400 us
-              {"cat": "kernel", "name": "blur", "ts": 300, "dur": 300, "tid": 8},      # stream 2: 300-600, overlaps
-              {"cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 1000, "dur": 200},     # alone: 1000-1200
-              {"cat": "kernel", "name": "resize", "ts": 1100, "dur": 50},               # inside the copy
+    events = [{"cat": "kernel", "name": "resize", "ts": 0, "dur": 400, "args": {"stream": 1}},   # 0-400 us
+              {"cat": "kernel", "name": "blur", "ts": 300, "dur": 300, "args": {"stream": 2}},    # overlaps
+              {"cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 1000, "dur": 200, "args": {"stream": 1}},
+              {"cat": "kernel", "name": "resize", "ts": 1100, "dur": 50, "args": {"stream": 2}},  # in the copy
+              {"cat": "kernel", "name": "resize", "ts": 3000, "dur": 100, "args": {"stream": 1}},  # after 1.8 ms
               {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 5, "tid": 1},
               {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 290, "dur": 5, "tid": 2},
               {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 0, "dur": 900, "tid": 3},
               {"cat": "cpu_op", "name": "aten::copy_", "ts": 0, "dur": 5000}]
     w = device_work(events, batches=2)
-    assert w["busy_ms"] == pytest.approx((600 + 200) / 1000 / 2)
-    assert w["kernel_ms"] == pytest.approx((400 + 300 + 200 + 50) / 1000 / 2)
-    assert w["kernels"] == 1.5 and w["launching_threads"] == 2
-    assert [(r["name"], r["calls"]) for r in w["top"]] == [("resize", 1.0), ("blur", 0.5), ("Memcpy DtoD", 0.5)]
-    assert w["top"][0]["ms"] == pytest.approx(0.225)
+    assert w["busy_ms"] == pytest.approx((600 + 200 + 100) / 1000 / 2)
+    assert w["kernel_ms"] == pytest.approx((400 + 300 + 200 + 50 + 100) / 1000 / 2)
+    assert w["kernels"] == 2 and w["launching_threads"] == 2
+    assert [(r["name"], r["calls"]) for r in w["top"]] == [("resize", 1.5), ("blur", 0.5), ("Memcpy DtoD", 0.5)]
+    assert w["top"][0]["ms"] == pytest.approx(0.275)
+    # Stream 1 (700 us of work) waited 1.8 ms once (an input) and had a 600-us gap (an operator's set-up).
+    assert w["busiest_stream"] == pytest.approx({"stream": 1, "work_ms": 0.35, "waits_ms": 0.9, "gaps_ms": 0.3})
