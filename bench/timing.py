@@ -26,8 +26,11 @@ sample, every crop view resized to its size, no colour ops). The recipe variants
 
 from __future__ import annotations
 
+import gzip
 import io
+import json
 import statistics
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field, replace
@@ -36,6 +39,7 @@ from typing import Callable, Hashable, Iterator
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from pipelines.processes import worker_context, worker_started
 from pipelines.shards import ShardReader
@@ -217,12 +221,6 @@ def profile_kernels(make: Callable[[], Loader], batches: int, warmup: int, devic
         wall_ms, the wall time per batch, and on a CUDA device `device_work`'s figures of the trace (on
         a CPU nothing else is recorded). `trace`: where the Chrome trace is also written, gzipped.
     """
-    import gzip
-    import json
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
     cuda = torch.device(device).type == "cuda"
     loader = make()
     it = _endless(loader)
