@@ -17,8 +17,9 @@ within the slot. The loader comes last by default: its torchvision baseline's 16
 started after 110 s on the H200 (27 Nov, each importing torchvision and timm in turn; the fork server
 now preloads them, `pipelines.processes`, not yet run there again).
 
-- **views** — the GPU graph with relicv2's 6 views against its first large crop alone, and two
-  ablations of the 6 views: crops only (no colour, blur, solarize) and without blur;
+- **views** — the GPU graph with relicv2's 6 views against its first large crop alone, two
+  ablations of the 6 views (crops only: no colour, blur, solarize; without blur), and the 6 views
+  with their GPU operators concurrent, each on its own stream (`LoaderSpec.parallel_gpu_ops`);
 - **train** — ResNet-50 `relicv2` at 224/96, bf16, channels-last: `bench.train.time_steps` with the
   DALI GPU loader against the same steps fed one batch already on the device (the data stall);
 - **tests** — the `gpu` tests (but those of **known** when it runs too; `--tests all`: the whole
@@ -84,7 +85,7 @@ KNOWN_FAILURES = (
 # Seconds each section takes on one H100 with 16 cores, for the budget and the sections' time limits
 # (measured on an H200 on 27 Nov 2026: known 75, views 61, decoder 54, profile 15, train 40, tests 186 in
 # 4 processes; the loader's estimate is from its sizes: its torchvision baseline has not run there yet).
-ESTIMATE_S = {"known": 75, "loader": 100, "views": 60, "decoder": 55, "profile": 15, "train": 40, "tests": 150}
+ESTIMATE_S = {"known": 75, "loader": 100, "views": 75, "decoder": 55, "profile": 15, "train": 40, "tests": 150}
 LIMIT_X = 2            # a section still running at LIMIT_X times its estimate is stopped (`time_limit`)
 HW_LOADS = (0.65, 0.85, 1.0)     # the decoder section's shares of hardware-decoded JPEGs (0.65: DALI's default)
 
@@ -170,37 +171,42 @@ def _view_recipes(a: argparse.Namespace) -> tuple[Recipe, Recipe]:
     return six, Recipe("relicv2-1view", (six.groups[0],))
 
 
-def _make_gpu_loader(a: argparse.Namespace, recipe: Recipe, epoch: int, hw_load: float = DecoderHints.hw_load):
+def _make_gpu_loader(a: argparse.Namespace, recipe: Recipe, epoch: int, hw_load: float = DecoderHints.hw_load,
+                     parallel: bool = False):
     """The DALI loader of `recipe` on the bench's ImageNet-like JPEGs (the loader section's data), its
-    decoder sending `hw_load` of the JPEGs to the hardware decoder."""
+    decoder sending `hw_load` of the JPEGs to the hardware decoder, its GPU operators concurrent or not
+    (`LoaderSpec.parallel_gpu_ops`)."""
     root, name = prepare("imagenet-like", Path(a.work) / "bench-data", a.n, a.quick, a.cores)
     loader = build_loader("dali", LoaderSpec(root=str(root), dataset=name, split="train", recipe=recipe,
                                              batch_size=a.batch_size, device=a.device, num_workers=a.cores,
-                                             decoder=DecoderHints(hw_load=hw_load)))
+                                             decoder=DecoderHints(hw_load=hw_load), parallel_gpu_ops=parallel))
     loader.set_epoch(epoch)
     return loader
 
 
 def run_views(a: argparse.Namespace) -> dict:
     """Steady-state images/s of the GPU graph with relicv2's 6 views, with its first large crop alone,
-    and with the 6 views' crops only and without blur, timed in rounds."""
+    with the 6 views' crops only and without blur, and with the 6 views' GPU operators concurrent
+    (`LoaderSpec.parallel_gpu_ops`: "relicv2-parallel"), timed in rounds."""
     six, one = _view_recipes(a)
-    recipes = (six, one, crops_only(six), without_blur(six))
+    cells = {r.name: (r, False) for r in (six, one, crops_only(six), without_blur(six))}
+    cells["relicv2-parallel"] = (six, True)
 
-    def cell(recipe: Recipe):
-        return lambda rnd: {"img_per_s": list(time_loader(lambda e: _make_gpu_loader(a, recipe, rnd + e), a.batches,
-                                                          3, 1, a.device).img_per_s)}
+    def cell(recipe: Recipe, parallel: bool):
+        return lambda rnd: {"img_per_s": list(time_loader(lambda e: _make_gpu_loader(a, recipe, rnd + e,
+                                                                                     parallel=parallel),
+                                                          a.batches, 3, 1, a.device).img_per_s)}
 
-    timed = in_rounds(a.repeats, {r.name: cell(r) for r in recipes})
+    timed = in_rounds(a.repeats, {name: cell(*c) for name, c in cells.items()})
     out: dict = {"batch_size": a.batch_size}
-    for recipe in recipes:
-        cell_ = timed[recipe.name]
+    for name, (recipe, _) in cells.items():
+        cell_ = timed[name]
         if not cell_.ok:
-            raise RuntimeError(f"{recipe.name}: {cell_.error}")
+            raise RuntimeError(f"{name}: {cell_.error}")
         runs = cell_.runs["img_per_s"]
         rate = loader_bench.spread(runs)["img_per_s"]                  # the median over the rounds
-        out[recipe.name] = {"views": views_per_sample(recipe), "runs": runs, "img_per_s": rate,
-                            "views_per_s": rate * views_per_sample(recipe)}
+        out[name] = {"views": views_per_sample(recipe), "runs": runs, "img_per_s": rate,
+                     "views_per_s": rate * views_per_sample(recipe)}
     out["cost_6_vs_1"] = out["relicv2-1view"]["img_per_s"] / out["relicv2"]["img_per_s"]
     return out
 
@@ -271,7 +277,8 @@ def table(report: dict) -> str:
         lines += [f"GPU graph, batch {v['batch_size']}: 6 views (relicv2) {v['relicv2']['img_per_s']:,.0f} img/s, "
                   f"1 view {v['relicv2-1view']['img_per_s']:,.0f} img/s: "
                   f"6 views cost {v['cost_6_vs_1']:.2f}× one view; 6 views, crops only "
-                  f"{v['relicv2-crops']['img_per_s']:,.0f} img/s, without blur {v['relicv2-noblur']['img_per_s']:,.0f}"]
+                  f"{v['relicv2-crops']['img_per_s']:,.0f} img/s, without blur {v['relicv2-noblur']['img_per_s']:,.0f}, "
+                  f"with concurrent GPU operators {v['relicv2-parallel']['img_per_s']:,.0f}"]
     d = report.get("decoder")
     if d and "error" not in d:
         lines += ["", f"GPU graph, batch {d['batch_size']}, by the share of JPEGs sent to the hardware decoder:"]

@@ -482,3 +482,25 @@ def test_a_batch_made_ahead_is_dropped_when_the_position_jumps(shards) -> None:
     loader.set_epoch(4)                             # the ahead batch is epoch 1's first
     jumped = [b.index for b in loader]
     assert all(torch.equal(a, b) for a, b in zip(jumped, fresh(4), strict=True))
+
+
+def test_parallel_gpu_ops_ask_dali_for_concurrent_operators_and_change_no_batch(shards, device) -> None:
+    """`parallel_gpu_ops` defines the graph with DALI's full operator concurrency and a stream per
+    operator (checked on a graph defined for a GPU without one), and the batches are the same as
+    without it, on every graph this machine runs."""
+    from nvidia.dali.pipeline import OperatorConcurrency, StreamPolicy
+
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=RELIC, batch_size=8, seed=7, device=device,
+                      mix=MixSpec("sdmp", sdmp_mixers=("cutmix",)))
+    spec = replace(spec, recipe=with_mix_source(RELIC, spec.mix))
+    on, _ = dali_backend.define_pipeline(replace(spec, device="cuda", parallel_gpu_ops=True), True, MEAN, STD, None)
+    off, _ = dali_backend.define_pipeline(replace(spec, device="cuda"), True, MEAN, STD, None)
+    assert (on.concurrency, on.stream_policy) == (OperatorConcurrency.FULL, StreamPolicy.PER_OPERATOR)
+    assert (off.concurrency, off.stream_policy) == (None, None)                  # DALI's defaults
+    plain = list(on_host(dali_backend.DaliLoader(spec, shards), device))
+    parallel = list(on_host(dali_backend.DaliLoader(replace(spec, parallel_gpu_ops=True), shards), device))
+    assert len(plain) == len(parallel) == N // 8
+    for a, b in zip(plain, parallel):
+        for x, y in zip((a.global_views, a.local_views, a.mixed, a.mix_lam, a.index),
+                        (b.global_views, b.local_views, b.mixed, b.mix_lam, b.index)):
+            assert torch.equal(x, y)
