@@ -30,8 +30,9 @@ now preloads them, `pipelines.processes`, not yet run there again).
   loader's first batch and the CPU per batch of the thread that takes the batches apart;
 - **decoder** (when named) — the 6 views and 1 view with each share of the JPEGs sent to the hardware
   decoder in `HW_LOADS` (the rest on nvJPEG's hybrid path: the CPU's threads and CUDA cores);
-- **profile** (when named) — the device's work per steady-state batch of the GPU graph, 6 views and 1
-  view (`bench.timing.profile_kernels`: every kernel and copy the process launched, DALI's included):
+- **profile** (when named) — the device's work per steady-state batch of the GPU graph, 6 views (with
+  and without concurrent GPU operators) and 1 view (`bench.timing.profile_kernels`: every kernel and
+  copy the process launched, DALI's included):
   the device busy against the batch's wall time, launches per batch, the kernels that take the most;
 - **known** (when named) — the 7 `gpu` tests that failed on the first GPU run (docs/benchmarks.md, 26
   Nov 2026; they have passed since): ResizeMix and CutMix on the GPU graph, relicv2 with saliency
@@ -85,7 +86,7 @@ KNOWN_FAILURES = (
 # Seconds each section takes on one H100 with 16 cores, for the budget and the sections' time limits
 # (measured on an H200 on 27 Nov 2026: known 75, views 61, decoder 54, profile 15, train 40, tests 186 in
 # 4 processes; the loader's estimate is from its sizes: its torchvision baseline has not run there yet).
-ESTIMATE_S = {"known": 75, "loader": 100, "views": 75, "decoder": 55, "profile": 15, "train": 40, "tests": 150}
+ESTIMATE_S = {"known": 75, "loader": 100, "views": 75, "decoder": 55, "profile": 25, "train": 40, "tests": 150}
 LIMIT_X = 2            # a section still running at LIMIT_X times its estimate is stopped (`time_limit`)
 HW_LOADS = (0.65, 0.85, 1.0)     # the decoder section's shares of hardware-decoded JPEGs (0.65: DALI's default)
 
@@ -229,12 +230,14 @@ def run_decoder(a: argparse.Namespace) -> dict:
 
 
 def run_profile(a: argparse.Namespace) -> dict:
-    """The device's work per steady-state batch of the GPU graph, relicv2's 6 views and 1 view
-    (`profile_kernels`; the Chrome traces, gzipped, beside the report)."""
+    """The device's work per steady-state batch of the GPU graph: relicv2's 6 views, the same with its
+    GPU operators concurrent ("relicv2-parallel"), and 1 view (`profile_kernels`; the Chrome traces,
+    gzipped, beside the report)."""
+    six, one = _view_recipes(a)
     out: dict = {"batch_size": a.batch_size}
-    for recipe in _view_recipes(a):
-        out[recipe.name] = profile_kernels(lambda: _make_gpu_loader(a, recipe, 0), max(4, a.batches // 2), 3,
-                                           a.device, trace=Path(a.out) / f"trace-{recipe.name}.json.gz")
+    for name, recipe, parallel in (("relicv2", six, False), ("relicv2-parallel", six, True), (one.name, one, False)):
+        out[name] = profile_kernels(lambda: _make_gpu_loader(a, recipe, 0, parallel=parallel), max(4, a.batches // 2),
+                                    3, a.device, trace=Path(a.out) / f"trace-{name}.json.gz")
     return out
 
 
