@@ -478,7 +478,7 @@ def test_a_batch_made_ahead_is_dropped_when_the_position_jumps(shards) -> None:
     loader.load_state_dict(state)
     resumed = [b.index for b in loader]
     assert len(resumed) == len(loader) - 1
-    assert all(torch.equal(a, b) for a, b in zip(resumed, fresh(state=state)))
+    assert all(torch.equal(a, b) for a, b in zip(resumed, fresh(state=state), strict=True))
     loader.set_epoch(4)                             # the ahead batch is epoch 1's first
     jumped = [b.index for b in loader]
     assert all(torch.equal(a, b) for a, b in zip(jumped, fresh(4), strict=True))
