@@ -280,7 +280,8 @@ def table(report: dict) -> str:
         lines += [f"GPU graph, batch {v['batch_size']}: 6 views (relicv2) {v['relicv2']['img_per_s']:,.0f} img/s, "
                   f"1 view {v['relicv2-1view']['img_per_s']:,.0f} img/s: "
                   f"6 views cost {v['cost_6_vs_1']:.2f}× one view; 6 views, crops only "
-                  f"{v['relicv2-crops']['img_per_s']:,.0f} img/s, without blur {v['relicv2-noblur']['img_per_s']:,.0f}, "
+                  f"{v['relicv2-crops']['img_per_s']:,.0f} img/s, "
+                  f"without blur {v['relicv2-noblur']['img_per_s']:,.0f}, "
                   f"with concurrent GPU operators {v['relicv2-parallel']['img_per_s']:,.0f}"]
     d = report.get("decoder")
     if d and "error" not in d:

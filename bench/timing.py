@@ -185,7 +185,7 @@ def device_work(events: list[dict], batches: int, top: int = 15) -> dict:
     for e in work:
         by_name.setdefault(e["name"], []).append(e["dur"])
     rows = sorted(((sum(d), len(d), n) for n, d in by_name.items()), reverse=True)
-    launches = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "aunch" in e.get("name", "")]
+    launches = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "Launch" in e.get("name", "")]
     return {"busy_ms": busy / 1000 / batches, "kernel_ms": sum(e["dur"] for e in work) / 1000 / batches,
             "kernels": sum(e.get("cat") == "kernel" for e in work) / batches,
             "launching_threads": len({e.get("tid") for e in launches}),

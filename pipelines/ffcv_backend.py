@@ -78,10 +78,11 @@ def python_stages() -> Iterator[None]:
     """Build an FFCV `Loader` whose pipeline stages stay Python functions.
 
     FFCV compiles each operation's code and its file reader with numba for every `Loader` (1.5-1.8
-    CPU-s on 2 cores, 3.3-3.7 s for a process's first), paid by every process and every loader (a run's train and evaluation
-    loaders, each rank, each test). Here every operation does its per-batch work in code compiled
-    once: the decoder in `ffcv_decode.decode_rows` (numba's on-disk cache), the scalar fields in numpy
-    (`Scalars`), the masks in libffcv's memcpy (FFCV's own `BytesDecoder`, a call per sample).
+    CPU-s on 2 cores, 3.3-3.7 s for a process's first), paid by every process and every loader (a
+    run's train and evaluation loaders, each rank, each test). Here every operation does its
+    per-batch work in code compiled once: the decoder in `ffcv_decode.decode_rows` (numba's on-disk
+    cache), the scalar fields in numpy (`Scalars`), the masks in libffcv's memcpy (FFCV's own
+    `BytesDecoder`, a call per sample).
     FFCV's switch is global, so it is set only while the `Loader` is built (where FFCV compiles).
     """
     was = Compiler.is_enabled

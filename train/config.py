@@ -28,7 +28,7 @@ import yaml
 from pipelines.loader import Backend
 from pipelines.mixing import MixSpec
 from pipelines.schema import DatasetError, Manifest, read_manifest
-from pipelines.spec import DecoderHints
+from pipelines.spec import DecoderHints, LoaderSpec
 from pipelines.views import Recipe, dataset_sizes
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class DataConfig:
     max_batch_per_gpu: int = 0      # the largest per-process batch the preset says fits one GPU; 0: no limit
     hw_decoder_load: float = DecoderHints.hw_load   # DALI on a GPU: share of the JPEGs for the hardware decoder
     decode_size_hint_px: int = 0    # DALI on a GPU: image side the decoder preallocates for; 0: none
-    parallel_gpu_ops: bool = False  # DALI: independent GPU operators at once, each on its own stream
+    parallel_gpu_ops: bool = LoaderSpec.parallel_gpu_ops   # DALI: independent GPU operators at once, own streams
     num_workers: int = 2            # decoding/augmentation workers per rank
     num_classes: int = 10           # classes, for kNN / linear-probe evaluation; 0: an unlabelled dataset
     mix: MixSpec = field(default_factory=MixSpec)   # intra-batch mixes: pipelines.mixing.MixSpec's fields
