@@ -35,6 +35,7 @@ def fill_in_a_new_process() -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_second_process_loads_the_typed_dict_helpers_from_the_cache() -> None:
     first = fill_in_a_new_process()                  # compiles, or loads what an earlier run cached
     second = fill_in_a_new_process()
@@ -77,6 +78,7 @@ def loaders_in_a_new_process(root: Path) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("ffcv") is None, reason="ffcv not installed")
 def test_ffcv_loaders_compile_nothing_per_loader_and_their_decoder_comes_from_the_cache(tiny_data_root) -> None:
     """A second FFCV loader of another recipe compiles nothing (FFCV compiled every loader's

@@ -121,7 +121,8 @@ time.sleep(120)
 """
 
 
-@pytest.mark.parametrize("kind", ["pool", "library", "exec", "server", "dali-server", "unguarded"])
+@pytest.mark.parametrize("kind", ["pool", "library", "exec", pytest.param("server", marks=pytest.mark.slow),
+                                  pytest.param("dali-server", marks=pytest.mark.slow), "unguarded"])
 def test_children_end_when_their_parent_is_killed(kind, tiny_data_root) -> None:
     parent = start(["-c", PARENT, kind, str(tiny_data_root)])
     expected = int(parent.stdout.readline())
@@ -242,6 +243,7 @@ def test_loader_workers_come_from_the_fork_server_in_a_process_holding_cuda(back
         assert torch.equal(a.index, b.index) and torch.equal(a.global_views, b.global_views)
 
 
+@pytest.mark.slow
 def test_a_fork_server_s_workers_find_the_heavy_libraries_already_imported() -> None:
     """The fork server imports what every worker needs once, when it starts (rule 3), so that no worker
     imports torchvision or timm itself: the process starting the workers waits for each one's imports
