@@ -35,7 +35,7 @@ from pipelines.augment import blur_sigma_px
 from pipelines.batch import Batch, make_batch
 from pipelines.loader import build_loader
 from pipelines.processes import before_fork
-from pipelines.shards import ShardReader, scan_shards
+from pipelines.shards import ShardReader
 from pipelines.spec import DatasetInfo, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import Recipe, ViewGroup
 
@@ -154,7 +154,7 @@ def image_folder(spec: LoaderSpec, info: DatasetInfo, work: Path) -> Path:
     if done.exists() and done.read_text() == str(info.count):
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    reader = ShardReader(scan_shards(info.dir / spec.split, info.count))
+    reader = ShardReader.open(info.dir / spec.split, info.count)
     for i in range(len(reader)):
         data = reader.image(i)
         suffix = ".jpg" if data[:2] == JPEG_MAGIC else ".png"
@@ -212,7 +212,7 @@ class SPDLLoader:
 
         self.spec, self.info = spec, info
         self.order = EpochOrder(spec, info.count)
-        reader = ShardReader(scan_shards(info.dir / spec.split, info.count))
+        reader = ShardReader.open(info.dir / spec.split, info.count)
         self.dataset = _Decoded(reader, spec.recipe, info.reads_masks(spec.recipe))
         self.device = torch.device(spec.device)
 

@@ -37,6 +37,7 @@ import os
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Iterator
 
 import numpy as np
@@ -51,7 +52,7 @@ from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers
 from pipelines.dali_graph import NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs
 from pipelines.processes import before_fork, end_with_creator, fork_server
-from pipelines.shards import ShardReader, image_size, scan_shards
+from pipelines.shards import ShardReader, image_size
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import FIELDS
 
@@ -122,17 +123,24 @@ class BatchSource:
     loader position `start`, read and drawn (module docstring), as the numpy arrays of
     `source_outputs`."""
 
-    def __init__(self, spec: LoaderSpec, reader: ShardReader, labels: np.ndarray, usable: torch.Tensor,
-                 masks: bool, gpu: bool, start: tuple[int, int], first_iteration: int = 0) -> None:
-        self.spec, self.reader, self.labels, self.usable, self.masks = spec, reader, labels, usable, masks
-        self.gpu, self.order = gpu, EpochOrder(spec, len(labels))
+    def __init__(self, spec: LoaderSpec, reader: ShardReader, masks: bool, gpu: bool, start: tuple[int, int],
+                 first_iteration: int = 0) -> None:
+        self.spec, self.reader, self.masks = spec, reader, masks
+        self.gpu, self.order = gpu, EpochOrder(spec, len(reader))
         self.start, self.first_iteration = start, first_iteration
         self.groups = [members for name, _, _, members in source_outputs(spec, masks, gpu) if name.startswith("group/")]
         self._indices: tuple[int, np.ndarray] | None = None      # the last epoch's order, cached
         self._pid = os.getpid()                                    # the process that made it
 
+    @cached_property
+    def usable(self) -> torch.Tensor:
+        """(N,) bool: the records whose mask background removal may use (`augment.saliency_usable`),
+        made where the source runs (a worker is sent the reader, not N flags)."""
+        return saliency_usable(torch.from_numpy(self.reader.coverage))
+
     def __reduce__(self):
-        return _received, ({**self.__dict__, "_indices": None, "_pid": None}, os.getpid())
+        state = {k: v for k, v in self.__dict__.items() if k != "usable"}
+        return _received, ({**state, "_indices": None, "_pid": None}, os.getpid())
 
     def position(self, iteration: int) -> tuple[int, int]:
         """(epoch, batch number) of the pipeline's iteration `iteration` (`EpochOrder.schedule`'s order)."""
@@ -161,7 +169,7 @@ class BatchSource:
         for names in self.groups:
             a = [draws.inputs[n] for n in names]
             fed.append(np.stack(a, 1) if len(a) > 1 else a[0])                             # (B, n, ...)
-        ids = [index[:, None].astype(np.int64), self.labels[index][:, None]]
+        ids = [index[:, None].astype(np.int64), self.reader.labels[index][:, None]]
         if draws.mix is None:
             return fed + [np.concatenate(ids, 1)]
         ids.append(draws.mix.partner.T.numpy().astype(np.int64))                          # (B, V)
@@ -206,9 +214,7 @@ class DaliLoader(EpochLoader):
 
     def __init__(self, spec: LoaderSpec, info: DatasetInfo, *, debug: bool = False, gpu_branches: bool = False) -> None:
         self.spec, self.info, self.debug, self.gpu_branches = spec, info, debug, gpu_branches
-        self.reader = ShardReader(scan_shards(info.dir / spec.split, info.count))
-        self.labels = self.reader.labels
-        self.usable = saliency_usable(torch.from_numpy(self.reader.coverage))
+        self.reader = ShardReader.open(info.dir / spec.split, info.count)
         self.masks = info.reads_masks(spec.recipe)
         self.order = EpochOrder(spec, info.count)
         self.draws_in_graph = spec.mix.kind == "dacl" and "binary" in spec.mix.dacl_noises   # a DALI checkpoint matters
@@ -267,7 +273,7 @@ class DaliLoader(EpochLoader):
         ckpt, self._dali_state = (self._dali_state if self.draws_in_graph else None), None
         self._iteration = ckpt[1] if ckpt else 0
         self._pipe = None                    # the old pipeline (and its workers) end before new ones start
-        self._source = BatchSource(s, self.reader, self.labels, self.usable, self.masks,
+        self._source = BatchSource(s, self.reader, self.masks,
                                    s.device.startswith("cuda") or self.gpu_branches, self._position(), self._iteration)
         method = worker_start_method()
         if method == "fork":

@@ -9,6 +9,8 @@ Layout of one dataset, `<root>/<dataset>/`:
     <split>.beton                  FFCV file: fields FFCV_FIELDS, in that order
     <split>/shard-NNNNNN.tar       DALI webdataset shards, members `<key>.<ext>` for ext in DALI_EXT
     <split>/shard-NNNNNN.idx       DALI index file of the shard (`wds2idx` format)
+    <split>/records.npy            the split's record table, (N, 8) int64 (`shards.TABLE_COLUMNS`), so
+                                   that a reader maps it instead of reading every `.rec` member
     gt_masks/<split>.npy           synthetic only: exact foreground masks (N, H, W) uint8 {0, 255},
                                    kept for saliency evaluation, never read by training
 
@@ -49,6 +51,7 @@ DALI_LABEL_EXT = "cls"      # ASCII decimal label, the webdataset convention (fo
 DALI_RECORD_EXT = "rec"     # little-endian int64 [label, index, coverage in parts per million or -1]
 DALI_MASK_EXT = "mask.png"  # grayscale PNG, present only once masks exist
 SHARD_PATTERN = "shard-{:06d}.tar"
+RECORDS_NAME = "records.npy"
 INDEX_PATTERN = "shard-{:06d}.idx"
 
 # Image encoding policy.

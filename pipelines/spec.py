@@ -158,12 +158,18 @@ class EpochOrder:
 
     def __init__(self, spec: LoaderSpec, count: int) -> None:
         self.spec = spec
-        self.records = np.arange(count)                  # the dataset indices read, in index order
-        if 0 < spec.limit < count:
-            self.records = np.arange(spec.limit) * count // spec.limit
-        self.count = len(self.records)
+        self.split_count = count                         # records in the split
+        self.count = spec.limit if 0 < spec.limit < count else count     # records read
         self.epoch = 0
         self.batches_done = 0          # batches of `epoch` already handed out
+
+    @property
+    def records(self) -> np.ndarray:
+        """(count,) int64 dataset indices read, in index order (made when asked: an order sent to a
+        worker process is a few numbers whatever the split's size)."""
+        if self.count < self.split_count:
+            return np.arange(self.count) * self.split_count // self.count
+        return np.arange(self.count)
 
     def __len__(self) -> int:
         s = self.spec

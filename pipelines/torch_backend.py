@@ -22,7 +22,7 @@ from torch import Tensor
 from pipelines.augment import render_views
 from pipelines.batch import Batch, make_batch
 from pipelines.processes import worker_context, worker_started
-from pipelines.shards import ShardReader, scan_shards
+from pipelines.shards import ShardReader
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec
 
 
@@ -80,7 +80,7 @@ class TorchLoader(EpochLoader):
     def __init__(self, spec: LoaderSpec, info: DatasetInfo) -> None:
         self.spec = spec
         self.order = EpochOrder(spec, info.count)
-        self.batches = _BatchReader(spec, info, ShardReader(scan_shards(info.dir / spec.split, info.count)))
+        self.batches = _BatchReader(spec, info, ShardReader.open(info.dir / spec.split, info.count))
         self._ahead: Iterator[Batch] | None = None     # batches read ahead from position `_ahead_at`
         self._ahead_at: tuple[int, int] | None = None
 

@@ -37,7 +37,7 @@ from torch import Tensor
 from pipelines.augment import SALIENCY_MIN_COVERAGE, blur_sigma_px
 from pipelines.batch import Batch, make_batch
 from pipelines.processes import before_fork, worker_context, worker_started
-from pipelines.shards import ShardReader, scan_shards
+from pipelines.shards import ShardReader
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import Recipe, ViewGroup
 
@@ -174,7 +174,7 @@ class TorchvisionLoader(EpochLoader):
     def __init__(self, spec: LoaderSpec, info: DatasetInfo) -> None:
         self.spec, self.info = spec, info
         self.order = EpochOrder(spec, info.count)
-        reader = ShardReader(scan_shards(info.dir / spec.split, info.count))
+        reader = ShardReader.open(info.dir / spec.split, info.count)
         masks = info.reads_masks(spec.recipe)
         self.device = torch.device(spec.device)
         self.loader = torch.utils.data.DataLoader(

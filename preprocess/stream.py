@@ -15,6 +15,7 @@ process plus the listing.
                                                     were skipped)
         <split>/shard-NNNNNN.tar|.idx               the dataset's shards: the parts under their final
                                                     indices (hard links; copies renumbered after a skip)
+        <split>/records.npy                         the split's record table, for the loaders
         <split>.beton                               written from those shards, nothing decoded
 
 Resuming: a run with the same plan (source, size policy, shard size, file listing) keeps every unit
@@ -45,7 +46,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pipelines import schema
-from pipelines.shards import ShardReader, ShardRecord
+from pipelines.shards import ShardReader, ShardRecord, write_record_table
 from pipelines.processes import fork_context
 from preprocess import imagefolder
 from preprocess.records import Record, mean_std, pixel_sums
@@ -392,6 +393,7 @@ def _assemble(split: str, results: list[dict], staging: Path, parts: Path, known
             sizes.append((h, w))
         number += 1
         first += len(r["records"])
+    write_record_table(out, records)
     return ShardSplit(ShardReader(records), np.array(sizes, dtype=np.int64).reshape(-1, 2))
 
 

@@ -5,7 +5,8 @@ order, `<key>.jpg` (mode "jpg", JPEG at `split.jpeg_quality`) or `<key>.png` (mo
 `<key>.cls` (ASCII label), `<key>.rec` (little-endian int64 [label, index, coverage ppm or -1]) and,
 when the split has masks, `<key>.mask.png`; and `out_dir/shard-NNNNNN.idx`, the `wds2idx` v1.2 index
 that `fn.readers.webdataset(index_paths=...)` reads. The index is written from the offsets known while
-writing the tar, so no second pass over the archive is needed.
+writing the tar, so no second pass over the archive is needed. Last, the split's record table
+(`out_dir/records.npy`, `pipelines.shards.write_record_table`), which the loaders map.
 
 `ShardWriter` is the one writer of a shard (used by `write_dali` for in-memory splits and by the
 streamed image-folder writer, `preprocess/stream.py`); `renumber_shard` copies a shard under new
@@ -27,15 +28,9 @@ from tqdm import tqdm
 
 from pipelines import schema
 from pipelines.processes import fork_context
+from pipelines.shards import coverage_ppm, scan_shards, write_record_table
 from preprocess.records import PreparedSplit, Record, check_record, mask_coverage
 
-
-
-def _coverage_ppm(coverage: float) -> int:
-    """A `mask_coverage` fraction in parts per million, -1 for `schema.NO_MASK_COVERAGE`."""
-    if coverage == schema.NO_MASK_COVERAGE:
-        return -1
-    return int(round(coverage * 1_000_000))
 
 
 def encode_image(image: np.ndarray, mode: str, quality: int) -> tuple[str, bytes]:
@@ -62,7 +57,7 @@ def record_members(rec: Record, mode: str, jpeg_quality: int) -> list[tuple[str,
     unless the record carries its JPEG bytes."""
     key = schema.record_key(rec.index)
     ext, data = ("jpg", rec.encoded) if rec.encoded is not None else encode_image(rec.image, mode, jpeg_quality)
-    rec_bytes = np.array([rec.label, rec.index, _coverage_ppm(mask_coverage(rec.mask))], dtype="<i8").tobytes()
+    rec_bytes = np.array([rec.label, rec.index, coverage_ppm(mask_coverage(rec.mask))], dtype="<i8").tobytes()
     members = [
         (f"{key}.{schema.DALI_LABEL_EXT}", str(int(rec.label)).encode("ascii")),
         (f"{key}.{ext}", data),
@@ -217,4 +212,5 @@ def write_dali(split: PreparedSplit, out_dir: Path, *, shard_size: int = 1000, n
                     bar.update(b - a)
     finally:
         bar.close()
+    write_record_table(out_dir, scan_shards(out_dir, n))       # the readers' table of the split's records
     return paths

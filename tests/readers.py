@@ -167,3 +167,16 @@ def read_dali_records(dataset_dir: str | Path, split: str, *, rank: int = 0, wor
     schema.read_manifest(dataset_dir)
     yield from read_shards(dataset_dir / split, rank=rank, world_size=world_size, batch_size=batch_size,
                            shuffle=shuffle, seed=seed)
+
+
+def assert_table_is_the_scan(split_dir: str | Path, count: int) -> None:
+    """The record table a writer saved (`schema.RECORDS_NAME`) holds what a scan of the split's shards
+    reads: every column, and the same bytes for each record's image and mask."""
+    from pipelines.shards import ShardReader, scan_shards
+
+    mapped, scanned = ShardReader.open(Path(split_dir), count), ShardReader(scan_shards(Path(split_dir), count))
+    assert mapped.table_path == str(Path(split_dir) / schema.RECORDS_NAME)
+    for column in ("labels", "indices", "coverage"):
+        assert np.array_equal(getattr(mapped, column), getattr(scanned, column)), column
+    for i in range(count):
+        assert mapped.image(i) == scanned.image(i) and mapped.mask(i) == scanned.mask(i), i

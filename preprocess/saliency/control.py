@@ -22,7 +22,7 @@ import numpy as np
 from PIL import Image
 
 from pipelines import schema
-from pipelines.shards import ShardReader, scan_shards
+from pipelines.shards import ShardReader
 from preprocess.prepare import PreprocessError, remove_quietly
 from preprocess.saliency.write import write_masks
 
@@ -51,7 +51,7 @@ def write_control(dataset_dir: Path, name: str | None = None, *, workers: int = 
         raise PreprocessError(f"{dataset_dir} has no masks to match: run `make saliency DATASET={dataset_dir.name}` first")
     out = dataset_dir.with_name(name or f"{dataset_dir.name}-centre")
     remove_quietly(out)
-    readers = {split: ShardReader(scan_shards(dataset_dir / split, n)) for split, n in m.counts.items()}
+    readers = {split: ShardReader.open(dataset_dir / split, n) for split, n in m.counts.items()}
 
     def control(split: str):
         def mask_of(i: int) -> np.ndarray:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from pipelines.shards import ShardReader, scan_shards
+from pipelines.shards import ShardReader
 from preprocess.saliency import handcrafted
 
 TILE = 96
@@ -131,7 +131,7 @@ def photos() -> list[tuple[str, np.ndarray]]:
 
 def grid(dataset_dir: Path, saliency: dict, subset: list[int], gt: np.ndarray | None, nets: dict | None = None,
          rows: int = 6) -> Image.Image:
-    reader = ShardReader(scan_shards(dataset_dir / "train"))
+    reader = ShardReader.open(dataset_dir / "train")
     methods = tuple(saliency["methods"])
     lines = []
     for i in subset[:rows]:

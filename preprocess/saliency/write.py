@@ -25,7 +25,7 @@ import numpy as np
 from PIL import Image
 
 from pipelines import schema
-from pipelines.shards import ShardReader, scan_shards
+from pipelines.shards import ShardReader
 from preprocess.prepare import Hashed, PreprocessError, ffcv_installed, remove_quietly, write_staged
 from preprocess.records import Record
 from preprocess.saliency.handcrafted import resize_map
@@ -53,7 +53,7 @@ class StoredSplit:
     has_masks: bool = True
 
     def __post_init__(self) -> None:
-        self._reader = ShardReader(scan_shards(self.split_dir, self.count))
+        self._reader = ShardReader.open(self.split_dir, self.count)
 
     def __len__(self) -> int:
         return self.count

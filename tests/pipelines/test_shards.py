@@ -1,16 +1,20 @@
 """`shards.image_size` reads the size a decoder will produce from the header alone (the DALI backend
-draws its crop windows from it before anything is decoded)."""
+draws its crop windows from it before anything is decoded). `ShardReader.open` maps a split's record
+table: what a worker process is sent does not grow with the split, a split written before the table
+existed is scanned instead, and a table that does not match its split is a one-line error."""
 
 from __future__ import annotations
 
 import io
+import pickle
+import shutil
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from pipelines import schema
-from pipelines.shards import image_size
+from pipelines.shards import ShardReader, image_size, scan_shards
 
 
 def encoded(h: int, w: int, fmt: str, **save) -> bytes:
@@ -40,3 +44,36 @@ def test_header_size_is_the_decoded_size(h: int, w: int, fmt: str, save: dict) -
 def test_bytes_without_a_frame_header_are_a_dataset_error(data: bytes) -> None:
     with pytest.raises(schema.DatasetError, match="re-run `python -m preprocess`"):
         image_size(data)
+
+
+def test_a_reader_sent_to_a_worker_carries_its_table_s_path_not_its_records(tiny_data_root, tmp_path) -> None:
+    ds = tiny_data_root / "synthetic"
+    sent = {split: pickle.dumps(ShardReader.open(ds / split, n)) for split, n in (("train", 64), ("val", 32))}
+    assert len(sent["train"]) < 300                                   # 64 and 32 records: the same few bytes
+    assert len(sent["train"]) - len(sent["val"]) == len("train") - len("val")   # but for the path's name
+    received = pickle.loads(sent["train"])
+    assert [received.image(i) for i in (0, 63)] == [ShardReader.open(ds / "train", 64).image(i) for i in (0, 63)]
+    # A split written before the table existed: scanned, the same records, sent as columns.
+    old = tmp_path / "train"
+    shutil.copytree(ds / "train", old)
+    (old / schema.RECORDS_NAME).unlink()
+    scanned = ShardReader.open(old, 64)
+    assert scanned.table_path is None and np.array_equal(scanned.labels, received.labels)
+    assert np.array_equal(scanned.coverage, received.coverage) and scanned.image(5) == received.image(5)
+    assert len(pickle.dumps(scanned)) > 64 * 64
+
+
+def test_a_table_that_does_not_match_its_split_is_a_one_line_error(tiny_data_root, tmp_path) -> None:
+    split = tmp_path / "train"
+    shutil.copytree(tiny_data_root / "synthetic" / "train", split)
+    with pytest.raises(schema.DatasetError, match=r"holds 64 records, the manifest says 65; re-run"):
+        ShardReader.open(split, 65)
+    table = np.load(split / schema.RECORDS_NAME)
+    np.save(split / schema.RECORDS_NAME, table[::-1])
+    with pytest.raises(schema.DatasetError, match=r"record indices in .* are not 0\.\.63; re-run"):
+        ShardReader.open(split, 64)
+    table[-1, 0] = 7
+    np.save(split / schema.RECORDS_NAME, table)
+    with pytest.raises(schema.DatasetError, match=r"names shard .*shard-000007.tar, which does not exist"):
+        ShardReader.open(split, 64)
+    assert len(scan_shards(split, 64)) == 64                          # the shards themselves are intact

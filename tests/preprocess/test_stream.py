@@ -24,7 +24,7 @@ from preprocess import imagefolder, stream
 from preprocess.prepare import prepare_dataset
 from preprocess.sources import PreprocessError
 from preprocess.write_dali import ShardWriter
-from tests.readers import _Beton
+from tests.readers import _Beton, assert_table_is_the_scan
 
 SHARD = 6                        # files per unit and shard: train (26 files) has 5 units, val (8) has 2
 CAP = 40                         # max side: the 48-px images are re-encoded, the 32-px ones kept
@@ -54,6 +54,7 @@ def _contents(ds: Path) -> dict[str, list[tuple[int, int, bytes]]]:
         ffcv = [(int(beton.meta[schema.LABEL][i]), int(beton.meta[schema.INDEX][i]),
                  beton.bytes_at(beton.meta[schema.IMAGE][i]["data_ptr"]).tobytes()) for i in range(beton.num_samples)]
         assert ffcv == dali, f"{split}: the .beton does not hold the shards' records"
+        assert_table_is_the_scan(ds / split, n)                 # the loaders' record table agrees
         out[split] = dali
     return out
 

@@ -12,7 +12,7 @@ pytest.importorskip("nvidia.dali")
 from pipelines import schema  # noqa: E402
 from preprocess.records import Record  # noqa: E402
 from preprocess.write_dali import write_dali  # noqa: E402
-from tests.readers import read_shards  # noqa: E402
+from tests.readers import assert_table_is_the_scan, read_shards  # noqa: E402
 
 
 @dataclass
@@ -45,6 +45,7 @@ def test_round_trip(tmp_path, mode: str) -> None:
     paths = write_dali(split, out, shard_size=5, num_workers=2)
     assert [p.name for p in paths] == [schema.SHARD_PATTERN.format(s) for s in range(4)]
     assert not list(out.glob(".*"))                              # no temporary file left
+    assert_table_is_the_scan(out, 16)                            # with masks: their offsets and coverage
     seen = {}
     for imgs, labels, idx in _read(out, rank=0, world_size=1, batch_size=4, shuffle=False, seed=0):
         for im, lab, i in zip(imgs, labels, idx):
