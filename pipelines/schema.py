@@ -204,7 +204,9 @@ def write_verified_stamp(dataset_dir: str | os.PathLike, manifest_sha256: str,
     os.replace(tmp, dataset_dir / VERIFIED_NAME)
 
 
-def _read_stamp(dataset_dir: Path, manifest_sha256: str) -> dict[str, list[int]]:
+def read_stamp(dataset_dir: Path, manifest_sha256: str) -> dict[str, list[int]]:
+    """The files the verification stamp says match the manifest whose sha256 is `manifest_sha256`
+    ({} without a stamp for that manifest)."""
     try:
         stamp = json.loads((dataset_dir / VERIFIED_NAME).read_text())
     except (OSError, ValueError):
@@ -244,7 +246,7 @@ def read_manifest(dataset_dir: str | os.PathLike, *, verify: str = "stamp") -> M
     raw = path.read_bytes()
     manifest = Manifest.from_json(raw, path)
     manifest_sha = hashlib.sha256(raw).hexdigest()
-    stamp = _read_stamp(dataset_dir, manifest_sha) if verify == "stamp" else {}
+    stamp = read_stamp(dataset_dir, manifest_sha) if verify == "stamp" else {}
     verified: dict[str, list[int]] = {}
     rehashed = False
     for rel, info in sorted(manifest.files.items()):

@@ -12,7 +12,8 @@ every rank, for every loader; more from a cold disk). So the writers also save t
 table (`write_record_table`, `schema.RECORDS_NAME`: 8 int64 columns a record), and `ShardReader.open`
 maps it instead (11 ms at 200,000 records), and a reader sent to a worker process (a fork server's, a
 spawned one) is sent its path, not its columns (95 bytes instead of 12.8 MB). A dataset written
-before the table existed is scanned as before.
+before the table existed is scanned as before, until `make preprocess` adds its tables
+(`preprocess.prepare.add_record_tables`).
 """
 
 from __future__ import annotations
@@ -183,9 +184,9 @@ class ShardReader:
         if not path.is_file():
             if count is not None and count >= SCAN_NOTE_RECORDS and str(split_dir) not in _NOTED:
                 _NOTED.add(str(split_dir))
-                print(f"{split_dir} has no {schema.RECORDS_NAME} (datasets written since it exists do): reading "
-                      f"its {count:,} records from the shards instead, a minute or two per loader; "
-                      "`make preprocess ARGS=--force` rewrites the dataset with it", file=sys.stderr)
+                print(f"{split_dir} has no {schema.RECORDS_NAME} (written before it existed): reading its "
+                      f"{count:,} records from the shards instead, for every loader; `make preprocess` for this "
+                      "dataset adds it (one scan, nothing else rewritten)", file=sys.stderr)
             return cls(scan_shards(split_dir, count))
         reader = cls.__new__(cls)
         reader._map(str(path))

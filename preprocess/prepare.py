@@ -32,7 +32,7 @@ import struct
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -42,6 +42,7 @@ import numpy as np
 from pipelines import schema
 from pipelines.schema import DatasetError, Manifest
 from pipelines.processes import fork_context
+from pipelines.shards import scan_shards, write_record_table
 from preprocess import stream
 from preprocess.sources import SOURCES, ListedSource, PreparedSource, PreprocessError, Source
 from preprocess.write_dali import write_dali
@@ -86,10 +87,12 @@ def hash_files(root: Path, workers: int = 1, known: dict[str, dict] | None = Non
             for rel, f in files.items()}
 
 
-def write_manifest(staging: Path, manifest: Manifest) -> None:
-    """Write the verification stamp, then manifest.json (temporary name + os.replace), last."""
+def write_manifest(staging: Path, manifest: Manifest, stamp: dict[str, list[int]] | None = None) -> None:
+    """Write the verification stamp (`stamp`; default: every file of a staging folder just hashed),
+    then manifest.json (temporary name + os.replace), last."""
     raw = manifest.to_json()
-    stamp = {rel: schema.file_stat_key(staging / rel) for rel in manifest.files}
+    if stamp is None:
+        stamp = {rel: schema.file_stat_key(staging / rel) for rel in manifest.files}
     schema.write_verified_stamp(staging, hashlib.sha256(raw).hexdigest(), stamp)
     tmp = staging / f".{schema.MANIFEST_NAME}.tmp"
     with open(tmp, "wb") as f:
@@ -217,6 +220,27 @@ def _is_complete(final: Path) -> Manifest | None:
         return None
 
 
+def add_record_tables(final: Path, manifest: Manifest, lock: DatasetLock) -> list[str]:
+    """Give a complete dataset written before the record tables existed the table of each split
+    (`pipelines.shards.write_record_table`, one scan of the split's shards), listed in a new manifest,
+    under the dataset's lock; the files the old manifest's stamp verified stay verified (no re-hash of
+    the shards). Returns the splits that got one."""
+    todo = [s for s in manifest.counts if f"{s}/{schema.RECORDS_NAME}" not in manifest.files
+            and any(rel.startswith(f"{s}/") for rel in manifest.files)]
+    if not todo:
+        return []
+    lock.acquire()
+    stamp = schema.read_stamp(final, hashlib.sha256((final / schema.MANIFEST_NAME).read_bytes()).hexdigest())
+    files = dict(manifest.files)
+    for split in todo:
+        table = write_record_table(final / split, scan_shards(final / split, manifest.counts[split]))
+        rel = table.relative_to(final).as_posix()
+        files[rel] = {"sha256": schema.sha256_file(table), "bytes": table.stat().st_size}
+        stamp[rel] = schema.file_stat_key(table)
+    write_manifest(final, replace(manifest, files=files), stamp)
+    return todo
+
+
 def prepare_dataset(dataset: str, out_root: Path, *, src: Path | None = None, force: bool = False,
                     workers: int | None = None, progress: bool = False, name: str | None = None,
                     shard_size: int = SHARD_SIZE, engine: str | object = "local", **source_params) -> Path:
@@ -315,7 +339,11 @@ def _prepare(job: Job, lock: DatasetLock) -> Path:
     the dataset that is swapped in (`write_staged`)."""
     if not job.force and (done := _is_complete(job.final)) is not None:
         counts = ", ".join(f"{k} {v}" for k, v in done.counts.items())
-        print(f"{job.final} is complete ({counts}); nothing to do (pass --force to rewrite)")
+        if added := add_record_tables(job.final, done, lock):
+            print(f"{job.final} is complete ({counts}); added the record table of {', '.join(added)}, which the "
+                  "loaders read instead of every record of the shards (pass --force to rewrite everything)")
+        else:
+            print(f"{job.final} is complete ({counts}); nothing to do (pass --force to rewrite)")
         return job.final
     started = time.perf_counter()
     _check_writable(job.out_root)

@@ -7,7 +7,9 @@ import importlib.util
 import json
 import os
 import pickle
+import shutil
 import tarfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +74,43 @@ def test_rerun_on_complete_dataset_does_nothing(dataset: Path, capsys) -> None:
     assert prepare_dataset("synthetic", dataset.parent, gt_masks_as_mask=True, **TINY) == dataset
     assert "nothing to do" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in dataset.rglob("*")} == before
+
+
+def test_a_rerun_adds_the_record_tables_a_dataset_written_before_them_lacks(dataset: Path, tmp_path: Path,
+                                                                           monkeypatch, capsys) -> None:
+    """A dataset written before the record tables existed (simulated: tables and their manifest entries
+    removed, its stamp kept): `make preprocess` again writes each split's table, lists it in the manifest
+    and re-hashes nothing else, then or when the dataset is next opened; the loaders map the tables."""
+    from pipelines.shards import ShardReader
+    from tests.readers import assert_table_is_the_scan
+
+    old = tmp_path / "synthetic"
+    shutil.copytree(dataset, old)
+    m = read_manifest(old)
+    tables = {f"{s}/{schema.RECORDS_NAME}" for s in m.counts}
+    assert tables <= set(m.files)                                  # a dataset written now has them
+    for rel in tables:
+        (old / rel).unlink()
+    stamp = {rel: schema.file_stat_key(old / rel) for rel in m.files if rel not in tables}
+    prepare.write_manifest(old, replace(m, files={k: v for k, v in m.files.items() if k not in tables}), stamp)
+    shards_before = {p: p.stat().st_mtime_ns for p in old.rglob("*.tar")}
+
+    hashed: list[str] = []
+    real = schema.sha256_file
+    monkeypatch.setattr(schema, "sha256_file", lambda p, *a: hashed.append(Path(p).relative_to(old).as_posix())
+                        or real(p, *a))
+    assert prepare_dataset("synthetic", tmp_path, gt_masks_as_mask=True, **TINY) == old
+    assert "added the record table of train, val" in capsys.readouterr().out
+    assert sorted(hashed) == sorted(tables)
+    hashed.clear()
+    assert set(read_manifest(old).files) == set(m.files) and hashed == []
+    assert {p: p.stat().st_mtime_ns for p in old.rglob("*.tar")} == shards_before
+    for split, n in m.counts.items():
+        assert_table_is_the_scan(old / split, n)
+        assert ShardReader.open(old / split, n).table_path is not None
+    assert read_manifest(old, verify="full").files == m.files
+    assert prepare_dataset("synthetic", tmp_path, gt_masks_as_mask=True, **TINY) == old
+    assert "nothing to do" in capsys.readouterr().out
 
 
 def _partial_writer(exc: BaseException):
