@@ -17,8 +17,9 @@ something itself (DACL's Binary Mixup masks).
 The training loop's thread only takes finished batches: the reading and drawing never run there, and
 neither do DALI's run (feeding the source's outputs into the pipeline, waiting for the iteration) nor
 the copies into the batch, which a taker thread does for the next batch while the loop trains on this
-one (`DaliLoader._taker`; not where the graph draws something itself: its DALI checkpoint must stay at
-the batch handed out). docs/benchmarks.md has the loop's CPU per batch before and after each step.
+one (`DaliLoader._taker`). Where the graph draws something itself, the taker thread first takes the
+DALI checkpoint of the position handed out, which a state dict then names (the pipeline's own would
+be one batch ahead). docs/benchmarks.md has the loop's CPU per batch before and after each step.
 The workers are forked while CUDA is not
 initialised in the process (a test or a CPU run), and forked by a fork server once it is (a GPU run:
 DALI refuses to fork then; `worker_start_method`); either way they follow `pipelines.processes`' rules.
@@ -226,8 +227,9 @@ class DaliLoader(EpochLoader):
         self._last: tuple[int, int] | None = None    # (epoch, batch number) of the last batch handed out
         self.last_debug: dict[str, np.ndarray] = {}  # debug: the graph's own draws of that batch
         # The next batch, made by the taker thread while the last one is used: (its position, the CUDA
-        # stream of its copies or None, its future).
-        self._ahead: tuple[tuple[int, int], object, Future] | None = None
+        # stream of its copies or None, its future, and where the graph draws itself the future of the
+        # DALI checkpoint taken before that batch was run: the state a state dict names there).
+        self._ahead: tuple[tuple[int, int], object, Future, Future | None] | None = None
         self._taker: ThreadPoolExecutor | None = None
 
     @property
@@ -240,9 +242,16 @@ class DaliLoader(EpochLoader):
 
     def state_dict(self) -> dict:
         dali = self._dali_state
-        if self.draws_in_graph and self._pipe is not None and self._pipe_at == self._position():
-            dali = (self._pipe.checkpoint(), self._iteration)
+        if self.draws_in_graph and self._ahead is not None and self._ahead[0] == self._position():
+            dali = self._ahead[3].result()           # taken before the batch made ahead was run
+        elif self.draws_in_graph and self._pipe is not None and self._pipe_at == self._position():
+            dali = self._checkpoint()
         return {**super().state_dict(), "dali": dali}
+
+    def _checkpoint(self) -> tuple[bytes, int]:
+        """DALI's checkpoint of the pipeline's in-graph draws after the batches it has handed out, and
+        its iteration number."""
+        return self._pipe.checkpoint(), self._iteration
 
     def load_state_dict(self, state: dict) -> None:
         self._drop_ahead()
@@ -295,16 +304,18 @@ class DaliLoader(EpochLoader):
             self._last = self._position()
             o.advance()
             self._pipe_at = self._position()
-            if not self.draws_in_graph:              # the next batch, made while this one is used
-                self._taker = self._taker or ThreadPoolExecutor(1, thread_name_prefix="viewmill-dali-taker")
-                self._ahead = (self._position(), stream, self._taker.submit(self._run, stream))
+            # The next batch, made while this one is used; first, where the graph draws itself, the
+            # checkpoint that names this position (one thread: it is taken before that batch is run).
+            self._taker = self._taker or ThreadPoolExecutor(1, thread_name_prefix="viewmill-dali-taker")
+            ckpt = self._taker.submit(self._checkpoint) if self.draws_in_graph else None
+            self._ahead = (self._position(), stream, self._taker.submit(self._run, stream), ckpt)
             yield batch
 
     def _take(self, stream) -> tuple[Batch, dict]:
         """The batch at the loader's position: the taker thread's when it made that one, else made here
         (the first batch, or after the position jumped: the pipeline is rebuilt)."""
         if self._ahead is not None and self._ahead[0] == self._position():
-            (_, made_on, future), self._ahead = self._ahead, None
+            (_, made_on, future, _), self._ahead = self._ahead, None
             made = future.result()
             if made_on is not None and made_on != stream:
                 stream.wait_stream(made_on)          # copied on another stream (a consumer that changed it)

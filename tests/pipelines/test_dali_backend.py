@@ -515,6 +515,39 @@ def test_a_batch_made_ahead_is_dropped_when_the_position_jumps(shards) -> None:
     assert all(torch.equal(a, b) for a, b in zip(jumped, fresh(4), strict=True))
 
 
+def test_a_graph_that_draws_itself_is_run_ahead_and_resumes_at_the_batch_handed_out(shards, monkeypatch) -> None:
+    """Binary Mixup draws its masks in the graph, so a resume needs DALI's checkpoint: the taker thread
+    runs the next batch too, and a state dict taken after that batch was run (the pipeline's own state
+    then one batch ahead) still names the batch handed out: a loader resumed from it gives the same
+    batches and the same drawn masks as the uninterrupted one."""
+    runs = []
+    real_run = dali_backend.DaliLoader._run
+    monkeypatch.setattr(dali_backend.DaliLoader, "_run",
+                        lambda self, stream: runs.append(threading.get_ident()) or real_run(self, stream))
+    mix = MixSpec("dacl", alpha=0.5, dacl_noises=("binary",))
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=with_mix_source(MIX_RECIPE, mix), batch_size=8,
+                      mix=mix, seed=7)
+
+    def taken(loader, it) -> tuple[torch.Tensor, np.ndarray]:
+        b = next(it)
+        return b.mixed, loader.last_debug["mix/0/binary_mask"]
+
+    loader = dali_backend.DaliLoader(spec, shards, debug=True)
+    assert loader.draws_in_graph
+    it = iter(loader)
+    taken(loader, it)
+    loader._ahead[2].result()                        # batch 1 run: DALI's state is past it now
+    state = loader.state_dict()
+    rest = [taken(loader, it) for _ in range(3)]
+    assert runs[0] == threading.get_ident() and threading.get_ident() not in runs[1:]
+    resumed = dali_backend.DaliLoader(spec, shards, debug=True)
+    resumed.load_state_dict(state)
+    again = iter(resumed)
+    for mixed, mask in rest:
+        b_mixed, b_mask = taken(resumed, again)
+        assert torch.equal(b_mixed, mixed) and np.array_equal(b_mask, mask)
+
+
 def test_parallel_gpu_ops_ask_dali_for_concurrent_operators_and_change_no_batch(shards, device) -> None:
     """`parallel_gpu_ops` defines the graph with DALI's full operator concurrency and a stream per
     operator (checked on a graph defined for a GPU without one), and the batches are the same as
