@@ -21,7 +21,10 @@ Health (computed on the held-out val images, with or without labels):
   over the sphere, 0 for collapsed ones);
 - `alignment`: E ||f(x1)/|f(x1)| - f(x2)/|f(x2)| ||^2 over two BYOL-augmented views of the same image
   (Wang & Isola, arXiv:2005.10242v10, Eq. 4 with alpha = 2): 0 for views the network cannot tell
-  apart, 4 at most. The views are the `byol` recipe's for every method, so the figure compares.
+  apart, 4 at most. The views are the `byol` recipe's for every method, so the figure compares. It is
+  the mean over at most `ALIGNMENT_CAP` val images, evenly spread (two forward passes an image: on
+  the demo's 2,000 val images the whole split made alignment half of an evaluation's passes; the same
+  images and the same draws at every evaluation of a run, so its evaluations compare pair for pair).
 
 Scale: every rank extracts the features of its shard of each split (`plain` views, index order). The
 train features are gathered to every rank; each rank then scores kNN and the probe on its own val
@@ -61,6 +64,7 @@ from train.setup import (build_online, channels_last, check_dataset, check_same_
                          resolve_backend, select_device)
 
 EVAL_CAP = {"train": 100_000, "val": 50_000}   # records per split evaluated by default (ImageNet's val whole)
+ALIGNMENT_CAP = 512                            # val images of the alignment figure at most
 KNN_ROWS, KNN_COLUMNS = 1024, 65_536           # kNN similarity block: 256 MiB of float32
 PROBE_LBFGS_MAX = 2e9                          # rows x width x classes up to which the probe is L-BFGS
 PROBE_SGD_EPOCHS, PROBE_SGD_BATCH, PROBE_SGD_LR = 30, 4096, 0.1
@@ -364,7 +368,7 @@ def evaluate_backbone(cfg: Config, backbone: nn.Module, backend: str, device: to
     Returns:
         {"rankme", "feature_std", "alignment"} and, per `run.eval` on labelled data, {"knn_top1",
         "linear_top1"} in [0, 1], and the records read per split ("eval_train_samples",
-        "eval_val_samples"); the same on every rank.
+        "eval_val_samples") and for the alignment ("eval_alignment_samples"); the same on every rank.
     """
     world, rank = dist.world_size(), dist.rank()
     kinds = eval_kinds(cfg)
@@ -380,17 +384,19 @@ def evaluate_backbone(cfg: Config, backbone: nn.Module, backend: str, device: to
 
     loaders = loaders or EvalLoaders()
 
-    def loader(split: str, recipe):
+    def loader(split: str, recipe, limit: int):
         return loaders.get(backend, LoaderSpec(
             root=cfg.data.root, dataset=cfg.data.name, split=split, recipe=recipe,
             batch_size=cfg.data.batch_size // world, rank=rank, world_size=world, seed=cfg.run.seed,
             device=str(device), num_workers=cfg.data.num_workers, shuffle=False, drop_last=False,
-            limit=limits[split], channels_last=channels_last(cfg, device), decoder=decoder_hints(cfg)))
+            limit=limit, channels_last=channels_last(cfg, device), decoder=decoder_hints(cfg)))
 
-    va_f, va_y, _ = extract_features(backbone, loader("val", plain), device, plain.global_px)
-    align = alignment_sums(backbone, loader("val", load_recipe("byol", cfg.views.global_px, cfg.views.local_px)),
-                           device)
-    train = extract_features(backbone, loader("train", plain), device, plain.global_px) if kinds else None
+    va_f, va_y, _ = extract_features(backbone, loader("val", plain, limits["val"]), device, plain.global_px)
+    byol = load_recipe("byol", cfg.views.global_px, cfg.views.local_px)
+    align = alignment_sums(backbone, loader("val", byol, min(limits["val"] or counts["val"], ALIGNMENT_CAP)), device)
+    train = None
+    if kinds:
+        train = extract_features(backbone, loader("train", plain, limits["train"]), device, plain.global_px)
     return score_features(train, va_f, va_y, align, kinds, cfg.data.num_classes, cfg.run.seed)
 
 
@@ -414,6 +420,7 @@ def score_features(train: tuple[Tensor, Tensor, Tensor] | None, val_feats: Tenso
     totals = dist.all_reduce_sum([*sums.values(), *align])
     result = health(dict(zip(sums, totals[:len(sums)])), totals[-2], totals[-1])
     result["eval_val_samples"] = float(totals[list(sums).index("n")])
+    result["eval_alignment_samples"] = float(totals[-1])
     if kinds:
         tr_f, tr_y, tr_i = (dist.gather_rows(t) for t in train)          # every rank: the whole split
         order = tr_i.argsort()

@@ -178,6 +178,20 @@ def test_alignment_is_the_mean_squared_distance_of_the_normalised_views() -> Non
     assert float(alignment_sums(mean_colour, same, "cpu")[0]) == 0.0
 
 
+def test_alignment_reads_at_most_its_cap_of_val_images_and_nothing_else_changes(tiny_args, tmp_path,
+                                                                                monkeypatch) -> None:
+    from train.config import load_config
+
+    cfg = load_config(tiny_args("byol", tmp_path))
+    backbone = build_backbone(cfg.model.backbone, cfg.views.global_px)[0].eval()
+    whole = evaluate.evaluate_backbone(cfg, backbone, "torch", torch.device("cpu"))
+    assert whole["eval_alignment_samples"] == whole["eval_val_samples"] == 16      # under the cap: every one
+    monkeypatch.setattr(evaluate, "ALIGNMENT_CAP", 5)
+    capped = evaluate.evaluate_backbone(cfg, backbone, "torch", torch.device("cpu"))
+    assert capped.pop("eval_alignment_samples") == 5 and whole.pop("eval_alignment_samples") == 16
+    assert capped.pop("alignment") != whole.pop("alignment") and capped == whole
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("ffcv", marks=pytest.mark.slow), "dali"])
 def test_a_run_s_later_evaluations_reuse_its_loaders_and_score_as_fresh_ones(backend, tiny_args, tmp_path,
                                                                              monkeypatch) -> None:
