@@ -32,7 +32,6 @@ from pipelines.shards import coverage_ppm, scan_shards, write_record_table
 from preprocess.records import PreparedSplit, Record, check_record, mask_coverage
 
 
-
 def encode_image(image: np.ndarray, mode: str, quality: int) -> tuple[str, bytes]:
     """(extension, bytes) of a (H, W, 3) uint8 image: JPEG at `quality` (mode "jpg") or PNG ("raw")."""
     buf = io.BytesIO()
