@@ -309,7 +309,7 @@ def test_read_records_round_trip_through_manifest(synthetic_root) -> None:
 
 def test_the_source_sent_to_a_worker_does_not_grow_with_the_split(synthetic_root) -> None:
     """What a fork server's worker is sent (the pickled `BatchSource`): the reader's table path, the
-    spec and the start, not the split's records, labels or mask flags (82 MB at ImageNet's 1.28 M
+    spec and the start, not the split's records, labels or mask flags (over 80 MB at ImageNet's 1.28 M
     records before the table); the source it unpickles makes the same batch."""
     import pickle
 
@@ -327,11 +327,11 @@ def test_the_source_sent_to_a_worker_does_not_grow_with_the_split(synthetic_root
         sent[split] = pickle.dumps(sources[split])
     assert len(sent["train"]) - len(sent["val"]) == 2 * (len("train") - len("val"))   # paths in spec and reader
     received = pickle.loads(sent["train"])
-    for a, b in zip(received(dali_backend_info(1)), sources["train"](dali_backend_info(1))):
+    for a, b in zip(received(_batch_info(1)), sources["train"](_batch_info(1))):
         assert np.array_equal(a, b)
 
 
-def dali_backend_info(iteration: int):
+def _batch_info(iteration: int):
     """The `BatchInfo` DALI passes a batch-mode parallel source (only its iteration is read)."""
     from types import SimpleNamespace
 
