@@ -321,8 +321,8 @@ def test_the_source_sent_to_a_worker_does_not_grow_with_the_split(synthetic_root
         info = DatasetInfo.read(synthetic_root, "synthetic", split)
         spec = LoaderSpec(root=str(synthetic_root), dataset="synthetic", split=split, batch_size=8,
                           recipe=load_recipe("relicv2", 32, 16))
-        sources[split] = dali_backend.BatchSource(spec, ShardReader.open(info.dir / split, n), info.reads_masks(spec.recipe),
-                                                  gpu=False, start=(0, 0))
+        reader = ShardReader.open(info.dir / split, n)
+        sources[split] = dali_backend.BatchSource(spec, reader, info.reads_masks(spec.recipe), gpu=False, start=(0, 0))
         sources[split].usable                                          # made on the loader's side too
         sent[split] = pickle.dumps(sources[split])
     assert len(sent["train"]) - len(sent["val"]) == 2 * (len("train") - len("val"))   # paths in spec and reader
