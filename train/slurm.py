@@ -66,6 +66,15 @@ def dist_env(job: submitit.JobEnvironment) -> dict[str, str]:
             "MASTER_PORT": str(low + job_id % (high - low))}
 
 
+def clear_stale_result(job: submitit.JobEnvironment) -> None:
+    """Remove this task's half-saved result of an earlier start of the same job (a requeued job keeps its
+    id): submitit (1.5.4) saves a task's result through `<result>.save_tmp` and refuses to save it when
+    that file exists, so a task killed while saving (the other tasks of a preempted job, when rank 0
+    has requeued it and left) made the requeued task fail after its training had finished."""
+    result = job.paths.result_pickle
+    result.with_suffix(result.suffix + ".save_tmp").unlink(missing_ok=True)
+
+
 class Training:
     """The job's callable: one SLURM task is one rank of `python -m train <words>`."""
 
@@ -75,7 +84,9 @@ class Training:
     def __call__(self) -> None:
         import submitit
 
-        os.environ.update(dist_env(submitit.JobEnvironment()))
+        job = submitit.JobEnvironment()
+        clear_stale_result(job)
+        os.environ.update(dist_env(job))
         status = exit_status(lambda: start(self.words))
         if status:
             raise RuntimeError(f"training ended with exit status {status}; its error is above in this task's log")

@@ -126,6 +126,35 @@ def test_slurm_variables_become_the_process_group_s(monkeypatch) -> None:
     assert (rank0["MASTER_ADDR"], rank0["MASTER_PORT"]) == ("gpu07", "24242")
 
 
+def test_a_requeued_task_saves_its_result_where_a_killed_start_left_a_half_saved_one(tmp_path, monkeypatch) -> None:
+    """Task 1 of a preempted job, killed while submitit saved its result, leaves `<result>.save_tmp`;
+    the requeued job's task 1 (same job id) clears it before training, so that submitit can save the
+    result at the end (it refuses to while that file exists)."""
+    import submitit
+    from submitit.core.utils import temporary_save_path
+
+    from train.slurm import Training
+
+    for key, value in {"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_FOLDER": str(tmp_path), "SLURM_JOB_ID": "4242",
+                       "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "2",
+                       "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]"}.items():
+        monkeypatch.setenv(key, value)
+    job = submitit.JobEnvironment()
+    result = job.paths.result_pickle
+    with pytest.raises(KeyboardInterrupt), temporary_save_path(result) as half:
+        half.write_bytes(b"half")
+        raise KeyboardInterrupt                           # killed while saving: the move never happens
+    with pytest.raises(AssertionError, match="temporary saved file already exists"), temporary_save_path(result):
+        pass                                              # what the requeued task met at its end
+    monkeypatch.setattr(os, "environ", dict(os.environ))                # the task's variables stay in it
+    with pytest.raises(RuntimeError, match="exit status 2"):
+        Training(["method=nosuch"])()                                    # a task's start: cleared first
+    assert not half.exists()
+    with temporary_save_path(result) as tmp:
+        tmp.write_bytes(b"done")
+    assert result.read_bytes() == b"done"
+
+
 def test_a_slurm_launch_that_cannot_work_is_one_line_and_writes_nothing(tiny_args, capsys, tmp_path,
                                                                         monkeypatch) -> None:
     out = tmp_path / "runs"
