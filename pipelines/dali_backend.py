@@ -39,7 +39,7 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -56,6 +56,12 @@ from pipelines.processes import before_fork, end_with_creator, fork_server
 from pipelines.shards import ShardReader, image_size
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import FIELDS
+
+
+def draws_in_graph(spec: LoaderSpec) -> bool:
+    """Whether the graph draws something itself (DACL's Binary Mixup masks, from DALI's random operator),
+    so that a resume needs DALI's checkpoint of it."""
+    return spec.mix.kind == "dacl" and "binary" in spec.mix.dacl_noises
 
 
 def host_workers(spec: LoaderSpec) -> int:
@@ -210,6 +216,15 @@ def _feed(tls: list, dev: torch.device, buffers: ReusedBuffers, channels_last: b
     return out.permute(0, 1, 4, 2, 3) if channels_last else out
 
 
+class _Ahead(NamedTuple):
+    """The batch the taker thread makes while the last one is used (`DaliLoader._ahead`)."""
+
+    position: tuple[int, int]        # (epoch, batch number) it is
+    stream: object                   # the CUDA stream of its copies, or None
+    batch: Future                    # (Batch, debug outputs)
+    checkpoint: Future | None        # a graph that draws itself: DALI's checkpoint taken before it ran
+
+
 class DaliLoader(EpochLoader):
     """The DALI `Loader` of one rank (see `pipelines.spec.Loader`)."""
 
@@ -218,7 +233,7 @@ class DaliLoader(EpochLoader):
         self.reader = ShardReader.open(info.dir / spec.split, info.count)
         self.masks = info.reads_masks(spec.recipe)
         self.order = EpochOrder(spec, info.count)
-        self.draws_in_graph = spec.mix.kind == "dacl" and "binary" in spec.mix.dacl_noises   # a DALI checkpoint matters
+        self.draws_in_graph = draws_in_graph(spec)
         self._buffers = ReusedBuffers()              # CPU device: the views land in reused host memory
         self._pipe, self._pipe_at, self._out = None, None, Outputs()
         self._source: BatchSource | None = None
@@ -226,10 +241,7 @@ class DaliLoader(EpochLoader):
         self._dali_state: tuple[bytes, int] | None = None   # DALI checkpoint (and its iteration) to build from
         self._last: tuple[int, int] | None = None    # (epoch, batch number) of the last batch handed out
         self.last_debug: dict[str, np.ndarray] = {}  # debug: the graph's own draws of that batch
-        # The next batch, made by the taker thread while the last one is used: (its position, the CUDA
-        # stream of its copies or None, its future, and where the graph draws itself the future of the
-        # DALI checkpoint taken before that batch was run: the state a state dict names there).
-        self._ahead: tuple[tuple[int, int], object, Future, Future | None] | None = None
+        self._ahead: _Ahead | None = None            # the next batch, made by the taker thread
         self._taker: ThreadPoolExecutor | None = None
 
     @property
@@ -242,8 +254,8 @@ class DaliLoader(EpochLoader):
 
     def state_dict(self) -> dict:
         dali = self._dali_state
-        if self.draws_in_graph and self._ahead is not None and self._ahead[0] == self._position():
-            dali = self._ahead[3].result()           # taken before the batch made ahead was run
+        if self.draws_in_graph and self._ahead is not None and self._ahead.position == self._position():
+            dali = self._ahead.checkpoint.result()   # taken before the batch made ahead was run
         elif self.draws_in_graph and self._pipe is not None and self._pipe_at == self._position():
             dali = self._checkpoint()
         return {**super().state_dict(), "dali": dali}
@@ -308,17 +320,17 @@ class DaliLoader(EpochLoader):
             # checkpoint that names this position (one thread: it is taken before that batch is run).
             self._taker = self._taker or ThreadPoolExecutor(1, thread_name_prefix="viewmill-dali-taker")
             ckpt = self._taker.submit(self._checkpoint) if self.draws_in_graph else None
-            self._ahead = (self._position(), stream, self._taker.submit(self._run, stream), ckpt)
+            self._ahead = _Ahead(self._position(), stream, self._taker.submit(self._run, stream), ckpt)
             yield batch
 
     def _take(self, stream) -> tuple[Batch, dict]:
         """The batch at the loader's position: the taker thread's when it made that one, else made here
         (the first batch, or after the position jumped: the pipeline is rebuilt)."""
-        if self._ahead is not None and self._ahead[0] == self._position():
-            (_, made_on, future, _), self._ahead = self._ahead, None
-            made = future.result()
-            if made_on is not None and made_on != stream:
-                stream.wait_stream(made_on)          # copied on another stream (a consumer that changed it)
+        if self._ahead is not None and self._ahead.position == self._position():
+            ahead, self._ahead = self._ahead, None
+            made = ahead.batch.result()
+            if ahead.stream is not None and ahead.stream != stream:
+                stream.wait_stream(ahead.stream)     # copied on another stream (a consumer that changed it)
             return made
         if self._drop_ahead():
             self._pipe_at = None                     # the pipeline made a batch past the position: rebuild
@@ -329,7 +341,7 @@ class DaliLoader(EpochLoader):
         """Wait for the taker thread's batch and drop it; whether there was one."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            wait([ahead[2]])
+            wait([ahead.batch])
         return ahead is not None
 
     def _run(self, stream) -> tuple[Batch, dict]:
@@ -395,7 +407,7 @@ def define_pipeline(spec: LoaderSpec, masks: bool, mean, std, device_id: int | N
     """
     kinds = source_outputs(spec, masks, spec.device.startswith("cuda") or gpu_branches)
     seed = derive_seed(spec.seed, spec.rank, Stream.DALI_GRAPH) % (2**31 - 1)
-    in_graph = spec.mix.kind == "dacl" and "binary" in spec.mix.dacl_noises
+    in_graph = draws_in_graph(spec)
     workers = host_workers(spec)
     built: dict = {}
     parallel = ({"concurrency": OperatorConcurrency.FULL, "stream_policy": StreamPolicy.PER_OPERATOR}

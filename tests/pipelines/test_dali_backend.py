@@ -432,7 +432,7 @@ def test_the_consumers_thread_never_reads_or_draws(shards, monkeypatch, tmp_path
     last = batches[-1]
     callers = set(calls.read_text().split())
     assert callers and str(os.getpid()) not in callers               # read and drawn, never here
-    loader._ahead[2].result()                                        # the next epoch's first, made ahead
+    loader._ahead.batch.result()                                        # the next epoch's first, made ahead
     assert len(runs) == len(batches) + 1
     assert runs[0] == threading.get_ident() and threading.get_ident() not in runs[1:]
     d = loader.last_draws
@@ -536,7 +536,7 @@ def test_a_graph_that_draws_itself_is_run_ahead_and_resumes_at_the_batch_handed_
     assert loader.draws_in_graph
     it = iter(loader)
     taken(loader, it)
-    loader._ahead[2].result()                        # batch 1 run: DALI's state is past it now
+    loader._ahead.batch.result()                        # batch 1 run: DALI's state is past it now
     state = loader.state_dict()
     rest = [taken(loader, it) for _ in range(3)]
     assert runs[0] == threading.get_ident() and threading.get_ident() not in runs[1:]
