@@ -69,6 +69,8 @@ class Settings:
     n: int = 2000                                  # generated train images per dataset
     repeats: int = 3                               # rounds; every figure is the median over them
     batch_size: int = 32                           # images per batch, even
+    worker_batch_size: int | None = None           # batch of the loaders whose workers each make whole
+                                                   # batches (`peers.BATCH_WORKERS`); None: batch_size
     batches: int = 16                              # timed batches per run
     warmup_batches: int = 3                        # untimed batches per run, before the timed ones
     cores: int = os.cpu_count() or 1               # workers / threads of every backend and ceiling
@@ -87,8 +89,9 @@ class Settings:
         bad = [b for b in self.backends if b.partition("@")[2] not in ("", "cpu", "cuda")]
         if bad:
             raise BenchError(f"bad backend {bad}; write <backend> or <backend>@cpu / <backend>@cuda")
-        if self.batch_size % 2 or self.batch_size < 2:
-            raise BenchError(f"--batch-size must be even and >= 2, got {self.batch_size}")
+        for flag, b in (("--batch-size", self.batch_size), ("--worker-batch-size", self.worker_batch_size)):
+            if b is not None and (b % 2 or b < 2):
+                raise BenchError(f"{flag} must be even and >= 2, got {b}")
         if self.n < 2 * self.batch_size:     # the runs read epoch after epoch; an epoch is 2 batches at least
             raise BenchError(f"--n {self.n} is smaller than 2 batches of {self.batch_size}; raise --n or lower "
                              "--batch-size")
@@ -114,13 +117,22 @@ def spread(runs: list[float]) -> dict:
             "img_per_s_max": max(runs, default=0.0), "runs": list(runs)}
 
 
+def batch_size(s: Settings, loader: str) -> int:
+    """The batch of `loader`'s rows: `worker_batch_size` for the loaders whose workers each make whole
+    batches, where it is set (their rate per image does not depend on it, and steady state needs whole
+    rounds of their workers: `bench.timing.steady_batches`), else `batch_size`."""
+    return s.worker_batch_size if s.worker_batch_size and peers.batch_workers(loader, 1) else s.batch_size
+
+
 def _backend_cell(s: Settings, work: Path, root: Path, name: str, be: str, device: str, recipe):
     """One round of a backend's row: a steady-state run of the full recipe (and of its crops alone, for
     the stage split), and in the first round its graph's operators."""
     backend = be.partition("@")[0]
 
+    batch = batch_size(s, be)
+
     def make(epoch: int, rec=recipe):
-        spec = LoaderSpec(root=str(root), dataset=name, split="train", recipe=rec, batch_size=s.batch_size,
+        spec = LoaderSpec(root=str(root), dataset=name, split="train", recipe=rec, batch_size=batch,
                           seed=0, device=device, num_workers=s.cores)
         loader = peers.build(backend, spec, work / "peer-folders")
         loader.set_epoch(epoch)
@@ -129,6 +141,8 @@ def _backend_cell(s: Settings, work: Path, root: Path, name: str, be: str, devic
     def run(rnd: int) -> dict[str, list]:
         workers = 0 if s.quick else peers.batch_workers(be, s.cores)
         t = time_loader(lambda e: make(rnd + e), s.batches, s.warmup_batches, 1, device, workers)
+        print(f"{name} {recipe.name} {be} round {rnd + 1}: {t.img_per_s[0]:,.0f} img/s, first batch "
+              f"{t.first_batch_s[0]:.1f} s", flush=True)
         out = {"img_per_s": list(t.img_per_s), "first_batch_s": list(t.first_batch_s),
                "thread_cpu_ms": list(t.thread_cpu_ms), "cpu_utilisation": list(t.cpu_utilisation)}
         if s.stages:
@@ -190,7 +204,10 @@ def format_table(report: dict) -> str:
     for r in report["results"]:
         base = next((b["img_per_s"] for b in report["results"] if b["dataset"] == r["dataset"]
                      and b["recipe"] == r["recipe"] and b["backend"] == "torchvision" and b["status"] == "ok"), None)
-        label = r["backend"] + (f" ({r['workers']} workers)" if peers.batch_workers(r["backend"], r["workers"]) else "")
+        label = r["backend"] + (f" ({r['workers']} workers" if peers.batch_workers(r["backend"], r["workers"]) else "")
+        if r.get("batch_size", report["settings"]["batch_size"]) != report["settings"]["batch_size"]:
+            label += (", " if "(" in label else " (") + f"batch {r['batch_size']}"
+        label += ")" if "(" in label else ""
         if r["status"] != "ok":
             why = r["error"].splitlines()[0][:90] if r["status"] == "failed" else r["note"]
             rows.append(f"| {r['dataset']} | {r['recipe']} | {label} | – | – | – | – | – | – | – | – | "
@@ -258,6 +275,9 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--n", type=int, default=None, help="train images generated per dataset (default 2000; quick 48)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per cell; the median is reported (default 3)")
     p.add_argument("--batch-size", type=int, default=None, help="images per batch (default 32; quick 8)")
+    p.add_argument("--worker-batch-size", type=int, default=None,
+                   help="images per batch of the loaders whose DataLoader workers each make whole batches "
+                        "(torchvision, torch, lightly; default --batch-size)")
     p.add_argument("--batches", type=int, default=None, help="timed batches per run (default 16; quick 2)")
     p.add_argument("--warmup-batches", type=int, default=None, help="untimed batches per run (default 3; quick 1)")
     p.add_argument("--cores", type=int, default=os.cpu_count(), help="CPU workers/threads for every backend")
@@ -269,7 +289,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--out", default="reports/pipelines.json", help="JSON report; datasets are cached next to it")
     a = fill_sizes(p.parse_args(argv))
     return Settings(recipes=_items(a.recipes), datasets=_items(a.datasets), backends=_items(a.backends), n=a.n,
-                    repeats=a.repeats, batch_size=a.batch_size, batches=a.batches, warmup_batches=a.warmup_batches,
+                    repeats=a.repeats, batch_size=a.batch_size, worker_batch_size=a.worker_batch_size,
+                    batches=a.batches, warmup_batches=a.warmup_batches,
                     cores=a.cores, device=a.device, stages=a.stages, quick=a.quick, out=Path(a.out),
                     view_px=_view_px(a.view_px))
 
@@ -285,7 +306,8 @@ def run(s: Settings) -> dict:
     report: dict = {
         **header(),
         "settings": {"recipes": list(s.recipes), "datasets": list(s.datasets), "backends": list(s.backends),
-                     "n_images": s.n, "repeats": s.repeats, "batch_size": s.batch_size, "timed_batches": s.batches,
+                     "n_images": s.n, "repeats": s.repeats, "batch_size": s.batch_size,
+                     "worker_batch_size": s.worker_batch_size, "timed_batches": s.batches,
                      "warmup_batches": s.warmup_batches, "cores": s.cores, "device": s.device, "stages": s.stages,
                      "quick": s.quick, "sizes_px": {d: s.view_px or view_px(d, s.quick) for d in s.datasets},
                      "imagenet_like_image_px": QUICK_IMAGE_PX if s.quick else IMAGE_PX,
@@ -312,7 +334,8 @@ def run(s: Settings) -> dict:
             for be in s.backends:
                 device = be.partition("@")[2] or s.device
                 rows[(rc, be)] = {"dataset": ds, "recipe": rc, "backend": be, "device": device,
-                                  "workers": s.cores, "views_per_sample": views_per_sample(recipe),
+                                  "workers": s.cores, "batch_size": batch_size(s, be),
+                                  "views_per_sample": views_per_sample(recipe),
                                   **peers.row_fields(be, recipe, "none")}
                 if rows[(rc, be)].get("status") != "skipped":
                     cells[(be, rc)] = _backend_cell(s, work, root, name, be, device, recipe)

@@ -13,9 +13,11 @@ Sections, in the order `--sections` gives them (default: views, train, tests, lo
 its part of the report (`gpu_check.json`, `gpu_check.md` in `--out`) as soon as it is done; a section
 whose estimate no longer fits in `--budget-s` is skipped with a note, and one still running at twice its
 estimate (or `--limit-s`) is stopped, its threads' stacks written, so that the report comes back
-within the slot. The loader comes last by default: its torchvision baseline's 16 workers had not
-started after 110 s on the H200 (27 Nov, each importing torchvision and timm in turn; the fork server
-now preloads them, `pipelines.processes`, not yet run there again).
+within the slot. The loader comes last by default: its torchvision baseline is the slowest thing
+measured (each of its 16 workers makes a whole batch on one core, about 30 ms an image on the H200's
+host). On 27 Nov (13:00 UTC) it ran past the section's limit: its epoch of 7 batches of 256 let at most
+7 of 16 workers work, and each epoch ended in a drain. So the baseline runs at `--baseline-batch` 32,
+on enough images (`--n`) that one epoch holds its whole steady-state run (`bench.timing.epoch_holds`).
 
 - **views** — the GPU graph with relicv2's 6 views against its first large crop alone, two
   ablations of the 6 views (crops only: no colour, blur, solarize; without blur), and the 6 views
@@ -23,9 +25,11 @@ now preloads them, `pipelines.processes`, not yet run there again).
 - **train** — ResNet-50 `relicv2` at 224/96, bf16, channels-last: `bench.train.time_steps` with the
   DALI GPU loader against the same steps fed one batch already on the device (the data stall);
 - **tests** — the `gpu` tests (but those of **known** when it runs too; `--tests all`: the whole
-  suite), in parallel processes, stopped after `--tests-timeout`;
+  suite), in parallel processes, stopped after `--tests-timeout` as Ctrl-C stops them: the tests that
+  finished are reported;
 - **loader** — `bench.data` on generated ImageNet-like JPEGs, `relicv2` at `--batch-size`: the DALI
-  GPU graph against the torchvision baseline (as many DataLoader workers as cores) and the CPU's
+  GPU graph against the torchvision baseline (as many DataLoader workers as cores, at
+  `--baseline-batch`) and the CPU's
   decode ceilings; steady-state source images/s over `--repeats` rounds with their spread, each
   loader's first batch and the CPU per batch of the thread that takes the batches apart;
 - **decoder** (when named) — the 6 views and 1 view with each share of the JPEGs sent to the hardware
@@ -62,7 +66,8 @@ import torch
 from bench import data as loader_bench
 from bench.datasets import CLASSES, prepare, view_px
 from bench.report import header, header_lines
-from bench.timing import crops_only, in_rounds, profile_kernels, time_loader, views_per_sample, without_blur
+from bench.timing import (crops_only, in_rounds, profile_kernels, steady_batches, time_loader, views_per_sample,
+                          without_blur)
 from pipelines.loader import build_loader
 from pipelines.spec import DecoderHints, LoaderSpec
 from pipelines.views import Recipe, load_recipe
@@ -84,9 +89,14 @@ KNOWN_FAILURES = (
     "tests/train/test_cuda.py::test_objective_trains_and_resumes_on_cuda[sdmp]",
 )
 # Seconds each section takes on one H100 with 16 cores, for the budget and the sections' time limits
-# (measured on an H200 on 27 Nov 2026: known 75, views 61, decoder 54, profile 15, train 40, tests 186 in
-# 4 processes; the loader's estimate is from its sizes: its torchvision baseline has not run there yet).
-ESTIMATE_S = {"known": 75, "loader": 100, "views": 75, "decoder": 55, "profile": 25, "train": 40, "tests": 150}
+# (measured on an H200 on 27 Nov 2026: known 75, views 61-82, decoder 54, profile 15, train 37-40, tests
+# 186 in 4 processes; the loader's estimate is from its sizes: its torchvision baseline has not run there yet).
+ESTIMATE_S = {"known": 75, "loader": 100, "views": 80, "decoder": 55, "profile": 25, "train": 40, "tests": 190}
+# The gpu tests' processes: on the H200, 4 ran all of them in 186 s; 8 (sharing the one GPU) had
+# finished 40 of them after 200 s (27 Nov 2026).
+TEST_PROCESSES = 4
+STOP_GRACE_S = 30      # seconds a test run stopped at its time limit has to write its report
+LOADER_WARMUP = 3      # untimed batches a loader run starts with (more for DataLoaders: `steady_batches`)
 LIMIT_X = 2            # a section still running at LIMIT_X times its estimate is stopped (`time_limit`)
 HW_LOADS = (0.65, 0.85, 1.0)     # the decoder section's shares of hardware-decoded JPEGs (0.65: DALI's default)
 
@@ -124,37 +134,56 @@ def time_limit(seconds: int, stacks: Path):
 
 
 def run_tests(which: str, out: Path, timeout_s: int, exclude: tuple[str, ...] = ()) -> dict:
-    """Run tests in a subprocess: "known" (`KNOWN_FAILURES`), "gpu" (the `gpu`-marked tests but
-    `exclude`) or "all"; every test's outcome from the JUnit XML. "gpu" and "all" run in parallel
-    processes where pytest-xdist is installed (each test on its own: `--dist load`)."""
-    xml = out / f"tests-{which}.xml"
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", f"--junitxml={xml}"]
+    """Run tests in a subprocess (`run_pytest`): "known" (`KNOWN_FAILURES`), "gpu" (the `gpu`-marked
+    tests but `exclude`) or "all". "gpu" and "all" run in parallel processes where pytest-xdist is
+    installed (each test on its own: `--dist load`)."""
+    args = []
     if which == "known":
-        cmd += list(KNOWN_FAILURES)
+        args += list(KNOWN_FAILURES)
     else:
         if which == "gpu":
-            cmd += ["-m", "gpu", *(f"--deselect={t}" for t in exclude)]
+            args += ["-m", "gpu", *(f"--deselect={t}" for t in exclude)]
         try:
             import xdist  # noqa: F401
-            cmd += ["-n", str(min(8, os.cpu_count() or 1)), "--dist", "load"]
+            args += ["-n", str(min(TEST_PROCESSES, os.cpu_count() or 1)), "--dist", "load"]
         except ImportError:
             pass
+    return {"which": which, **run_pytest(args, out / f"tests-{which}.xml", timeout_s)}
+
+
+def run_pytest(args: list[str], xml: Path, timeout_s: float) -> dict:
+    """Run pytest with `args` in a subprocess, every test's outcome from its JUnit report `xml`. A run
+    still going after `timeout_s` is interrupted as Ctrl-C does, so that pytest (xdist's too) still writes
+    the report of the tests that finished (`stopped_after_s` then says so): a slot that ends mid-run
+    still tells which passed and which failed."""
+    xml.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", f"--junitxml={xml}", *args]
     t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stopped = False
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        tail, rc = (proc.stdout + proc.stderr)[-6000:], proc.returncode
-    except subprocess.TimeoutExpired as e:
-        tail, rc = f"timed out after {timeout_s} s\n{(e.stdout or b'')[-4000:]!r}", None
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stopped = True
+        proc.send_signal(signal.SIGINT)
+        try:
+            output, _ = proc.communicate(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
     cases = []
     if xml.exists():
         for case in ET.parse(xml).iter("testcase"):
+            if case.get("name") is None:          # the test that was running when the run was stopped
+                continue
             outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
             message = next((c.get("message", "")[:300] for c in case if c.tag in ("failure", "error", "skipped")), "")
             cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                           "seconds": float(case.get("time", 0)), "message": message})
     count = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failure", "error", "skipped")}
-    return {"which": which, "command": " ".join(cmd[1:]), "returncode": rc, "seconds": time.perf_counter() - t0,
-            "count": count, "cases": cases, "tail": tail}
+    return {"command": " ".join(cmd[1:]), "returncode": proc.returncode, "seconds": time.perf_counter() - t0,
+            "stopped_after_s": timeout_s if stopped else None, "count": count, "cases": cases,
+            "tail": (output or "")[-6000:]}
 
 
 def run_loader(a: argparse.Namespace) -> dict:
@@ -162,7 +191,8 @@ def run_loader(a: argparse.Namespace) -> dict:
     torchvision, with the CPU's decode ceilings."""
     return loader_bench.run(loader_bench.Settings(
         recipes=("relicv2",), datasets=("imagenet-like",), backends=("dali", "torchvision"), n=a.n,
-        repeats=a.repeats, batch_size=a.batch_size, batches=a.batches, warmup_batches=3, cores=a.cores,
+        repeats=a.repeats, batch_size=a.batch_size, worker_batch_size=a.baseline_batch, batches=a.batches,
+        warmup_batches=LOADER_WARMUP, cores=a.cores,
         device=a.device, stages=False, quick=a.quick, out=Path(a.work) / f"pipelines-b{a.batch_size}.json"))
 
 
@@ -318,7 +348,9 @@ def table(report: dict) -> str:
         if tests and "count" in tests:
             c = tests["count"]
             lines += ["", f"tests ({tests['which']}): {c['passed']} passed, {c['failure'] + c['error']} failed, "
-                      f"{c['skipped']} skipped in {tests['seconds']:.0f} s"]
+                      f"{c['skipped']} skipped in {tests['seconds']:.0f} s"
+                      + (f"; stopped at its limit of {tests['stopped_after_s']} s, the tests still running not counted"
+                         if tests.get("stopped_after_s") else "")]
             lines += [f"  {x['outcome']}: {x['test']}: {x['message'][:200]}" for x in tests["cases"]
                       if x["outcome"] in ("failure", "error")]
     lines += [f"skipped: {name} ({why})" for name, why in report.get("skipped", {}).items()]
@@ -354,11 +386,13 @@ def targets(report: dict) -> list[str]:
     if "data_stall_fraction" in t:
         out.append(f"stall {100 * t['data_stall_fraction']:.1f} % (≤ {100 * MAX_STALL:.0f} %): "
                    + ("met" if t["data_stall_fraction"] <= MAX_STALL else "missed"))
-    counts = [report[k]["count"] for k in ("known", "tests") if "count" in report.get(k, {})]
-    if counts:
-        passed, failed = sum(c["passed"] for c in counts), sum(c["failure"] + c["error"] for c in counts)
-        out.append(f"gpu tests {passed} passed, {failed} failed: "
-                   + ("missed" if failed else "met" if passed else "none ran (no CUDA device)"))
+    runs = [report[k] for k in ("known", "tests") if "count" in report.get(k, {})]
+    if runs:
+        passed = sum(r["count"]["passed"] for r in runs)
+        failed = sum(r["count"]["failure"] + r["count"]["error"] for r in runs)
+        stopped = any(r.get("stopped_after_s") for r in runs)
+        out.append(f"gpu tests {passed} passed, {failed} failed" + (" before the run was stopped" if stopped else "")
+                   + ": " + ("missed" if failed else "not all ran" if stopped else "met" if passed else "none ran"))
     return out or ["nothing measured"]
 
 
@@ -379,10 +413,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip a section whose estimate no longer fits (default 360 s; none with --quick)")
     p.add_argument("--batch-size", type=int, default=None, help="loader batch size (default 256; quick 8)")
+    p.add_argument("--baseline-batch", type=int, default=None,
+                   help="the torchvision baseline's batch size (default 32; quick 8): its rate per image does "
+                        "not depend on it, and its steady state (whole rounds of its workers, in one epoch) "
+                        "then fits the slot")
     p.add_argument("--batches", type=int, default=None, help="timed loader batches per run (default 24; quick 2)")
     p.add_argument("--train-batch", type=int, default=None, help="ResNet-50 batch size (default 128; quick 12)")
     p.add_argument("--train-steps", type=int, default=None, help="timed training steps per run (default 8; quick 2)")
-    p.add_argument("--n", type=int, default=None, help="generated ImageNet-like train images (default 2000; quick 48)")
+    p.add_argument("--n", type=int, default=None,
+                   help="generated ImageNet-like train images (default: 2000, or more where the torchvision "
+                        "baseline's steady state needs them in one epoch; quick 48)")
     p.add_argument("--repeats", type=int, default=None,
                    help="rounds per figure (median and spread; default 3, quick 1)")
     p.add_argument("--cores", type=int, default=os.cpu_count(), help="CPU threads / workers for every loader")
@@ -394,7 +434,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.batches = a.batches or (2 if q else 24)
     a.train_batch = a.train_batch or (12 if q else 128)
     a.train_steps = a.train_steps or (2 if q else 8)
-    a.n = a.n or (48 if q else 2000)
+    a.baseline_batch = a.baseline_batch or (a.batch_size if q else 32)
+    # One epoch of the baseline holds its steady-state run (`bench.timing.epoch_holds`): 16 workers,
+    # 24 timed batches: 32 warm-up and 64 timed batches of 32, 3,072 images.
+    a.n = a.n or (48 if q else max(2000, a.baseline_batch * sum(steady_batches(a.batches, LOADER_WARMUP, a.cores))))
     a.repeats = a.repeats or (1 if q else 3)
     a.budget_s = a.budget_s if a.budget_s is not None else (float("inf") if q else 360.0)
     return a

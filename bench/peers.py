@@ -181,6 +181,9 @@ class LightlyLoader:
         chosen = [files[i] for i in EpochOrder(spec, len(files)).records]     # `spec.limit`, as every loader
         self.dataset = LightlyDataset(str(folder), transform=lightly_transform(spec.recipe), filenames=chosen)
 
+    def __len__(self) -> int:
+        return len(self.dataset) // self.spec.batch_size          # batches per epoch (`drop_last`)
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 

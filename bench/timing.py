@@ -124,6 +124,21 @@ def _endless(loader) -> Iterator:
             raise ValueError("the loader yields no batches; give it more records or a smaller batch")
 
 
+def epoch_holds(per_epoch: int, needed: int, workers: int) -> None:
+    """Check that one epoch of a loader whose `workers` processes each make whole batches holds the
+    `needed` batches of a steady-state run. At an epoch's end such a loader drains: the next epoch's
+    batches are asked for only once the last one is taken, so a run across epoch ends times them (on an
+    H200, 16 DataLoader workers on an epoch of 2 batches: 2 workers busy, 14 idle).
+
+    Raises:
+        ValueError: the epoch is too short; the message names the fix.
+    """
+    if per_epoch < needed:
+        raise ValueError(f"an epoch of this loader has {per_epoch} batches, fewer than the {needed} (warm-up and "
+                         f"timed) of a steady-state run of its {workers} workers, which would time its epoch ends; "
+                         "give the dataset more images (--n) or the loader smaller batches")
+
+
 def time_loader(make: Callable[[int], Loader], batches: int, warmup: int, repeats: int,
                 device: str | torch.device, workers: int = 0) -> LoaderTiming:
     """Time `repeats` runs of a loader: run r builds a fresh one (`make(r)`), takes its first batch
@@ -148,6 +163,8 @@ def time_loader(make: Callable[[int], Loader], batches: int, warmup: int, repeat
     for r in range(repeats):
         t0 = time.perf_counter()
         loader = make(r)
+        if workers > 0:
+            epoch_holds(len(loader), warmup + batches, workers)
         it = _endless(loader)
         next(it)
         sync(device)

@@ -65,3 +65,23 @@ def test_a_section_s_time_limit_is_not_taken_for_a_failed_cell(tmp_path) -> None
         with time_limit(1, tmp_path / "loader-stacks.txt"):
             in_rounds(2, {"torchvision": hangs, "dali": lambda rnd: ran.append(rnd) or {}})
     assert ran == []                       # stopped in the first cell of the first round
+
+
+@pytest.mark.slow
+def test_a_test_run_stopped_at_its_limit_still_reports_the_tests_that_finished(tmp_path) -> None:
+    """On the GPU machine the `gpu` tests ran past the slot's limit and were killed: the report said
+    nothing of the 40 that had passed. Stopped as Ctrl-C stops it, pytest writes what finished."""
+    from bench.gpu_check import run_pytest
+
+    (tmp_path / "test_slot.py").write_text(
+        "import time\n\n"
+        "def test_passes_one():\n    pass\n\n"
+        "def test_passes_two():\n    pass\n\n"
+        "def test_fails():\n    assert False, 'wrong pixels'\n\n"
+        "def test_outlives_the_slot():\n    time.sleep(120)\n")
+    ran = run_pytest([str(tmp_path / "test_slot.py"), "-p", "no:randomly"], tmp_path / "slot.xml", timeout_s=8)
+    assert ran["stopped_after_s"] == 8 and ran["seconds"] < 60
+    assert ran["count"] == {"passed": 2, "failure": 1, "error": 0, "skipped": 0}
+    assert [c["test"].rsplit("::", 1)[1] for c in ran["cases"] if c["outcome"] == "failure"] == ["test_fails"]
+    report = {"tests": {"which": "gpu", **ran}}
+    assert targets(report) == ["gpu tests 2 passed, 1 failed before the run was stopped: missed"]

@@ -48,30 +48,43 @@ def test_each_run_builds_a_fresh_loader_skips_its_warmup_and_times_the_rest() ->
 
 class _Bursts:
     """A DataLoader of `workers` processes that each make a whole batch in `round_s`: the batches come in
-    bursts of `workers`, the first after `round_s`, one epoch of `epoch` batches after another."""
+    bursts of `workers`, the first after `round_s`, one epoch of `epoch` batches after another; an epoch's
+    batches are asked for only when it starts, so its last round drains (fewer batches than workers)."""
 
     def __init__(self, workers: int, round_s: float, epoch: int) -> None:
-        self.workers, self.round_s, self.epoch, self.made = workers, round_s, epoch, 0
+        self.workers, self.round_s, self.epoch = workers, round_s, epoch
+
+    def __len__(self) -> int:
+        return self.epoch
 
     def __iter__(self):
-        for _ in range(self.epoch):
-            if self.made % self.workers == 0:
+        for i in range(self.epoch):
+            if i % self.workers == 0:
                 time.sleep(self.round_s)
-            self.made += 1
             yield _Batch(8)
 
 
-def test_steady_state_is_timed_over_whole_rounds_of_the_workers_across_epochs() -> None:
+def test_steady_state_is_timed_over_whole_rounds_of_the_workers_in_one_epoch() -> None:
     assert steady_batches(8, 2, 16) == (64, 32) and steady_batches(100, 40, 16) == (112, 48)
     assert steady_batches(16, 3, 0) == (16, 3)
     # 4 workers, a round of 4 batches of 8 every 20 ms: 1,600 img/s. 2 warm-up and 2 timed batches
     # (the former GPU check's window) fall inside one burst: an impossible rate.
-    burst = time_loader(lambda r: _Bursts(4, 0.02, 6), batches=2, warmup=2, repeats=1, device="cpu")
-    steady = time_loader(lambda r: _Bursts(4, 0.02, 6), batches=2, warmup=2, repeats=1, device="cpu", workers=4)
+    burst = time_loader(lambda r: _Bursts(4, 0.02, 24), batches=2, warmup=2, repeats=1, device="cpu")
+    steady = time_loader(lambda r: _Bursts(4, 0.02, 24), batches=2, warmup=2, repeats=1, device="cpu", workers=4)
     assert burst.median > 10_000
-    assert (steady.batches, steady.warmup) == (16, 8)                  # 4 and 2 rounds, over 4 epochs of 6
+    assert (steady.batches, steady.warmup) == (16, 8)                  # 4 and 2 rounds, in an epoch of 24
     assert 800 < steady.median <= 1_700                                # sleeps only ever run long
     assert steady.first_batch_s[0] >= 0.02 and steady.thread_cpu_ms[0] < 5
+
+
+def test_a_worker_loader_whose_epoch_is_shorter_than_a_steady_state_run_is_refused() -> None:
+    """On an H200, 16 DataLoader workers on an epoch of 7 batches of 256 spent most of the run at epoch
+    ends (7 workers busy at best): the 'torchvision baseline' would be the epoch ends' rate."""
+    with pytest.raises(ValueError, match=r"an epoch of this loader has 6 batches, fewer than the 24 .*--n"):
+        time_loader(lambda r: _Bursts(4, 0.02, 6), batches=2, warmup=2, repeats=1, device="cpu", workers=4)
+    # What the refusal saves: across epochs of 6 the rate is the drained epochs' (2 rounds for 6 batches).
+    drained = time_loader(lambda r: _Bursts(4, 0.02, 6), batches=24, warmup=6, repeats=1, device="cpu")
+    assert drained.median < 0.8 * 1_600
 
 
 def test_rounds_time_every_cell_once_per_round_and_report_a_broken_one() -> None:
