@@ -69,6 +69,11 @@ class LoaderSpec:
     # one GPU operator at a time on one stream: on an H200 the 6-view graph's stream was idle 10 ms of
     # a 32-ms batch between operators (their host set-up). Not yet measured on a GPU, hence off.
     parallel_gpu_ops: bool = False
+    # DALI GPU graph: the views of a group as one sequence (frames) through the colour ops and the
+    # normalisation, per-frame arguments instead of one operator per view (relicv2: fewer GPU operators
+    # a batch); the crops' resizes stay one per view (DALI's resize takes no per-frame window). The
+    # same batches (a test); not yet measured on a GPU, hence off.
+    sequence_views: bool = False
 
 
 @dataclass(frozen=True)

@@ -568,3 +568,20 @@ def test_parallel_gpu_ops_ask_dali_for_concurrent_operators_and_change_no_batch(
         for x, y in zip((a.global_views, a.local_views, a.mixed, a.mix_lam, a.index),
                         (b.global_views, b.local_views, b.mixed, b.mix_lam, b.index)):
             assert torch.equal(x, y)
+
+
+def test_stacked_views_change_no_batch(shards, device) -> None:
+    """`sequence_views` (each run of same-size views through the colour ops as one sequence) gives the
+    same batches: on the GPU graph, and on the GPU graph's branches of the CPU graph."""
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=RELIC, batch_size=8, seed=7, device=device,
+                      mix=MixSpec("sdmp", sdmp_mixers=("cutmix",)))
+    spec = replace(spec, recipe=with_mix_source(RELIC, spec.mix))
+    branches = device == "cpu"
+    plain = list(on_host(dali_backend.DaliLoader(spec, shards, gpu_branches=branches), device))
+    stacked = list(on_host(dali_backend.DaliLoader(replace(spec, sequence_views=True), shards, gpu_branches=branches),
+                           device))
+    assert len(plain) == len(stacked) == N // 8
+    for a, b in zip(plain, stacked):
+        for x, y in zip((a.global_views, a.local_views, a.mixed, a.mix_lam, a.index),
+                        (b.global_views, b.local_views, b.mixed, b.mix_lam, b.index)):
+            assert torch.equal(x, y)
