@@ -201,7 +201,7 @@ def _tensor(tl, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
 def _feed(tls: list, dev: torch.device, buffers: ReusedBuffers, channels_last: bool) -> torch.Tensor | None:
     """Copy a field's outputs, (DALI batch, frames) each, into one (V, B, 3, S, S) tensor on `dev`: a
     view's batch of (3, S, S) float32 samples ((S, S, 3) channels-last) by one `feed_ndarray`, a
-    group's sequence of F views ((F, 3, S, S) samples, `LoaderSpec.sequence_views`) into a (B, F, ...)
+    stack's sequence of F views ((F, 3, S, S) samples, `dali_graph.Stack`) into a (B, F, ...)
     buffer, then its F views into place (one device copy). GPU outputs go device to device on the
     current stream, CPU outputs into a reused host buffer. Channels-last: a permuted view of a
     (V, B, S, S, 3) tensor, so that each view is a channels-last (B, 3, S, S) tensor without a copy."""

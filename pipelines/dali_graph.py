@@ -65,7 +65,7 @@ _HUE_C = np.stack([_YIQ2RGB @ np.diag([1.0, 0.0, 0.0]) @ _RGB2YIQ,
                    _YIQ2RGB @ np.array([[0, 0, 0], [0, 0, -1.0], [0, 1.0, 0]]) @ _RGB2YIQ])      # (3, 3, 3)
 _GRAY_M = np.tile(np.array(GRAY_WEIGHTS), (3, 1))                                               # G = 1wᵀ
 _SOLARIZED = [v if v < 128 else 255 - v for v in range(256)]          # levels >= half range inverted
-# The GPU branches' inputs of a view's colour ops: one per frame where its group is a sequence.
+# The GPU branches' inputs of a view's colour ops: one per frame of its `Stack`'s where it is in one.
 SEQUENCE_INPUTS = ("colour", "contrast", "sigma", "blur_window", "solarize_mask")
 
 
@@ -265,7 +265,8 @@ def _no_op(key: str, b: int) -> np.ndarray:
         return np.ones(b, np.float32)
     if key == "blur_window":
         return np.ones(b, np.int32)
-    return np.zeros(b, np.uint8)                                          # solarize_mask
+    assert key == "solarize_mask", key
+    return np.zeros(b, np.uint8)
 
 
 def _mix_inputs(mix: MixSpec, d: MixDraw, lam: torch.Tensor, size: int) -> dict[str, np.ndarray]:
@@ -480,13 +481,13 @@ class Outputs:
     pipeline's definition), then the debug nodes by name."""
 
     fields: list[str] = field(default_factory=list)      # "global_views" | "local_views" | "weak_views" | "mixed"
-    frames: list[int] = field(default_factory=list)      # views in each field output (> 1: a group's sequence)
+    frames: list[int] = field(default_factory=list)      # views in each field output (> 1: a `Stack`)
     passed: list[str] = field(default_factory=list)      # the source's pass-through outputs (index, label, ...)
     debug: list[str] = field(default_factory=list)
     nodes: list = field(default_factory=list)
 
     def add(self, name: str, node, frames: int = 1) -> None:
-        """A field output: one view, or `frames` views of a group as one sequence."""
+        """A field output: one view, or a `Stack` of `frames` views as one sequence."""
         self.fields.append(name)
         self.frames.append(frames)
         self.nodes.append(node)
