@@ -3,7 +3,7 @@
 #
 #   DALI_SITE=<folder with nvidia/dali> bash bench/gpu_session.sh [bench.gpu_check arguments]
 #
-# runs `python3 -m bench.gpu_check` (about 6 minutes on one H100: views, training, every gpu test, the
+# runs `python3 -m bench.gpu_check` (about 7 minutes on one H200: views, training, every gpu test, the
 # loader against torchvision) from the working tree, without `make install`,
 # with DALI_SITE (unpacked wheels, when DALI is not installed in that Python) first on the path, and
 # writes its report and log into $OUT (default reports/gpu-check).
