@@ -164,7 +164,10 @@ def run_pytest(args: list[str], xml: Path, timeout_s: float) -> dict:
     xml.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", f"--junitxml={xml}", *args]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # SIGINT back to its default in the child: a process started in the background (a CI job, `cmd &`)
+    # inherits it ignored, and a pytest that ignores it cannot be stopped so (nothing reported).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     stopped = False
     try:
         output, _ = proc.communicate(timeout=timeout_s)
