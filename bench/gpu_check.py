@@ -386,7 +386,10 @@ def targets(report: dict) -> list[str]:
             x = b / base[0]["img_per_s"]
             verdict = ("moonshot met" if x >= MOONSHOT_VS_TORCHVISION else "met" if x >= TARGET_VS_TORCHVISION
                        else "missed")
-            out.append(f"{x:.2f}× torchvision with {base[0]['workers']} workers (target {TARGET_VS_TORCHVISION:g}×, "
+            own = base[0].get("batch_size", r.get("batch_size"))          # the baseline's batch, where its own
+            batch = f", batch {own}" if own != r.get("batch_size") else ""
+            out.append(f"{x:.2f}× torchvision with {base[0]['workers']} workers{batch} "
+                       f"(target {TARGET_VS_TORCHVISION:g}×, "
                        f"moonshot {MOONSHOT_VS_TORCHVISION:g}×): {verdict}")
         ms = r.get("thread_cpu_ms")
         if ms is not None:

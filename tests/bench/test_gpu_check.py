@@ -9,8 +9,10 @@ from bench.gpu_check import targets
 
 
 def _report(img_s: float, base_s: float, thread_ms: float, cost: float, stall: float, failed: int) -> dict:
-    rows = [{"backend": "dali", "recipe": "relicv2", "status": "ok", "img_per_s": img_s, "thread_cpu_ms": thread_ms},
-            {"backend": "torchvision", "recipe": "relicv2", "status": "ok", "img_per_s": base_s, "workers": 16}]
+    rows = [{"backend": "dali", "recipe": "relicv2", "status": "ok", "img_per_s": img_s, "thread_cpu_ms": thread_ms,
+             "batch_size": 256},
+            {"backend": "torchvision", "recipe": "relicv2", "status": "ok", "img_per_s": base_s, "workers": 16,
+             "batch_size": 32}]
     count = {"passed": 42 - failed, "failure": failed, "error": 0, "skipped": 0}
     return {"loader": {"results": rows}, "views": {"cost_6_vs_1": cost}, "train": {"data_stall_fraction": stall},
             "tests": {"count": count}}
@@ -26,6 +28,7 @@ def test_targets_met_moonshot_and_missed() -> None:
     assert verdicts(_report(10_500, 5_000, 2.9, 1.4, 0.03, 0)) == ["met", "met", "met", "met", "met", "met"]
     assert verdicts(_report(6_094, 4_196, 23.5, 2.01, 0.135, 7)) == ["missed"] * 6      # the first GPU runs
     assert targets({}) == ["nothing measured"]
+    assert "2.50× torchvision with 16 workers, batch 32 (target 2×" in targets(_report(10_000, 4_000, 1, 1, 0, 0))[1]
 
 
 def test_a_hung_section_is_stopped_at_its_limit_with_the_stacks_of_where_it_hung(tmp_path) -> None:
