@@ -204,10 +204,10 @@ def format_table(report: dict) -> str:
     for r in report["results"]:
         base = next((b["img_per_s"] for b in report["results"] if b["dataset"] == r["dataset"]
                      and b["recipe"] == r["recipe"] and b["backend"] == "torchvision" and b["status"] == "ok"), None)
-        label = r["backend"] + (f" ({r['workers']} workers" if peers.batch_workers(r["backend"], r["workers"]) else "")
+        notes = [f"{r['workers']} workers"] if peers.batch_workers(r["backend"], r["workers"]) else []
         if r.get("batch_size", report["settings"]["batch_size"]) != report["settings"]["batch_size"]:
-            label += (", " if "(" in label else " (") + f"batch {r['batch_size']}"
-        label += ")" if "(" in label else ""
+            notes.append(f"batch {r['batch_size']}")
+        label = r["backend"] + (f" ({', '.join(notes)})" if notes else "")
         if r["status"] != "ok":
             why = r["error"].splitlines()[0][:90] if r["status"] == "failed" else r["note"]
             rows.append(f"| {r['dataset']} | {r['recipe']} | {label} | – | – | – | – | – | – | – | – | "

@@ -14,7 +14,7 @@ its part of the report (`gpu_check.json`, `gpu_check.md` in `--out`) as soon as 
 whose estimate no longer fits in `--budget-s` is skipped with a note, and one still running at twice its
 estimate (or `--limit-s`) is stopped, its threads' stacks written, so that the report comes back
 within the slot. The loader comes last by default: its torchvision baseline is the slowest thing
-measured (each of its 16 workers makes a whole batch on one core, about 30 ms an image on the H200's
+measured (each of its 16 workers makes a whole batch on one core, 32-39 ms an image on the H200's
 host). On 27 Nov (13:00 UTC) it ran past the section's limit: its epoch of 7 batches of 256 let at most
 7 of 16 workers work, and each epoch ended in a drain. So the baseline runs at `--baseline-batch` 32,
 on enough images (`--n`) that one epoch holds its whole steady-state run (`bench.timing.epoch_holds`).

@@ -106,9 +106,10 @@ def write_record_table(split_dir: Path, records: list[ShardRecord]) -> Path:
     """Save the record table of a split whose shards are written (`records`: its `scan_shards`, or what
     the writer knows of them, every shard inside `split_dir`), atomically; returns its path."""
     split_dir = Path(split_dir)
-    table = np.array([(int(Path(r.shard).stem.split("-")[1]), r.image_offset, r.image_size, r.mask_offset,
-                       r.mask_size, r.label, r.index, coverage_ppm(r.coverage)) for r in records],
-                     np.int64).reshape(-1, len(TABLE_COLUMNS))
+    reader = ShardReader(records)
+    table = np.array(reader.cols)
+    # the reader numbers the shards it saw; the table names each by the number in its file name
+    table[:, 0] = np.array([int(Path(s).stem.split("-")[1]) for s in reader.shards], np.int64)[table[:, 0]]
     path = split_dir / schema.RECORDS_NAME
     tmp = split_dir / f".{schema.RECORDS_NAME}.tmp"
     with open(tmp, "wb") as f:
@@ -197,7 +198,7 @@ class ShardReader:
                                       f"shape {cols.shape}); {fix}")
         if count is not None and n != count:
             raise schema.DatasetError(f"{path} holds {n} records, the manifest says {count}; {fix}")
-        if not np.array_equal(reader.cols[:, 6], np.arange(n)):
+        if not np.array_equal(reader.indices, np.arange(n)):
             raise schema.DatasetError(f"record indices in {path} are not 0..{n - 1}; {fix}")
         missing = [reader.shards[s] for s in np.unique(cols[:, 0]) if not os.path.isfile(reader.shards[s])]
         if missing:

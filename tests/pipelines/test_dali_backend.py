@@ -564,10 +564,7 @@ def test_parallel_gpu_ops_ask_dali_for_concurrent_operators_and_change_no_batch(
     plain = list(on_host(dali_backend.DaliLoader(spec, shards), device))
     parallel = list(on_host(dali_backend.DaliLoader(replace(spec, parallel_gpu_ops=True), shards), device))
     assert len(plain) == len(parallel) == N // 8
-    for a, b in zip(plain, parallel):
-        for x, y in zip((a.global_views, a.local_views, a.mixed, a.mix_lam, a.index),
-                        (b.global_views, b.local_views, b.mixed, b.mix_lam, b.index)):
-            assert torch.equal(x, y)
+    assert_same_batches(plain, parallel)
 
 
 def test_stacked_views_change_no_batch(shards, device) -> None:
@@ -581,7 +578,12 @@ def test_stacked_views_change_no_batch(shards, device) -> None:
     stacked = list(on_host(dali_backend.DaliLoader(replace(spec, sequence_views=True), shards, gpu_branches=branches),
                            device))
     assert len(plain) == len(stacked) == N // 8
-    for a, b in zip(plain, stacked):
+    assert_same_batches(plain, stacked)
+
+
+def assert_same_batches(ours: list, theirs: list) -> None:
+    """Every batch equal to the bit: views, mixes, their weights, indices."""
+    for a, b in zip(ours, theirs, strict=True):
         for x, y in zip((a.global_views, a.local_views, a.mixed, a.mix_lam, a.index),
                         (b.global_views, b.local_views, b.mixed, b.mix_lam, b.index)):
             assert torch.equal(x, y)
