@@ -83,7 +83,7 @@ MAX_THREAD_MS = 3.0                              # CPU of the thread that takes 
 # The gpu tests that failed on the first GPU run (H200, DALI 2.4.0), run first.
 KNOWN_FAILURES = (
     "tests/pipelines/test_contract.py::test_contract[dali@cuda-relicv2]",
-    "tests/pipelines/test_dali_backend.py::test_gpu_graph_views_stay_on_the_device",
+    "tests/pipelines/test_dali_backend.py::test_graph_views_stay_on_the_device[cuda]",
     "tests/pipelines/test_dali_backend.py::test_resizemix_pastes_partner_in_box[cuda]",
     "tests/pipelines/test_dali_backend.py::test_dali_mix_equals_torch_reference[cuda-resizemix]",
     "tests/pipelines/test_dali_backend.py::test_sdmp_laws_of_the_graph[cuda-cutmix]",
