@@ -21,9 +21,7 @@ on enough images (`--n`) that one epoch holds its whole steady-state run (`bench
 
 - **views** — the GPU graph with relicv2's 6 views against its first large crop alone, two
   ablations of the 6 views (crops only: no colour, blur, solarize; without blur), and the 6 views
-  with their GPU operators concurrent, each on its own stream (`LoaderSpec.parallel_gpu_ops`), and
-  with its same-size views stacked as one sequence through the colour ops (`LoaderSpec.sequence_views`:
-  28 GPU operators a batch instead of 57);
+  with their GPU operators concurrent, each on its own stream (`LoaderSpec.parallel_gpu_ops`);
 - **train** — ResNet-50 `relicv2` at 224/96, bf16, channels-last: `bench.train.time_steps` with the
   DALI GPU loader against the same steps fed one batch already on the device (the data stall);
 - **tests** — the `gpu` tests (but those of **known** when it runs too; `--tests all`: the whole
@@ -36,8 +34,8 @@ on enough images (`--n`) that one epoch holds its whole steady-state run (`bench
   loader's first batch and the CPU per batch of the thread that takes the batches apart;
 - **decoder** (when named) — the 6 views and 1 view with each share of the JPEGs sent to the hardware
   decoder in `HW_LOADS` (the rest on nvJPEG's hybrid path: the CPU's threads and CUDA cores);
-- **profile** (when named) — the device's work per steady-state batch of the GPU graph, 6 views (as
-  defined, with concurrent GPU operators, stacked) and 1 view (`bench.timing.profile_kernels`: every kernel and
+- **profile** (when named) — the device's work per steady-state batch of the GPU graph, 6 views (with
+  and without concurrent GPU operators) and 1 view (`bench.timing.profile_kernels`: every kernel and
   copy the process launched, DALI's included):
   the device busy against the batch's wall time, launches per batch, the kernels that take the most;
 - **known** (when named) — the 7 `gpu` tests that failed on the first GPU run (docs/benchmarks.md, 26
@@ -93,7 +91,7 @@ KNOWN_FAILURES = (
 # Seconds each section takes on one H100 with 16 cores, for the budget and the sections' time limits
 # (measured on an H200 on 27 Nov 2026: known 75, views 61-82, decoder 54, profile 15, train 37-40, tests
 # 186 in 4 processes; the loader's estimate is from its sizes: its torchvision baseline has not run there yet).
-ESTIMATE_S = {"known": 75, "loader": 100, "views": 95, "decoder": 55, "profile": 30, "train": 40, "tests": 190}
+ESTIMATE_S = {"known": 75, "loader": 100, "views": 80, "decoder": 55, "profile": 25, "train": 40, "tests": 190}
 # The gpu tests' processes: on the H200, 4 ran all of them in 186 s; 8 (sharing the one GPU) had
 # finished 40 of them after 200 s (27 Nov 2026).
 TEST_PROCESSES = 4
@@ -210,35 +208,30 @@ def _view_recipes(a: argparse.Namespace) -> tuple[Recipe, Recipe]:
     return six, Recipe("relicv2-1view", (six.groups[0],))
 
 
-# The variants of the 6-view GPU graph that the views and profile sections time beside the default:
-# {row: `LoaderSpec` fields}.
-GRAPH_VARIANTS = {"relicv2-parallel": {"parallel_gpu_ops": True},       # GPU operators concurrent
-                  "relicv2-stacked": {"sequence_views": True}}          # same-size views as one sequence
-
-
 def _make_gpu_loader(a: argparse.Namespace, recipe: Recipe, epoch: int, hw_load: float = DecoderHints.hw_load,
-                     **options):
+                     parallel: bool = False):
     """The DALI loader of `recipe` on the bench's ImageNet-like JPEGs (the loader section's data), its
-    decoder sending `hw_load` of the JPEGs to the hardware decoder, with the `LoaderSpec` fields in
-    `options` (`GRAPH_VARIANTS`)."""
+    decoder sending `hw_load` of the JPEGs to the hardware decoder, its GPU operators concurrent or not
+    (`LoaderSpec.parallel_gpu_ops`)."""
     root, name = prepare("imagenet-like", Path(a.work) / "bench-data", a.n, a.quick, a.cores)
     loader = build_loader("dali", LoaderSpec(root=str(root), dataset=name, split="train", recipe=recipe,
                                              batch_size=a.batch_size, device=a.device, num_workers=a.cores,
-                                             decoder=DecoderHints(hw_load=hw_load), **options))
+                                             decoder=DecoderHints(hw_load=hw_load), parallel_gpu_ops=parallel))
     loader.set_epoch(epoch)
     return loader
 
 
 def run_views(a: argparse.Namespace) -> dict:
     """Steady-state images/s of the GPU graph with relicv2's 6 views, with its first large crop alone,
-    with the 6 views' crops only and without blur, and the 6 views in each of `GRAPH_VARIANTS` (GPU
-    operators concurrent, same-size views stacked), timed in rounds."""
+    with the 6 views' crops only and without blur, and with the 6 views' GPU operators concurrent
+    (`LoaderSpec.parallel_gpu_ops`: "relicv2-parallel"), timed in rounds."""
     six, one = _view_recipes(a)
-    cells = {r.name: (r, {}) for r in (six, one, crops_only(six), without_blur(six))}
-    cells.update({name: (six, options) for name, options in GRAPH_VARIANTS.items()})
+    cells = {r.name: (r, False) for r in (six, one, crops_only(six), without_blur(six))}
+    cells["relicv2-parallel"] = (six, True)
 
-    def cell(recipe: Recipe, options: dict):
-        return lambda rnd: {"img_per_s": list(time_loader(lambda e: _make_gpu_loader(a, recipe, rnd + e, **options),
+    def cell(recipe: Recipe, parallel: bool):
+        return lambda rnd: {"img_per_s": list(time_loader(lambda e: _make_gpu_loader(a, recipe, rnd + e,
+                                                                                     parallel=parallel),
                                                           a.batches, 3, 1, a.device).img_per_s)}
 
     timed = in_rounds(a.repeats, {name: cell(*c) for name, c in cells.items()})
@@ -273,13 +266,13 @@ def run_decoder(a: argparse.Namespace) -> dict:
 
 
 def run_profile(a: argparse.Namespace) -> dict:
-    """The device's work per steady-state batch of the GPU graph: relicv2's 6 views, the same in each of
-    `GRAPH_VARIANTS`, and 1 view (`profile_kernels`; the Chrome traces, gzipped, beside the report)."""
+    """The device's work per steady-state batch of the GPU graph: relicv2's 6 views, the same with its
+    GPU operators concurrent ("relicv2-parallel"), and 1 view (`profile_kernels`; the Chrome traces,
+    gzipped, beside the report)."""
     six, one = _view_recipes(a)
     out: dict = {"batch_size": a.batch_size}
-    runs = [("relicv2", six, {}), *((name, six, o) for name, o in GRAPH_VARIANTS.items()), (one.name, one, {})]
-    for name, recipe, options in runs:
-        out[name] = profile_kernels(lambda: _make_gpu_loader(a, recipe, 0, **options), max(4, a.batches // 2),
+    for name, recipe, parallel in (("relicv2", six, False), ("relicv2-parallel", six, True), (one.name, one, False)):
+        out[name] = profile_kernels(lambda: _make_gpu_loader(a, recipe, 0, parallel=parallel), max(4, a.batches // 2),
                                     3, a.device, trace=Path(a.out) / f"trace-{name}.json.gz")
     return out
 
@@ -325,8 +318,7 @@ def table(report: dict) -> str:
                   f"6 views cost {v['cost_6_vs_1']:.2f}× one view; 6 views, crops only "
                   f"{v['relicv2-crops']['img_per_s']:,.0f} img/s, "
                   f"without blur {v['relicv2-noblur']['img_per_s']:,.0f}, "
-                  f"with concurrent GPU operators {v['relicv2-parallel']['img_per_s']:,.0f}, "
-                  f"same-size views stacked {v['relicv2-stacked']['img_per_s']:,.0f}"]
+                  f"with concurrent GPU operators {v['relicv2-parallel']['img_per_s']:,.0f}"]
     d = report.get("decoder")
     if d and "error" not in d:
         lines += ["", f"GPU graph, batch {d['batch_size']}, by the share of JPEGs sent to the hardware decoder:"]

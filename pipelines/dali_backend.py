@@ -199,29 +199,19 @@ def _tensor(tl, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
 
 
 def _feed(tls: list, dev: torch.device, buffers: ReusedBuffers, channels_last: bool) -> torch.Tensor | None:
-    """Copy a field's outputs, (DALI batch, frames) each, into one (V, B, 3, S, S) tensor on `dev`: a
-    view's batch of (3, S, S) float32 samples ((S, S, 3) channels-last) by one `feed_ndarray`, a
-    stack's sequence of F views ((F, 3, S, S) samples, `dali_graph.Stack`) into a (B, F, ...)
-    buffer, then its F views into place (one device copy). GPU outputs go device to device on the
-    current stream, CPU outputs into a reused host buffer. Channels-last: a permuted view of a
+    """Copy V view outputs (DALI batches of (3, S, S), or (S, S, 3) channels-last, float32 samples) into
+    one (V, B, 3, S, S) tensor on `dev`, one `feed_ndarray` per view: GPU outputs device to device on
+    the current stream, CPU outputs into a reused host buffer. Channels-last: a permuted view of a
     (V, B, S, S, 3) tensor, so that each view is a channels-last (B, 3, S, S) tensor without a copy."""
     if not tls:
         return None
-    dense = [(tl.as_tensor(), frames) for tl, frames in tls]               # (B, ...) or (B, F, ...) each
-    b, *sample = dense[0][0].shape()
-    shape = (sum(frames for _, frames in dense), b, *(sample[1:] if dense[0][1] > 1 else sample))
-    on_gpu = isinstance(tls[0][0], TensorListGPU)
+    dense = [tl.as_tensor() for tl in tls]                                 # (B, ...) each
+    shape = (len(dense), *dense[0].shape())
+    on_gpu = isinstance(tls[0], TensorListGPU)
     out = torch.empty(shape, dtype=torch.float32, device=dev) if on_gpu else buffers.take(shape)
     stream = torch.cuda.current_stream(dev) if on_gpu else None
-    v = 0
-    for t, frames in dense:
-        if frames == 1:
-            feed_ndarray(t, out[v], cuda_stream=stream)
-        else:
-            frames_first = torch.empty(t.shape(), dtype=torch.float32, device=out.device)    # (B, F, ...)
-            feed_ndarray(t, frames_first, cuda_stream=stream)
-            out[v:v + frames].copy_(frames_first.transpose(0, 1))
-        v += frames
+    for v, t in enumerate(dense):
+        feed_ndarray(t, out[v], cuda_stream=stream)
     out = out.to(dev, non_blocking=True)
     return out.permute(0, 1, 4, 2, 3) if channels_last else out
 
@@ -366,8 +356,8 @@ class DaliLoader(EpochLoader):
             outs = self._pipe.run(stream)
             self._iteration += 1
             views: dict[str, list] = {}
-            for name, tl, frames in zip(out.fields, outs, out.frames):
-                views.setdefault(name, []).append((tl, frames))
+            for name, tl in zip(out.fields, outs):
+                views.setdefault(name, []).append(tl)
             passed = dict(zip(out.passed, outs[len(out.fields):]))
             debug = ({n: _host(tl) for n, tl in zip(out.debug, outs[len(out.fields) + len(out.passed):])}
                      if self.debug else {})

@@ -16,10 +16,7 @@ Per batch the images, and the masks where a view composites saliency, are decode
 comes out mirrored, bit-identical to a flip of the resized view) → saliency composite on the same
 window (`saliency`), for the samples that drew it only (a conditional) → the colour ops (`colour_ops`:
 on the GPU every sample runs blur and solarize with no-op parameters where it drew none, on the CPU a
-conditional skips them; with `LoaderSpec.sequence_views`, each run of same-size views of a field goes
-through the GPU branches' colour ops and the normalisation as one sequence, `Stack`, each frame with
-its own view's parameters: 28 GPU operators a batch for relicv2 instead of 57). Staged groups take
-their parent's output and add their own colour ops. Then
+conditional skips them). Staged groups take their parent's output and add their own colour ops. Then
 the mixes (`mixes`): SDMP's mixers as one branch per mixer (the batch's mixer runs, the others see an
 empty batch), CutMix and ResizeMix as `fn.multi_paste` of the box on the device, DACL's noises per
 sample. Three workarounds of DALI 2.4.0 GPU bugs are marked where they are (ResizeMix's patch padded to
@@ -65,8 +62,6 @@ _HUE_C = np.stack([_YIQ2RGB @ np.diag([1.0, 0.0, 0.0]) @ _RGB2YIQ,
                    _YIQ2RGB @ np.array([[0, 0, 0], [0, 0, -1.0], [0, 1.0, 0]]) @ _RGB2YIQ])      # (3, 3, 3)
 _GRAY_M = np.tile(np.array(GRAY_WEIGHTS), (3, 1))                                               # G = 1wᵀ
 _SOLARIZED = [v if v < 128 else 255 - v for v in range(256)]          # levels >= half range inverted
-# The GPU branches' inputs of a view's colour ops: one per frame of its `Stack`'s where it is in one.
-SEQUENCE_INPUTS = ("colour", "contrast", "sigma", "blur_window", "solarize_mask")
 
 
 def _png_1px() -> bytes:
@@ -178,7 +173,7 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
                 sigma = p.sigma[rows].numpy().astype(np.float32)
                 inputs[f"{tag}/sigma"] = sigma
                 if g.blur_p < 1 and gpu:       # a no-op window of 1 where not drawn (DALI's own where drawn)
-                    inputs[f"{tag}/blur_window"] = np.where(p.blur[rows].numpy(), blur_window(sigma),
+                    inputs[f"{tag}/blur_window"] = np.where(p.blur[rows].numpy(), 2 * np.ceil(3 * sigma) + 1,
                                                             1).astype(np.int32)
                 elif g.blur_p < 1:             # the conditional's predicate
                     inputs[f"{tag}/blur"] = p.blur[rows].numpy()
@@ -186,8 +181,6 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
                 inputs[f"{tag}/solarize_mask"] = np.where(p.solarize[rows].numpy(), 255, 0).astype(np.uint8)
             elif g.solarize_p > 0:
                 inputs[f"{tag}/solarize"] = p.solarize[rows].numpy()
-    for stack in view_stacks(spec, gpu):
-        _stack_inputs(inputs, stack, b)
     mix = lam = None
     if spec.mix.kind != "none":
         size, v = recipe.global_px, len(mix_sources(spec))
@@ -198,75 +191,6 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
         lam = mix_lam(mix, size, size)
         inputs.update(_mix_inputs(spec.mix, mix, lam, size))
     return Draws(hw=hw, boxes=boxes, params=params, mix=mix, mix_lam=lam, inputs=inputs, reads_mask=reads_mask)
-
-
-@dataclass(frozen=True)
-class Stack:
-    """Views of one size, consecutive in a `Batch` field, that go through the colour ops and the
-    normalisation as one sequence (`LoaderSpec.sequence_views`): each frame its own view's draws."""
-
-    tag: str                                  # "<field>/stack<k>": its inputs are "<tag>/<key>"
-    views: tuple[str, ...]                    # the views' tags ("<group>/<v>"), in field order
-
-
-def view_stacks(spec: LoaderSpec, gpu: bool) -> list[Stack]:
-    """The stacks of the GPU graph's branches where `spec.sequence_views` asks for them: in each field,
-    each run of two or more consecutive views of one size cropped from the image (relicv2: its 4 large
-    and its 2 small views); a staged group and its parent stay views of their own. None on the CPU
-    graph's branches, whose conditionals take a whole sample, not a frame."""
-    if not (gpu and spec.sequence_views):
-        return []
-    recipe = spec.recipe
-    parents = {g.parent for g in recipe.by_role("staged")}
-    out: list[Stack] = []
-    for name, groups in recipe.fields.items():
-        runs: list[list[tuple[ViewGroup, int]]] = [[]]
-        for g in groups:
-            if g.role == "staged" or g.name in parents:
-                runs.append([])
-                continue
-            if runs[-1] and runs[-1][0][0].size_px != g.size_px:
-                runs.append([])
-            runs[-1] += [(g, v) for v in range(g.count)]
-        out += [Stack(f"{name}/stack{k}", tuple(f"{g.name}/{v}" for g, v in run))
-                for k, run in enumerate(r for r in runs if len(r) > 1)]
-    return out
-
-
-def _stack_inputs(inputs: dict[str, np.ndarray], stack: Stack, b: int) -> None:
-    """The colour ops' inputs of a stack's views as per-frame inputs of its sequence, (B, F, ...) under
-    "<stack>/<key>", in place of the views' own: where some view has an input that another has not, the
-    other's frame takes the op's no-op parameter (identity colour matrix, no contrast offset, a blur
-    window of 1, a solarize mask of 0; a view that always blurs gets the window DALI picks for its σ,
-    `blur_window`), so that every frame runs the same operators and comes out as its own view would."""
-    own = {tag: {key: inputs.pop(f"{tag}/{key}") for key in SEQUENCE_INPUTS if f"{tag}/{key}" in inputs}
-           for tag in stack.views}
-    for d in own.values():
-        if "sigma" in d and "blur_window" not in d:          # blurs always: DALI's own window for its σ
-            d["blur_window"] = blur_window(d["sigma"])
-    present = {key for d in own.values() for key in d}
-    for key in (k for k in SEQUENCE_INPUTS if k in present):
-        a = np.stack([d[key] if key in d else _no_op(key, b) for d in own.values()], 1)
-        inputs[f"{stack.tag}/{key}"] = a.reshape(*a.shape, 1, 1, 1) if key == "solarize_mask" else a
-
-
-def blur_window(sigma: np.ndarray) -> np.ndarray:
-    """The Gaussian window DALI's `gaussian_blur` picks for `sigma` when given none: 2·ceil(3σ)+1 px."""
-    return (2 * np.ceil(3 * sigma) + 1).astype(np.int32)
-
-
-def _no_op(key: str, b: int) -> np.ndarray:
-    """A batch of the parameter that leaves a view as it is, for colour-op input `key`."""
-    if key == "colour":
-        return np.broadcast_to(np.eye(3, dtype=np.float32), (b, 3, 3))
-    if key == "contrast":
-        return np.zeros((b, 3, 3), np.float32)
-    if key == "sigma":
-        return np.ones(b, np.float32)
-    if key == "blur_window":
-        return np.ones(b, np.int32)
-    assert key == "solarize_mask", key
-    return np.zeros(b, np.uint8)
 
 
 def _mix_inputs(mix: MixSpec, d: MixDraw, lam: torch.Tensor, size: int) -> dict[str, np.ndarray]:
@@ -327,10 +251,9 @@ def dali_type(dtype: np.dtype):
 # ------------------------------------------------------------------------------------------------
 
 
-def colour_ops(x, inputs: dict, tag: str, gpu_branches: bool = False, sequence: bool = False):
-    """Jitter + grayscale (one fused affine pass), blur, solarize on uint8 HWC views `x` (or, with
-    `sequence`, on FHWC sequences of views, each argument per frame), as view (or stack) `tag`'s inputs
-    say.
+def colour_ops(x, inputs: dict, tag: str, gpu_branches: bool = False):
+    """Jitter + grayscale (one fused affine pass), blur, solarize on uint8 HWC views `x`, as view `tag`'s
+    inputs say.
 
     The CPU graph takes the view's contrast offset as the colour pass's argument, and splits the batch
     with a conditional (`enable_conditionals=True`: an `if` on a per-sample input) so that blur and
@@ -344,14 +267,12 @@ def colour_ops(x, inputs: dict, tag: str, gpu_branches: bool = False, sequence: 
         inputs: the graph's inputs; blur and solarize take the GPU graph's form where `draw_inputs`
             made its inputs (`gpu=True`).
         gpu_branches: take the GPU graph's branch on the CPU too (tests compare the two there).
-        sequence: `x` is a `Stack`'s sequence and `tag` the stack's (the GPU branches only).
     """
-    frame = fn.per_frame if sequence else (lambda arg: arg)
     if f"{tag}/colour" in inputs:
-        m = frame(inputs[f"{tag}/colour"])
+        m = inputs[f"{tag}/colour"]
         if f"{tag}/contrast" in inputs:
-            mean_rgb = fn.reductions.mean(x, axis_names="HW", keep_dims=True)     # (1, 1, 3) float (a frame's)
-            t = fn.coord_transform(mean_rgb, M=frame(inputs[f"{tag}/contrast"]))   # b·(1-c)·mean gray
+            mean_rgb = fn.reductions.mean(x, axes=[0, 1], keep_dims=True)         # (1, 1, 3) float
+            t = fn.coord_transform(mean_rgb, M=inputs[f"{tag}/contrast"])       # b·(1-c)·mean gray
             if x.device == "gpu" or gpu_branches:     # (1, 1, 3) offset broadcast over the view, then rounded
                 x = fn.cast(fn.coord_transform(x, M=m, dtype=types.FLOAT) + t, dtype=types.UINT8)
             else:
@@ -361,9 +282,9 @@ def colour_ops(x, inputs: dict, tag: str, gpu_branches: bool = False, sequence: 
     if f"{tag}/sigma" in inputs:
         # DALI's window 2·ceil(3σ)+1 rather than the fixed 10 % kernel (23 px at 224): a few times
         # cheaper for the small σ most draws give (docs/benchmarks.md, kernel notes).
-        sigma = frame(inputs[f"{tag}/sigma"])
+        sigma = inputs[f"{tag}/sigma"]
         if f"{tag}/blur_window" in inputs:                  # GPU: every sample, no-op windows
-            x = fn.gaussian_blur(x, sigma=sigma, window_size=frame(inputs[f"{tag}/blur_window"]))
+            x = fn.gaussian_blur(x, sigma=sigma, window_size=inputs[f"{tag}/blur_window"])
         elif f"{tag}/blur" in inputs:
             if inputs[f"{tag}/blur"]:                       # conditional: only the samples that drew it
                 x = fn.gaussian_blur(x, sigma=sigma)
@@ -481,15 +402,13 @@ class Outputs:
     pipeline's definition), then the debug nodes by name."""
 
     fields: list[str] = field(default_factory=list)      # "global_views" | "local_views" | "weak_views" | "mixed"
-    frames: list[int] = field(default_factory=list)      # views in each field output (> 1: a `Stack`)
     passed: list[str] = field(default_factory=list)      # the source's pass-through outputs (index, label, ...)
     debug: list[str] = field(default_factory=list)
     nodes: list = field(default_factory=list)
 
-    def add(self, name: str, node, frames: int = 1) -> None:
-        """A field output: one view, or a `Stack` of `frames` views as one sequence."""
+    def add(self, name: str, node) -> None:
+        """A field output."""
         self.fields.append(name)
-        self.frames.append(frames)
         self.nodes.append(node)
 
 
@@ -509,8 +428,6 @@ def graph(spec: LoaderSpec, inputs: dict, masks: bool, mean, std, *, channels_la
     """
     recipe = spec.recipe
     device = "gpu" if spec.device.startswith("cuda") else "cpu"
-    stacks = view_stacks(spec, device == "gpu" or gpu_branches)
-    stacked = {tag: (st, i) for st in stacks for i, tag in enumerate(st.views)}
     decoder = {"device": "mixed", "hw_decoder_load": spec.decoder.hw_load,
                "preallocate_width_hint": spec.decoder.size_hint_px,
                "preallocate_height_hint": spec.decoder.size_hint_px} if device == "gpu" else {"device": "cpu"}
@@ -523,7 +440,6 @@ def graph(spec: LoaderSpec, inputs: dict, masks: bool, mean, std, *, channels_la
         # composites in no view brings a 1-px stand-in, `NO_MASK_PNG`), and only pixel operators
         # run inside the per-view branches.
         mask = fn.decoders.image(inputs["mask"], output_type=types.GRAY, **decoder)
-    # views: {"<group>/<v>": one view, "<field>/stack<k>": a `Stack`'s views as one sequence}
     views: dict[str, object] = {}
     for g in recipe.crop_groups:
         for v in range(g.count):
@@ -534,34 +450,23 @@ def graph(spec: LoaderSpec, inputs: dict, masks: bool, mean, std, *, channels_la
             if f"{tag}/saliency" in inputs:
                 if inputs[f"{tag}/saliency"]:                # conditional: only the samples that drew it
                     x = saliency(x, mask, start, end, g.size_px, inputs[f"{tag}/level"])
-            views[tag] = x if tag in stacked else colour_ops(x, inputs, tag, gpu_branches)
-    for st in stacks:
-        frames = fn.stack(*(views.pop(tag) for tag in st.views), axis=0, axis_name="F")
-        views[st.tag] = colour_ops(frames, inputs, st.tag, gpu_branches, sequence=True)
+            views[tag] = colour_ops(x, inputs, tag, gpu_branches)
     for g in recipe.by_role("staged"):
         for v in range(g.count):
             views[f"{g.name}/{v}"] = colour_ops(views[f"{g.parent}/{v}"], inputs, f"{g.name}/{v}", gpu_branches)
 
-    def normalized(x, frames: int = 1):
+    def normalized(x):
         # `batch.normalize` ((x/255 - mean)/std, float32) inside the graph, in DALI's threads and
         # overlapped with training through the prefetch queue.
-        layout = ("F" if frames > 1 else "") + ("HWC" if channels_last else "CHW")
-        return fn.crop_mirror_normalize(x, dtype=types.FLOAT, output_layout=layout,
+        return fn.crop_mirror_normalize(x, dtype=types.FLOAT, output_layout="HWC" if channels_last else "CHW",
                                         mean=[255.0 * m for m in mean], std=[255.0 * s for s in std])
 
     out, dbg = Outputs(), {}
     for name, groups in recipe.fields.items():
-        for tag in (f"{g.name}/{v}" for g in groups for v in range(g.count)):
-            if tag not in stacked:
-                out.add(name, normalized(views[tag]))
-            elif stacked[tag][1] == 0:         # a stack's first view: the whole stack
-                st = stacked[tag][0]
-                out.add(name, normalized(views[st.tag], len(st.views)), len(st.views))
+        for g in groups:
+            for v in range(g.count):
+                out.add(name, normalized(views[f"{g.name}/{v}"]))
     if spec.mix.kind != "none":
-        for tag in mix_sources(spec):          # a source view inside a stack: its frame
-            if tag in stacked:
-                st, i = stacked[tag]
-                views[tag] = fn.element_extract(views[st.tag], element_map=[i])
         for x in mixes(spec, views, inputs, device, dbg, seed):
             out.add("mixed", normalized(x))
     if debug:

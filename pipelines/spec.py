@@ -67,15 +67,8 @@ class LoaderSpec:
     # DALI: run independent operators at once (the views' chains after the decode), GPU ones each on
     # its own stream (DALI's OperatorConcurrency.FULL, StreamPolicy.PER_OPERATOR). DALI's default runs
     # one GPU operator at a time on one stream: on an H200 the 6-view graph's stream was idle 10 ms of
-    # a 32-ms batch between operators (their host set-up). On an H200 (27 Nov 2026) 7,743 img/s against
-    # 6,327 without, in one run, inside the run-to-run spread: off until it is shown to win.
+    # a 32-ms batch between operators (their host set-up). Not yet measured on a GPU, hence off.
     parallel_gpu_ops: bool = False
-    # DALI GPU graph: each run of same-size views of a field as one sequence (frames) through the colour
-    # ops and the normalisation, per-frame arguments instead of one operator per view (relicv2: 28 GPU
-    # operators a batch instead of 57; `dali_graph.view_stacks`); the crops' resizes stay one per view
-    # (DALI's resize takes no per-frame window). The same batches (a test); not yet measured on a GPU,
-    # hence off.
-    sequence_views: bool = False
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,6 @@ class DataConfig:
     hw_decoder_load: float = DecoderHints.hw_load   # DALI on a GPU: share of the JPEGs for the hardware decoder
     decode_size_hint_px: int = 0    # DALI on a GPU: image side the decoder preallocates for; 0: none
     parallel_gpu_ops: bool = LoaderSpec.parallel_gpu_ops   # DALI: independent GPU operators at once, own streams
-    sequence_views: bool = LoaderSpec.sequence_views       # DALI GPU graph: same-size views as one sequence
     num_workers: int = 2            # decoding/augmentation workers per rank
     num_classes: int = 10           # classes, for kNN / linear-probe evaluation; 0: an unlabelled dataset
     mix: MixSpec = field(default_factory=MixSpec)   # intra-batch mixes: pipelines.mixing.MixSpec's fields

@@ -28,29 +28,25 @@ REGISTRY = {"cpu": set(dali_registry.RegisteredCPUOps()), "gpu": set(dali_regist
             "mixed": set(dali_registry.RegisteredMixedOps())}
 # The only CPU operators a GPU graph may hold: the host's inputs, their routing into the branches, each
 # grouped input taken out of its group, and the packed encoded files cut back to their bytes (one Slice
-# for the images, one for the masks: `dali_backend.source_outputs`), and a stack's arguments marked per
-# frame (`PerFrame`: the layout of a host input, no data touched).
-HOST_ROUTING = {"ExternalSource", "_conditional__Split", "_TensorSubscript", "Slice", "PerFrame"}
+# for the images, one for the masks: `dali_backend.source_outputs`).
+HOST_ROUTING = {"ExternalSource", "_conditional__Split", "_TensorSubscript", "Slice"}
 # CPU operators per iteration of the GPU graph at most (GPU-readiness issue: the former in-graph
 # draws were 972 for relicv2 and 453 for byol+sdmp).
 CPU_BUDGET = {("relicv2", "none"): 150, ("byol", "sdmp"): 100}
 
 
-def gpu_graph(preset: str, mix: MixSpec, masks: bool, sequence_views: bool = False):
+def gpu_graph(preset: str, mix: MixSpec, masks: bool):
     recipe = with_mix_source(load_recipe(preset, 224, 96), mix)
-    spec = LoaderSpec(root="", dataset="", split="train", recipe=recipe, batch_size=256, mix=mix, device="cuda",
-                      sequence_views=sequence_views)
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=recipe, batch_size=256, mix=mix, device="cuda")
     pipe, out = define_pipeline(spec, masks, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), device_id=None)
     return recipe, graph_operators(pipe), out
 
 
-@pytest.mark.parametrize("sequence", [False, True], ids=["views", "stacks"])
 @pytest.mark.parametrize("masks", [False, True], ids=["no-masks", "masks"])
 @pytest.mark.parametrize("mix", sorted(MIXES))
 @pytest.mark.parametrize("preset", PRESETS)
-def test_gpu_graph_places_every_operator_where_dali_implements_it(preset: str, mix: str, masks: bool,
-                                                                  sequence: bool) -> None:
-    recipe, (ops, outputs), out = gpu_graph(preset, MIXES[mix], masks, sequence)
+def test_gpu_graph_places_every_operator_where_dali_implements_it(preset: str, mix: str, masks: bool) -> None:
+    recipe, (ops, outputs), out = gpu_graph(preset, MIXES[mix], masks)
     unregistered = [(o.schema, o.device) for o in ops if o.schema not in REGISTRY[o.device]]
     assert not unregistered, f"operators without an implementation on their device: {unregistered}"
     gpu_args = [o.schema for o in ops for dev, is_arg in o.inputs if is_arg and dev != "cpu"]
@@ -72,7 +68,7 @@ def test_gpu_graph_places_every_operator_where_dali_implements_it(preset: str, m
                                        sum(g.count for g in recipe.fields["global_views"]))
     passed = 1 if mix == "none" else 2
     assert out.passed == ["ids", "lam"][:passed]
-    assert outputs == ["gpu"] * (len(out.fields) + passed) and sum(out.frames) == n_views + n_mixed
+    assert outputs == ["gpu"] * (n_views + n_mixed + passed) and len(out.fields) == n_views + n_mixed
     # Conditionals only where the work differs per sample: the saliency composite and the batch's mixer
     # or noise; blur and solarize run on every sample with no-op parameters (a leaner GPU graph).
     views_salient = sum(g.count for g in recipe.crop_groups if g.saliency_p > 0) if salient else 0
@@ -121,53 +117,3 @@ def test_the_gpu_branch_equals_the_cpu_branch_on_the_cpu_graph(root) -> None:
     for a, b in zip(cpu, gpu_branch):
         assert torch.equal(a.index, b.index)
         assert float(((a.global_views - b.global_views) * std * 255).abs().max()) <= 1.0 + 1e-3
-
-
-@pytest.fixture(scope="module")
-def masked_root(tmp_path_factory):
-    from preprocess.prepare import prepare_dataset
-
-    root = tmp_path_factory.mktemp("stacks")
-    prepare_dataset("synthetic", root, workers=1, train_size=16, val_size=8, image_px=32, seed=0,
-                    gt_masks_as_mask=True)
-    return root
-
-
-@pytest.mark.parametrize("preset, mix, channels_last", [
-    ("relicv2", "none", False),        # 4 large and 2 small views, each its own group: two stacks
-    ("relicv2", "none", True),
-    ("multicrop8", "sdmp", False),     # the mixes' source views taken out of their stack
-    ("byol", "dacl+", False),          # views with and without blur and solarize in one stack
-    ("rsa", "sdmp", False),            # a staged group and its parent: no stack
-])
-def test_stacked_views_make_the_same_batches_with_fewer_gpu_operators(masked_root, preset: str, mix: str,
-                                                                      channels_last: bool) -> None:
-    """`sequence_views`: each run of same-size views of a field goes through the colour ops and the
-    normalisation as one sequence, each frame with its own view's parameters (no-op ones where its view
-    has no such op). On the GPU graph's branches (selected on the CPU graph) the batches are the same
-    to the bit, and the GPU graph has fewer GPU operators wherever there is a stack."""
-    from dataclasses import fields
-
-    from pipelines.batch import Batch
-    from pipelines.dali_graph import view_stacks
-
-    info = DatasetInfo.read(masked_root, "synthetic", "train")
-    recipe = with_mix_source(load_recipe(preset, 32, 16), MIXES[mix])
-    spec = LoaderSpec(root=str(masked_root), dataset="synthetic", split="train", recipe=recipe, batch_size=8,
-                      seed=3, mix=MIXES[mix], channels_last=channels_last)
-    assert info.reads_masks(recipe) == (preset == "relicv2")
-    plain = list(DaliLoader(spec, info, gpu_branches=True))
-    stacked = list(DaliLoader(replace(spec, sequence_views=True), info, gpu_branches=True))
-    assert len(plain) == len(stacked) == 2
-    for a, b in zip(plain, stacked):
-        for f in fields(Batch):
-            x, y = getattr(a, f.name), getattr(b, f.name)
-            assert (x is None and y is None) or torch.equal(x, y), f.name
-    stacks = view_stacks(replace(spec, sequence_views=True), gpu=True)
-    assert bool(stacks) == (preset != "rsa")
-    gpu_ops = []
-    for on in (False, True):
-        pipe, _ = define_pipeline(replace(spec, device="cuda", sequence_views=on), info.reads_masks(recipe),
-                                  info.mean, info.std, None)
-        gpu_ops.append(sum(o.device == "gpu" for o in graph_operators(pipe)[0]))
-    assert (gpu_ops[1] < gpu_ops[0]) if stacks else (gpu_ops[1] == gpu_ops[0])
