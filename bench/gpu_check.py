@@ -20,8 +20,7 @@ host). On 27 Nov (13:00 UTC) it ran past the section's limit: its epoch of 7 bat
 on enough images (`--n`) that one epoch holds its whole steady-state run (`bench.timing.epoch_holds`).
 
 - **views** — the GPU graph with relicv2's 6 views against its first large crop alone, two
-  ablations of the 6 views (crops only: no colour, blur, solarize; without blur), and the 6 views
-  with their GPU operators concurrent, each on its own stream (`LoaderSpec.parallel_gpu_ops`);
+  ablations of the 6 views (crops only: no colour, blur, solarize; without blur);
 - **train** — ResNet-50 `relicv2` at 224/96, bf16, channels-last: `bench.train.time_steps` with the
   DALI GPU loader against the same steps fed one batch already on the device (the data stall);
 - **tests** — the `gpu` tests (but those of **known** when it runs too; `--tests all`: the whole
@@ -34,9 +33,8 @@ on enough images (`--n`) that one epoch holds its whole steady-state run (`bench
   loader's first batch and the CPU per batch of the thread that takes the batches apart;
 - **decoder** (when named) — the 6 views and 1 view with each share of the JPEGs sent to the hardware
   decoder in `HW_LOADS` (the rest on nvJPEG's hybrid path: the CPU's threads and CUDA cores);
-- **profile** (when named) — the device's work per steady-state batch of the GPU graph, 6 views (with
-  and without concurrent GPU operators) and 1 view (`bench.timing.profile_kernels`: every kernel and
-  copy the process launched, DALI's included):
+- **profile** (when named) — the device's work per steady-state batch of the GPU graph, 6 views and
+  1 view (`bench.timing.profile_kernels`: every kernel and copy the process launched, DALI's included):
   the device busy against the batch's wall time, launches per batch, the kernels that take the most;
 - **known** (when named) — the 7 `gpu` tests that failed on the first GPU run (docs/benchmarks.md, 26
   Nov 2026; they have passed since): ResizeMix and CutMix on the GPU graph, relicv2 with saliency
@@ -88,15 +86,18 @@ KNOWN_FAILURES = (
     "tests/pipelines/test_dali_backend.py::test_sdmp_laws_of_the_graph[cuda-resizemix]",
     "tests/train/test_cuda.py::test_objective_trains_and_resumes_on_cuda[sdmp]",
 )
-# Seconds each section takes on one H100 with 16 cores, for the budget and the sections' time limits
-# (measured on an H200 on 27 Nov 2026: known 75, views 61-82, decoder 54, profile 15, train 37-40, tests
-# 186 in 4 processes; the loader's estimate is from its sizes: its torchvision baseline has not run there yet).
-ESTIMATE_S = {"known": 75, "loader": 100, "views": 80, "decoder": 55, "profile": 25, "train": 40, "tests": 190}
+# Seconds each section takes on one H100 with 16 cores, for the budget and the sections' time limits.
+# Measured on an H200 on 27 Nov 2026: known 75, decoder 54, train 36-44, loader 122, tests 192 in 4
+# processes; views 78-89 and profile 40 with two graph variants since dropped, so 4 of the views' 6
+# cells and 2 of the profile's 4 runs (computed); the tests' estimate counts the 8 CUDA training tests
+# at 2 of their former 3 runs each, started first (computed from 192).
+ESTIMATE_S = {"known": 75, "loader": 125, "views": 60, "decoder": 55, "profile": 20, "train": 45, "tests": 160}
 # The gpu tests' processes: on the H200, 4 ran all of them in 186 s; 8 (sharing the one GPU) had
 # finished 40 of them after 200 s (27 Nov 2026).
 TEST_PROCESSES = 4
-# The default sections' estimates add up to 425 s (views 95, train 40, tests 190, loader 100): over the
-# 6 minutes the GPU issue asks for, mostly the gpu tests; the budget lets all four run in one call.
+# The default sections' estimates add up to 390 s (views 60, train 45, tests 160, loader 125): over the
+# 6 minutes the GPU issue asks for, mostly the gpu tests and the torchvision baseline; the budget lets
+# all four run in one call.
 DEFAULT_BUDGET_S = 450.0
 STOP_GRACE_S = 30      # seconds a test run stopped at its time limit has to write its report
 LOADER_WARMUP = 3      # untimed batches a loader run starts with (more for DataLoaders: `steady_batches`)
@@ -208,35 +209,30 @@ def _view_recipes(a: argparse.Namespace) -> tuple[Recipe, Recipe]:
     return six, Recipe("relicv2-1view", (six.groups[0],))
 
 
-def _make_gpu_loader(a: argparse.Namespace, recipe: Recipe, epoch: int, hw_load: float = DecoderHints.hw_load,
-                     parallel: bool = False):
+def _make_gpu_loader(a: argparse.Namespace, recipe: Recipe, epoch: int, hw_load: float = DecoderHints.hw_load):
     """The DALI loader of `recipe` on the bench's ImageNet-like JPEGs (the loader section's data), its
-    decoder sending `hw_load` of the JPEGs to the hardware decoder, its GPU operators concurrent or not
-    (`LoaderSpec.parallel_gpu_ops`)."""
+    decoder sending `hw_load` of the JPEGs to the hardware decoder."""
     root, name = prepare("imagenet-like", Path(a.work) / "bench-data", a.n, a.quick, a.cores)
     loader = build_loader("dali", LoaderSpec(root=str(root), dataset=name, split="train", recipe=recipe,
                                              batch_size=a.batch_size, device=a.device, num_workers=a.cores,
-                                             decoder=DecoderHints(hw_load=hw_load), parallel_gpu_ops=parallel))
+                                             decoder=DecoderHints(hw_load=hw_load)))
     loader.set_epoch(epoch)
     return loader
 
 
 def run_views(a: argparse.Namespace) -> dict:
     """Steady-state images/s of the GPU graph with relicv2's 6 views, with its first large crop alone,
-    with the 6 views' crops only and without blur, and with the 6 views' GPU operators concurrent
-    (`LoaderSpec.parallel_gpu_ops`: "relicv2-parallel"), timed in rounds."""
+    with the 6 views' crops only and without blur, timed in rounds."""
     six, one = _view_recipes(a)
-    cells = {r.name: (r, False) for r in (six, one, crops_only(six), without_blur(six))}
-    cells["relicv2-parallel"] = (six, True)
+    cells = {r.name: r for r in (six, one, crops_only(six), without_blur(six))}
 
-    def cell(recipe: Recipe, parallel: bool):
-        return lambda rnd: {"img_per_s": list(time_loader(lambda e: _make_gpu_loader(a, recipe, rnd + e,
-                                                                                     parallel=parallel),
+    def cell(recipe: Recipe):
+        return lambda rnd: {"img_per_s": list(time_loader(lambda e: _make_gpu_loader(a, recipe, rnd + e),
                                                           a.batches, 3, 1, a.device).img_per_s)}
 
-    timed = in_rounds(a.repeats, {name: cell(*c) for name, c in cells.items()})
+    timed = in_rounds(a.repeats, {name: cell(r) for name, r in cells.items()})
     out: dict = {"batch_size": a.batch_size}
-    for name, (recipe, _) in cells.items():
+    for name, recipe in cells.items():
         cell_ = timed[name]
         if not cell_.ok:
             raise RuntimeError(f"{name}: {cell_.error}")
@@ -266,13 +262,12 @@ def run_decoder(a: argparse.Namespace) -> dict:
 
 
 def run_profile(a: argparse.Namespace) -> dict:
-    """The device's work per steady-state batch of the GPU graph: relicv2's 6 views, the same with its
-    GPU operators concurrent ("relicv2-parallel"), and 1 view (`profile_kernels`; the Chrome traces,
-    gzipped, beside the report)."""
+    """The device's work per steady-state batch of the GPU graph: relicv2's 6 views and 1 view
+    (`profile_kernels`; the Chrome traces, gzipped, beside the report)."""
     six, one = _view_recipes(a)
     out: dict = {"batch_size": a.batch_size}
-    for name, recipe, parallel in (("relicv2", six, False), ("relicv2-parallel", six, True), (one.name, one, False)):
-        out[name] = profile_kernels(lambda: _make_gpu_loader(a, recipe, 0, parallel=parallel), max(4, a.batches // 2),
+    for name, recipe in (("relicv2", six), (one.name, one)):
+        out[name] = profile_kernels(lambda: _make_gpu_loader(a, recipe, 0), max(4, a.batches // 2),
                                     3, a.device, trace=Path(a.out) / f"trace-{name}.json.gz")
     return out
 
@@ -317,8 +312,7 @@ def table(report: dict) -> str:
                   f"1 view {v['relicv2-1view']['img_per_s']:,.0f} img/s: "
                   f"6 views cost {v['cost_6_vs_1']:.2f}× one view; 6 views, crops only "
                   f"{v['relicv2-crops']['img_per_s']:,.0f} img/s, "
-                  f"without blur {v['relicv2-noblur']['img_per_s']:,.0f}, "
-                  f"with concurrent GPU operators {v['relicv2-parallel']['img_per_s']:,.0f}"]
+                  f"without blur {v['relicv2-noblur']['img_per_s']:,.0f}"]
     d = report.get("decoder")
     if d and "error" not in d:
         lines += ["", f"GPU graph, batch {d['batch_size']}, by the share of JPEGs sent to the hardware decoder:"]

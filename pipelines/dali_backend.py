@@ -44,7 +44,6 @@ from typing import Iterator, NamedTuple
 import numpy as np
 import torch
 from nvidia.dali import Pipeline, fn, pipeline_def
-from nvidia.dali.pipeline import OperatorConcurrency, StreamPolicy
 from nvidia.dali import backend as dali_backend_lib
 from nvidia.dali.backend import TensorListGPU
 from nvidia.dali.plugin.pytorch import feed_ndarray
@@ -410,12 +409,10 @@ def define_pipeline(spec: LoaderSpec, masks: bool, mean, std, device_id: int | N
     in_graph = draws_in_graph(spec)
     workers = host_workers(spec)
     built: dict = {}
-    parallel = ({"concurrency": OperatorConcurrency.FULL, "stream_policy": StreamPolicy.PER_OPERATOR}
-                if spec.parallel_gpu_ops else {})          # LoaderSpec.parallel_gpu_ops
 
     @pipeline_def(batch_size=spec.batch_size, num_threads=max(1, spec.num_workers), device_id=device_id, seed=seed,
                   prefetch_queue_depth=2, enable_conditionals=True, enable_checkpointing=in_graph,
-                  checkpoint=checkpoint, py_num_workers=workers, py_start_method=start_method, **parallel)
+                  checkpoint=checkpoint, py_num_workers=workers, py_start_method=start_method)
     def pipe():
         if source is None:         # defined only: one named input per output of the callback
             nodes = [fn.external_source(name=name, dtype=dali_type(t), ndim=n) for name, t, n, _ in kinds]

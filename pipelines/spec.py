@@ -64,11 +64,6 @@ class LoaderSpec:
     limit: int = 0                     # > 0: only that many records of the split, evenly spread (`EpochOrder`)
     channels_last: bool = False        # views in a channels-last network's memory layout (DALI; others: NCHW)
     decoder: DecoderHints = field(default_factory=DecoderHints)
-    # DALI: run independent operators at once (the views' chains after the decode), GPU ones each on
-    # its own stream (DALI's OperatorConcurrency.FULL, StreamPolicy.PER_OPERATOR). DALI's default runs
-    # one GPU operator at a time on one stream: on an H200 the 6-view graph's stream was idle 10 ms of
-    # a 32-ms batch between operators (their host set-up). Not yet measured on a GPU, hence off.
-    parallel_gpu_ops: bool = False
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import yaml
 from pipelines.loader import Backend
 from pipelines.mixing import MixSpec
 from pipelines.schema import DatasetError, Manifest, read_manifest
-from pipelines.spec import DecoderHints, LoaderSpec
+from pipelines.spec import DecoderHints
 from pipelines.views import Recipe, dataset_sizes
 
 if TYPE_CHECKING:
@@ -56,7 +56,6 @@ class DataConfig:
     max_batch_per_gpu: int = 0      # the largest per-process batch the preset says fits one GPU; 0: no limit
     hw_decoder_load: float = DecoderHints.hw_load   # DALI on a GPU: share of the JPEGs for the hardware decoder
     decode_size_hint_px: int = 0    # DALI on a GPU: image side the decoder preallocates for; 0: none
-    parallel_gpu_ops: bool = LoaderSpec.parallel_gpu_ops   # DALI: independent GPU operators at once, own streams
     num_workers: int = 2            # decoding/augmentation workers per rank
     num_classes: int = 10           # classes, for kNN / linear-probe evaluation; 0: an unlabelled dataset
     mix: MixSpec = field(default_factory=MixSpec)   # intra-batch mixes: pipelines.mixing.MixSpec's fields
@@ -203,11 +202,27 @@ def parse_value(key: str, value: Any, t: Any) -> Any:
     raise ConfigError(f"config key {key!r}: cannot read {value!r} as {name}; give a value of type {name}")
 
 
+# Keys that were removed: {key: (the value it always had by default, why it went)}. A run's saved
+# config.yaml or checkpoint that holds one at that value still loads (the key is dropped); a config
+# that sets it otherwise is refused with the reason.
+RETIRED = {
+    "data.parallel_gpu_ops": (False, "DALI's concurrent GPU operators were not faster on a GPU "
+                                     "(docs/benchmarks.md, 27 Nov 2026)"),
+    "data.sequence_views": (False, "stacking same-size views in the DALI GPU graph was not faster on a GPU "
+                                   "(docs/benchmarks.md, 27 Nov 2026)"),
+}
+
+
 def _merge(tree: dict, update: dict, cls: type, prefix: str = "") -> None:
     """Merge the nested dict `update` into `tree` (in place), checking keys and types against `cls`."""
     hints = _field_types(cls)
     for key, value in update.items():
         dotted = f"{prefix}{key}"
+        if dotted in RETIRED and key not in hints:
+            default, why = RETIRED[dotted]
+            if parse_value(dotted, value, type(default)) == default:
+                continue
+            raise ConfigError(f"config key {dotted!r} was removed ({why}); remove it")
         if key == "objective" and not prefix:
             if not isinstance(value, dict):
                 raise ConfigError(f"config key 'objective' must be a mapping, got {value!r}")

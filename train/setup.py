@@ -145,8 +145,7 @@ def build_train_loader(cfg: Config, recipe: Recipe, backend: str, device: torch.
         root=cfg.data.root, dataset=cfg.data.name, split="train", recipe=recipe,
         batch_size=cfg.data.batch_size // world, mix=cfg.data.mix, rank=dist.rank(), world_size=world,
         seed=cfg.run.seed, device=str(device), num_workers=cfg.data.num_workers,
-        channels_last=channels_last(cfg, device), decoder=decoder_hints(cfg),
-        parallel_gpu_ops=cfg.data.parallel_gpu_ops))
+        channels_last=channels_last(cfg, device), decoder=decoder_hints(cfg)))
 
 
 def channels_last(cfg: Config, device: torch.device) -> bool:

@@ -550,30 +550,3 @@ def test_a_graph_that_draws_itself_is_run_ahead_and_resumes_at_the_batch_handed_
     for mixed, mask in rest:
         b_mixed, b_mask = taken(resumed, again)
         assert torch.equal(b_mixed, mixed) and np.array_equal(b_mask, mask)
-
-
-def test_parallel_gpu_ops_ask_dali_for_concurrent_operators_and_change_no_batch(shards, device) -> None:
-    """`parallel_gpu_ops` defines the graph with DALI's full operator concurrency and a stream per
-    operator (checked on a graph defined for a GPU without one), and the batches are the same as
-    without it, on every graph this machine runs."""
-    from nvidia.dali.pipeline import OperatorConcurrency, StreamPolicy
-
-    spec = LoaderSpec(root="", dataset="", split="train", recipe=RELIC, batch_size=8, seed=7, device=device,
-                      mix=MixSpec("sdmp", sdmp_mixers=("cutmix",)))
-    spec = replace(spec, recipe=with_mix_source(RELIC, spec.mix))
-    on, _ = dali_backend.define_pipeline(replace(spec, device="cuda", parallel_gpu_ops=True), True, MEAN, STD, None)
-    off, _ = dali_backend.define_pipeline(replace(spec, device="cuda"), True, MEAN, STD, None)
-    assert (on.concurrency, on.stream_policy) == (OperatorConcurrency.FULL, StreamPolicy.PER_OPERATOR)
-    assert (off.concurrency, off.stream_policy) == (None, None)                  # DALI's defaults
-    plain = list(on_host(dali_backend.DaliLoader(spec, shards), device))
-    parallel = list(on_host(dali_backend.DaliLoader(replace(spec, parallel_gpu_ops=True), shards), device))
-    assert len(plain) == len(parallel) == N // 8
-    assert_same_batches(plain, parallel)
-
-
-def assert_same_batches(ours: list, theirs: list) -> None:
-    """Every batch equal to the bit: views, mixes, their weights, indices."""
-    for a, b in zip(ours, theirs, strict=True):
-        for x, y in zip((a.global_views, a.local_views, a.mixed, a.mix_lam, a.index),
-                        (b.global_views, b.local_views, b.mixed, b.mix_lam, b.index)):
-            assert torch.equal(x, y)

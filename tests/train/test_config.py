@@ -369,3 +369,23 @@ def test_a_checkpoint_is_checked_for_the_network_it_builds_keys_added_since_taki
         check_same_network(load_config(["method=mocov3", "data=synthetic"]), mocov3, "ck.pt", "fix")
     with pytest.raises(ConfigError, match=r"checkpoint ck.pt was trained with method=byol \(asked for mocov3\)"):
         check_same_network(load_config(["method=mocov3", "data=synthetic"]), to_dict(byol), "ck.pt", "fix")
+
+
+def test_a_retired_key_at_its_old_default_is_dropped_and_set_otherwise_is_refused(tmp_path) -> None:
+    """A run's config.yaml written while `data.parallel_gpu_ops` and `data.sequence_views` existed (both
+    `false` unless set), or a checkpoint of that time, still loads; one that turned either on is refused with the reason, the
+    way every unknown key is."""
+    base = load_config(["method=simclr"])
+    saved = tmp_path / "config.yaml"
+    saved.write_text("data:\n  parallel_gpu_ops: false\n  sequence_views: false\n  num_workers: 3\n")
+    cfg = load_config(["method=simclr", f"config={saved}"])
+    assert cfg.data.num_workers == 3 and to_dict(cfg) == to_dict(dataclasses.replace(
+        base, data=dataclasses.replace(base.data, num_workers=3)))
+    old = to_dict(base)                                       # a checkpoint's config of that time
+    old["data"] |= {"parallel_gpu_ops": False, "sequence_views": False}
+    assert to_dict(config_from_dict(old)) == to_dict(base)
+    for key in ("parallel_gpu_ops", "sequence_views"):
+        with pytest.raises(ConfigError, match=f"data.{key}' was removed .*not faster on a GPU.*; remove it"):
+            load_config(["method=simclr", f"data.{key}=true"])
+    with pytest.raises(ConfigError, match="unknown"):
+        load_config(["method=simclr", "data.parallel_gpu_opz=false"])
