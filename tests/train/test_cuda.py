@@ -1,6 +1,6 @@
 """The trainer on a GPU (tests marked `gpu`): every objective trains a few steps on `cuda` from the DALI
-GPU graph with bf16 autocast and a channels-last network, its losses are finite, and a run stopped at a
-checkpoint and resumed repeats the uninterrupted run's losses."""
+GPU graph with bf16 autocast and a channels-last network, its losses are finite, and a run resumed from
+its checkpoint of a mid-run step repeats the uninterrupted run's losses."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from train.config import load_config
 from train.objectives import OBJECTIVES
 
 pytest.importorskip("nvidia.dali")
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]        # slow: started first (tests/conftest.py)
 
 
 @pytest.fixture
@@ -37,23 +37,25 @@ def _losses(run_dir) -> dict[int, float]:
 
 @pytest.mark.parametrize("method", sorted(OBJECTIVES))
 def test_objective_trains_and_resumes_on_cuda(method: str, tiny_args, tmp_path, deterministic) -> None:
-    # 6 steps over 64 images at batch 16: the stop (step 3) is mid-epoch and the run crosses an epoch.
+    # 6 steps over 64 images at batch 16: the checkpoint of step 3 is mid-epoch and the run crosses an
+    # epoch. The run keeps that checkpoint (`run.keep_last=2`), and a second run resumed from it repeats
+    # steps 4-6 (a run stopped there, `run.stop_after_steps`, writes the same checkpoint: test_resume).
     from train.launch import train
     from train.setup import build_online
 
     words = ["data.backend=dali", "run.device=cuda", "run.amp=true", "model.channels_last=true",
-             "optim.steps=6", "run.ckpt_every=3"]
+             "optim.steps=6", "run.ckpt_every=3", "run.keep_last=2"]
     cfg = load_config([*tiny_args(method, tmp_path / "a"), *words])
     online = build_online(cfg, torch.device("cuda"))
     assert next(online.parameters()).is_cuda
     assert online.backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last)     # the small stem
-    full = _losses(train(cfg))
+    run = train(cfg)
+    full = _losses(run)
     assert sorted(full) == list(range(1, 7)) and all(math.isfinite(v) for v in full.values())
     assert len(set(full.values())) == 6                       # new batches every step
 
-    words_b = [*tiny_args(method, tmp_path / "b"), *words]
-    stopped = train(load_config([*words_b, "run.stop_after_steps=3"]))
-    resumed = _losses(train(load_config([*words_b, f"run.resume={stopped / 'checkpoint.pt'}"])))
+    resumed = _losses(train(load_config([*tiny_args(method, tmp_path / "b"), *words,
+                                         f"run.resume={run / 'checkpoint-3.pt'}"])))
     assert sorted(resumed) == list(range(1, 7))
     for step in range(4, 7):
         assert resumed[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), (method, step)
