@@ -127,9 +127,7 @@ def batch_size(s: Settings, loader: str) -> int:
 def _backend_cell(s: Settings, work: Path, root: Path, name: str, be: str, device: str, recipe):
     """One round of a backend's row: a steady-state run of the full recipe (and of its crops alone, for
     the stage split), and in the first round its graph's operators."""
-    backend = be.partition("@")[0]
-
-    batch = batch_size(s, be)
+    backend, batch = be.partition("@")[0], batch_size(s, be)
 
     def make(epoch: int, rec=recipe):
         spec = LoaderSpec(root=str(root), dataset=name, split="train", recipe=rec, batch_size=batch,

@@ -220,17 +220,18 @@ def _make_gpu_loader(a: argparse.Namespace, recipe: Recipe, epoch: int, hw_load:
     return loader
 
 
+def _gpu_cell(a: argparse.Namespace, recipe: Recipe, hw_load: float = DecoderHints.hw_load):
+    """An `in_rounds` cell: one steady-state run of the GPU graph of `recipe` (`_make_gpu_loader`)."""
+    return lambda rnd: {"img_per_s": list(time_loader(lambda e: _make_gpu_loader(a, recipe, rnd + e, hw_load),
+                                                      a.batches, LOADER_WARMUP, 1, a.device).img_per_s)}
+
+
 def run_views(a: argparse.Namespace) -> dict:
     """Steady-state images/s of the GPU graph with relicv2's 6 views, with its first large crop alone,
     with the 6 views' crops only and without blur, timed in rounds."""
     six, one = _view_recipes(a)
     cells = {r.name: r for r in (six, one, crops_only(six), without_blur(six))}
-
-    def cell(recipe: Recipe):
-        return lambda rnd: {"img_per_s": list(time_loader(lambda e: _make_gpu_loader(a, recipe, rnd + e),
-                                                          a.batches, 3, 1, a.device).img_per_s)}
-
-    timed = in_rounds(a.repeats, {name: cell(r) for name, r in cells.items()})
+    timed = in_rounds(a.repeats, {name: _gpu_cell(a, r) for name, r in cells.items()})
     out: dict = {"batch_size": a.batch_size}
     for name, recipe in cells.items():
         cell_ = timed[name]
@@ -249,10 +250,7 @@ def run_decoder(a: argparse.Namespace) -> dict:
     share of the JPEGs sent to the hardware decoder in `HW_LOADS` (the rest decoded on the CPU's
     threads and CUDA cores: nvJPEG's hybrid path), timed in rounds."""
     six, one = _view_recipes(a)
-    cells = {(r.name, h): (lambda rnd, r=r, h=h: {"img_per_s": list(time_loader(
-        lambda e: _make_gpu_loader(a, r, rnd + e, h), a.batches, 3, 1, a.device).img_per_s)})
-        for r in (six, one) for h in HW_LOADS}
-    timed = in_rounds(a.repeats, cells)
+    timed = in_rounds(a.repeats, {(r.name, h): _gpu_cell(a, r, h) for r in (six, one) for h in HW_LOADS})
     rows = []
     for (name, h), cell in timed.items():
         runs = cell.runs.get("img_per_s", [])
@@ -268,7 +266,7 @@ def run_profile(a: argparse.Namespace) -> dict:
     out: dict = {"batch_size": a.batch_size}
     for name, recipe in (("relicv2", six), (one.name, one)):
         out[name] = profile_kernels(lambda: _make_gpu_loader(a, recipe, 0), max(4, a.batches // 2),
-                                    3, a.device, trace=Path(a.out) / f"trace-{name}.json.gz")
+                                    LOADER_WARMUP, a.device, trace=Path(a.out) / f"trace-{name}.json.gz")
     return out
 
 

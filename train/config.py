@@ -218,7 +218,7 @@ def _merge(tree: dict, update: dict, cls: type, prefix: str = "") -> None:
     hints = _field_types(cls)
     for key, value in update.items():
         dotted = f"{prefix}{key}"
-        if dotted in RETIRED and key not in hints:
+        if dotted in RETIRED:
             default, why = RETIRED[dotted]
             if parse_value(dotted, value, type(default)) == default:
                 continue
