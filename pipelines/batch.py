@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipelines.mixing import MixSpec, mix_sources, mix_views
+from pipelines.mixing import MixSpec, mix_source_views, mix_sources, mix_views
 from pipelines.views import Recipe
 
 
@@ -39,6 +39,16 @@ class Batch:
         to_gpu = torch.device(device).type == "cuda"
         return Batch(**{f.name: None if (v := getattr(self, f.name)) is None else v.to(device, non_blocking=to_gpu)
                         for f in fields(self)})
+
+
+def view_bytes(recipe: Recipe, mix: MixSpec, itemsize: int = 4) -> int:
+    """Bytes of one sample's views in a `Batch` of `recipe` (the recipe of `mixing.with_mix_source`) and
+    `mix`: every view of its fields and every mixed view, `itemsize` bytes a value (4: the normalised
+    float32 batch; 1: uint8 views before normalisation, the mixes not yet made)."""
+    px = sum(g.count * 3 * g.size_px ** 2 for groups in recipe.fields.values() for g in groups)
+    if mix.kind != "none" and itemsize > 1:
+        px += len(mix_source_views(recipe, mix)) * 3 * recipe.global_px ** 2
+    return px * itemsize
 
 
 def normalize(x: Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> Tensor:

@@ -69,6 +69,28 @@ def host_workers(spec: LoaderSpec) -> int:
     return max(1, min(4, spec.num_workers // 4))
 
 
+# Batches the pipeline keeps ahead (its prefetch queue); its external source keeps `max(2, workers)`.
+PIPELINE_PREFETCH = 2
+# What a sample's drawn inputs and pass-through outputs add to its encoded files in a source batch, rounded
+# up: the `dali_graph.input_specs` of multicrop8 with SDMP's mixes and masks, the most of the presets, are
+# 854 bytes a sample (relicv2 575), the ids and lam under 100 more.
+INPUTS_BYTES_PER_SAMPLE = 4096
+MIN_CHUNK_BYTES = 1 << 20          # DALI's smallest shared-memory chunk (`WorkerPool.from_groups`)
+
+
+def shared_memory_bytes(spec: LoaderSpec, info: DatasetInfo) -> int:
+    """/dev/shm a loader of `spec` fills at most. DALI's parallel external source hands each batch from
+    its worker in a shared-memory chunk, and keeps one chunk per batch in the source's and the
+    pipeline's prefetch queues; a chunk too small for a batch is grown to twice its size or the batch's,
+    so a chunk may reach twice the largest batch (it starts at `MIN_CHUNK_BYTES`). A batch holds its encoded images padded to its
+    largest (`_pack_bytes`), likewise its masks, and the drawn inputs: bounded here by the split's
+    largest file of each (the record table's sizes)."""
+    reader = ShardReader.open(info.dir / spec.split, info.count)
+    largest = int(reader.cols[:, 2].max()) + (int(reader.cols[:, 4].max()) if info.reads_masks(spec.recipe) else 0)
+    chunks = PIPELINE_PREFETCH + max(2, host_workers(spec))
+    return chunks * max(MIN_CHUNK_BYTES, 2 * spec.batch_size * (largest + INPUTS_BYTES_PER_SAMPLE))
+
+
 def worker_start_method() -> str:
     """How DALI starts a pipeline's workers: "fork" while CUDA is not initialised in this process (a test,
     a CPU run: cheap), else "forkserver" (a GPU run, whose model is on the device before its loader is
@@ -336,6 +358,17 @@ class DaliLoader(EpochLoader):
         self._pipeline()
         return self._run(stream)
 
+    def close(self) -> None:
+        """End the pipeline, its worker processes and shared memory, and the taker thread; the next
+        iteration builds them again at the loader's position (from the in-graph draws' state there)."""
+        if self.draws_in_graph:
+            self._dali_state = self.state_dict()["dali"]
+        self._drop_ahead()
+        self._pipe = self._pipe_at = None
+        if self._taker is not None:
+            self._taker.shutdown()
+            self._taker = None
+
     def _drop_ahead(self) -> bool:
         """Wait for the taker thread's batch and drop it; whether there was one."""
         ahead, self._ahead = self._ahead, None
@@ -411,7 +444,7 @@ def define_pipeline(spec: LoaderSpec, masks: bool, mean, std, device_id: int | N
     built: dict = {}
 
     @pipeline_def(batch_size=spec.batch_size, num_threads=max(1, spec.num_workers), device_id=device_id, seed=seed,
-                  prefetch_queue_depth=2, enable_conditionals=True, enable_checkpointing=in_graph,
+                  prefetch_queue_depth=PIPELINE_PREFETCH, enable_conditionals=True, enable_checkpointing=in_graph,
                   checkpoint=checkpoint, py_num_workers=workers, py_start_method=start_method)
     def pipe():
         if source is None:         # defined only: one named input per output of the callback

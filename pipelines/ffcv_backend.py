@@ -195,6 +195,9 @@ class FFCVLoader(EpochLoader):
         finally:
             self._stop()
 
+    def close(self) -> None:
+        self._stop()
+
     def _stop(self) -> None:
         """End FFCV's epoch thread of an abandoned or finished epoch, so that no thread outlives it
         (CPython 3.11's `ast` raised "recursion depth mismatch" when FFCV generated code in one thread

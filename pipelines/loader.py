@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import typing
 from dataclasses import replace
@@ -86,6 +87,30 @@ def auto_backend(device_type: str, root: str | Path, dataset: str) -> str:
     return "torch"
 
 
+# The reader workers a loader gets by default (`default_workers`): the cores this process gets (a node's
+# cores shared by its processes, one per GPU), and where a backend was measured to do best with fewer,
+# that many. DALI on a GPU: 4 (an H100 with 16 cores, relicv2 at batch 256, the process pinned to C
+# cores with C workers: 16 cores 8,856-8,968 img/s, 8: 8,888-9,827, 4: 9,848-10,666, 2: 5,523-6,929;
+# docs/benchmarks.md). The others decode on the CPU, so their rate grows with the cores they get.
+BEST_WORKERS: dict[tuple[str, str], int] = {("dali", "cuda"): 4}
+
+
+def cores_per_process(local_processes: int = 1) -> int:
+    """The CPU cores one of `local_processes` processes on this machine gets: SLURM's
+    `--cpus-per-task` where SLURM set it, else this process's CPU affinity shared equally."""
+    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        return max(1, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_processes))
+
+
+def default_workers(backend: str, device_type: str, local_processes: int = 1) -> int:
+    """The reader workers of a loader of `backend` training on `device_type` in one of `local_processes`
+    processes on this machine: `cores_per_process`, at most `BEST_WORKERS`' count where one was measured."""
+    cores = cores_per_process(local_processes)
+    return max(1, min(cores, BEST_WORKERS.get((backend, device_type), cores)))
+
+
 def build_loader(backend: str, spec: LoaderSpec) -> Loader:
     """Build the loader of `backend` for `spec`: reads the manifest, checks the spec, adds the mix
     source group to the recipe (`mixing.with_mix_source`), then builds the backend.
@@ -113,3 +138,20 @@ def build_loader(backend: str, spec: LoaderSpec) -> Loader:
         cache_typed_dict_helpers()           # before FFCV's import compiles them (pipelines/jit.py)
     module = importlib.import_module(f"pipelines.{backend}_backend")
     return module.build(spec, info)
+
+
+def shared_memory_bytes(backend: str, spec: LoaderSpec) -> int:
+    """The /dev/shm one loader of `backend` for `spec` fills at most: what its worker processes hand
+    their batches through (the backend's `shared_memory_bytes`; 0 for a backend whose workers are
+    threads, FFCV's, or that reads in the training process).
+
+    Raises:
+        LoaderError, schema.DatasetError: as `build_loader`.
+    """
+    if backend not in BACKENDS or not installed(backend):
+        raise LoaderError(f"unknown pipeline backend {backend!r}; choose one of {', '.join(BACKENDS)}"
+                          if backend not in BACKENDS else not_installed(backend))
+    info = DatasetInfo.read(spec.root, spec.dataset, spec.split)
+    module = importlib.import_module(f"pipelines.{backend}_backend")
+    need = getattr(module, "shared_memory_bytes", None)
+    return 0 if need is None or spec.num_workers == 0 else need(replace(spec, recipe=with_mix_source(spec.recipe, spec.mix)), info)

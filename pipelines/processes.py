@@ -43,6 +43,12 @@ two rules, kept here for preprocess, pipelines and train alike:
 
 `proc_stat`, `running` and `descendants` read /proc for who runs and who started whom (the reaper of
 a local Ray instance, `preprocess.ray_engine`, and the tests that kill runs use them).
+
+The limits a process meets at a user's site, checked when a command starts rather than met as a
+traceback hours in: open files (`ensure_open_files`: a soft limit below what the command needs is
+raised up to the hard limit, which its children inherit, else one line says what to set) and the
+shared memory that worker processes hand batches through (`check_shared_memory`: a container's
+/dev/shm is often 64 MiB).
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import resource
+import shutil
 import signal
 import sys
 import threading
@@ -224,3 +232,88 @@ def descendants(root: int) -> set[tuple[int, str]]:
             found.add(child)
             todo.append(child[0])
     return found
+
+
+# ------------------------------------------------------------------------------------------------
+# Limits: open files and shared memory
+# ------------------------------------------------------------------------------------------------
+
+
+class LimitError(OSError):
+    """A limit of this machine or shell that a command cannot run under; the message is one line naming
+    what to set."""
+
+
+# What one viewmill process holds open beside its shard readers (`shards.MAX_OPEN_SHARDS` each), from
+# /proc/<pid>/fd of runs on 1,250 shards (docs/benchmarks.md, "Open files"): a rank's libraries, run
+# folder, logs and TensorBoard writer; per worker it starts, the pipes and shared-memory handles it
+# keeps; per other rank, a collective's sockets.
+BASE_DESCRIPTORS = 128
+PER_WORKER_DESCRIPTORS = 12
+PER_PEER_DESCRIPTORS = 4
+OPEN_FILES_CAP = 1 << 20        # the soft limit set where the hard limit is unlimited
+
+
+def descriptors_needed(workers: int = 0, readers: int = 1, peers: int = 0) -> int:
+    """Open files one process needs at most: `BASE_DESCRIPTORS`, `readers` shard readers, `workers`
+    worker processes it starts, `peers` other ranks of its collectives."""
+    from pipelines.shards import MAX_OPEN_SHARDS
+
+    return (BASE_DESCRIPTORS + readers * MAX_OPEN_SHARDS + workers * PER_WORKER_DESCRIPTORS
+            + peers * PER_PEER_DESCRIPTORS)
+
+
+def ensure_open_files(need: int, what: str) -> int:
+    """Make sure this process (and every process it starts after this) may open `need` files: a soft
+    limit below `need` is raised to the hard limit.
+
+    Args:
+        need: descriptors the command needs per process (`descriptors_needed`).
+        what: the command, for the message ("this run", "preprocessing").
+
+    Returns:
+        The soft limit now in force.
+
+    Raises:
+        LimitError: the hard limit is below `need`; one line naming `ulimit -n`.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return soft
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise LimitError(f"{what} needs {need} open files per process, but this shell allows {soft} and at most "
+                         f"{hard} (ulimit -n, ulimit -Hn); run `ulimit -n {need}` as root or ask for a hard limit of "
+                         f"{need} or more (limits.conf, the container's --ulimit nofile=, the job's settings)")
+    new = OPEN_FILES_CAP if hard == resource.RLIM_INFINITY else hard
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    return new
+
+
+SHM = "/dev/shm"
+
+
+def check_shared_memory(need_bytes: int, what: str, fix: str, path: str = SHM) -> None:
+    """Stop in one line when `path` (the shared memory worker processes hand batches through) has
+    less than `need_bytes` free.
+
+    Args:
+        need_bytes: what every process of this command on this machine puts there at most.
+        what: who needs it, for the message. fix: the settings that lower the need.
+
+    Raises:
+        LimitError: too little free; naming the size to give the container (`--shm-size`) and `fix`.
+    """
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return                           # no such file system here: the libraries fall back on their own
+    if free >= need_bytes:
+        return
+    gib = 2 ** 30
+    raise LimitError(f"{what} need about {_size(need_bytes)} of shared memory in {path}, which has {_size(free)} "
+                     f"free; give the container more (docker run --shm-size={-(-need_bytes // gib) + 1}g, or a larger "
+                     f"/dev/shm mount) or {fix}")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.0f} MiB"

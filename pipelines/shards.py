@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import struct
 import sys
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -155,12 +157,22 @@ def image_size(data: bytes) -> tuple[int, int]:
                               "re-run `python -m preprocess` with --force")
 
 
+# Descriptors one reader keeps open at most, the least recently used closed first (`ShardReader._read`):
+# whatever the shard count (ImageNet: 1,282 train shards), a process holds a fixed number, under the
+# 1,024 open files that Ubuntu and many clusters allow a process. A shuffled epoch reads each record
+# from a random shard, so at ImageNet's shard count an LRU this small misses on nearly every read:
+# what it saves is the sequential readers' reopening (evaluation, saliency, the writers' read-back).
+# The cost of a miss (open + close beside the read) is in docs/benchmarks.md.
+MAX_OPEN_SHARDS = 16
+
+
 class ShardReader:
-    """Positioned reads of records' members: one descriptor per shard and process, `os.pread` (no
-    seek, so threads may share it). The records are numpy columns: the split's record table mapped
-    from its file (`open`), or made from scanned records. A reader pickled for a worker process
-    carries the table's path when it has one (a few hundred bytes whatever the split's size), else
-    its columns (64 bytes a record); each worker opens its own descriptors."""
+    """Positioned reads of records' members with `os.pread` (no seek, so threads may share a
+    descriptor), holding at most `MAX_OPEN_SHARDS` descriptors whatever the shard count. The records
+    are numpy columns: the split's record table mapped from its file (`open`), or made from scanned
+    records. A reader pickled for a worker process carries the table's path when it has one (a few
+    hundred bytes whatever the split's size), else its columns (64 bytes a record); each worker opens
+    its own descriptors. `close` (or the reader's end) closes them."""
 
     def __init__(self, records: list[ShardRecord]) -> None:
         self.shards = sorted({r.shard for r in records})
@@ -169,7 +181,8 @@ class ShardReader:
                                r.index, coverage_ppm(r.coverage)) for r in records],
                              np.int64).reshape(-1, len(TABLE_COLUMNS))                  # (N, 8)
         self.table_path: str | None = None
-        self._fds: dict[str, int] = {}
+        self._fds: OrderedDict[str, int] = OrderedDict()     # shard -> descriptor, least recently used first
+        self._lock = threading.Lock()
 
     @classmethod
     def open(cls, split_dir: Path, count: int | None = None) -> "ShardReader":
@@ -206,7 +219,7 @@ class ShardReader:
         return reader
 
     def _map(self, path: str) -> None:
-        self.table_path, self._fds = path, {}
+        self.table_path, self._fds, self._lock = path, OrderedDict(), threading.Lock()
         self.cols = np.load(path, mmap_mode="r")
         last = int(self.cols[:, 0].max()) if self.cols.ndim == 2 and len(self.cols) else -1
         split_dir = os.path.dirname(path)
@@ -215,14 +228,14 @@ class ShardReader:
     def __getstate__(self) -> dict:
         if self.table_path is not None:
             return {"table_path": self.table_path}
-        return {k: v for k, v in self.__dict__.items() if k not in ("_fds", "coverage")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_fds", "_lock", "coverage")}
 
     def __setstate__(self, state: dict) -> None:
         if "cols" not in state:
             self._map(state["table_path"])
             return
         self.__dict__.update(state)
-        self._fds = {}
+        self._fds, self._lock = OrderedDict(), threading.Lock()
 
     def __len__(self) -> int:
         return len(self.cols)
@@ -244,10 +257,41 @@ class ShardReader:
         return np.where(ppm >= 0, ppm / 1e6, schema.NO_MASK_COVERAGE)
 
     def _read(self, shard: str, offset: int, size: int) -> bytes:
-        fd = self._fds.get(shard)
+        # A descriptor in use is out of the LRU, so an eviction never closes one another thread reads
+        # from; two threads reading one shard at once each open their own (at most one per thread more).
+        with self._lock:
+            fd = self._fds.pop(shard, None)
         if fd is None:
-            fd = self._fds[shard] = os.open(shard, os.O_RDONLY)
-        return os.pread(fd, size, offset)
+            fd = os.open(shard, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.pread(fd, size, offset)
+        finally:
+            with self._lock:
+                if shard in self._fds:
+                    os.close(fd)
+                else:
+                    self._fds[shard] = fd
+                    while len(self._fds) > MAX_OPEN_SHARDS:
+                        os.close(self._fds.popitem(last=False)[1])
+
+    @property
+    def open_descriptors(self) -> int:
+        """How many shard descriptors this reader holds now (at most `MAX_OPEN_SHARDS`)."""
+        return len(self._fds)
+
+    def close(self) -> None:
+        """Close every descriptor this reader holds; a later read opens what it needs again."""
+        with self._lock:
+            while self._fds:
+                os.close(self._fds.popitem()[1])
+
+    def __del__(self) -> None:
+        fds = getattr(self, "_fds", None)
+        while fds:
+            try:
+                os.close(fds.popitem()[1])
+            except OSError:
+                pass
 
     def image(self, i: int) -> bytes:
         """The encoded image of record i (JPEG or PNG bytes)."""

@@ -109,6 +109,7 @@ class Loader(Protocol):
     def set_epoch(self, epoch: int) -> None: ...     # reshuffle and reseed for `epoch`
     def state_dict(self) -> dict: ...                # {"epoch", "batches_done", ...}: mid-epoch position
     def load_state_dict(self, state: dict) -> None: ...
+    def close(self) -> None: ...                     # end its workers and free their memory; iterating builds them again
 
 
 @enum.unique
@@ -246,6 +247,10 @@ class EpochLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.order.load_state_dict(state)
+
+    def close(self) -> None:
+        """End what the loader started (worker processes, threads, a pipeline) and free its memory; a
+        loader with nothing of the kind has nothing to do."""
 
 
 def check_spec(spec: LoaderSpec, info: DatasetInfo) -> None:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from pipelines.augment import render_views
-from pipelines.batch import Batch, make_batch
+from pipelines.batch import Batch, make_batch, view_bytes
 from pipelines.processes import worker_context, worker_started
 from pipelines.shards import ShardReader
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec
@@ -34,6 +34,15 @@ def decode(data: bytes, mode: str) -> Tensor:
         a = np.asarray(im.convert(mode))
     t = torch.from_numpy(a.copy())
     return t.permute(2, 0, 1) if t.ndim == 3 else t.unsqueeze(0)                      # (C, H, W)
+
+
+PREFETCH = 2          # batches each DataLoader worker makes ahead
+
+
+def shared_memory_bytes(spec: LoaderSpec, info: DatasetInfo) -> int:
+    """/dev/shm a loader of `spec` fills at most: each worker hands its batches (whole float32 `Batch`es)
+    over in shared memory, `PREFETCH` of them at a time."""
+    return spec.num_workers * PREFETCH * spec.batch_size * view_bytes(spec.recipe, spec.mix)
 
 
 class _BatchReader(torch.utils.data.Dataset):
@@ -92,7 +101,7 @@ class TorchLoader(EpochLoader):
         # spawned (a bench's fresh process, whose default start method is then spawn: each worker would
         # import torch again, seconds each).
         return iter(torch.utils.data.DataLoader(self.batches, batch_size=None, sampler=items,
-                                                num_workers=self.spec.num_workers, prefetch_factor=2,
+                                                num_workers=self.spec.num_workers, prefetch_factor=PREFETCH,
                                                 worker_init_fn=worker_started,
                                                 multiprocessing_context=worker_context(__name__)))
 
@@ -111,6 +120,9 @@ class TorchLoader(EpochLoader):
                 # ahead, and its workers end instead of idling beside training.
                 self._ahead = None
             yield b.to(self.spec.device)
+
+    def close(self) -> None:
+        self._ahead = self._ahead_at = None     # the DataLoader's workers end with their iterator
 
 
 def build(spec: LoaderSpec, info: DatasetInfo) -> TorchLoader:

@@ -35,7 +35,7 @@ from PIL import Image, ImageFilter, ImageOps
 from torch import Tensor
 
 from pipelines.augment import SALIENCY_MIN_COVERAGE, blur_sigma_px
-from pipelines.batch import Batch, make_batch
+from pipelines.batch import Batch, make_batch, view_bytes
 from pipelines.processes import before_fork, worker_context, worker_started
 from pipelines.shards import ShardReader
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
@@ -168,6 +168,12 @@ def collate(items: list[dict]) -> dict:
             "label": torch.tensor([it["label"] for it in items], dtype=torch.long)}
 
 
+def shared_memory_bytes(spec: LoaderSpec, info: DatasetInfo) -> int:
+    """/dev/shm a loader of `spec` fills at most: each worker hands its collated uint8 views over in
+    shared memory, DataLoader's default of 2 batches at a time."""
+    return spec.num_workers * 2 * spec.batch_size * view_bytes(spec.recipe, spec.mix, itemsize=1)
+
+
 class TorchvisionLoader(EpochLoader):
     """PIL + torchvision loader for one rank (see `pipelines.spec.Loader`)."""
 
@@ -193,6 +199,12 @@ class TorchvisionLoader(EpochLoader):
                                raw["index"], raw["label"], self.device)
             o.advance()
             yield batch
+
+    def close(self) -> None:
+        it = getattr(self.loader, "_iterator", None)    # the persistent workers' iterator, once they started
+        if it is not None:
+            it._shutdown_workers()
+            self.loader._iterator = None
 
 
 def build(spec: LoaderSpec, info: DatasetInfo) -> TorchvisionLoader:

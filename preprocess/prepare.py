@@ -41,7 +41,7 @@ import numpy as np
 
 from pipelines import schema
 from pipelines.schema import DatasetError, Manifest
-from pipelines.processes import fork_context
+from pipelines.processes import descriptors_needed, ensure_open_files, fork_context
 from pipelines.shards import scan_shards, write_record_table
 from preprocess import stream
 from preprocess.sources import SOURCES, ListedSource, PreparedSource, PreprocessError, Source
@@ -279,6 +279,7 @@ def prepare_dataset(dataset: str, out_root: Path, *, src: Path | None = None, fo
         raise PreprocessError(f"--shard-size must be >= 1, got {shard_size}")
     if isinstance(engine, str) and engine not in ENGINES:
         raise PreprocessError(f"unknown --engine {engine!r}; use one of {', '.join(ENGINES)}")
+    ensure_open_files(descriptors_needed(workers=workers), "preprocessing")
     job = Job(source, dataset, src, dict(source_params), Path(out_root), name or dataset, force, workers, progress,
               shard_size, engine)
     lock = DatasetLock(job.out_root, job.name)

@@ -56,12 +56,16 @@ class DataConfig:
     max_batch_per_gpu: int = 0      # the largest per-process batch the preset says fits one GPU; 0: no limit
     hw_decoder_load: float = DecoderHints.hw_load   # DALI on a GPU: share of the JPEGs for the hardware decoder
     decode_size_hint_px: int = 0    # DALI on a GPU: image side the decoder preallocates for; 0: none
-    num_workers: int = 2            # decoding/augmentation workers per rank
+    num_workers: int | str = "auto"  # reader workers per process; "auto": its share of the cores, capped where measured (`train.setup.loader_workers`)
     num_classes: int = 10           # classes, for kNN / linear-probe evaluation; 0: an unlabelled dataset
     mix: MixSpec = field(default_factory=MixSpec)   # intra-batch mixes: pipelines.mixing.MixSpec's fields
 
     def __post_init__(self) -> None:
         global_batch(self.batch_size, 1)            # a batch that reads as neither form: stop now
+        n = self.num_workers
+        if n != "auto" and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise ConfigError(f"data.num_workers={n!r}: give a number of workers (0: read in the training process) "
+                              "or auto (this process's share of the cores)")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,11 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def local_world_size() -> int:
+    """The processes of this run on this machine (torchrun's and SLURM's `LOCAL_WORLD_SIZE`; 1 alone)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def init_from_env(use_cuda: bool | None = None, timeout_min: float = 30.0) -> torch.device:
     """Join the process group that torchrun describes in the environment, if any.
 

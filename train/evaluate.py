@@ -44,7 +44,9 @@ DINO's SGD-trained linear layer on augmented crops.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -54,14 +56,15 @@ from torch import Tensor, nn
 
 from pipelines.batch import Batch
 from pipelines.loader import build_loader
+from pipelines.processes import ensure_open_files
 from pipelines.schema import NO_LABEL
-from pipelines.spec import DatasetInfo, Loader, LoaderSpec
+from pipelines.spec import DatasetInfo, LoaderSpec
 from pipelines.views import load_recipe
 from train import checkpoint, dist
 from train.config import Config, ConfigError, config_from_dict, eval_kinds
 from train.log import eval_line
 from train.setup import (build_online, channels_last, check_dataset, check_same_network, decoder_hints,
-                         resolve_backend, select_device)
+                         loader_workers, open_files_needed, resolve_backend, select_device)
 
 EVAL_CAP = {"train": 100_000, "val": 50_000}   # records per split evaluated by default (ImageNet's val whole)
 ALIGNMENT_CAP = 512                            # val images of the alignment figure at most
@@ -335,35 +338,18 @@ def eval_limit(count: int, split: str, max_samples: int) -> int:
     return EVAL_CAP[split] if count > EVAL_CAP[split] else 0
 
 
-class EvalLoaders:
-    """The loaders of a run's evaluations, built at its first evaluation and read again from the
-    start at each later one: a loader's start-up (a DALI pipeline's build, worker processes) is paid
-    once, and every evaluation reads the same records in the same order, with the same draws for the
-    alignment views."""
-
-    def __init__(self) -> None:
-        self._built: dict[tuple[str, str, str], Loader] = {}
-
-    def get(self, backend: str, spec: LoaderSpec) -> Loader:
-        """The loader of `spec` (one run: the same config every time), at the start of epoch 0."""
-        key = (backend, spec.split, spec.recipe.name)
-        if key in self._built:
-            self._built[key].set_epoch(0)
-        else:
-            self._built[key] = build_loader(backend, spec)
-        return self._built[key]
-
-
-def evaluate_backbone(cfg: Config, backbone: nn.Module, backend: str, device: torch.device,
-                      loaders: EvalLoaders | None = None) -> dict[str, float]:
+def evaluate_backbone(cfg: Config, backbone: nn.Module, backend: str, device: torch.device) -> dict[str, float]:
     """Evaluate `backbone` on the data of `cfg` on every rank (module docstring, Scale).
+
+    Each split's loader is built when it is read and closed after it (its workers, a DALI pipeline and
+    its shared memory freed), so that between evaluations a run holds only its training loader's
+    processes and memory, and every evaluation reads the same records with the same draws.
 
     Args:
         cfg: the run's config (data, views, run.eval, run.seed, run.max_eval_samples).
         backbone: (B, 3, H, W) -> (B, F) module on `device`; its train/eval mode is restored.
         backend: a resolved loader backend (not "auto").
         device: where the backbone runs, the batches land and kNN and the probe run.
-        loaders: the run's evaluation loaders, kept between its evaluations (default: built here).
 
     Returns:
         {"rankme", "feature_std", "alignment"} and, per `run.eval` on labelled data, {"knn_top1",
@@ -382,21 +368,22 @@ def evaluate_backbone(cfg: Config, backbone: nn.Module, backend: str, device: to
                                               f"records" for s in counts)
               + " (evenly spread; run.max_eval_samples sets how many)", flush=True)
 
-    loaders = loaders or EvalLoaders()
-
-    def loader(split: str, recipe, limit: int):
-        return loaders.get(backend, LoaderSpec(
+    def loader(split: str, recipe, limit: int) -> contextlib.closing:
+        return contextlib.closing(build_loader(backend, LoaderSpec(
             root=cfg.data.root, dataset=cfg.data.name, split=split, recipe=recipe,
             batch_size=cfg.data.batch_size // world, rank=rank, world_size=world, seed=cfg.run.seed,
-            device=str(device), num_workers=cfg.data.num_workers, shuffle=False, drop_last=False,
-            limit=limit, channels_last=channels_last(cfg, device), decoder=decoder_hints(cfg)))
+            device=str(device), num_workers=loader_workers(cfg, backend, device), shuffle=False, drop_last=False,
+            limit=limit, channels_last=channels_last(cfg, device), decoder=decoder_hints(cfg))))
 
-    va_f, va_y, _ = extract_features(backbone, loader("val", plain, limits["val"]), device, plain.global_px)
+    with loader("val", plain, limits["val"]) as batches:
+        va_f, va_y, _ = extract_features(backbone, batches, device, plain.global_px)
     byol = load_recipe("byol", cfg.views.global_px, cfg.views.local_px)
-    align = alignment_sums(backbone, loader("val", byol, min(limits["val"] or counts["val"], ALIGNMENT_CAP)), device)
+    with loader("val", byol, min(limits["val"] or counts["val"], ALIGNMENT_CAP)) as batches:
+        align = alignment_sums(backbone, batches, device)
     train = None
     if kinds:
-        train = extract_features(backbone, loader("train", plain, limits["train"]), device, plain.global_px)
+        with loader("train", plain, limits["train"]) as batches:
+            train = extract_features(backbone, batches, device, plain.global_px)
     return score_features(train, va_f, va_y, align, kinds, cfg.data.num_classes, cfg.run.seed)
 
 
@@ -453,14 +440,15 @@ def evaluate_checkpoint(args: list[str]) -> dict[str, dict[str, float]]:
     cfg = config_from_dict(state["config"], overrides=[a for a in args if not a.startswith("ckpt=")])
     check_same_network(cfg, state["config"], ckpt[-1], "eval rebuilds that network: drop the override")
     check_dataset(cfg)
+    ensure_open_files(open_files_needed(cfg, dist.local_world_size(), int(os.environ.get("WORLD_SIZE", "1"))),
+                      "this evaluation")
     device = select_device(cfg.run.device, cfg.run.dist_timeout_min)
     backend = resolve_backend(cfg, device)
     trained = build_online(cfg, device)
     trained.load_state_dict(state["online"])
     torch.manual_seed(cfg.run.seed + 1)
-    loaders = EvalLoaders()
-    results = {"checkpoint": evaluate_backbone(cfg, trained.backbone, backend, device, loaders),
-               "random_init": evaluate_backbone(cfg, build_online(cfg, device).backbone, backend, device, loaders)}
+    results = {"checkpoint": evaluate_backbone(cfg, trained.backbone, backend, device),
+               "random_init": evaluate_backbone(cfg, build_online(cfg, device).backbone, backend, device)}
     print(f"step {state['step']} {cfg.method} {cfg.model.backbone} on {cfg.data.name}")
     for name, r in results.items():
         print(f"{name:>12}: {eval_line(r)}")

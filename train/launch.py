@@ -14,8 +14,10 @@ errors of any of it into the command's exit status and one line.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
+import resource
 import signal
 import sys
 import typing
@@ -26,7 +28,7 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
-from pipelines.processes import end_with_parent
+from pipelines.processes import LimitError, end_with_parent, ensure_open_files
 from pipelines.schema import DatasetError
 from pipelines.spec import LoaderError
 from train import dist, loop
@@ -34,7 +36,7 @@ from train.config import Config, ConfigError, load_config, parse_value
 from train.log import Log, check_wandb
 from train.run import Run
 from train.setup import (build_parts, check_batch_split, check_dataset, check_processes, init_backbone,
-                         resolve_backend, select_device)
+                         open_files_needed, resolve_backend, select_device)
 
 EXIT_BAD_INPUT = 2
 LAUNCHER_PID = "VIEWMILL_LAUNCHER_PID"   # set by `elastic` for the processes it starts
@@ -213,7 +215,10 @@ def start(argv: list[str], processes: int = 1, cluster: ClusterConfig = ClusterC
     if "TORCHELASTIC_RUN_ID" in os.environ:     # a rank of the elastic launcher (ours, torchrun): it and
         # its loader workers end when the launcher dies, even one that dies while this process starts
         end_with_parent(int(os.environ.pop(LAUNCHER_PID, os.getppid())))
-    cfg = load_config(argv, world_size=int(os.environ.get("WORLD_SIZE", processes * cluster.nodes)))
+    world = int(os.environ.get("WORLD_SIZE", processes * cluster.nodes))
+    cfg = load_config(argv, world_size=world)
+    # raised here, before any process is started: the ranks and their workers inherit the limit
+    ensure_open_files(open_files_needed(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", processes)), world), "this run")
     if "LOCAL_RANK" in os.environ:          # a rank: of `elastic`, of torchrun, a SLURM task
         train(cfg)
         return 0
@@ -233,9 +238,18 @@ def exit_status(body: Callable[[], int]) -> int:
     in every case."""
     try:
         return body()
-    except (ConfigError, DatasetError, LoaderError, FileNotFoundError) as e:
+    except (ConfigError, DatasetError, LoaderError, LimitError, FileNotFoundError) as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:
+        if e.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        if os.environ.get("RANK", "0") == "0":      # a limit met after all (another library's descriptors)
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            print(f"error: too many open files ({e.strerror}; this process may open {soft}); raise the limit "
+                  f"(ulimit -n {4 * soft}) and run the same command again (run.resume=auto continues a run)",
+                  file=sys.stderr)
         return EXIT_BAD_INPUT
     except loop.NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -18,7 +18,7 @@ from pipelines.batch import Batch
 from pipelines.spec import Loader
 from train import checkpoint, dist, schedules
 from train.config import to_dict
-from train.evaluate import EvalLoaders, evaluate_backbone
+from train.evaluate import evaluate_backbone
 from train.log import Log, Meter
 from train.objectives.base import LossOut, StepValues
 from train.optim import apply_lr_wd, clip_and_step
@@ -51,9 +51,8 @@ def train(run: Run, parts: Parts, log: Log, backend: str) -> bool:
         start_step, random_init, position = state["step"], state["random_init"], state["loader"][rank]
         checkpoint.set_rng_state(state["rng"][rank])
     batches = epochs_from(parts.loader, start_step, steps_per_epoch, position)
-    eval_loaders = EvalLoaders()
     if random_init is None:                  # measured once, before the first step, and kept in checkpoints
-        random_init = evaluate_backbone(cfg, online.backbone, backend, device, eval_loaders)
+        random_init = evaluate_backbone(cfg, online.backbone, backend, device)
 
     def save_checkpoint(step: int) -> None:
         rng, position = dist.gather_objects(checkpoint.rng_state()), dist.gather_objects(parts.loader.state_dict())
@@ -84,7 +83,7 @@ def train(run: Run, parts: Parts, log: Log, backend: str) -> bool:
             log.step(done, cfg.optim.steps, terms, s.lr, parts.objective.target_momentum(s), meter.read_and_reset())
         k = cfg.run.eval_every_epochs * steps_per_epoch
         if k and done % k == 0 and done < cfg.optim.steps:
-            result = evaluate_backbone(cfg, online.backbone, backend, device, eval_loaders)
+            result = evaluate_backbone(cfg, online.backbone, backend, device)
             log.eval(done, done / steps_per_epoch, result, random_init)
         if done % cfg.run.ckpt_every == 0 or done == stop:
             save_checkpoint(done)
@@ -94,7 +93,7 @@ def train(run: Run, parts: Parts, log: Log, backend: str) -> bool:
         log.print(f"stopped after step {stop}; resume with {run.resume_hint()} and a later run.stop_after_steps "
                   "(or none)")
         return False
-    result = evaluate_backbone(cfg, online.backbone, backend, device, eval_loaders)
+    result = evaluate_backbone(cfg, online.backbone, backend, device)
     log.eval(cfg.optim.steps, cfg.optim.steps / steps_per_epoch, result, random_init)
     log.close()
     return True

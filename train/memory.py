@@ -5,8 +5,9 @@ Per method, one training step of the preset's network on the method's views (the
 mixes) runs under bf16 autocast, the mixed-precision casts of a GPU run (on the CPU when there is no
 GPU), at two batch sizes. The bytes of the tensors autograd saves for the backward pass
 (`torch.autograd.graph.saved_tensors_hooks`, each storage counted once) grow linearly with the batch;
-their slope is the activation memory per image. Per image the loader adds its views (float32, in
-DALI's prefetch queue of 2 batches plus the batch in use). Fixed: the parameters, their gradients and
+their slope is the activation memory per image. Per image the loader adds every view batch of the
+recipe (its fields and its mixes, float32: `pipelines.batch.view_bytes`) in DALI's prefetch queue of 2
+batches, the batch its taker thread makes ahead and the batch in use. Fixed: the parameters, their gradients and
 the optimiser's momentum in float32, and the EMA target. The batch that fits is the largest even
 batch with fixed + batch x per-image <= `headroom` x the GPU's memory (0.8 by default: cuDNN's
 workspaces, the allocator's fragmentation and the transient buffers of the step).
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from models.ema import make_target
-from pipelines.batch import Batch
+from pipelines.batch import Batch, view_bytes
 from pipelines.mixing import partner_index, with_mix_source
 from pipelines.views import load_recipe
 from train.config import Config, ConfigError, load_config
@@ -28,7 +29,7 @@ from train.objectives import OBJECTIVES
 from train.objectives.base import StepValues
 from train.setup import build_online
 
-PREFETCHED_BATCHES = 3      # DALI's prefetch queue (2) and the batch the step holds
+PREFETCHED_BATCHES = 4      # DALI's prefetch queue (2), the batch made ahead (its taker thread) and the step's
 
 
 @dataclass(frozen=True)
@@ -87,11 +88,7 @@ def estimate(cfg: Config, gpu_gib: float = 80.0, headroom: float = 0.8, batches:
     lo, hi = batches
     per_image = (saved_bytes(cfg, hi) - saved_bytes(cfg, lo)) / (hi - lo)
     recipe = with_mix_source(load_recipe(cfg.views.recipe, cfg.views.global_px, cfg.views.local_px), cfg.data.mix)
-    view_px = sum(g.count * 3 * g.size_px ** 2 for groups in recipe.fields.values() for g in groups)
-    if cfg.data.mix.kind != "none":
-        view_px += (2 if cfg.data.mix.source == "image" else sum(g.count for g in recipe.fields["global_views"])) \
-            * 3 * recipe.global_px ** 2
-    views = 4 * view_px * PREFETCHED_BATCHES
+    views = view_bytes(recipe, cfg.data.mix) * PREFETCHED_BATCHES
     online = build_online(cfg, torch.device("cpu"))
     n_params = sum(p.numel() for p in online.parameters())
     fixed = 4 * n_params * (3 + int(OBJECTIVES[cfg.method].needs.target))   # weights, grads, momentum (+ target)

@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 from models.backbone import init_weights
 from models.ema import make_target
 from models.multicrop import build_model
-from pipelines.loader import auto_backend, build_loader
+from pipelines.loader import auto_backend, build_loader, cores_per_process, default_workers, shared_memory_bytes
+from pipelines.processes import check_shared_memory, descriptors_needed
 from pipelines.schema import read_manifest
 from pipelines.spec import DecoderHints, Loader, LoaderSpec
 from pipelines.views import Recipe, load_recipe
@@ -110,16 +111,19 @@ def check_dataset(cfg: Config) -> None:
 
 
 def check_processes(n: int, device_name: str) -> None:
-    """Refuse `gpus=N` beyond this machine: N CUDA devices on a GPU machine, N CPU cores without one.
+    """Refuse `gpus=N` beyond this machine: N CUDA devices on a GPU machine, N CPU cores without one
+    (a typo, or GPUs expected where there are none). `run.device=cpu` asks for N CPU processes in so many
+    words, which may share fewer cores (a rehearsal of an 8-GPU run on a small machine).
 
     Raises:
-        ConfigError: N < 1 or more processes than devices (or cores).
+        ConfigError: N < 1 or more processes than devices (or cores, unless run.device=cpu).
     """
     cuda = torch.cuda.is_available() and device_name != "cpu"
     have = torch.cuda.device_count() if cuda else (os.cpu_count() or 1)
     what = "CUDA devices" if cuda else "CPU cores and no CUDA device"
-    if not 1 <= n <= have:
-        raise ConfigError(f"GPUS={n} but this machine has {have} {what}; use GPUS between 1 and {have}")
+    if n < 1 or (n > have and device_name != "cpu"):
+        hint = "" if cuda or n < 1 else f" (or run.device=cpu to run {n} CPU processes on them)"
+        raise ConfigError(f"GPUS={n} but this machine has {have} {what}; use GPUS between 1 and {have}{hint}")
 
 
 def check_batch_split(batch_size: int, processes: int) -> None:
@@ -141,11 +145,27 @@ def build_train_loader(cfg: Config, recipe: Recipe, backend: str, device: torch.
     """
     world = dist.world_size()
     check_batch_split(cfg.data.batch_size, world)
-    return build_loader(backend, LoaderSpec(
+    spec = LoaderSpec(
         root=cfg.data.root, dataset=cfg.data.name, split="train", recipe=recipe,
         batch_size=cfg.data.batch_size // world, mix=cfg.data.mix, rank=dist.rank(), world_size=world,
-        seed=cfg.run.seed, device=str(device), num_workers=cfg.data.num_workers,
-        channels_last=channels_last(cfg, device), decoder=decoder_hints(cfg)))
+        seed=cfg.run.seed, device=str(device), num_workers=loader_workers(cfg, backend, device),
+        channels_last=channels_last(cfg, device), decoder=decoder_hints(cfg))
+    # Every process on this machine: its training loader and, at times, an evaluation loader of the same
+    # batch (the same encoded files in DALI's chunks; fewer views elsewhere).
+    local = dist.local_world_size()
+    check_shared_memory(2 * local * shared_memory_bytes(backend, spec),
+                        f"the {backend} loaders of {local} process(es) (data.batch_size={cfg.data.batch_size}, "
+                        f"{spec.num_workers} workers each)", "lower data.batch_size or data.num_workers")
+    return build_loader(backend, spec)
+
+
+def loader_workers(cfg: Config, backend: str, device: torch.device) -> int:
+    """`data.num_workers`, with "auto" this process's share of the machine's cores as
+    `pipelines.loader.default_workers` rules it (the cores over the run's processes on this machine,
+    at most the count measured best for the backend)."""
+    if cfg.data.num_workers != "auto":
+        return cfg.data.num_workers
+    return default_workers(backend, device.type, dist.local_world_size())
 
 
 def channels_last(cfg: Config, device: torch.device) -> bool:
@@ -170,6 +190,15 @@ def build_online(cfg: Config, device: torch.device) -> nn.Module:
     if cfg.model.channels_last:
         online = online.to(memory_format=torch.channels_last)
     return online
+
+
+def open_files_needed(cfg: Config, local_processes: int, world_size: int) -> int:
+    """Open files one process of a run needs at most (`pipelines.processes.descriptors_needed`): the
+    training loader and one evaluation loader at a time, each with its workers (`data.num_workers`; with
+    "auto" at most the process's share of the cores) and a shard reader, and a collective's sockets to
+    every other rank."""
+    workers = cfg.data.num_workers if cfg.data.num_workers != "auto" else cores_per_process(local_processes)
+    return descriptors_needed(workers=2 * workers, readers=2, peers=world_size - 1)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from pipelines.processes import LimitError, descriptors_needed, ensure_open_files
 from pipelines.schema import DatasetError
 from preprocess.prepare import PreprocessError
 from preprocess.saliency import handcrafted
@@ -66,8 +67,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m preprocess.salien
         settings = Settings(methods=methods, subset=a.subset, seed=a.seed, work_px=a.work_px, workers=a.workers,
                             case_images=a.case_images, score_images=a.score_images, refinement=refinement)
         report = a.report / f"saliency-{a.dataset}"
+        ensure_open_files(descriptors_needed(workers=a.workers), "the saliency stage")
         saliency = compute(a.root / a.dataset, settings, report)
-    except (PreprocessError, DatasetError, handcrafted.SaliencyError) as e:
+    except (PreprocessError, DatasetError, LimitError, handcrafted.SaliencyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"masks written into {a.root / a.dataset} (stage {saliency['stage']}); report in {report}")

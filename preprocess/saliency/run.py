@@ -328,9 +328,10 @@ def _backbone(r: refine.RefineSettings) -> dict | None:
             "method": meta.get("method")}
 
 
-def read_images(split_dir: Path, count: int, indices: list[int], px: int) -> np.ndarray:
-    """Records `indices` of a split decoded and resized to (len, px, px, 3) uint8."""
-    reader = ShardReader.open(Path(split_dir), count)
+def read_images(split_dir: Path | ShardReader, count: int, indices: list[int], px: int) -> np.ndarray:
+    """Records `indices` of a split (its folder, or a reader of it) decoded and resized to
+    (len, px, px, 3) uint8."""
+    reader = split_dir if isinstance(split_dir, ShardReader) else ShardReader.open(Path(split_dir), count)
     out = np.empty((len(indices), px, px, 3), np.uint8)
     for j, i in enumerate(indices):
         out[j] = handcrafted.resize_square(decode(reader, i), px)
@@ -343,7 +344,8 @@ def net_records(split_dir: Path, count: int, indices: list[int], stage: refine.N
     with images/s on a terminal, one summary line otherwise. Returns seconds taken."""
     chunk = 256
     parts = [indices[a:a + chunk] for a in range(0, len(indices), chunk)]
-    batches = ((part, [{name: as_uint8(p)} for p in stage.maps(read_images(split_dir, count, part, stage.px))])
+    reader = ShardReader.open(Path(split_dir), count)         # one for the whole split: its descriptors bounded
+    batches = ((part, [{name: as_uint8(p)} for p in stage.maps(read_images(reader, count, part, stage.px))])
                for part in parts)
     return _drain(batches, len(indices), settings, what, f"network {name}", sink)
 

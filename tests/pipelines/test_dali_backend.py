@@ -550,3 +550,39 @@ def test_a_graph_that_draws_itself_is_run_ahead_and_resumes_at_the_batch_handed_
     for mixed, mask in rest:
         b_mixed, b_mask = taken(resumed, again)
         assert torch.equal(b_mixed, mixed) and np.array_equal(b_mask, mask)
+
+
+def _dali_shared_memory(pids: list[int]) -> int:
+    """Bytes of the DALI shared-memory chunks these processes hold (each file counted once)."""
+    seen = {}
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if "nvidia_dali" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
+                    seen[st.st_dev, st.st_ino] = st.st_size
+            except OSError:
+                continue
+    return sum(seen.values())
+
+
+@pytest.mark.slow
+def test_the_shared_memory_estimate_bounds_what_dali_s_workers_hold(tmp_path) -> None:
+    """`shared_memory_bytes` (what the run checks /dev/shm against) is an upper bound of the chunks DALI's
+    workers and pipeline hold after epochs of batches larger than DALI's smallest chunk, and within 4x."""
+    from pipelines.loader import build_loader, shared_memory_bytes
+    from pipelines.processes import descendants
+    from pipelines.views import load_recipe
+    from preprocess.prepare import prepare_dataset
+
+    prepare_dataset("synthetic", tmp_path, workers=1, train_size=256, val_size=2, image_px=64, seed=0)
+    spec = LoaderSpec(root=str(tmp_path), dataset="synthetic", split="train", recipe=load_recipe("byol", 32, 16),
+                      batch_size=128, num_workers=8)
+    estimate = shared_memory_bytes("dali", spec)
+    loader = build_loader("dali", spec)
+    peak = 0
+    for _ in range(3):
+        for _batch in loader:
+            peak = max(peak, _dali_shared_memory([os.getpid()] + [p for p, _ in descendants(os.getpid())]))
+    loader.close()
+    assert 2 * dali_backend.MIN_CHUNK_BYTES < peak <= estimate <= 4 * peak, (peak, estimate)

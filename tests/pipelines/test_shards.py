@@ -5,7 +5,9 @@ existed is scanned instead, and a table that does not match its split is a one-l
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import pickle
 import shutil
 
@@ -78,3 +80,47 @@ def test_a_table_that_does_not_match_its_split_is_a_one_line_error(tiny_data_roo
     with pytest.raises(schema.DatasetError, match=r"names shard .*shard-000007.tar, which does not exist"):
         ShardReader.open(split, 64)
     assert len(scan_shards(split, 64)) == 64                          # the shards themselves are intact
+
+
+def _shard_descriptors() -> int:
+    """Descriptors this process holds on shard files."""
+    fd_dir = "/proc/self/fd"
+    n = 0
+    for fd in os.listdir(fd_dir):
+        with contextlib.suppress(OSError):
+            n += os.readlink(os.path.join(fd_dir, fd)).endswith(".tar")
+    return n
+
+
+def test_a_reader_over_more_shards_than_its_cap_holds_at_most_the_cap_and_reads_every_record(tmp_path, monkeypatch) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipelines import shards
+    from preprocess.prepare import prepare_dataset
+
+    root = tmp_path / "data"
+    prepare_dataset("synthetic", root, workers=1, train_size=40, val_size=2, image_px=16, seed=0, shard_size=1)
+    split = root / "synthetic" / "train"
+    assert len(list(split.glob("shard-*.tar"))) == 40
+    want = ShardReader.open(split, 40)
+    expected = {i: (want.image(i), want.mask(i)) for i in range(40)}      # unbounded readers would hold 40
+    want.close()
+    monkeypatch.setattr(shards, "MAX_OPEN_SHARDS", 4)
+    base = _shard_descriptors()
+    reader = ShardReader.open(split, 40)
+    order = np.random.default_rng(0).permutation(np.tile(np.arange(40), 3))
+    peak = 0
+    for i in order:                                                       # shuffled, three epochs
+        assert (reader.image(int(i)), reader.mask(int(i))) == expected[int(i)]
+        peak = max(peak, _shard_descriptors() - base)
+    assert peak <= 4 and reader.open_descriptors == 4
+    with ThreadPoolExecutor(4) as pool:                                   # threads sharing the reader
+        got = list(pool.map(lambda i: reader.image(int(i)), order))
+    assert got == [expected[int(i)][0] for i in order]
+    assert reader.open_descriptors <= 4 and _shard_descriptors() - base <= 4
+    reader.close()
+    assert reader.open_descriptors == 0 and _shard_descriptors() == base
+    again = ShardReader.open(split, 40)
+    again.image(3)
+    del again                                                             # a dropped reader closes its own
+    assert _shard_descriptors() == base

@@ -192,24 +192,36 @@ def test_alignment_reads_at_most_its_cap_of_val_images_and_nothing_else_changes(
     assert capped.pop("alignment") != whole.pop("alignment") and capped == whole
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("ffcv", marks=pytest.mark.slow), "dali"])
-def test_a_run_s_later_evaluations_reuse_its_loaders_and_score_as_fresh_ones(backend, tiny_args, tmp_path,
-                                                                             monkeypatch) -> None:
-    """`EvalLoaders`: the second evaluation of a run builds no loader, reads every record again from the
-    start (the same draws for the alignment views) and gives what loaders built afresh give."""
-    pytest.importorskip({"torch": "torch", "ffcv": "ffcv", "dali": "nvidia.dali"}[backend])
+@pytest.mark.parametrize("backend", ["torch", "torchvision", pytest.param("ffcv", marks=pytest.mark.slow), "dali"])
+def test_an_evaluation_frees_its_loaders_and_the_next_one_scores_the_same(backend, tiny_args, tmp_path,
+                                                                          monkeypatch) -> None:
+    """Each evaluation builds its loaders, reads each split once and closes them: no worker process, DALI
+    pipeline or shared memory of theirs outlives it, and a run's later evaluation reads the same records
+    with the same draws (the alignment views) as the first."""
+    pytest.importorskip({"torch": "torch", "torchvision": "torchvision", "ffcv": "ffcv", "dali": "nvidia.dali"}[backend])
+    import os
+
+    from pipelines.processes import descendants
     from train.config import load_config
 
-    cfg = load_config(tiny_args("byol", tmp_path, f"data.backend={backend}"))
+    cfg = load_config(tiny_args("byol", tmp_path, f"data.backend={backend}", "data.num_workers=2"))
     backbone = build_backbone(cfg.model.backbone, cfg.views.global_px)[0].eval()
-    built = []
+    built, closed = [], []
     real_build = evaluate.build_loader
-    monkeypatch.setattr(evaluate, "build_loader", lambda *a: built.append(a[1].split) or real_build(*a))
-    loaders = evaluate.EvalLoaders()
-    first = evaluate.evaluate_backbone(cfg, backbone, backend, torch.device("cpu"), loaders)
-    assert sorted(built) == ["train", "val", "val"]                      # plain train and val, byol val
-    again = evaluate.evaluate_backbone(cfg, backbone, backend, torch.device("cpu"), loaders)
-    assert len(built) == 3
-    fresh = evaluate.evaluate_backbone(cfg, backbone, backend, torch.device("cpu"))
-    assert again == first == fresh
+
+    def build(*a):
+        loader = real_build(*a)
+        built.append((a[1].split, loader))
+        real_close = loader.close
+        loader.close = lambda: closed.append(loader) or real_close()
+        return loader
+
+    monkeypatch.setattr(evaluate, "build_loader", build)
+    before = descendants(os.getpid())
+    first = evaluate.evaluate_backbone(cfg, backbone, backend, torch.device("cpu"))
+    assert sorted(split for split, _ in built) == ["train", "val", "val"]      # plain train and val, byol val
+    assert [loader for _, loader in built] == closed                         # each closed after its split
+    assert descendants(os.getpid()) <= before                                # none of their workers is left
+    again = evaluate.evaluate_backbone(cfg, backbone, backend, torch.device("cpu"))
+    assert len(built) == 6 and again == first
     assert first["eval_val_samples"] == 16 and first["eval_train_samples"] == 16
