@@ -48,7 +48,7 @@ import contextlib
 import math
 import os
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -205,17 +205,23 @@ class Probe:
 
 
 def fit_probe(train_feats: Tensor, train_labels: Tensor, num_classes: int, l2: float = 1e-4,
-              max_iter: int = 1000, seed: int = 0) -> Probe:
+              max_iter: int = 1000, seed: int = 0, rank: int = 0, world: int = 1,
+              reduce: Callable[[list[Tensor]], list[Tensor]] | None = None) -> Probe:
     """Multinomial logistic regression on standardised features: mean cross-entropy + l2 * ||W||^2
     (bias not penalised) from zero weights, on the features' device.
 
     Up to `PROBE_LBFGS_MAX` (N x F x C) full-batch L-BFGS (strong Wolfe) in float32 until the largest
     gradient entry is below 1e-5, the loss stops changing, or `max_iter` iterations; above, mini-batch
-    SGD (module docstring) in an order seeded by `seed`. Both are deterministic.
+    SGD (module docstring) in an order seeded by `seed`. Both are deterministic. The SGD is shared out
+    over `world` ranks that all hold the same features: each takes every world-th row of a mini-batch
+    and `reduce` sums their gradients (ImageNet's 100,000 x 2,048 x 1,000 probe, 30 epochs, is 3.7e13
+    FLOP, once in all instead of on every rank); the step is the one-process step.
 
     Args:
         train_feats: (N, F) float features. train_labels: (N,) int labels in [0, num_classes).
         num_classes: C. l2: weight of the squared-norm penalty, >= 0.
+        rank, world: this rank and the ranks fitting together (each with the same features).
+        reduce: sums a list of tensors over the ranks (`train.dist.all_reduce_sum`); None with world 1.
     """
     _check_split(train_feats, train_labels, num_classes, "train")
     # float32, not float64: 1.9-5.6 s instead of 12-22 s on 10,000 x 512 features (2 busy CPU
@@ -257,8 +263,13 @@ def fit_probe(train_feats: Tensor, train_labels: Tensor, num_classes: int, l2: f
                     for g in opt.param_groups:
                         g["lr"] = PROBE_SGD_LR * 0.5 * (1 + math.cos(math.pi * step / total))
                     rows = order[k * PROBE_SGD_BATCH:(k + 1) * PROBE_SGD_BATCH]
+                    mine = rows[rank::world]
                     opt.zero_grad()
-                    loss_of(x[rows], y[rows]).backward()
+                    # this rank's share of the mini-batch's mean cross-entropy; the penalty counted once
+                    loss = F.cross_entropy(x[mine] @ w + b, y[mine], reduction="sum") / len(rows)
+                    (loss + l2 * (w * w).sum() if rank == 0 else loss).backward()
+                    if world > 1:
+                        w.grad, b.grad = reduce([w.grad, b.grad])
                     opt.step()
     return Probe(mean, std, w.detach(), b.detach(), "lbfgs" if lbfgs else "sgd")
 
@@ -416,7 +427,9 @@ def score_features(train: tuple[Tensor, Tensor, Tensor] | None, val_feats: Tenso
         if "knn" in kinds:
             right.append(knn_correct(tr_f, tr_y, val_feats, val_labels, num_classes))
         if "probe" in kinds:
-            right.append(fit_probe(tr_f, tr_y, num_classes, seed=seed).correct(val_feats, val_labels))
+            probe = fit_probe(tr_f, tr_y, num_classes, seed=seed, rank=dist.rank(), world=dist.world_size(),
+                              reduce=dist.all_reduce_sum)
+            right.append(probe.correct(val_feats, val_labels))
         got = dist.all_reduce_sum([torch.tensor(float(r), dtype=torch.float64, device=val_feats.device) for r in right])
         for kind, r in zip([k for k in ("knn", "probe") if k in kinds], got):
             result["knn_top1" if kind == "knn" else "linear_top1"] = float(r) / result["eval_val_samples"]

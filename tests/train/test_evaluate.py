@@ -141,6 +141,35 @@ def test_the_probe_fits_by_sgd_above_the_size_threshold_deterministically(monkey
     assert a.correct(xv, yv) >= 0.99 * 500
 
 
+def test_the_sgd_probe_shared_over_ranks_takes_the_one_process_steps(monkeypatch) -> None:
+    """Ranks that fit the SGD probe together, each on every world-th row of a mini-batch with their
+    gradients summed, end with the one-process probe (three ranks as threads, summing through a barrier)."""
+    from concurrent.futures import ThreadPoolExecutor
+    import threading
+
+    monkeypatch.setattr(evaluate, "PROBE_LBFGS_MAX", 0)
+    monkeypatch.setattr(evaluate, "PROBE_SGD_BATCH", 512)
+    xt, yt = _clusters(3000, 10, 4, spread=3.0, seed=6)
+    one = fit_probe(xt, yt, 4, seed=3)
+    world, barrier, sent = 3, threading.Barrier(3), {}
+
+    def reduce_of(rank: int):
+        def reduce(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            sent[rank] = [t.clone() for t in tensors]
+            barrier.wait()
+            total = [sum(parts) for parts in zip(*(sent[r] for r in range(world)))]
+            barrier.wait()
+            return total
+        return reduce
+
+    with ThreadPoolExecutor(world) as pool:
+        shared = list(pool.map(lambda r: fit_probe(xt, yt, 4, seed=3, rank=r, world=world, reduce=reduce_of(r)),
+                               range(world)))
+    assert all(torch.equal(p.w, shared[0].w) and torch.equal(p.b, shared[0].b) for p in shared)
+    assert torch.allclose(shared[0].w, one.w, atol=1e-4) and torch.allclose(shared[0].b, one.b, atol=1e-4)
+    assert not torch.allclose(one.w, torch.zeros_like(one.w), atol=1e-2)
+
+
 def _literal_rankme(x: torch.Tensor) -> float:
     """Garrido et al. (arXiv:2210.02885v3) Eq. 1 on the singular values of the (N, D) matrix itself."""
     sigma = torch.linalg.svdvals(x.double())
