@@ -74,9 +74,10 @@ def cleanup() -> None:
 def gather(x: Tensor) -> Tensor:
     """Concatenate `x` from all ranks along dim 0, in rank order, keeping the autograd graph.
 
-    The backward pass sums, over ranks, the gradients that reach each rank's slice
-    (torch.distributed.nn.all_gather), so a loss averaged per rank and then averaged by DDP
-    gets the gradient of the loss over the global batch.
+    The backward pass sums, over ranks, the gradients that reach each rank's slice (a reduce-scatter:
+    torch's functional `all_gather_single_autograd`, which replaced torch.distributed.nn's all_gather),
+    so a loss averaged per rank and then averaged by DDP gets the gradient of the loss over the global
+    batch.
 
     Args:
         x: (B, ...) tensor, the same shape on every rank.
@@ -86,9 +87,13 @@ def gather(x: Tensor) -> Tensor:
     """
     if not is_distributed():
         return x
-    from torch.distributed.nn.functional import all_gather
+    import torch.distributed._functional_collectives as fc
 
-    return torch.cat(all_gather(x), dim=0)                   # (M, ...) with M = world * B
+    if not hasattr(fc, "all_gather_single_autograd"):            # torch < 2.14: the one that is not deprecated
+        from torch.distributed.nn.functional import all_gather
+
+        return torch.cat(all_gather(x), dim=0)                    # (M, ...) with M = world * B
+    return fc.wait_tensor(fc.all_gather_single_autograd(x.contiguous(), 0, dist.group.WORLD))  # (M, ...)
 
 
 @torch.no_grad()

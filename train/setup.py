@@ -6,6 +6,7 @@ same networks.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -262,9 +263,13 @@ def build_parts(cfg: Config, device: torch.device, backend: str, init: bool = Tr
         if sync_bn:
             online = nn.SyncBatchNorm.convert_sync_batchnorm(online)
         # Under SyncBatchNorm the running statistics are already the same on every rank: DDP's
-        # broadcast of rank 0's buffers before each forward would be a wasted collective.
-        online = DistributedDataParallel(online, device_ids=[device.index] if sync_bn else None,
-                                         broadcast_buffers=not sync_bn)
+        # broadcast of rank 0's buffers before each forward would be a wasted collective (torch 2.14
+        # names that switch forward_sync_buffers; on the CPU DDP's default, a broadcast, stays).
+        buffers = {}
+        if sync_bn:
+            new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+            buffers = {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
+        online = DistributedDataParallel(online, device_ids=[device.index] if sync_bn else None, **buffers)
     target = make_target(dist.unwrap(online)) if objective.needs.target else None
     return Parts(
         objective=objective, loader=loader, online=online, target=target,
