@@ -142,7 +142,14 @@ class Log:
         if self.enabled:
             print(text, flush=True)
 
-    def step(self, step: int, total_steps: int, terms: dict[str, float], lr: float, ema: float,
+    def started(self, key: str, seconds: float | None, line: str) -> None:
+        """A start-up figure: `line` printed, `{"kind": "start", key: seconds}` recorded
+        (`first_step_s`: from this process's start to its first step; `random_init_eval_s`)."""
+        if seconds is not None:
+            self.print(line)
+            self.write({"kind": "start", key: seconds})
+
+    def step(self, step: int, total_steps: int, terms: dict[str, float], lr: float, ema: float | None,
              speed: dict[str, float]) -> None:
         """One training line, e.g. `step 1200/100000 | loss 4.183 | lr 0.288 | ema 0.9961 |
         2840 img/s/rank | data 3.1 ms | step 88.4 ms | eta 2h26m`; `speed` also has `steps`, the
@@ -157,17 +164,23 @@ class Log:
         others = " | ".join(f"{k.removeprefix('loss/')} {v:.3f}" for k, v in terms.items() if k != "loss")
         self.print(f"step {step}/{total_steps} | loss {terms['loss']:.3f} | "
                    + (f"{others} | " if others else "")
-                   + f"lr {lr:.3g} | ema {ema:.4f} | {speed['img_per_s']:.0f} img/s/rank | "
+                   + f"lr {lr:.3g} | " + (f"ema {ema:.4f} | " if ema is not None else "")
+                   + f"{speed['img_per_s']:.0f} img/s/rank | "
                    f"data {speed['data_ms']:.1f} ms | step {speed['step_ms']:.1f} ms | eta {format_duration(eta_s)}")
-        numbers = {**terms, "lr": lr, "ema": ema, **{k: v for k, v in speed.items() if k != "steps"},
+        numbers = {**terms, "lr": lr, **({"ema": ema} if ema is not None else {}),
+                   **{k: v for k, v in speed.items() if k != "steps"},
                    "eta_s": eta_s}
         self.write({"kind": "train", "step": step, **numbers})
         self.scalars("train", step, numbers)
 
-    def eval(self, step: int, epoch: float, result: dict[str, float], random_init: dict[str, float]) -> None:
-        """Evaluation line: each figure of the backbone next to the random-init backbone's (`eval_line`)."""
+    def eval(self, step: int, epoch: float, result: dict[str, float], random_init: dict[str, float],
+             seconds: float | None = None) -> None:
+        """Evaluation line: each figure of the backbone next to the random-init backbone's (`eval_line`);
+        the record also holds how long the evaluation took (`seconds`)."""
         self.print(f"eval step {step} (epoch {epoch:.1f}) | {eval_line(result, random_init)}")
         record = {**result, **{f"random_init/{k}": v for k, v in random_init.items()}}
+        if seconds is not None:
+            record["eval_s"] = seconds
         self.write({"kind": "eval", "step": step, "epoch": epoch, **record})
         self.scalars("eval", step, record)
         if self.tb is not None:

@@ -15,11 +15,12 @@ import time
 import torch
 
 from pipelines.batch import Batch
+from pipelines.processes import process_age_s
 from pipelines.spec import Loader
 from train import checkpoint, dist, schedules
 from train.config import to_dict
 from train.evaluate import evaluate_backbone
-from train.log import Log, Meter
+from train.log import Log, Meter, format_duration
 from train.objectives.base import LossOut, StepValues
 from train.optim import apply_lr_wd, clip_and_step
 from train.run import Run
@@ -52,7 +53,10 @@ def train(run: Run, parts: Parts, log: Log, backend: str) -> bool:
         checkpoint.set_rng_state(state["rng"][rank])
     batches = epochs_from(parts.loader, start_step, steps_per_epoch, position)
     if random_init is None:                  # measured once, before the first step, and kept in checkpoints
+        began = time.perf_counter()
         random_init = evaluate_backbone(cfg, online.backbone, backend, device)
+        seconds = time.perf_counter() - began
+        log.started("random_init_eval_s", seconds, f"random-init evaluation: {format_duration(seconds)}")
 
     def save_checkpoint(step: int) -> None:
         rng, position = dist.gather_objects(checkpoint.rng_state()), dist.gather_objects(parts.loader.state_dict())
@@ -76,6 +80,9 @@ def train(run: Run, parts: Parts, log: Log, backend: str) -> bool:
         out = train_step(parts, batch, s)
         meter.tick(batch_size=cfg.data.batch_size // world, data_s=data_s)
         done = step + 1
+        if step == start_step:               # what a start costs before training: imports, loaders, evaluation
+            age = process_age_s()
+            log.started("first_step_s", age, f"first step {format_duration(age or 0)} after this process started")
         if done % cfg.run.log_every == 0 or done == stop:
             terms = {"loss": out.loss.detach().float().item()}  # sync: the only host reads of a step
             terms |= {k: v.float().item() for k, v in out.logs.items()}  # sync: log terms
@@ -83,8 +90,9 @@ def train(run: Run, parts: Parts, log: Log, backend: str) -> bool:
             log.step(done, cfg.optim.steps, terms, s.lr, parts.objective.target_momentum(s), meter.read_and_reset())
         k = cfg.run.eval_every_epochs * steps_per_epoch
         if k and done % k == 0 and done < cfg.optim.steps:
+            began = time.perf_counter()
             result = evaluate_backbone(cfg, online.backbone, backend, device)
-            log.eval(done, done / steps_per_epoch, result, random_init)
+            log.eval(done, done / steps_per_epoch, result, random_init, time.perf_counter() - began)
         if done % cfg.run.ckpt_every == 0 or done == stop:
             save_checkpoint(done)
     log.print(f"data stall: {100 * log.stall_fraction():.1f}% of the step time waited for batches (after warm-up)")
@@ -93,8 +101,9 @@ def train(run: Run, parts: Parts, log: Log, backend: str) -> bool:
         log.print(f"stopped after step {stop}; resume with {run.resume_hint()} and a later run.stop_after_steps "
                   "(or none)")
         return False
+    began = time.perf_counter()
     result = evaluate_backbone(cfg, online.backbone, backend, device)
-    log.eval(cfg.optim.steps, cfg.optim.steps / steps_per_epoch, result, random_init)
+    log.eval(cfg.optim.steps, cfg.optim.steps / steps_per_epoch, result, random_init, time.perf_counter() - began)
     log.close()
     return True
 

@@ -54,7 +54,10 @@ def test_objective_smoke(method: str, tiny_args, tmp_path) -> None:
     x = torch.randn(2, 3, 32, 32)
     assert torch.allclose(restored.eval()(x), model.backbone.eval()(x))
     evals = train_records(run_dir, "eval")
-    assert evals and {"knn_top1", "random_init/knn_top1"} <= set(evals[-1])
+    assert evals and {"knn_top1", "random_init/knn_top1"} <= set(evals[-1]) and evals[-1]["eval_s"] > 0
+    # what a start costs before its first step (the rehearsal at ImageNet's shape reads these)
+    start = {k: v for r in train_records(run_dir, "start") for k, v in r.items() if k != "kind"}
+    assert 0 < start["random_init_eval_s"] < start["first_step_s"]
 
     from models.backbone import load_backbone       # the safetensors export rebuilds the same network
     from safetensors import safe_open
