@@ -8,7 +8,8 @@ torch reference and the DALI backend draw every parameter of a batch with the sa
 Laws (DESIGN §4; torchvision's transforms where the papers name them):
 - crop: RandomResizedCrop — area ~ U(area) * H * W, log(w / h) ~ U(log ratio), the first of
   `CROP_TRIES` tries that fits, else the central crop with the ratio clamped into range; with
-  probability 1 - crop_p the whole image. Crops are resized with antialiasing.
+  probability 1 - crop_p the whole image; with centre_crop > 0 (evaluation) no draw: the central
+  square of that share of the shorter side. Crops are resized with antialiasing.
 - flip: horizontal, with p flip_p.
 - colour jitter (p jitter_p): brightness, contrast, saturation factors ~ U(max(0, 1 - a), 1 + a) and a
   hue shift ~ U(-a, a) turns, applied in a random order per view, each clamped to [0, 1]
@@ -101,7 +102,8 @@ def sample_crop_boxes(hw: Tensor, group: ViewGroup, gen: torch.Generator) -> Ten
 
 
 def crop_boxes(hw: Tensor, group: ViewGroup, u: Tensor) -> Tensor:
-    """The crop law on given uniforms: RandomResizedCrop with probability crop_p, else the whole image.
+    """The crop law on given uniforms: RandomResizedCrop with probability crop_p, else the whole image;
+    with `centre_crop` > 0 the central square of that share of the shorter side, whatever the uniforms.
 
     Area ~ U(area) * H * W, log(w / h) ~ U(log ratio); up to `CROP_TRIES` tries, the first that fits
     wins; else the central crop with the ratio clamped to the range. The compiled FFCV decoder runs
@@ -142,6 +144,9 @@ def crop_boxes(hw: Tensor, group: ViewGroup, u: Tensor) -> Tensor:
     whole = u[:, 0] >= group.crop_p
     boxes = torch.stack([y0, x0, bh, bw], 1).long()                                    # (N, 4)
     full = torch.stack([torch.zeros_like(h), torch.zeros_like(w), h, w], 1).long()
+    if group.centre_crop > 0:
+        side = torch.clamp(torch.round(torch.minimum(h, w) * group.centre_crop), min=1)
+        return torch.stack([torch.floor((h - side) / 2), torch.floor((w - side) / 2), side, side], 1).long()
     return torch.where(whole[:, None], full, boxes)
 
 

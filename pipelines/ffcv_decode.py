@@ -191,7 +191,7 @@ class DecodePlan(NamedTuple):
     view_group: np.ndarray        # (crop views,) its crop group
     offsets: np.ndarray           # (views,) byte offset of each view's pixels in the row
     sizes: np.ndarray             # (views,) S
-    crop_laws: np.ndarray         # (crop groups, 5) float64, `ffcv_ops.crop_law`
+    crop_laws: np.ndarray         # (crop groups, ffcv_ops.CROP_LAW) float64, `ffcv_ops.crop_law`
     windows_offset: int
     with_ops: bool                # the compiled per-view ops run after each crop
     laws: np.ndarray              # (all groups, F) float64, `ffcv_ops.group_table`

@@ -129,10 +129,14 @@ def draw_params(u, gp, p):
 
 
 @jit
-def crop_window(u, height, width, crop_p, area, log_ratio, box):
+def crop_window(u, height, width, crop_p, area, log_ratio, box, centre=0.0):
     """`augment.crop_boxes` for one view: u, its CROP_DRAWS float64 uniforms in that layout; area and
-    log_ratio, the group's (2,) ranges; box, (4,) int64 out: y0, x0, h, w."""
+    log_ratio, the group's (2,) ranges; centre, its centre_crop; box, (4,) int64 out: y0, x0, h, w."""
     box[0], box[1], box[2], box[3] = 0, 0, height, width
+    if centre > 0:
+        side = max(1, int(np.round(min(height, width) * centre)))
+        box[0], box[1], box[2], box[3] = (height - side) // 2, (width - side) // 2, side, side
+        return
     if u[0] >= crop_p:
         return
     for t in range(CROP_TRIES):
@@ -187,18 +191,21 @@ def draw_uniforms(k0, k1, sample, view, first, n, u):
 
 def draw_crop(k0, k1, sample, view, height, width, law, uc, box):
     """C entry point: the crop of (sample, view) on a height x width image, from its first CROP_DRAWS
-    draws (into uc, float64 by address) and its group's crop law (law: 5 float64 by address, crop_p,
-    area range, log-ratio range), as `crop_window` writes it into box (4 int64 by address)."""
+    draws (into uc, float64 by address) and its group's crop law (law: `CROP_LAW` float64 by address,
+    `crop_law`'s), as `crop_window` writes it into box (4 int64 by address)."""
     uc_a = numba.carray(uc, CROP_DRAWS, np.float64)
     for d in range(CROP_DRAWS):
         uc_a[d] = uniform(k0, k1, sample, view, d)
-    law_a = numba.carray(law, 5, np.float64)
-    crop_window(uc_a, height, width, law_a[0], law_a[1:3], law_a[3:5], numba.carray(box, 4, np.int64))
+    law_a = numba.carray(law, CROP_LAW, np.float64)
+    crop_window(uc_a, height, width, law_a[0], law_a[1:3], law_a[3:5], numba.carray(box, 4, np.int64), law_a[5])
+
+
+CROP_LAW = 6                     # float64 values of a crop group's law (`crop_law`)
 
 
 def crop_law(group: ViewGroup) -> tuple[float, ...]:
-    """A crop group's law as `draw_crop` reads it: crop_p, the area range, the log-ratio range."""
-    return (group.crop_p, *group.area, *np.log(np.array(group.ratio, np.float64)))
+    """A crop group's law as `draw_crop` reads it: crop_p, the area range, the log-ratio range, centre_crop."""
+    return (group.crop_p, *group.area, *np.log(np.array(group.ratio, np.float64)), group.centre_crop)
 
 
 @jit

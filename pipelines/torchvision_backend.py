@@ -84,7 +84,10 @@ class _CropGroup:
 
     def __call__(self, img: Image.Image, mask: Image.Image | None, coverage: float) -> Image.Image:
         g = self.group
-        if _coin(g.crop_p):
+        if g.centre_crop > 0:                # evaluation: the central square (augment.crop_boxes)
+            h = w = max(1, round(min(img.height, img.width) * g.centre_crop))
+            top, left = (img.height - h) // 2, (img.width - w) // 2
+        elif _coin(g.crop_p):
             top, left, h, w = T.RandomResizedCrop.get_params(img, list(g.area), list(g.ratio))
         else:
             top, left, h, w = 0, 0, img.height, img.width

@@ -44,6 +44,8 @@ class ViewGroup:
     count: int = 1                              # views drawn per sample
     size_px: int = 224                          # square output side
     crop_p: float = 1.0                         # probability of a random crop; else the whole image, resized
+    centre_crop: float = 0.0                    # > 0: no draw, the central square of this share of the shorter
+                                                # side (evaluation: resize to 256, crop 224 is 224/256 = 0.875)
     area: tuple[float, float] = (0.08, 1.0)     # crop area range, fraction of the image area
     ratio: tuple[float, float] = (3 / 4, 4 / 3) # aspect-ratio range (w/h), drawn log-uniformly
     interpolation: str = "bicubic"              # "bilinear" | "bicubic" (resize of the crop)
@@ -123,7 +125,7 @@ VARIANTS = {"mocov3": "byol"}
 INTERPOLATIONS = ("bilinear", "bicubic")
 BLUR_SIGMA_AT = ("reference", "view")
 _GROUP_KEYS = tuple(f.name for f in _fields(ViewGroup))
-_CROP_KEYS = ("size_px", "crop_p", "area", "ratio", "interpolation", "flip_p", "saliency_p")
+_CROP_KEYS = ("size_px", "crop_p", "centre_crop", "area", "ratio", "interpolation", "flip_p", "saliency_p")
 _PROB_KEYS = ("crop_p", "flip_p", "jitter_p", "gray_p", "blur_p", "solarize_p", "saliency_p")
 
 
@@ -191,6 +193,9 @@ def validate_recipe(recipe: Recipe) -> Recipe:
                 raise RecipeError(f"{where}: {k} {getattr(g, k)} must be >= 0")
         if not 0 <= g.hue <= 0.5:
             raise RecipeError(f"{where}: hue {g.hue} must lie in [0, 0.5]")
+        if not 0.0 <= g.centre_crop <= 1.0:
+            raise RecipeError(f"{where}: centre_crop {g.centre_crop} outside [0, 1]; give the share of the shorter "
+                              "side (0.875 for a 224 crop of a 256 resize), or 0 for the random crop")
         if not (0 < g.area[0] <= g.area[1] <= 1):
             raise RecipeError(f"{where}: area {list(g.area)} must satisfy 0 < min <= max <= 1")
         if not (0 < g.ratio[0] <= g.ratio[1]):

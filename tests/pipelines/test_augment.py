@@ -31,6 +31,16 @@ def test_crop_area_and_ratio_follow_the_recipe_law():
     assert abs(cx.mean().item() - 0.5) < 0.02
 
 
+def test_the_centre_crop_is_the_central_square_of_its_share_of_the_shorter_side():
+    """Evaluation's Resize(256) + CenterCrop(224) as one window: the central square of 224/256 of the
+    shorter side, whatever the draws (the uniforms are still drawn, so the streams stay aligned)."""
+    g = ViewGroup(name="c", size_px=224, centre_crop=224 / 256, flip_p=0.0)
+    hw = torch.tensor([[375, 500], [500, 333], [256, 256], [1, 9]])
+    for seed in range(3):
+        boxes = augment.sample_crop_boxes(hw, g, torch.Generator().manual_seed(seed))
+        assert boxes.tolist() == [[23, 86, 328, 328], [104, 21, 291, 291], [16, 16, 224, 224], [0, 4, 1, 1]]
+
+
 def test_crop_fallback_and_crop_p():
     # A 10 x 1000 strip cannot hold a 3/4..4/3 crop of >= 50 % area: central crop, ratio clamped.
     g = ViewGroup(name="a", area=(0.5, 1.0))

@@ -297,6 +297,7 @@ def test_compiled_identity_and_extreme_factors() -> None:
     ViewGroup("global", size_px=224, area=(0.08, 1.0)),
     ViewGroup("local", size_px=96, area=(0.05, 0.14), ratio=(0.5, 2.0), crop_p=0.7),
     ViewGroup("narrow", size_px=32, area=(0.9, 1.0), ratio=(3.0, 4.0)),          # mostly the fallback
+    ViewGroup("centre", size_px=32, centre_crop=0.875, flip_p=0.0),              # evaluation's centre crop
 ], ids=lambda g: g.name)
 def test_compiled_crop_law_equals_the_reference_law(group: ViewGroup) -> None:
     """`ffcv_ops.crop_window` (the decoder's compiled crop) gives the box of `augment.crop_boxes` on the
@@ -312,8 +313,11 @@ def test_compiled_crop_law_equals_the_reference_law(group: ViewGroup) -> None:
     area = np.array(group.area, np.float64)
     got = np.empty((n, 4), np.int64)
     for i in range(n):
-        ffcv_ops.crop_window(u[i].numpy(), int(hw[i, 0]), int(hw[i, 1]), group.crop_p, area, log_ratio, got[i])
+        ffcv_ops.crop_window(u[i].numpy(), int(hw[i, 0]), int(hw[i, 1]), group.crop_p, area, log_ratio, got[i],
+                             group.centre_crop)
     assert np.array_equal(got, ref), np.flatnonzero((got != ref).any(1))[:5]
+    if group.name == "centre":
+        return
     whole = (ref == np.concatenate([np.zeros((n, 2), np.int64), hw.numpy()], 1)).all(1)
     assert (~whole).any() and (whole.any() or group.crop_p == 1)
     if group.name == "narrow":

@@ -155,6 +155,21 @@ def test_crop_flip_and_op_laws(dataset: DatasetInfo, engine: str) -> None:
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_the_centre_crop_is_the_same_central_window_for_every_sample_and_epoch(dataset: DatasetInfo,
+                                                                               engine: str) -> None:
+    """Evaluation's centre crop (`centre_crop` 0.875: Resize(256) + CenterCrop(224) of the shorter side):
+    every view is the central 112 x 112 px window of the 128-px image, never flipped."""
+    views = views_of(engine, dataset, Recipe("centre", (ViewGroup("centre", size_px=32, centre_crop=0.875,
+                                                                  flip_p=0.0),)), epochs=2)["centre"][0].numpy()
+    for view in views:                                                           # (3, 32, 32) each
+        w, h, flipped = window(view)
+        assert abs(w - 112) < 1.5 and abs(h - 112) < 1.5 and not flipped, (w, h, flipped)
+        # the ramps' means: the window's centre, x = y = 64 (R = 2x + 1, G = 2y)
+        assert abs(view[0].mean() - 129) < 1.5 and abs(view[1].mean() - 128) < 1.5
+    assert np.abs(views - views[0]).max() < 1.0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_staged_view_with_its_ops_off_is_its_parent(dataset: DatasetInfo, engine: str) -> None:
     recipe = Recipe("staged", (ViewGroup("weak", count=2, size_px=16, area=(0.2, 1.0), flip_p=0.5),
                                ViewGroup("aggressive", count=2, size_px=16, parent="weak")))
