@@ -62,6 +62,7 @@ class LoaderSpec:
     shuffle: bool = True               # False: records in index order (evaluation)
     drop_last: bool = True             # False: the last partial batch is kept (evaluation)
     limit: int = 0                     # > 0: only that many records of the split, evenly spread (`EpochOrder`)
+    subset: tuple[int, ...] | None = None  # only these records of the split (sorted dataset indices), e.g. labelled ones
     channels_last: bool = False        # views in a channels-last network's memory layout (DALI; others: NCHW)
     decoder: DecoderHints = field(default_factory=DecoderHints)
 
@@ -91,6 +92,13 @@ class DatasetInfo:
             raise LoaderError(f"dataset {d} has no split {split!r}; choose one of {', '.join(sorted(m.counts))}")
         return cls(dir=d, split=split, count=int(m.counts[split]), mean=tuple(m.mean), std=tuple(m.std),
                    has_masks=bool(m.has_masks))
+
+    def labels(self) -> np.ndarray:
+        """(count,) int64 class labels of the split's records in index order (`schema.NO_LABEL` where a
+        record has none), from its record table."""
+        from pipelines.shards import ShardReader
+
+        return np.array(ShardReader.open(self.dir / self.split, self.count).labels)
 
     def reads_masks(self, recipe: Recipe) -> bool:
         """Whether a loader reads the masks: the recipe removes backgrounds and the dataset has masks."""
@@ -144,8 +152,9 @@ def rank_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
 class EpochOrder:
     """The records one rank reads per epoch, in batches, and the loader position.
 
-    Records: the whole split, or with `spec.limit` that many spread evenly over it (records
-    floor(j · n / limit), j < limit: every part of a split written in class order is represented).
+    Records: the whole split, or `spec.subset` of it, and with `spec.limit` that many of those spread
+    evenly (records floor(j · n / limit), j < limit: every part of a split written in class order is
+    represented).
     Order: a permutation of them seeded by (seed, epoch), the same on every rank (`shuffle`), or
     index order. Sharding: contiguous blocks of that order, with drop_last an equal number of whole
     batches per rank (n // (world · batch) batches), otherwise `rank_range` of it, the last batch
@@ -154,8 +163,8 @@ class EpochOrder:
 
     def __init__(self, spec: LoaderSpec, count: int) -> None:
         self.spec = spec
-        self.split_count = count                         # records in the split
-        self.count = spec.limit if 0 < spec.limit < count else count     # records read
+        self.split_count = len(spec.subset) if spec.subset is not None else count   # records to choose from
+        self.count = spec.limit if 0 < spec.limit < self.split_count else self.split_count     # records read
         self.epoch = 0
         self.batches_done = 0          # batches of `epoch` already handed out
 
@@ -163,9 +172,8 @@ class EpochOrder:
     def records(self) -> np.ndarray:
         """(count,) int64 dataset indices read, in index order (made when asked: an order sent to a
         worker process is a few numbers whatever the split's size)."""
-        if self.count < self.split_count:
-            return np.arange(self.count) * self.split_count // self.count
-        return np.arange(self.count)
+        chosen = np.arange(self.count) * self.split_count // self.count
+        return chosen if self.spec.subset is None else np.asarray(self.spec.subset, np.int64)[chosen]
 
     def __len__(self) -> int:
         s = self.spec
@@ -265,9 +273,15 @@ def check_spec(spec: LoaderSpec, info: DatasetInfo) -> None:
                           "use an even batch size")
     if not 0 <= spec.rank < spec.world_size:
         raise LoaderError(f"rank {spec.rank} is outside [0, world_size={spec.world_size}); pass a valid rank")
-    if spec.drop_last and info.count < spec.world_size * spec.batch_size:
-        raise LoaderError(f"split {spec.split!r} has {info.count} records, too small for one batch of "
-                          f"{spec.batch_size} per rank on {spec.world_size} rank(s); lower the batch size")
+    if spec.subset is not None and (len(spec.subset) == 0 or min(spec.subset) < 0 or max(spec.subset) >= info.count
+                                    or list(spec.subset) != sorted(set(spec.subset))):
+        raise LoaderError(f"subset of split {spec.split!r} must be distinct, sorted record indices in [0, "
+                          f"{info.count}); pass them sorted")
+    records = len(spec.subset) if spec.subset is not None else info.count
+    if spec.drop_last and records < spec.world_size * spec.batch_size:
+        raise LoaderError(f"split {spec.split!r} has {records} records{' in its subset' if spec.subset else ''}, too "
+                          f"small for one batch of {spec.batch_size} per rank on {spec.world_size} rank(s); lower the "
+                          "batch size")
     if spec.mix.kind != "none" and not spec.drop_last:
         raise LoaderError("intra-batch mixes need full batches; use drop_last=True")
     try:

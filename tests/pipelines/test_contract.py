@@ -194,6 +194,29 @@ def test_evaluation_order_and_plain_views_agree_across_backends(root: Path) -> N
         assert float((_pixels(views, root) - _pixels(ref_views, root)).abs().max()) <= 1.01, backend
 
 
+@pytest.mark.parametrize("backend", EVERY_BACKEND)
+def test_a_subset_is_read_alone_once_an_epoch_on_every_backend(root: Path, backend: str) -> None:
+    """`LoaderSpec.subset` (fine-tuning's labelled share): every backend reads those records and no
+    other, each once an epoch over two ranks, shuffled anew each epoch, with their own labels."""
+    from pipelines.spec import DatasetInfo
+
+    subset = tuple(range(1, N_TRAIN, 3))                                     # 16 records
+    labels = torch.from_numpy(DatasetInfo.read(root, "synthetic", "train").labels())
+    plain = load_recipe("plain", PX, PX // 2)
+    orders = []
+    for epoch in range(2):
+        seen = []
+        for r in range(2):
+            loader = _loader(backend, _spec(root, plain, MixSpec(), subset=subset, rank=r, world_size=2, batch_size=4))
+            loader.set_epoch(epoch)
+            for b in loader:
+                assert torch.equal(b.label, labels[b.index])
+                seen += b.index.tolist()
+        assert sorted(seen) == list(subset)
+        orders.append(seen)
+    assert orders[0] != orders[1]
+
+
 @pytest.fixture(scope="module")
 def wide_and_tall(tmp_path_factory) -> tuple[Path, list[torch.Tensor]]:
     """An image folder of non-square images (aspect 4:1 to 1:3), each a gradient rising left to right
