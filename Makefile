@@ -17,6 +17,7 @@ LAUNCHER ?= local
 PRESET   ?=
 ARGS     ?=
 CKPT     ?=
+LABELS   ?= 1%
 INIT     ?=
 RUNS     ?= runs
 ENGINE   ?= local
@@ -29,7 +30,7 @@ STAMP    := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/d
 TEST_STAMP := $(subst .installed-,.installed-test-,$(STAMP))
 
 .DEFAULT_GOAL := help
-.PHONY: help install install-test demo test test-fast preprocess saliency saliency-check train eval profile profile-compare bench-data bench-train bench-preprocess gpu-check
+.PHONY: help install install-test demo test test-fast preprocess saliency saliency-check train eval linear finetune profile profile-compare bench-data bench-train bench-preprocess rehearse gpu-check
 
 help:  ## list targets and variables
 	@echo "viewmill make targets:"
@@ -96,6 +97,12 @@ saliency-check: install  ## after make saliency: relicv2 with p_m 0, 0.1 on the 
 eval: install  ## kNN + linear probe of CKPT's backbone against random init
 	$(PY) -m train eval ckpt=$(CKPT) $(ARGS)
 
+linear: install  ## the papers' linear evaluation of CKPT (top-1/top-5; ARGS: preset=, compare=random_init, epochs=, ...)
+	$(PY) -m train gpus=$(GPUS) linear ckpt=$(CKPT) $(ARGS)
+
+finetune: install  ## semi-supervised fine-tuning of CKPT on LABELS (1% or 10%) of the labels (ARGS: preset=, ...)
+	$(PY) -m train gpus=$(GPUS) finetune ckpt=$(CKPT) labels=$(LABELS) $(ARGS)
+
 profile: install-test  ## throughput report: loader stages vs baseline, peers (lightly, SPDL) and ceilings, first batch, epoch boundaries, training steps, scaling
 	$(PY) -m bench.profile $(if $(filter command line environment,$(origin DATASET)),--dataset $(DATASET)) \
 	  $(if $(RECIPES),--recipes $(RECIPES)) $(if $(METHODS),--methods $(METHODS)) \
@@ -113,6 +120,9 @@ bench-train: install  ## training steps/s, images/s, memory, accuracy per object
 
 bench-preprocess: install-test  ## preprocessing throughput (images/s), 1 worker and all cores
 	$(PY) -m bench.preprocess $(ARGS)
+
+rehearse: install-test  ## ImageNet's shape with tiny pixels: 1.28 M records, 1,282 shards, 8 gloo ranks, kills, ulimit -n 1024 (ARGS: --scale, --stages)
+	$(PY) -m bench.rehearse $(ARGS)
 
 gpu-check: install  ## on a GPU machine: gpu tests, DALI GPU vs CPU graph vs torchvision, ResNet-50 data stall
 	$(PY) -m bench.gpu_check $(ARGS)

@@ -48,9 +48,13 @@ def usage(prog: str = "python -m train") -> str:
     return "\n".join([
         f"usage: {prog} [gpus=N] [method=METHOD] [data=DATASET] [preset=PRESET] [config=FILE.yaml] [key=value ...]",
         f"       {prog} eval ckpt=CHECKPOINT [key=value ...]",
+        f"       {prog} [gpus=N] linear ckpt=CHECKPOINT [preset=NAME] [compare=random_init] [key=value ...]",
+        f"       {prog} [gpus=N] finetune ckpt=CHECKPOINT labels=1%|10% [preset=NAME] [key=value ...]",
         "",
         "Pretrain METHOD on DATASET, then evaluate its backbone (kNN, linear probe) against a random-init one;",
-        "eval does the evaluation for a checkpoint. Errors are one line on stderr, exit status 2, nothing written.",
+        "eval does the evaluation for a checkpoint; linear and finetune run the papers' protocols on it",
+        f"(train/protocol.py; presets: {', '.join(sorted(p.stem for p in (CONFIG_DIR / 'protocol').glob('*.yaml')))}).",
+        "Errors are one line on stderr, exit status 2, nothing written.",
         "",
         "  gpus=N            processes (DDP) on each machine, 1 by default",
         "  nodes=M rdzv=HOST:PORT  M machines joined at HOST:PORT: the same command on each (README, Clusters)",
@@ -78,6 +82,16 @@ def dispatch(argv: list[str]) -> int:
         from train.evaluate import evaluate_checkpoint
 
         evaluate_checkpoint(argv[1:])
+        return 0
+    if argv[:1] in (["linear"], ["finetune"]):
+        import os
+
+        from train import protocol
+        from train.launch import elastic
+
+        if processes > 1 and "LOCAL_RANK" not in os.environ:     # the launching process: start the ranks
+            return elastic(processes, argv, cluster)
+        protocol.main(argv[0], argv[1:])
         return 0
     if cluster.launcher == "slurm":
         from train.slurm import submit_run

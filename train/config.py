@@ -44,7 +44,8 @@ class ConfigError(ValueError):
 BackendChoice = Literal["auto", Backend]        # "auto": dali on CUDA, the fastest on CPU (train.setup)
 OptimName = Literal["lars", "sgd", "momentum", "adamw"]   # timm's: sgd is Nesterov, momentum is plain
 DeviceName = Literal["auto", "cpu", "cuda"]     # no "cuda:N": torchrun's LOCAL_RANK picks the GPU
-EvalName = Literal["auto", "knn", "probe", "none"]   # auto: kNN and probe when the data has labels
+EvalName = Literal["auto", "knn", "probe", "linear", "none"]   # auto: kNN and probe when the data has labels; linear: and
+                                                    # the papers' linear evaluation after the last step (train.protocol)
 
 
 @dataclass(frozen=True)
@@ -325,18 +326,19 @@ DERIVED_MIN_STEPS_PER_EPOCH = 8  # a small folder still gets several steps (Batc
 
 
 def eval_kinds(cfg: Config) -> tuple[str, ...]:
-    """The labelled evaluations `run.eval` asks for: kNN and the probe ("auto" on labelled data),
-    one of them, or none; the label-free health metrics run in every case.
+    """The labelled evaluations `run.eval` asks for: kNN and the probe ("auto" on labelled data, and
+    "linear", which adds `train.protocol`'s linear evaluation after the last step), one of them, or none;
+    the label-free health metrics run in every case.
 
     Raises:
         ConfigError: kNN or the probe asked for on a dataset without labels.
     """
     labelled = cfg.data.num_classes > 0
-    if cfg.run.eval in ("knn", "probe") and not labelled:
+    if cfg.run.eval in ("knn", "probe", "linear") and not labelled:
         raise ConfigError(f"run.eval={cfg.run.eval} needs labels, and dataset {cfg.data.name!r} has none; use "
                           "run.eval=auto (label-free health metrics) or train on a labelled dataset")
     return {"auto": ("knn", "probe") if labelled else (), "knn": ("knn",), "probe": ("probe",),
-            "none": ()}[cfg.run.eval]
+            "linear": ("knn", "probe"), "none": ()}[cfg.run.eval]
 
 
 def derived_from_manifest(manifest: Manifest) -> dict:

@@ -195,6 +195,12 @@ def train(cfg: Config, run: Run | None = None) -> Path:
     run.begin(log)
     if loop.train(run, parts, log, backend):
         run.export(dist.unwrap(parts.online).backbone, log)
+        if cfg.run.eval == "linear":         # the papers' figure: the linear protocol on the last checkpoint
+            from train import protocol
+
+            dist.barrier()
+            parts.loader.close()
+            protocol.main("linear", [f"ckpt={run.folder / 'checkpoint.pt'}"])
     dist.barrier()
     return run.folder
 

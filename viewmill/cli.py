@@ -3,6 +3,8 @@
     viewmill preprocess --dataset synthetic --out data        # python -m preprocess
     viewmill train method=dacl data=synthetic optim.lr=0.6    # python -m train
     viewmill eval ckpt=runs/<run>/checkpoint.pt               # python -m train eval
+    viewmill linear ckpt=runs/<run>/checkpoint.pt             # python -m train linear
+    viewmill finetune ckpt=runs/<run>/checkpoint.pt labels=1% # python -m train finetune
     viewmill saliency --dataset synthetic --root data         # python -m preprocess.saliency
     viewmill profile --quick                                  # python -m bench.profile
 
@@ -37,6 +39,18 @@ def run_eval(argv: list[str]) -> int:
     return main(["eval", *argv], prog="viewmill train")
 
 
+def run_linear(argv: list[str]) -> int:
+    from train.__main__ import main
+
+    return main(["linear", *argv], prog="viewmill train")
+
+
+def run_finetune(argv: list[str]) -> int:
+    from train.__main__ import main
+
+    return main(["finetune", *argv], prog="viewmill train")
+
+
 def run_saliency(argv: list[str]) -> int:
     from preprocess.saliency.__main__ import main
 
@@ -54,6 +68,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "preprocess": (run_preprocess, "write a dataset (synthetic, CIFAR, an image folder) as FFCV + DALI files"),
     "train": (run_train, "pretrain METHOD on DATASET (key=value overrides, config=FILE), then evaluate"),
     "eval": (run_eval, "kNN + linear probe of a checkpoint's backbone against a random-init one"),
+    "linear": (run_linear, "the papers' linear evaluation of a checkpoint (top-1 / top-5, resumable, DDP)"),
+    "finetune": (run_finetune, "semi-supervised fine-tuning of a checkpoint on 1 or 10 per cent of the labels"),
     "saliency": (run_saliency, "saliency masks for a written dataset, with a quality report"),
     "profile": (run_profile, "throughput report: loaders, their stages, training steps, scaling"),
 }

@@ -175,6 +175,7 @@ def rank_worker(rank: int, world: int, port: int, eval_words: list[str], out_dir
                 torch.save((loss / world, [g / world for g in grads], state),
                            os.path.join(out_dir, f"{name}-{len(variant)}.pt"))
         torch.save(eval_result(eval_words), os.path.join(out_dir, f"eval-rank{rank}.pt"))
+        torch.save(protocol_steps(rank, world), os.path.join(out_dir, f"protocol-rank{rank}.pt"))
     finally:
         tdist.destroy_process_group()
 
@@ -223,6 +224,43 @@ def test_every_objective_on_two_ranks_equals_one_process_on_the_concatenated_bat
             torch.testing.assert_close(g2, g1, rtol=1e-9, atol=1e-12, msg=name)
         for k in state:
             torch.testing.assert_close(state2[k], state[k], msg=name)
+
+
+def protocol_steps(rank: int, world: int) -> dict:
+    """The linear protocol's head after 3 steps (`train.protocol.train_step`) on this rank's slice of fixed
+    batches of 8, the head DDP-wrapped on several ranks, the frozen backbone in eval mode."""
+    from models.backbone import build_backbone
+    from train.protocol import Classifier, ProtocolConfig, build_optimizer, train_step
+
+    torch.manual_seed(0)
+    backbone, width = build_backbone("test_resnet", PX)
+    model = Classifier(backbone, width, 5, bn=False, frozen=True)
+    trained = DistributedDataParallel(model.head) if world > 1 else model.head
+    optimizer = build_optimizer(ProtocolConfig(lr=0.5, nesterov=True, weight_decay=1e-4), model)
+    g = torch.Generator().manual_seed(2)
+    part = slice(rank * B // world, (rank + 1) * B // world)
+    for _ in range(3):
+        views, labels = torch.randn(B, 3, PX, PX, generator=g), torch.randint(0, 5, (B,), generator=g)
+        train_step(model, trained, optimizer, views[part], labels[part])
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.ddp
+def test_the_linear_protocol_on_two_ranks_takes_the_one_process_steps(two_ranks) -> None:
+    """Two ranks on halves of each batch end with the head of one process on the whole batches, and the
+    frozen backbone (its BatchNorm statistics too) untouched on both."""
+    torch.set_num_threads(1)
+    single = protocol_steps(0, 1)
+    ranks = [torch.load(two_ranks[0] / f"protocol-rank{r}.pt", weights_only=True) for r in range(2)]
+    for r in ranks:
+        for k, v in single.items():
+            assert torch.allclose(r[k].float(), v.float(), rtol=1e-5, atol=1e-6), k
+    torch.manual_seed(0)
+    from models.backbone import build_backbone
+
+    fresh = build_backbone("test_resnet", PX)[0].state_dict()
+    assert all(torch.equal(single[f"backbone.{k}"], v) for k, v in fresh.items())
+    assert not torch.equal(single["head.1.weight"], torch.zeros_like(single["head.1.weight"]))
 
 
 def eval_result(words: list[str]) -> dict:

@@ -19,7 +19,7 @@ def exit_status(argv: list[str]) -> int:
 def test_help_lists_every_command(capsys) -> None:
     assert exit_status(["--help"]) == 0
     out = capsys.readouterr().out
-    assert set(COMMANDS) == {"preprocess", "train", "eval", "saliency", "profile"}
+    assert set(COMMANDS) == {"preprocess", "train", "eval", "linear", "finetune", "saliency", "profile"}
     assert all(name in out for name in COMMANDS)
 
 
@@ -28,6 +28,8 @@ def test_help_lists_every_command(capsys) -> None:
     ("train", ("usage: viewmill train", "method=METHOD", "config=FILE.yaml", "optim.lr=0.3", "run.resume=",
                *sorted(OBJECTIVES), "cifar10, cifar100, imagenet, synthetic")),
     ("eval", ("viewmill train eval ckpt=CHECKPOINT",)),
+    ("linear", ("viewmill train [gpus=N] linear ckpt=CHECKPOINT", "small, small-finetune")),
+    ("finetune", ("viewmill train [gpus=N] finetune ckpt=CHECKPOINT labels=1%|10%",)),
     pytest.param("saliency", ("usage: viewmill saliency", "--root", "--init"), marks=pytest.mark.slow),  # imports skimage: 5 s
     ("profile", ("usage: viewmill profile", "--backends", "--quick")),
 ])
@@ -43,6 +45,8 @@ def test_each_command_help_is_that_commands_own(command: str, needles: tuple[str
     (["fit"], "invalid choice: 'fit'"),
     (["train", "data=nope", "data.root=/nonexistent"], "no dataset 'nope'"),
     (["eval"], "make eval CKPT="),
+    (["linear"], "make linear CKPT="),
+    (["finetune", "preset=small"], "make finetune CKPT="),
     (["preprocess", "--dataset", "nope"], "unknown dataset 'nope'"),
     (["profile", "--backends", "nope"], "unknown backend nope"),
 ])

@@ -1,0 +1,237 @@
+"""The papers' protocols (`train/protocol.py`): linear evaluation leaves the backbone as it was to the
+bit and separates what is separable; fine-tuning trains the whole network on a class-balanced, seeded
+share of the labels; two gloo ranks take the one-process steps; a killed evaluation resumes to the
+uninterrupted result; bad input is one line and writes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.rehearse import write_folder
+from train import checkpoint, protocol
+from train.config import ConfigError, load_config, to_dict
+from train.protocol import Protocol, labelled_share, load_protocol, lr_at
+from train.setup import build_online
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pretrained(tiny_args, tmp_path: Path, *extra: str) -> Path:
+    """A training checkpoint (config and online weights) of the tiny run's network, as `make train` saves."""
+    cfg = load_config(tiny_args("byol", tmp_path / "runs", *extra))
+    torch.manual_seed(1)
+    online = build_online(cfg, torch.device("cpu"))
+    return checkpoint.save(tmp_path / "runs" / "run" / "checkpoint.pt",
+                           {"config": to_dict(cfg), "online": online.state_dict(), "step": 3})
+
+
+@pytest.fixture(scope="module")
+def colours(tmp_path_factory) -> Path:
+    """A data root holding `colours/`: 10 classes of 24 x 18 images, each class its own colour and pixel
+    noise around it (the rehearsal's generator without its per-image shift), 40 train and 8 val a class."""
+    from preprocess.__main__ import main as preprocess_main
+
+    work = tmp_path_factory.mktemp("colours")
+    write_folder(work / "src", 10, 400, 80, (24, 18), workers=1, shift_sd=0.0)
+    assert preprocess_main(["--dataset", "imagefolder", "--src", str(work / "src"), "--out", str(work / "data"),
+                            "--name", "colours", "--workers", "1"]) == 0
+    return work / "data"
+
+
+def run_cli(*words: str, timeout: float = 600, **popen) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "train", *words], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, **popen)
+
+
+def test_presets_resolve_by_method_and_size_and_bad_keys_are_one_line() -> None:
+    assert load_protocol("linear", "auto", "relicv2", 1_281_167, [])[0] == "relicv2"
+    assert load_protocol("linear", "auto", "uota:mocov2star", 1_281_167, [])[0] == "mocov2star"
+    assert load_protocol("linear", "auto", "uota:byol", 1_281_167, [])[0] == "byol-uota"
+    assert load_protocol("linear", "auto", "relicv2", 10_000, [])[0] == "small"
+    name, p = load_protocol("finetune", "auto", "sdmp", 1_281_167, [("labels", "1%")])
+    assert name == "simclr-1pct" and p.labels == "1%" and p.epochs == 60
+    name, p = load_protocol("linear", "meanshift", "rsa", 10, [("epochs", "3"), ("lr", "0.5")])
+    assert (p.epochs, p.lr, p.schedule, p.milestones, p.weight_decay) == (3.0, 0.5, "step", (15.0, 30.0), 1e-4)
+    with pytest.raises(ConfigError, match=r"unknown linear key 'epoch'; valid keys: .*epochs"):
+        load_protocol("linear", "small", "byol", 10, [("epoch", "3")])
+    with pytest.raises(ConfigError, match=r"no linear preset 'nope'; choose one of .*byol"):
+        load_protocol("linear", "nope", "byol", 10, [])
+    with pytest.raises(ConfigError, match=r"'relicv2-1pct' is a fine-tuning preset; use it with python -m train finetune"):
+        load_protocol("linear", "relicv2-1pct", "byol", 10, [])
+    with pytest.raises(ConfigError, match=r"finetune needs labels=1% or labels=10%"):
+        load_protocol("finetune", "small-finetune", "byol", 10, [("labels", "5%")])
+
+
+def test_schedules_follow_their_presets() -> None:
+    _, step = load_protocol("linear", "mocov2", "rsa", 10, [])                 # lr 30, x0.1 at 60 and 80
+    assert [lr_at(step, e * 10, 10) for e in (0, 59, 60, 79, 80, 99)] == pytest.approx([30, 30, 3, 3, 0.3, 0.3])
+    _, cos = load_protocol("linear", "byol", "byol", 10, [("warmup_epochs", "1")])
+    lrs = [lr_at(cos, s, 10) for s in range(800)]
+    assert lrs[0] == pytest.approx(cos.lr / 10) and lrs[9] == pytest.approx(cos.lr) and lrs[-1] < 1e-6
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+
+
+def test_the_labelled_share_is_class_balanced_seeded_and_refuses_an_empty_class() -> None:
+    labels = torch.arange(10).repeat_interleave(torch.tensor([100, 120, 90, 100, 100, 100, 100, 100, 130, 60]))
+    share = labelled_share(labels, "10%", 10, seed=0)
+    counts = torch.bincount(labels[list(share)], minlength=10).tolist()
+    assert counts == [10, 12, 9, 10, 10, 10, 10, 10, 13, 6] and list(share) == sorted(set(share))
+    assert share == labelled_share(labels, "10%", 10, seed=0) != labelled_share(labels, "10%", 10, seed=1)
+    with pytest.raises(ConfigError, match=r"labels=1% leaves class 9 without a labelled image \(it has 40"):
+        labelled_share(torch.cat([labels[labels < 9], torch.full((40,), 9)]), "1%", 10, seed=0)
+
+
+def test_linear_evaluation_leaves_the_backbone_bit_identical(tiny_args, tmp_path) -> None:
+    ckpt = pretrained(tiny_args, tmp_path)
+    state = checkpoint.load(ckpt)
+    from train.config import config_from_dict
+
+    cfg = config_from_dict(state["config"])
+    _, p = load_protocol("linear", "small", cfg.method, 64, [("epochs", "2"), ("batch_size", "16"), ("bn", "true")])
+    folder = tmp_path / "linear"
+    result = Protocol("linear", "small", p, cfg, folder, state["online"]).run("torch", torch.device("cpu"))
+    saved = checkpoint.load(folder / "checkpoint.pt")["model"]
+    backbone = {k.removeprefix("backbone."): v for k, v in saved.items() if k.startswith("backbone.")}
+    before = {k.removeprefix("backbone."): v for k, v in state["online"].items() if k.startswith("backbone.")}
+    assert backbone.keys() == before.keys() and any("running_mean" in k for k in before)
+    assert all(torch.equal(backbone[k], before[k]) for k in before)            # weights and BN statistics
+    head = saved["head.1.weight"]
+    assert not torch.equal(head, torch.zeros_like(head)) and 0 <= result["top1"] <= result["top5"] <= 1
+    assert result["val_samples"] == 32
+
+
+def test_the_head_separates_classes_the_features_separate(colours, tmp_path) -> None:
+    """Ten colours, the network at its initialisation: a linear head on its frozen features classifies
+    the val images."""
+    from train.config import load_config
+
+    cfg = load_config(["method=simclr", "data=colours", f"data.root={colours}", "data.backend=torch",
+                       "data.num_workers=1", "views.global_px=16", "views.local_px=8", "model.backbone=test_resnet",
+                       f"run.out_dir={tmp_path}"])
+    _, p = load_protocol("linear", "small", cfg.method, 400, [("epochs", "15"), ("batch_size", "64"), ("lr", "1.0")])
+    result = Protocol("linear", "small", p, cfg, tmp_path / "linear", None).run("torch", torch.device("cpu"))
+    assert result["top1"] >= 0.95 and result["val_samples"] == 80, result
+
+
+def test_fine_tuning_trains_the_whole_network_on_its_labelled_share(tiny_args, tmp_path) -> None:
+    ckpt = pretrained(tiny_args, tmp_path)
+    state = checkpoint.load(ckpt)
+    from train.config import config_from_dict
+
+    cfg = config_from_dict(state["config"])
+    _, p = load_protocol("finetune", "small-finetune", cfg.method, 64, [("labels", "10%"), ("epochs", "2"),
+                                                                         ("batch_size", "4")])
+    seen = []
+    real = protocol.build_loader
+    protocol.build_loader = lambda backend, spec: seen.append(spec) or real(backend, spec)
+    try:
+        Protocol("finetune", "small-finetune", p, cfg, tmp_path / "ft", state["online"]).run("torch", torch.device("cpu"))
+    finally:
+        protocol.build_loader = real
+    from pipelines.spec import DatasetInfo
+
+    labels = torch.from_numpy(DatasetInfo.read(cfg.data.root, cfg.data.name, "train").labels())
+    assert seen[0].subset == labelled_share(labels, "10%", cfg.data.num_classes, 0) and seen[1].subset is None
+    saved = checkpoint.load(tmp_path / "ft" / "checkpoint.pt")["model"]
+    changed = [k for k, v in state["online"].items() if k.startswith("backbone.") and v.is_floating_point()
+               and not torch.equal(saved[k], v)]
+    assert any(k.endswith("weight") for k in changed)
+
+
+@pytest.mark.ddp
+def test_two_launched_ranks_read_and_score_every_record_once(tiny_args, tmp_path) -> None:
+    """`gpus=2 linear`: the elastic launch of the protocol; each rank scores its shard of the val split and
+    the counts are summed (every val record once). The steps themselves equal one process's on the
+    whole batch: tests/train/test_ddp.py."""
+    ckpt = pretrained(tiny_args, tmp_path)
+    two = run_cli("gpus=2", "linear", f"ckpt={ckpt}", "preset=small", "epochs=1", "batch_size=16", "run.device=cpu")
+    assert two.returncode == 0, two.stderr[-2000:]
+    result = json.loads((ckpt.parent / "linear_eval.json").read_text())
+    assert result["val_samples"] == 32 and 0 <= result["top1"] <= result["top5"] <= 1
+    assert two.stdout.count("linear evaluation (small)") == 1             # rank 0 alone prints
+
+
+@pytest.mark.slow
+def test_a_killed_evaluation_resumes_to_the_uninterrupted_result(tiny_args, tmp_path) -> None:
+    ckpt = pretrained(tiny_args, tmp_path)
+    words = ["linear", f"ckpt={ckpt}", "preset=small", "epochs=6", "batch_size=16", "ckpt_every=3", "log_every=1",
+             "run.device=cpu"]
+    whole = run_cli(*words)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    expected = json.loads((ckpt.parent / "linear_eval.json").read_text())
+    folder = ckpt.parent / "linear-small"
+    reference = checkpoint.load(folder / "checkpoint.pt")["model"]
+    for f in folder.iterdir():
+        f.unlink()
+    (ckpt.parent / "linear_eval.json").unlink()
+    proc = subprocess.Popen([sys.executable, "-m", "train", *words], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not (folder / "checkpoint.pt").is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = checkpoint.load(folder / "checkpoint.pt")["step"]
+    assert killed_at < 24 and not (ckpt.parent / "linear_eval.json").exists()
+    again = run_cli(*words)
+    assert again.returncode == 0 and f"resuming {folder} from step {killed_at}" in again.stdout, again.stdout[-2000:]
+    got = json.loads((ckpt.parent / "linear_eval.json").read_text())
+    assert (got["top1"], got["top5"]) == (expected["top1"], expected["top5"])
+    assert all(torch.equal(v, reference[k]) for k, v in checkpoint.load(folder / "checkpoint.pt")["model"].items())
+    third = run_cli(*words)                                                # finished: printed again, nothing trained
+    assert third.returncode == 0 and "step " not in third.stdout and "top-1" in third.stdout
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tiny_args, tmp_path, capsys) -> None:
+    from train.__main__ import main
+
+    ckpt = pretrained(tiny_args, tmp_path)
+    before = sorted(p.name for p in ckpt.parent.iterdir())
+
+    def fails(words: list[str], *needles: str) -> None:
+        assert main(words) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+        assert all(n in err for n in needles), err
+
+    fails(["linear"], "linear needs the pretraining checkpoint: make linear CKPT=")
+    fails(["linear", f"ckpt={ckpt}", "model.backbone=resnet50"], "trained with model.backbone=test_resnet")
+    exported = checkpoint.save(tmp_path / "backbone.pt", {"conv1.weight": torch.zeros(1)})
+    fails(["linear", f"ckpt={exported}"], "not a training checkpoint")
+    fails(["finetune", f"ckpt={ckpt}", "labels=1%"], "labels=1% leaves class", "use a larger share")
+    fails(["linear", f"ckpt={ckpt}", "epoch=3"], "unknown linear key 'epoch'")
+    fails(["linear", f"ckpt={ckpt}", "compare=best"], "compare=random_init")
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == before
+
+
+def test_an_unlabelled_dataset_is_refused_in_one_line(tmp_path, capsys) -> None:
+    import numpy as np
+    from PIL import Image
+
+    from preprocess.__main__ import main as preprocess_main
+    from train.__main__ import main
+
+    for i in range(60):
+        d = tmp_path / "photos" / f"trip{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((20, 20, 3), i * 4, np.uint8)).save(d / f"{i}.jpg")
+    assert preprocess_main(["--dataset", "imagefolder", "--src", str(tmp_path / "photos"), "--out", str(tmp_path / "data"),
+                            "--name", "photos", "--workers", "1"]) == 0
+    cfg = load_config(["method=simclr", "data=photos", f"data.root={tmp_path / 'data'}", "model.backbone=test_resnet",
+                       f"run.out_dir={tmp_path / 'runs'}", "run.name=run"])
+    ckpt = checkpoint.save(tmp_path / "runs" / "run" / "checkpoint.pt",
+                           {"config": to_dict(cfg), "online": build_online(cfg, torch.device("cpu")).state_dict()})
+    capsys.readouterr()
+    assert main(["linear", f"ckpt={ckpt}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "has no labels, so there is nothing to classify" in err, err
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["checkpoint.pt"]
