@@ -293,6 +293,13 @@ class Protocol:
         subset = None
         if self.kind == "finetune":
             subset = labelled_share(torch.from_numpy(info.labels()), p.labels, cfg.data.num_classes, p.seed)
+        records = len(subset) if subset else info.count
+        if p.batch_size > records:            # a preset's batch on a small (share of a) dataset: one batch an epoch
+            batch = records // (2 * world) * 2 * world
+            if dist.is_main():
+                print(f"note: batch_size {p.batch_size} is more than the {records:,} labelled train records; "
+                      f"{batch} (batch_size= sets another)", flush=True)
+            p = self.p = dataclasses.replace(p, batch_size=batch)
         spec = LoaderSpec(root=cfg.data.root, dataset=cfg.data.name, split="train",
                           recipe=train_recipe(cfg.views.global_px, p.augment), batch_size=p.batch_size // world,
                           rank=rank, world_size=world, seed=p.seed, device=str(device),
@@ -375,7 +382,7 @@ class Protocol:
                           decoder=decoder_hints(cfg))
         with contextlib.closing(build_loader(backend, spec)) as batches:
             top1, top5, n = (float(v) for v in top_k_correct(model, batches, device))
-        result = {"top1": top1 / n, "top5": top5 / n, "val_samples": n}
+        result = {"top1": top1 / n, "top5": top5 / n, "val_samples": n, "batch_size": self.p.batch_size}
         log.write({"kind": "eval", **result})
         return result
 
@@ -443,7 +450,8 @@ def main(kind: Kind, args: list[str]) -> dict:
         if dist.is_main():
             done.write_text(json.dumps(results[label], indent=1) + "\n")
         dist.barrier()
-    out = {"kind": kind, "preset": preset, "source": p.source, "epochs": p.epochs, "batch_size": p.batch_size,
+    out = {"kind": kind, "preset": preset, "source": p.source, "epochs": p.epochs,
+           "batch_size": results["checkpoint"].get("batch_size", p.batch_size),
            "labels": p.labels or None, "checkpoint": str(ckpt), "checkpoint_step": int(state.get("step", 0)),
            "top1": results["checkpoint"]["top1"], "top5": results["checkpoint"]["top5"],
            "val_samples": results["checkpoint"]["val_samples"], "protocol": to_dict(p),

@@ -235,3 +235,16 @@ def test_an_unlabelled_dataset_is_refused_in_one_line(tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "has no labels, so there is nothing to classify" in err, err
     assert sorted(p.name for p in ckpt.parent.iterdir()) == ["checkpoint.pt"]
+
+
+def test_run_eval_linear_ends_pretraining_with_the_linear_evaluation(tiny_args, tmp_path, capsys) -> None:
+    """`run.eval=linear`: the run, then the linear protocol on its last checkpoint (the short preset on
+    small data, its batch cut to the 64 train records with a note)."""
+    from train.launch import train
+
+    cfg = load_config(tiny_args("simclr", tmp_path, "run.eval=linear"))
+    run_dir = train(cfg)
+    result = json.loads((run_dir / "linear_eval.json").read_text())
+    assert result["preset"] == "small" and result["batch_size"] == 64 and result["val_samples"] == 32
+    assert result["checkpoint"] == str(run_dir / "checkpoint.pt") and result["checkpoint_step"] == 3
+    assert "note: batch_size 256 is more than the 64 labelled train records; 64" in capsys.readouterr().out
