@@ -43,10 +43,17 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
-from nvidia.dali import Pipeline, fn, pipeline_def
-from nvidia.dali import backend as dali_backend_lib
-from nvidia.dali.backend import TensorListGPU
-from nvidia.dali.plugin.pytorch import feed_ndarray
+
+# A quiet console: DALI's image decoders (nvImageCodec) load every codec extension they ship when a
+# pipeline is built and print "Failed to load" for each whose library is absent (nvTIFF, nvJPEG2000:
+# codecs viewmill never reads), for every pipeline of every rank. Their log level 1 keeps fatal errors
+# only; a decode that fails still raises in Python. A level the user set is kept.
+os.environ.setdefault("DALI_NVIMGCODEC_LOG_LEVEL", "1")
+
+from nvidia.dali import Pipeline, fn, pipeline_def  # noqa: E402  (after the log level it reads)
+from nvidia.dali import backend as dali_backend_lib  # noqa: E402
+from nvidia.dali.backend import TensorListGPU  # noqa: E402
+from nvidia.dali.plugin.pytorch import feed_ndarray  # noqa: E402
 
 from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers

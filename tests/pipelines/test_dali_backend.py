@@ -586,3 +586,44 @@ def test_the_shared_memory_estimate_bounds_what_dali_s_workers_hold(tmp_path) ->
             peak = max(peak, _dali_shared_memory([os.getpid()] + [p for p, _ in descendants(os.getpid())]))
     loader.close()
     assert 2 * dali_backend.MIN_CHUNK_BYTES < peak <= estimate <= 4 * peak, (peak, estimate)
+
+
+def _build_output(device: str) -> str:
+    """The code of a process that builds one DALI loader of the tiny dataset, reads a batch and prints the
+    codecs' log level."""
+    code = ("import sys, os; from pipelines.loader import build_loader; from pipelines.spec import LoaderSpec; "
+            "from pipelines.views import load_recipe; "
+            f"spec = LoaderSpec(root=sys.argv[1], dataset='synthetic', split='train', recipe=load_recipe('byol', 32, 16), "
+            f"batch_size=8, num_workers=1, device={device!r}); next(iter(build_loader('dali', spec))); "
+            "print('level', os.environ.get('DALI_NVIMGCODEC_LOG_LEVEL'))")
+    return code
+
+
+@pytest.mark.parametrize("user_level", [None, "3"])
+def test_the_image_codecs_log_fatal_errors_only_unless_the_user_says(tiny_data_root, user_level) -> None:
+    """nvImageCodec's "Failed to load" lines for codecs viewmill never reads are kept off the console
+    (`DALI_NVIMGCODEC_LOG_LEVEL` 1); a level the user set is left as it is."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DALI_NVIMGCODEC_LOG_LEVEL"}
+    if user_level:
+        env["DALI_NVIMGCODEC_LOG_LEVEL"] = user_level
+    done = subprocess.run([sys.executable, "-c", _build_output("cpu"), str(tiny_data_root)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(
+                              os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"level {user_level or 1}" in done.stdout
+
+
+@pytest.mark.gpu
+def test_a_gpu_pipeline_prints_no_codec_load_failures(tiny_data_root) -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DALI_NVIMGCODEC_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", _build_output("cuda"), str(tiny_data_root)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(
+                              os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Failed to load" not in done.stdout + done.stderr, (done.stdout + done.stderr)[-2000:]
