@@ -27,7 +27,7 @@ from pipelines.ffcv_decode import view_params  # noqa: E402
 from pipelines.loader import build_loader  # noqa: E402
 from pipelines.mixing import MixSpec, with_mix_source  # noqa: E402
 from pipelines.spec import DatasetInfo, LoaderSpec  # noqa: E402
-from pipelines.views import Recipe, ViewGroup  # noqa: E402
+from pipelines.views import Recipe, ViewGroup, load_recipe  # noqa: E402
 from preprocess.records import Record  # noqa: E402
 from preprocess.write_ffcv import write_ffcv  # noqa: E402
 from tests.pipelines import mix_laws  # noqa: E402
@@ -460,3 +460,24 @@ def test_saliency_background_goes_before_the_colour_ops(small, compiled: bool) -
         assert torch.allclose(corner, want.view(-1, 1).expand(-1, 3), atol=tol)
         checked += int((level > 0.55).sum())                                   # where the two orders differ
     assert checked > 5
+
+
+def test_the_lean_os_cache_reads_ffcv_s_allocations_without_per_record_maps(small) -> None:
+    """`LeanOSCacheManager`: the sorted allocation addresses and sizes the OS cache reads are FFCV's own
+    manager's, without the per-record Python maps (a set per record, a dict per allocation: a loop over
+    every record at start) that only FFCV's quasi-random order and process cache read; the loader built
+    on it reads every record of the epoch."""
+    from ffcv.memory_managers.os_cache import OSCacheManager
+    from ffcv.reader import Reader
+
+    from pipelines.ffcv_backend import LeanOSCacheManager
+
+    path, split = small
+    reader = Reader(str(path))
+    lean, full = LeanOSCacheManager(reader), OSCacheManager(reader)
+    assert np.array_equal(lean.ptrs, full.ptrs) and np.array_equal(lean.sizes, full.sizes)
+    assert len(full.sample_to_pages) == len(split) and not hasattr(lean, "sample_to_pages")
+    ld = loader(path, load_recipe("plain", 16, 8), batch_size=4)
+    assert isinstance(ld.loader.memory_manager, LeanOSCacheManager)
+    seen = torch.cat([b.index for b in ld])
+    assert sorted(seen.tolist()) == list(range(len(split) // 4 * 4))
