@@ -16,6 +16,13 @@
   (`pipelines.torchvision_backend`), `concurrency` = cores threads as SPDL's ImageNet example sets it,
   aggregated into batches that `pipelines.batch.make_batch` mixes and normalises as every backend.
   Its views are random but, drawn from one generator by concurrent threads, not reproducible.
+- `dali-plain` (DALI itself, as users write a multi-crop pipeline, e.g. solo-learn's): DALI's own
+  `fn.readers.webdataset` over the shards (shuffled, one reader), the decoder on the spec's device, then
+  per view `fn.random_resized_crop`, and each random op drawn in the graph and applied to every sample,
+  its probability an arithmetic mux of the op's output and its input with a coin flip (colour jitter by
+  `fn.color_twist`, grayscale as `fn.hsv` with a saturation of 0 or 1, `fn.gaussian_blur` of a random
+  sigma, solarize), the flip folded into `fn.crop_mirror_normalize`; read through DALI's PyTorch
+  iterator. What it leaves out is in `settings` (saliency, staged views, mixes).
 
 The image folder lightly reads holds the shard records' own bytes (`image_folder`), so every loader
 decodes the same files. A peer that is not installed, or that has no composition for a recipe, is
@@ -39,7 +46,8 @@ from pipelines.shards import ShardReader
 from pipelines.spec import DatasetInfo, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import Recipe, ViewGroup
 
-PEERS = {"lightly": "lightly", "spdl": "spdl"}      # peer name -> the PyPI distribution it times
+PEERS = {"lightly": "lightly", "spdl": "spdl", "dali-plain": "nvidia-dali-cuda130"}   # peer -> the distribution it times
+MODULES = {"dali-plain": "nvidia.dali"}            # a peer's module, where it is not named as its distribution
 JPEG_MAGIC = b"\xff\xd8"
 
 
@@ -61,8 +69,20 @@ def check(peer: str, recipe: Recipe, mix_kind: str) -> str:
     Raises:
         PeerSkip: the peer is not installed, or cannot make this recipe or mix.
     """
-    if importlib.util.find_spec(peer) is None:           # each peer's module is named as its distribution
-        raise PeerSkip(f"{peer} is not installed (pip install 'viewmill[peers]'; make install-test installs it)")
+    module = MODULES.get(peer, peer)
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:
+        found = False
+    if not found:
+        extra = "dali" if peer == "dali-plain" else "peers"
+        raise PeerSkip(f"{peer} is not installed (pip install 'viewmill[{extra}]'; make install-test installs it)")
+    if peer == "dali-plain":
+        if mix_kind != "none" or recipe.by_role("staged"):
+            raise PeerSkip("the plain DALI pipeline has no intra-batch mixes or staged views")
+        return ("DALI " + str(version(peer)) + ": fn.readers.webdataset, per view fn.random_resized_crop and every "
+                "random op on every sample muxed by a coin flip (color_twist, hsv, gaussian_blur, solarize)"
+                + ("; no saliency background removal" if any(g.saliency_p > 0 for g in recipe.groups) else ""))
     if peer == "spdl":
         return (f"spdl {version(peer)}: spdl.io.load_image decode + the torchvision baseline's transforms, "
                 "one pipe stage with concurrency = cores threads, batches made and normalised by make_batch")
@@ -241,6 +261,87 @@ class SPDLLoader:
                                  raw["index"], raw["label"], self.device)
 
 
+# ----------------------------------------------------------------------------- plain DALI
+
+
+def _mux(coin, a, b):
+    """Arithmetic mux on uint8 views, as plain DALI pipelines write a random op: coin · a + (1 - coin) · b."""
+    from nvidia.dali import fn, types
+
+    return fn.cast(coin * a + (1 - coin) * b, dtype=types.UINT8)
+
+
+def plain_dali_pipeline(spec: LoaderSpec, info: DatasetInfo, device_id: int | None):
+    """The DALI pipeline of the `dali-plain` peer (module docstring); outputs: every view, normalised, CHW."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    split = info.dir / spec.split
+    shards = sorted(str(p) for p in split.glob("shard-*.tar"))
+    gpu = device_id is not None
+    mean, std = [255 * m for m in info.mean], [255 * s for s in info.std]
+
+    @pipeline_def(batch_size=spec.batch_size, num_threads=max(1, spec.num_workers), device_id=device_id,
+                  seed=spec.seed + 1)
+    def pipe():
+        jpegs = fn.readers.webdataset(paths=shards, index_paths=[p.replace(".tar", ".idx") for p in shards],
+                                      ext=["jpg;png"], random_shuffle=True, name="reader")
+        images = fn.decoders.image(jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB)
+        out = []
+        for g in spec.recipe.groups:
+            for _ in range(g.count):
+                x = fn.random_resized_crop(images, size=[g.size_px, g.size_px], random_area=list(g.area),
+                                           random_aspect_ratio=list(g.ratio))
+                if g.jitter_p > 0:
+                    jittered = fn.color_twist(
+                        x, brightness=fn.random.uniform(range=[1 - g.brightness, 1 + g.brightness]),
+                        contrast=fn.random.uniform(range=[1 - g.contrast, 1 + g.contrast]),
+                        saturation=fn.random.uniform(range=[1 - g.saturation, 1 + g.saturation]),
+                        hue=fn.random.uniform(range=[-360 * g.hue, 360 * g.hue]))
+                    x = _mux(fn.random.coin_flip(probability=g.jitter_p), jittered, x)
+                if g.gray_p > 0:
+                    keep = fn.cast(fn.random.coin_flip(probability=1 - g.gray_p), dtype=types.FLOAT)
+                    x = fn.hsv(x, saturation=keep)                                  # 0: grayscale
+                if g.blur_p > 0:
+                    sigma = fn.random.uniform(range=list(blur_sigma_px(g)))
+                    x = _mux(fn.random.coin_flip(probability=g.blur_p), fn.gaussian_blur(x, sigma=sigma), x)
+                if g.solarize_p > 0:
+                    inverted = fn.cast(255 - x, dtype=types.UINT8)
+                    solar = _mux(x >= 128, inverted, x)
+                    x = _mux(fn.random.coin_flip(probability=g.solarize_p), solar, x)
+                out.append(fn.crop_mirror_normalize(x, dtype=types.FLOAT, output_layout="CHW", mean=mean, std=std,
+                                                    mirror=fn.random.coin_flip(probability=g.flip_p)))
+        return tuple(out)
+
+    return pipe()
+
+
+class PlainDaliLoader:
+    """The `dali-plain` peer through DALI's PyTorch iterator, one epoch (whole batches) per iteration."""
+
+    def __init__(self, spec: LoaderSpec, info: DatasetInfo) -> None:
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+        self.spec = spec
+        device = torch.device(spec.device)
+        index = (device.index or 0) if device.type == "cuda" else None
+        self.pipe = plain_dali_pipeline(spec, info, index)
+        names = [f"view{k}" for k in range(sum(g.count for g in spec.recipe.groups))]
+        self.it = DALIGenericIterator(self.pipe, names, reader_name="reader", last_batch_policy=LastBatchPolicy.DROP,
+                                      auto_reset=True)
+
+    def __len__(self) -> int:
+        return len(self.it)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The reader reshuffles each epoch itself."""
+
+    def __iter__(self) -> Iterator[PeerBatch]:
+        device = torch.device(self.spec.device)
+        for out in self.it:
+            views = [t.to(device, non_blocking=True) for t in out[0].values()]
+            yield PeerBatch(views, len(views[0]))
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 
@@ -254,5 +355,7 @@ def build(name: str, spec: LoaderSpec, work: Path):
         return build_loader(name, spec)
     check(name, spec.recipe, spec.mix.kind)
     info = DatasetInfo.read(spec.root, spec.dataset, spec.split)
+    if name == "dali-plain":
+        return PlainDaliLoader(spec, info)
     return LightlyLoader(spec, info, work) if name == "lightly" else SPDLLoader(spec, info)
 

@@ -138,17 +138,22 @@ def source_outputs(spec: LoaderSpec, masks: bool, gpu: bool) -> list[tuple[str, 
     members): "image" and "image_bytes" (`_pack_bytes`), "mask" and "mask_bytes" (when the graph reads
     masks), then the `dali_graph.input_specs` inputs grouped by dtype and sample shape (members: the
     inputs stacked along the sample's first axis, one output per group instead of one per input:
-    relicv2's 42 inputs are 6 outputs), then the pass-through outputs "ids" (index, label and, with a
+    relicv2's 42 inputs are 6 outputs; an input whose samples differ in shape, the blur kernels of
+    `gpu_blur="filter"`, an output of its own), then the pass-through outputs "ids" (index, label and, with a
     mix, the partner of each mixed view) and, with a mix, "lam" (of each mixed view). `gpu`: the GPU
     graph's inputs (`dali_graph.draw_inputs`)."""
     out = [("image", np.dtype(np.uint8), 1, []), ("image_bytes", np.dtype(np.int32), 1, [])]
     if masks:
         out += [("mask", np.dtype(np.uint8), 1, []), ("mask_bytes", np.dtype(np.int32), 1, [])]
     groups: dict[tuple, list[str]] = {}
+    ragged = []
     for name, dtype, shape in input_specs(spec, masks, gpu):
-        groups.setdefault((np.dtype(dtype), shape), []).append(name)
+        if isinstance(shape, int):          # samples of different shapes: an output of its own, a list of arrays
+            ragged.append((f"group/{name}", np.dtype(dtype), shape, [name]))
+        else:
+            groups.setdefault((np.dtype(dtype), shape), []).append(name)
     out += [(f"group/{dtype}" + "".join(f"x{n}" for n in shape), dtype, len(shape) + (len(names) > 1), names)
-            for (dtype, shape), names in groups.items()]
+            for (dtype, shape), names in groups.items()] + ragged
     out.append(("ids", np.dtype(np.int64), 1, []))
     return out + ([("lam", np.dtype(np.float32), 1, [])] if spec.mix.kind != "none" else [])
 

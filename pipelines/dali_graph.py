@@ -107,6 +107,30 @@ def colour_matrices(p: ViewParams) -> tuple[np.ndarray, np.ndarray]:
     return m.astype(np.float32), np.broadcast_to(t, m.shape).astype(np.float32)
 
 
+def blur_kernels(sigma: np.ndarray, drawn: np.ndarray) -> list[np.ndarray]:
+    """Each view's Gaussian blur as one 2-D kernel made on the host (`colour_ops`, the GPU graph's
+    `gpu_blur="filter"`): the outer product of the 1-D Gaussian of its sigma over DALI's window
+    2·ceil(3σ)+1, normalised; a 1 x 1 identity where the view drew no blur, so that a view pays for the
+    window it drew and nothing where it drew none.
+
+    Args:
+        sigma: (N,) sigmas in px. drawn: (N,) bool, the views that blur.
+
+    Returns:
+        N float32 kernels of (k, k), k odd (1 where not drawn).
+    """
+    out = []
+    for s, on in zip(sigma.tolist(), drawn.tolist()):
+        if not on:
+            out.append(np.ones((1, 1), np.float32))
+            continue
+        radius = int(math.ceil(3 * s))
+        g = np.exp(-0.5 * (np.arange(-radius, radius + 1) / s) ** 2)
+        g /= g.sum()
+        out.append(np.outer(g, g).astype(np.float32))
+    return out
+
+
 @dataclass
 class Draws:
     """Everything drawn on the host for one batch: the reference draws, and the graph's inputs."""
@@ -169,7 +193,9 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
                 inputs[f"{tag}/colour"] = m[rows]
                 if g.jitter_p > 0 and g.contrast > 0:
                     inputs[f"{tag}/contrast"] = t[rows]
-            if g.blur_p > 0:
+            if g.blur_p > 0 and gpu and spec.gpu_blur == "filter":
+                inputs[f"{tag}/blur_kernel"] = blur_kernels(p.sigma[rows].numpy(), p.blur[rows].numpy())
+            elif g.blur_p > 0:
                 sigma = p.sigma[rows].numpy().astype(np.float32)
                 inputs[f"{tag}/sigma"] = sigma
                 if g.blur_p < 1 and gpu:       # a no-op window of 1 where not drawn (DALI's own where drawn)
@@ -231,14 +257,16 @@ def _mix_inputs(mix: MixSpec, d: MixDraw, lam: torch.Tensor, size: int) -> dict[
     return out
 
 
-def input_specs(spec: LoaderSpec, masks: bool, gpu: bool = False) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+def input_specs(spec: LoaderSpec, masks: bool, gpu: bool = False) -> list[tuple[str, np.dtype, tuple[int, ...] | int]]:
     """(name, dtype, sample shape) of every graph input besides the encoded images (and masks), in the
     order `draw_inputs` makes them (from a draw on stand-in image sizes: names and shapes do not depend
-    on the data)."""
+    on the data); an input whose samples differ in shape (a list: `blur_kernels`) has its sample ndim,
+    an int, for a shape."""
     b = spec.batch_size
     hw = torch.full((b, 2), max(g.size_px for g in spec.recipe.groups), dtype=torch.long)
     d = draw_inputs(spec, hw, torch.ones(b, dtype=torch.bool), masks, torch.Generator().manual_seed(0), gpu)
-    return [(name, a.dtype, a.shape[1:]) for name, a in d.inputs.items()]
+    return [(name, a[0].dtype, a[0].ndim) if isinstance(a, list) else (name, a.dtype, a.shape[1:])
+            for name, a in d.inputs.items()]
 
 
 def dali_type(dtype: np.dtype):
@@ -279,6 +307,8 @@ def colour_ops(x, inputs: dict, tag: str, gpu_branches: bool = False):
                 x = fn.coord_transform(x, M=m, T=fn.reshape(t, shape=[3]), dtype=types.UINT8)
         else:
             x = fn.coord_transform(x, M=m, dtype=types.UINT8)
+    if f"{tag}/blur_kernel" in inputs:                      # GPU, gpu_blur="filter": one pass, per-sample kernels
+        x = fn.filter(x, inputs[f"{tag}/blur_kernel"], border="reflect_101")
     if f"{tag}/sigma" in inputs:
         # DALI's window 2·ceil(3σ)+1 rather than the fixed 10 % kernel (23 px at 224): a few times
         # cheaper for the small σ most draws give (docs/benchmarks.md, kernel notes).

@@ -64,6 +64,7 @@ class LoaderSpec:
     limit: int = 0                     # > 0: only that many records of the split, evenly spread (`EpochOrder`)
     subset: tuple[int, ...] | None = None  # only these records of the split (sorted dataset indices), e.g. labelled ones
     channels_last: bool = False        # views in a channels-last network's memory layout (DALI; others: NCHW)
+    gpu_blur: str = "gaussian"         # the DALI GPU graph's blur: "gaussian" (DALI's, every sample) | "filter" (`dali_graph`)
     decoder: DecoderHints = field(default_factory=DecoderHints)
 
 

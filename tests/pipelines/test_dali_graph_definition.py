@@ -104,16 +104,36 @@ def test_the_loader_reports_its_graphs_operators_for_the_benches(root) -> None:
     assert line.startswith(f"dali operators per iteration, relicv2: GPU graph {counts['gpu_graph']['cpu']} cpu / ")
 
 
-def test_the_gpu_branch_equals_the_cpu_branch_on_the_cpu_graph(root) -> None:
-    """The colour pass of the GPU graph (the contrast offset added on the device, then rounded) gives
-    the CPU graph's views (the offset as the pass's argument) to within one level."""
+@pytest.mark.parametrize("gpu_blur", ["gaussian", "filter"])
+def test_the_gpu_branch_equals_the_cpu_branch_on_the_cpu_graph(root, gpu_blur: str) -> None:
+    """The colour pass of the GPU graph (the contrast offset added on the device, then rounded) and its
+    blur (DALI's on every sample with a window of 1 where none was drawn, or one pass of per-sample
+    kernels made on the host, 1 x 1 where none was drawn) give the CPU graph's views (the offset as the
+    pass's argument, the blur in a conditional) to within one level."""
     info = DatasetInfo.read(root, "synthetic", "train")
     recipe = load_recipe("byol", 32, 16)
-    recipe = replace(recipe, groups=tuple(replace(g, jitter_p=1.0) for g in recipe.groups))   # contrast on every view
-    spec = LoaderSpec(root=str(root), dataset="synthetic", split="train", recipe=recipe, batch_size=8, seed=3)
+    recipe = replace(recipe, groups=tuple(replace(g, jitter_p=1.0, blur_p=0.5) for g in recipe.groups))
+    spec = LoaderSpec(root=str(root), dataset="synthetic", split="train", recipe=recipe, batch_size=8, seed=3,
+                      gpu_blur=gpu_blur)
     cpu = list(DaliLoader(spec, info))
     gpu_branch = list(DaliLoader(spec, info, gpu_branches=True))
     std = torch.tensor(info.std).view(3, 1, 1)
     for a, b in zip(cpu, gpu_branch):
         assert torch.equal(a.index, b.index)
         assert float(((a.global_views - b.global_views) * std * 255).abs().max()) <= 1.0 + 1e-3
+
+
+def test_the_filter_blur_takes_host_kernels_and_replaces_every_gaussian_blur() -> None:
+    """`gpu_blur="filter"`: one Filter per blurred view of the GPU graph, its kernels a regular input from
+    the host (the one CPU input of a GPU operator), no GaussianBlur, and no more GPU operators."""
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=load_recipe("relicv2", 224, 96), batch_size=256,
+                      device="cuda", gpu_blur="filter")
+    ops, _ = graph_operators(define_pipeline(spec, False, (0.5,) * 3, (0.25,) * 3, device_id=None)[0])
+    base, _ = graph_operators(define_pipeline(replace(spec, gpu_blur="gaussian"), False, (0.5,) * 3, (0.25,) * 3,
+                                              device_id=None)[0])
+    filters = [o for o in ops if o.schema == "Filter"]
+    assert len(filters) == sum(o.schema == "GaussianBlur" for o in base) == 6
+    assert not any(o.schema == "GaussianBlur" for o in ops) and all(f.device == "gpu" for f in filters)
+    cpu_into_gpu = {o.schema for o in ops if o.device == "gpu" for dev, arg in o.inputs if dev == "cpu" and not arg}
+    assert cpu_into_gpu == {"Filter"} and all(o.schema in REGISTRY[o.device] for o in ops)
+    assert sum(o.device == "gpu" for o in ops) == sum(o.device == "gpu" for o in base)

@@ -42,9 +42,10 @@ def _engine(name: str, *marks):
     return pytest.param(name, marks=[*marks, pytest.mark.skipif(missing, reason=f"{package} not installed")])
 
 
-# ffcv-torch: the FFCV loader with the torch ops (its GPU path) on the CPU.
+# ffcv-torch: the FFCV loader with the torch ops (its GPU path) on the CPU; dali-gpu: the DALI graph with the
+# branches written for the GPU (no conditionals, the blur as per-sample kernels: gpu_blur="filter") on the CPU.
 ENGINES = [_engine("torch"), _engine("torchvision"), _engine("ffcv"), _engine("ffcv-torch"), _engine("dali"),
-           _engine("dali@cuda", pytest.mark.gpu)]
+           _engine("dali-gpu"), _engine("dali@cuda", pytest.mark.gpu)]
 
 
 @dataclass
@@ -89,7 +90,12 @@ def views_of(engine: str, info: DatasetInfo, recipe: Recipe, epochs: int, seed: 
                       device=device or "cpu", num_workers=0 if backend in ("torch", "torchvision") else 1)
     spec = replace(spec, recipe=with_mix_source(spec.recipe, spec.mix))
     module = importlib.import_module(f"pipelines.{backend}_backend")
-    loader = module.FFCVLoader(spec, info, ops=False) if variant == "torch" else module.build(spec, info)
+    if variant == "torch":
+        loader = module.FFCVLoader(spec, info, ops=False)
+    elif variant == "gpu":
+        loader = module.DaliLoader(replace(spec, gpu_blur="filter"), info, gpu_branches=True)
+    else:
+        loader = module.build(spec, info)
     loader = OnHost(loader, device or "cpu")
     out: dict[str, list[torch.Tensor]] = {g.name: [] for g in recipe.groups}
     for epoch in range(epochs):
