@@ -73,7 +73,26 @@ def test_a_peer_without_a_composition_or_not_installed_is_skipped_with_why(monke
         peers.check("lightly", rsa, "none")
     with pytest.raises(peers.PeerSkip, match="no intra-batch mixes"):
         peers.check("lightly", byol, "sdmp")
+    with pytest.raises(peers.PeerSkip, match="no intra-batch mixes or staged views"):
+        peers.check("dali-plain", rsa, "none")
     monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None)
     for peer in peers.PEERS:
-        with pytest.raises(peers.PeerSkip, match=r"not installed \(pip install 'viewmill\[peers\]'"):
+        extra = "dali" if peer == "dali-plain" else "peers"
+        with pytest.raises(peers.PeerSkip, match=rf"not installed \(pip install 'viewmill\[{extra}\]'"):
             peers.check(peer, byol, "none")
+
+
+def test_the_plain_dali_pipeline_makes_every_view_of_the_recipe_at_its_size(tiny_data_root) -> None:
+    """`dali-plain`: DALI's own reader over the shards and per-view operators, through DALI's PyTorch
+    iterator: whole batches of every view, normalised float, epoch after epoch."""
+    pytest.importorskip("nvidia.dali")
+    spec = _spec(tiny_data_root, "relicv2")
+    assert "fn.readers.webdataset" in peers.check("dali-plain", spec.recipe, "none")
+    loader = peers.build("dali-plain", spec, None)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        batches = list(loader)
+        assert len(batches) == len(loader) == 64 // 8
+        sizes = [tuple(v.shape) for v in batches[0].views]
+        assert sizes == [(8, 3, 32, 32)] * 4 + [(8, 3, 16, 16)] * 2
+        assert all(v.dtype == torch.float32 and -8 < float(v.min()) < float(v.max()) < 8 for v in batches[0].views)
