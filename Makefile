@@ -30,7 +30,7 @@ STAMP    := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/d
 TEST_STAMP := $(subst .installed-,.installed-test-,$(STAMP))
 
 .DEFAULT_GOAL := help
-.PHONY: help install install-test demo test test-fast preprocess saliency saliency-check train eval linear finetune profile profile-compare bench-data bench-train bench-preprocess rehearse gpu-check
+.PHONY: help install install-test demo test test-fast preprocess saliency saliency-check train eval linear finetune compare profile profile-compare bench-data bench-train bench-preprocess rehearse gpu-check
 
 help:  ## list targets and variables
 	@echo "viewmill make targets:"
@@ -102,6 +102,9 @@ linear: install  ## the papers' linear evaluation of CKPT (top-1/top-5; ARGS: pr
 
 finetune: install  ## semi-supervised fine-tuning of CKPT on LABELS (1% or 10%) of the labels (ARGS: preset=, ...)
 	$(PY) -m train gpus=$(GPUS) finetune ckpt=$(CKPT) labels=$(LABELS) $(ARGS)
+
+compare: install  ## METHOD beside the baseline its paper compares it with, all else equal, over seeds (ARGS: seeds=, steps=, key=value)
+	$(PY) -m bench.compare method=$(METHOD) data=$(DATASET) $(if $(PRESET),preset=$(PRESET)) data.root=$(OUT) $(ARGS)
 
 profile: install-test  ## throughput report: loader stages vs baseline, peers (lightly, SPDL) and ceilings, first batch, epoch boundaries, training steps, scaling
 	$(PY) -m bench.profile $(if $(filter command line environment,$(origin DATASET)),--dataset $(DATASET)) \

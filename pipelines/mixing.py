@@ -11,7 +11,9 @@ Laws (one home; DESIGN §4):
   arXiv:2206.07692), Sec. 3.2: the partner of sample i is sample n-1-i (`partner_index`); one mixer
   per batch, uniformly from `MixSpec.sdmp_mixers`; lam ~ Beta(alpha, alpha) per sample, the same for
   every view of the sample (Eq. 1), and so is the box of the regional mixers: its side is
-  floor(sqrt(1 - lam) * (H, W)).
+  floor(sqrt(1 - lam) * (H, W)). The regional mixers draw lam = 0.1 + 0.8 Beta(alpha, alpha) (boxes of
+  10-90 % of the image, `SDMP_BOX_LAM`): the paper is silent, its code (`mixup.py` of OliverRensu/SDMP)
+  scales the draw so, and so does this one.
   CutMix: the box centre is uniform over the image and the box is clipped at the border (CutMix's
   rule); lam becomes the fraction of the image's own pixels kept.
   ResizeMix, Eq. (2): the whole partner, resized (bilinear, antialiased) to the box, is pasted at a
@@ -51,6 +53,7 @@ from torch import Tensor
 from pipelines.views import Recipe, ViewGroup
 
 SDMP_MIXERS = ("mixup", "cutmix", "resizemix")
+SDMP_BOX_LAM = (0.1, 0.8)          # CutMix / ResizeMix: lam = 0.1 + 0.8 Beta(alpha, alpha), SDMP's code
 DACL_NOISES = ("linear", "geometric", "binary")
 MixKind = Literal["none", "sdmp", "dacl"]
 MixSource = Literal["global", "image"]
@@ -307,6 +310,8 @@ def sample_sdmp(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generat
     """SDMP draws (module docstring): one mixer, lam per sample and its box, shared by the V views."""
     mixer = mix.sdmp_mixers[int(torch.randint(len(mix.sdmp_mixers), (1,), generator=gen))]
     lam = beta(mix.alpha, b, gen)                                                      # (B,)
+    if mixer in ("cutmix", "resizemix"):
+        lam = SDMP_BOX_LAM[0] + SDMP_BOX_LAM[1] * lam
     bh, bw = sdmp_box_sides(lam, h, w)
     if mixer == "resizemix":                                  # fully inside: top-left uniform
         y0 = torch.floor(torch.rand(b, generator=gen, dtype=torch.float64) * (h - bh + 1)).long()

@@ -391,16 +391,22 @@ PICKS = ("method", "data", "preset", "config")    # CLI words that choose layers
 
 
 def read_config_file(path: str) -> dict:
-    """The tree of a `config=<file.yaml>` layer, its keys and values checked against the schema (the
-    `objective:` section's keys once the method is known, `check_objective_keys`).
+    """The tree of a `config=<file.yaml>` layer (or `config=<name>`, a setup of `configs/setups/`: a
+    paper's setting of a method that its words alone would spell out, e.g. `uota-mocov2star`), its keys
+    and values checked against the schema (the `objective:` section's keys once the method is known,
+    `check_objective_keys`).
 
     Raises:
         ConfigError: a missing or unreadable file, a file that is not a mapping, an unknown key or a bad
             value; one line naming the file and what to change in it.
     """
     file = Path(path)
+    if not file.is_file() and (CONFIG_DIR / "setups" / f"{path}.yaml").is_file():     # a setup by its name
+        file = CONFIG_DIR / "setups" / f"{path}.yaml"
     if not file.is_file():
-        raise ConfigError(f"config={path}: no such file; give a YAML config file, e.g. a run's <run folder>/config.yaml")
+        setups = ", ".join(sorted(p.stem for p in (CONFIG_DIR / "setups").glob("*.yaml")))
+        raise ConfigError(f"config={path}: no such file or setup; give a YAML config file (e.g. a run's <run "
+                          f"folder>/config.yaml) or a setup of train/configs/setups: {setups}")
     try:
         tree = yaml.safe_load(file.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:

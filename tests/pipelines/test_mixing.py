@@ -92,8 +92,11 @@ def test_geometric_mixing_with_itself_is_identity(seed, l):
 def test_sdmp_lam_is_beta_and_one_mixer_per_batch():
     g = torch.Generator().manual_seed(0)
     for alpha in (0.5, 1.0, 2.0):
-        d = mixing.sample_sdmp(2, 4000, 32, 32, mixing.MixSpec("sdmp", alpha=alpha), g, "cpu")
+        d = mixing.sample_sdmp(2, 4000, 32, 32, mixing.MixSpec("sdmp", alpha=alpha, sdmp_mixers=("mixup",)), g, "cpu")
         assert stats.kstest(d.lam[0].numpy(), stats.beta(alpha, alpha).cdf).pvalue > 1e-3
+        for box in ("cutmix", "resizemix"):     # SDMP's code: 0.1 + 0.8 Beta, boxes of 10-90 % of the image
+            d = mixing.sample_sdmp(2, 4000, 32, 32, mixing.MixSpec("sdmp", alpha=alpha, sdmp_mixers=(box,)), g, "cpu")
+            assert stats.kstest(d.lam[0].numpy(), stats.beta(alpha, alpha, loc=0.1, scale=0.8).cdf).pvalue > 1e-3
     mixers = {mixing.sample_sdmp(2, 2, 8, 8, mixing.MixSpec("sdmp"), g, "cpu").mixer for _ in range(60)}
     assert mixers == set(mixing.SDMP_MIXERS)
 

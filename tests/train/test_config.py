@@ -167,7 +167,8 @@ def test_relicv2_online_and_target_have_the_same_form_on_every_data_preset(data:
 
 
 @pytest.mark.parametrize("method, layers, last_bn, pred_bn, out, tau, recipe", [
-    ("mocov3", 2, True, True, None, 1.0, "mocov3"),   # moco-v3's MoCo_ResNet: 2-layer heads, both with a last BN
+    ("mocov3", 2, True, False, None, 1.0, "mocov3"),  # moco-v3's MoCo_ResNet: the projector with a last BN, the
+                                                      # predictor without (`_build_mlp(2, dim, mlp_dim, dim, False)`)
     ("sdmp", 2, True, False, None, 1.0, "byol"),      # SDMP's MoCo_ResNet: its predictor has no last BN
     ("dacl", 3, False, False, 128, None, "plain"),    # DACL Sec. 5.2: "a 3-layer MLP projection-head ... 128-dimensional"
 ])
@@ -185,7 +186,7 @@ def test_method_presets_use_the_heads_and_temperatures_their_papers_state(method
 # manifest at 8 GPUs x 256: (epochs, lr at batch 256, weight decay, warm-up epochs, EMA momentum at step 0).
 IMAGENET = {
     "byol": (1000, 0.2, 1.5e-6, 10, 0.996),      # BYOL Sec. 3.3 / App. C: tau_base 0.996
-    "relicv2": (1000, 0.2, 1.5e-6, 10, 0.996),   # RELICv2 Sec. 3 (1000 epochs, 10 warm-up), App. B: EMA 0.996
+    "relicv2": (1000, 0.2, 1.5e-6, 10, 0.996),   # RELICv2 Sec. 3 (1000 epochs, 10 warm-up), App. C.1: EMA 0.996
     "uota": (1000, 0.2, 1.5e-6, 10, 0.996),      # UOTA Sec. S.5: the BYOL base's own pipeline
     "mocov3": (1000, 0.3, 1.5e-6, 10, 0.996),    # MoCo v3 CONFIG.md, ResNet-50 1000 epochs
     "sdmp": (300, 0.3, 1e-6, 10, 0.99),          # SDMP Table 1 (300 epochs) on MoCo v3's 300-epoch config
@@ -217,13 +218,15 @@ def test_each_method_trains_imagenet_as_its_paper_states(tmp_path, method: str) 
 @pytest.mark.parametrize("data", ["cifar10", "cifar100"])
 def test_cifar_sdmp_preset_is_table_5s_resnet_50_for_200_epochs(tmp_path, data: str) -> None:
     """SDMP Sec. 4.2 / Table 5: ResNet-50 (the small-image stem at 32 px) for 200 epochs, 2000 for the long
-    rows; the optimiser of its code's defaults (LARS lr 0.6, wd 1e-6, 10 warm-up epochs, momentum 0.99)."""
+    rows; the optimiser of its code's defaults (LARS lr 0.6, wd 1e-6, 10 warm-up epochs, a constant key momentum
+    of 0.99: `--moco-m-cos` is off by default)."""
     write_manifest(tmp_path, data, train=50_000, px=32, classes=10)
     cfg = load_config(["method=sdmp", f"data={data}", f"data.root={tmp_path}"])
     per_epoch = 50_000 // 512
     assert cfg.model.backbone == "resnet50" and (cfg.model.proj_hidden, cfg.model.pred_hidden) == (4096, 4096)
     assert (cfg.optim.steps, cfg.optim.warmup_steps) == (200 * per_epoch, 10 * per_epoch)
-    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.ema_start) == ("lars", 0.6, 1e-6, 0.99)
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.ema_start, cfg.optim.ema_end) == \
+        ("lars", 0.6, 1e-6, 0.99, 0.99)
     long = load_config(["method=sdmp", f"data={data}", f"data.root={tmp_path}", "optim.epochs=2000",
                         "model.backbone=resnet101"])
     assert long.optim.steps == 2000 * per_epoch and long.model.backbone == "resnet101"
@@ -389,3 +392,23 @@ def test_a_retired_key_at_its_old_default_is_dropped_and_set_otherwise_is_refuse
             load_config(["method=simclr", f"data.{key}=true"])
     with pytest.raises(ConfigError, match="unknown"):
         load_config(["method=simclr", "data.parallel_gpu_opz=false"])
+
+
+def test_uota_takes_table_s1_s_tau_of_its_base_unless_given() -> None:
+    """Supplement Table S.1, its tau row in order of its models: BYOL+UOTA 250, MoCo-v2*+UOTA 200."""
+    assert load_config(["method=uota", "data=synthetic"]).objective.tau == 250.0
+    star = ["method=uota", "data=synthetic", "objective.base=mocov2star", "views.recipe=multicrop8",
+            "model.pred_hidden=0", "model.proj_out=128"]
+    assert load_config(star).objective.tau == 200.0
+    assert load_config([*star, "objective.tau=300"]).objective.tau == 300.0
+
+
+def test_a_setup_is_named_by_config_and_spells_out_the_paper_s_setting() -> None:
+    """`config=uota-mocov2star` (train/configs/setups/): MoCo-v2*+UOTA as the supplement trains it (Sec. S.5:
+    SwAV's multi-crop and LARS at 2.0 at batch 128, cosine to 0.002; Table S.1's tau 200)."""
+    cfg = load_config(["config=uota-mocov2star", "data=synthetic"])
+    assert (cfg.method, cfg.objective.base, cfg.objective.tau, cfg.views.recipe) == ("uota", "mocov2star", 200.0, "multicrop8")
+    assert (cfg.model.pred_hidden, cfg.model.proj_out) == (0, 128)
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.min_lr_ratio, cfg.optim.weight_decay) == ("lars", 4.0, 0.001, 1e-6)
+    with pytest.raises(ConfigError, match=r"no such file or setup; .*setups: uota-mocov2star$"):
+        load_config(["config=uota-mocov2", "data=synthetic"])

@@ -181,6 +181,8 @@ def test_replace_version_plain_term_is_moco_v3_on_the_clean_view() -> None:
             (tgt,) = target([batch.global_views[1 - v:2 - v]])
         want = moco_ctr(emb.p[0], tgt.z[0], 0.2) / (2 * 0.2)
         torch.testing.assert_close(out.logs["loss/sdmp_plain"], want, rtol=1e-5, atol=1e-6)
+        # SDMP's code: the source term plus half of each mixed term
+        torch.testing.assert_close(out.loss, want + 0.5 * out.logs["loss/sdmp_mixed"], rtol=1e-5, atol=1e-6)
 
 
 def test_extra_view_version_keeps_both_clean_directions() -> None:

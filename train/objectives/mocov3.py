@@ -6,8 +6,9 @@ ctr(q, k) = 2 tau * CE(q k^T / tau), keys from all devices. Reference code:
 https://github.com/facebookresearch/moco-v3 (commit unknown; `moco/builder.py`, CONFIG.md).
 
 Setting (`mocov3.yaml`, the ResNet one, as the code builds `MoCo_ResNet`): tau = 1.0; a 2-layer
-projector and a 2-layer predictor (hidden width 4096 on ImageNet), each ending in an affine-free
-BatchNorm (`model.proj_last_bn`, `model.pred_last_bn`); the 3-layer projector is the ViT head. Views:
+projector ending in an affine-free BatchNorm (`model.proj_last_bn`) and a 2-layer predictor without one
+(`_build_mlp(2, dim, mlp_dim, dim, False)`: only the ViT predictor keeps it; `model.pred_last_bn` false),
+hidden width 4096 on ImageNet; the 3-layer projector is the ViT head. Views:
 BYOL's with crops of 20-100 % (`--crop-min=.2` in every ResNet-50 config; the `mocov3` recipe). On
 ImageNet (`data/imagenet.yaml`, per_method) the 1,000-epoch ResNet-50 config: LARS, lr 0.3 x batch/256,
 weight decay 1.5e-6, momentum 0.996 -> 1 (cosine, `--moco-m-cos`), 10 warm-up epochs.

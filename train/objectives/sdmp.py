@@ -38,6 +38,14 @@ Deviations:
   per sample; per step keeps each backbone call to one kind of image).
 - No 2*tau factor on the loss (Algorithm 1 has none; MoCo v3's own ctr() has it): the plain term is
   MoCo v3's ctr / (2 tau), on the same scale as Eqs. (3)-(4).
+- Where the paper is silent, its code: the replace version's loss is the source term plus half of each
+  mixed term, L^s + (L^s_mix + L^m) / 2 (`objective.mix_weight=0.5`; 1.0 is the plain sum of Eq. 5's
+  terms); CutMix and ResizeMix draw lam = 0.1 + 0.8 Beta(alpha, alpha) (`pipelines.mixing`); the key
+  momentum is the code's constant 0.99 (`--moco-m-cos` off) on CIFAR, and MoCo v3's 300-epoch config's
+  on ImageNet.
+- The predictor's and projector's last Linear keep a bias where no BatchNorm follows them (SDMP's code
+  builds every head Linear without one); the projector's affine-free last BatchNorm makes its bias moot,
+  the predictor's is a free offset the code does not have.
 """
 
 from __future__ import annotations
@@ -110,9 +118,11 @@ SDMPVersion = Literal["replace", "extra"]
 class SDMPConfig:
     tau: float = 0.2                    # softmax temperature of Eqs. (3)-(4)
     version: SDMPVersion = "replace"    # Eq. (5)'s replace version, or Table 9's extra view
+    mix_weight: float = 0.5             # weight of each mixed term (Eqs. 3-4 on the mixed query): the code's 1/2
 
     def __post_init__(self) -> None:
         check_positive(self, "tau")
+        check_positive(self, "mix_weight")
         if self.version not in typing.get_args(SDMPVersion):
             raise ValueError(f"objective.version must be one of {', '.join(typing.get_args(SDMPVersion))}, "
                              f"got {self.version!r}; set objective.version=replace")
@@ -160,7 +170,7 @@ class SDMP(Objective):
             emb_clean, emb_mix = online([batch.global_views[:2], batch.mixed[:1]])
             plain = plain_term(emb_clean.p[0], k[1], tau) + plain_term(emb_clean.p[1], k[0], tau)
             mixed = sdmp_loss(emb_mix.p[0], k[1], k_mix[1], lam[0], tau)
-        loss = plain + mixed
+        loss = plain + self.cfg.mix_weight * mixed
         return LossOut(loss=loss, logs={"loss/sdmp_plain": plain.detach(), "loss/sdmp_mixed": mixed.detach()})
 
     def describe(self, total_steps: int, steps_per_epoch: int) -> str | None:

@@ -21,11 +21,12 @@ Setups (Sec. S.5: "exactly the same augmentation policy as what the baseline mod
   whatever `model.pred_hidden` says), the queue is as wide as the projector, and the key encoder
   follows MoCo v2's fixed momentum `objective.key_momentum` (0.999), not BYOL's cosine schedule.
 
-tau (`objective.tau`, 200 for both bases): MoCo-v2*+UOTA with 8 views has 200 in Table S.3 (number of
-views) and in Table S.4 (global Sigma and mu_i, the Table M.2 setup); Table S.1's tau row reads
-"200 250 200" in the supplement's text, one value short of its four models, and 200 is the value it
-shares with Tables S.3 and S.4, so BYOL+UOTA uses it too. The range in which UOTA helps (tau 50-400,
-flat above about 350, one-hot weights below about 50) is Sec. S.3 / Fig. S.1, not a table.
+tau (`objective.tau`; 0, the default, takes the base's `TAU`): Table S.1 prints its tau row as 200
+(beside the row's name) and then 200, 250, 200, four values for its four models in order: MoCo-v2+UOTA
+200, MoCo-v2*+UOTA 200, BYOL+UOTA 250, SwAV+UOTA 200. MoCo-v2*+UOTA with 8 views has 200 in Table S.3
+(number of views) and Table S.4 (global Sigma and mu_i, the Table M.2 setup) too. The range in which
+UOTA helps (tau 50-400, flat above about 350, one-hot weights below about 50) is Sec. S.3 / Fig. S.1,
+not a table.
 
 Sigma's estimate (`objective.shrinkage`, default "auto"):
 - "auto": the paper's Sigma and its exact inverse wherever the batch determines Sigma, i.e. where the
@@ -36,6 +37,10 @@ Sigma's estimate (`objective.shrinkage`, default "auto"):
   Which presets that is: BYOL+UOTA on `synthetic` (global batch 64 against the 128-d predictor) and
   on `imagenet` with one GPU (256 against 256); not CIFAR (512 > 256), not `imagenet` on 2 GPUs or
   more, not MoCo-v2* on any preset (64 x 7 > 128). The start of a run says which estimate it uses.
+  The paper's own BYOL+UOTA setting (Sec. S.5: N = 128 against BYOL's D = 256, M = 2) is degenerate
+  too: under its exact inverse every weight there is 1. So the Ledoit-Wolf branch is this project's
+  extension, not the paper's; what the paper reports for BYOL+UOTA cannot come from its pseudo-code's
+  Sigma at that batch.
 - "none": the exact inverse everywhere (refused, in one line, where it is degenerate);
 - "ledoit_wolf": the shrinkage everywhere.
 The exact inverse is taken in float64 over the eigen-directions of Sigma above 1e-6 of its mean
@@ -188,12 +193,17 @@ def uota_weights(z: Tensor, tau: float, shrinkage: str = "auto", sigma_scale: st
     return UOTAWeights(w.reshape(m, n).to(z.dtype), alpha.to(z.dtype), dist2.mean().to(z.dtype))
 
 
+# Table S.1's tau of each base (supplement Sec. S.5): BYOL+UOTA 250, MoCo-v2*+UOTA 200 (module docstring).
+TAU = {"byol": 250.0, "mocov2star": 200.0}
+
+
 @dataclass(frozen=True)
 class UOTAConfig:
     base: UOTABase = "byol"     # base objective: "byol" (Eq. S.6) | "mocov2star" (Eq. S.5)
-    tau: float = 200.0          # UOTA temperature on the code's Sigma / (M N) (Tables S.1, S.3 (8 views), S.4: 200)
+    tau: float = 0.0            # UOTA temperature on the code's Sigma / (M N); 0: the base's in Table S.1 (`TAU`)
     shrinkage: Shrinkage = "auto"  # "auto": exact inverse unless degenerate, then Ledoit-Wolf | "none" | "ledoit_wolf"
-    warmup: float = 0.1         # N_warm as a share of the run: the base objective alone until then (20 of 200 epochs)
+    warmup: float = 0.1         # N_warm as a share of the run: the base objective alone until then (20 of 200 epochs;
+                                # 1: never reweighted, the base itself: the baseline row of `make compare`)
     warmup_epochs: float = -1.0 # >= 0: N_warm in epochs instead (Table S.1: 20)
     moco_tau: float = 0.2       # MoCo-v2* softmax temperature t
     queue_size: int = 65536     # MoCo-v2* negatives kept in the queue
@@ -204,11 +214,13 @@ class UOTAConfig:
     def __post_init__(self) -> None:
         if self.base not in BASES:
             raise ValueError(f"objective.base={self.base!r} is unknown; choose one of {', '.join(BASES)}")
-        check_positive(self, "tau", "moco_tau")
+        check_positive(self, "moco_tau")
+        if self.tau < 0:
+            raise ValueError(f"objective.tau must be > 0, or 0 for Table S.1's value of the base; got {self.tau}")
         if self.queue_size < 1 or self.dim < 0:
             raise ValueError("objective.queue_size must be >= 1 and objective.dim >= 0 (0: model.proj_out)")
-        if not 0.0 <= self.warmup < 1.0:
-            raise ValueError(f"objective.warmup is a share of the run in [0, 1), got {self.warmup}; set objective.warmup=0.1")
+        if not 0.0 <= self.warmup <= 1.0:
+            raise ValueError(f"objective.warmup is a share of the run in [0, 1], got {self.warmup}; set objective.warmup=0.1")
         if not 0.0 <= self.key_momentum <= 1.0:
             raise ValueError(f"objective.key_momentum must be in [0, 1], got {self.key_momentum}; "
                              "set objective.key_momentum=0.999")
@@ -283,7 +295,7 @@ class UOTA(Objective):
         b = p.shape[1]
         # The feature each base's loss compares is the unit vector (module docstring, Deviations).
         p_all = gather_nograd_local_first(F.normalize(p.detach(), dim=-1).transpose(0, 1))   # (M, V, D)
-        weights = uota_weights(p_all.transpose(0, 1), self.cfg.tau, self.cfg.shrinkage)
+        weights = uota_weights(p_all.transpose(0, 1), self.cfg.tau or TAU[self.cfg.base], self.cfg.shrinkage)
         w_all = weights.w                                                  # (V, M)
         w = w_all[:, :b]                                                   # (V, B) this rank
         loss = (w * per_view).mean()                                       # Eq. (M.12)
@@ -320,6 +332,8 @@ class UOTA(Objective):
         o = cfg.objective
         if o.dim == 0:
             o = dataclasses.replace(o, dim=cfg.model.proj_out)
+        if o.tau == 0:
+            o = dataclasses.replace(o, tau=TAU[o.base])
         recipe = load_recipe(cfg.views.recipe, cfg.views.global_px, cfg.views.local_px)
         views = sum(g.count for g in recipe.by_role("global", "local")) if o.base == "mocov2star" else 2
         width = cfg.model.proj_out
