@@ -30,7 +30,7 @@ STAMP    := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/d
 TEST_STAMP := $(subst .installed-,.installed-test-,$(STAMP))
 
 .DEFAULT_GOAL := help
-.PHONY: help install install-test demo test test-fast preprocess saliency saliency-check train eval linear finetune compare profile profile-compare bench-data bench-train bench-preprocess rehearse gpu-check
+.PHONY: help install install-test demo docs test test-fast preprocess saliency saliency-check train eval linear finetune compare profile profile-compare bench-data bench-train bench-preprocess rehearse gpu-check
 
 help:  ## list targets and variables
 	@echo "viewmill make targets:"
@@ -62,12 +62,12 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PIP) --no-build-isolation -e '.[test,profile,ffcv,dali]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
-install-test: $(TEST_STAMP)  ## install, plus the optional extras the tests cover (Ray for ENGINE=ray, submitit, W&B, the peer loaders)
+install-test: $(TEST_STAMP)  ## install, plus the optional extras the tests cover (Ray for ENGINE=ray, submitit, W&B, the peer loaders, the docs)
 
 # Straight to every extra (one pip run, not install's and then this one's): it also stands for install.
 $(TEST_STAMP): pyproject.toml requirements.lock
 	$(system_venv_torch)
-	$(PIP) --no-build-isolation -e '.[test,profile,ffcv,dali,ray,slurm,wandb,peers]'
+	$(PIP) --no-build-isolation -e '.[test,profile,ffcv,dali,ray,slurm,wandb,peers,docs]'
 	@rm -f $(VENV)/.installed-* && touch $(STAMP) $@
 
 demo: install  ## preprocess synthetic, pretrain dacl for a few CPU minutes, evaluate vs random init
@@ -76,6 +76,9 @@ demo: install  ## preprocess synthetic, pretrain dacl for a few CPU minutes, eva
 
 test: install-test  ## the whole test suite (what CI runs) in TEST_PROCS processes, with its 15 slowest tests
 	$(PY) -m pytest -n $(TEST_PROCS) --dist worksteal --durations=15
+
+docs: install-test  ## the documentation as a site in site/ (README as its home, API pages from the docstrings), warnings as errors
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 test-fast: install-test  ## the test suite without tests marked slow or ddp (the inner loop: under 3 minutes)
 	$(PY) -m pytest -n $(TEST_PROCS) --dist worksteal -m "not slow and not ddp"
@@ -117,7 +120,7 @@ profile-compare: install  ## ratios between two profile reports: make profile-co
 bench-data: install-test  ## data pipelines alone: backends vs torchvision baseline, peers (lightly, SPDL) and decode ceilings
 	$(PY) -m bench.data $(ARGS)
 
-bench-train: install  ## training steps/s, images/s, memory, accuracy per objective (ARGS="minutes=12": the README table)
+bench-train: install  ## training steps/s, images/s, memory, accuracy per objective (ARGS="minutes=12": the table of docs/measured.md)
 	$(PY) -m preprocess --dataset synthetic --out $(OUT)
 	$(PY) -m bench.train data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
 

@@ -4,7 +4,7 @@ a method beside the baseline its paper compares it with, everything else equal, 
 Each paper's claim is its method against a baseline with the rest of the setting held fixed. The method
 row is `method=... data=... key=value ...` as `make train` resolves it; the baseline row is that same
 resolved config (backbone, heads, optimiser, batch, length, views, evaluation: written to a config
-file and read back with `config=`) with only what makes the baseline changed (`BASELINES`: its method,
+file and read back with `config=`) with only what makes the baseline changed (`baseline`: its method,
 its objective's own settings, no intra-batch mixes, and where the method's views are part of the method,
 the baseline's own views). Both rows train `seeds` times (`run.seed` 0, 1, ...) one after the other in
 this process; the report gives kNN and linear-probe top-1 of each row (mean, min–max over the seeds),
@@ -12,7 +12,7 @@ the difference of the means and its seed-by-seed spread, next to the random-init
 interrupted comparison reuses its finished runs. Writes `compare.json` and `compare.md` into
 `reports/compare-<method>-<data>/` and prints the table.
 
-The rows (`BASELINES`, README's table):
+The rows (`baseline`, docs/evaluation.md's table):
 - sdmp: MoCo v3 (SDMP Table 1's and Table 5's MoCo v3 rows): SDMP's views and heads, no mixes.
 - rsa: BYOL (RSA Tables 1-3): BYOL's two views; on CIFAR the same plain-momentum SGD, heads and length.
 - uota: its base without the reweighting (Table M.1): BYOL for BYOL+UOTA; MoCo-v2* (the same run with

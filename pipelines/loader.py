@@ -55,7 +55,7 @@ def not_installed(backend: str) -> str:
 
 
 # `data.backend=auto` on a CPU: the first of these the dataset was written for and this machine
-# can import. Order measured by `make bench-data` (README): ffcv ~6x the torchvision baseline on the
+# can import. Order measured by `make bench-data` (docs/measured.md): ffcv ~6x the torchvision baseline on the
 # relicv2 and rsa recipes, the torch reference ~0.9x. On a GPU, auto is the GPU-resident DALI graph
 # where DALI is installed, else the same order.
 CPU_PREFERENCE: tuple[tuple[str, str], ...] = (("ffcv", "ffcv"), ("torch", "dali"))  # (backend, files it reads)

@@ -57,7 +57,7 @@ def usage(prog: str = "python -m train") -> str:
         "Errors are one line on stderr, exit status 2, nothing written.",
         "",
         "  gpus=N            processes (DDP) on each machine, 1 by default",
-        "  nodes=M rdzv=HOST:PORT  M machines joined at HOST:PORT: the same command on each (README, Clusters)",
+        "  nodes=M rdzv=HOST:PORT  M machines joined at HOST:PORT: the same command on each (docs/scale.md)",
         "  launcher=slurm    submit a SLURM job instead: nodes=M gpus=N partition=P [time_min=, account=, ...]",
         f"  method=METHOD     {', '.join(sorted(OBJECTIVES))} (default {Config.method})",
         "  data=DATASET      a dataset folder under data.root that preprocess wrote (its manifest sets the",

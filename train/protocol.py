@@ -96,7 +96,7 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PROTOCOL_DIR.glob("*.yaml"))
 
 
-# `preset=auto` on ImageNet-scale data: the protocol each method's paper reports (README's table).
+# `preset=auto` on ImageNet-scale data: the protocol each method's paper reports (docs/evaluation.md's table).
 METHOD_PRESETS: dict[str, dict[str, str]] = {
     "linear": {"relicv2": "relicv2", "byol": "byol", "uota": "byol-uota", "uota:mocov2star": "mocov2star",
                "rsa": "meanshift", "sdmp": "mocov3", "mocov3": "mocov3", "simclr": "simclr", "dacl": "dacl"},

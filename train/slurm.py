@@ -138,7 +138,7 @@ def submit(cfg: Config, words: list[str], gpus: int, cluster: ClusterConfig) -> 
         raise ConfigError("launcher=slurm needs submitit: pip install 'viewmill[slurm]'") from None
     if not (shutil.which("sbatch") and shutil.which("srun")):
         raise ConfigError("launcher=slurm: no sbatch/srun here; submit from a SLURM login node, or start "
-                          "torchrun on each node (README, Clusters)")
+                          "torchrun on each node (docs/scale.md, Clusters)")
     run_dir = folder_of(cfg)
     folder = (run_dir / "slurm").absolute()
     created = next((d for d in (*reversed(folder.parents), folder) if not d.exists()), None)   # removed if refused

@@ -22,7 +22,7 @@ Deviations:
   build); flip test-time augmentation smooths them instead.
 - Every round's network and the stage II network are candidate stages: `run.py` scores them with the
   handcrafted maps and uses the best, where DeepUSPS always uses stage II (on `synthetic` the best
-  stage I round scores higher; README).
+  stage I round scores higher; docs/saliency.md).
 - The moving average starts from the first averaged prediction rather than from zeros (DeepUSPS
   averages 25 epochs, so its zero start fades to 0.7^25; with a few epochs it would not) and
   skips the first third of the epochs (early, undertrained predictions made the labels drift).
