@@ -37,6 +37,7 @@ from bench.report import header
 from bench.train import accuracy_after, last_eval
 from train.config import Config, ConfigError, dump_yaml, load_config, to_dict
 from train.run import folder_of
+from pipelines.errors import bad_input
 
 FIGURES = ("knn_top1", "linear_top1")
 
@@ -142,8 +143,7 @@ def main(argv: list[str]) -> int:
                 print(f"{label}, seed {seed}: " + ("done by an earlier run" if done else "training"), flush=True)
                 results[name].append({"seed": seed, **(done or accuracy_after(load_config(run)))})
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     report = {**header(), "paper": plan["paper"], "data": method.data.name, "steps": method.optim.steps,
               "seeds": seeds, "rows": {}, "results": results}
     for name in ("method", "baseline"):

@@ -53,6 +53,7 @@ from pipelines.loader import BACKENDS
 from pipelines.shards import scan_shards
 from pipelines.spec import LoaderSpec
 from pipelines.views import load_recipe
+from pipelines.errors import bad_input
 
 RECIPES = ("relicv2", "rsa")
 ALL_RECIPES = RECIPES + ("byol", "multicrop8", "plain")
@@ -390,4 +391,4 @@ if __name__ == "__main__":
     try:
         main()
     except BenchError as exc:
-        sys.exit(f"error: {exc}")
+        sys.exit(bad_input(exc))

@@ -142,7 +142,7 @@ def _preprocess(log: Path, dataset: str, out: Path, **params) -> None:
         try:
             print(summary(prepare_dataset(dataset, out, **params)), flush=True)
         except (ValueError, DatasetError, OSError) as exc:
-            print(f"preprocess: error: {exc}", flush=True)
+            print(f"error: {exc}", flush=True)
             raise BenchError(f"preprocessing {params.get('name', dataset)} failed "
                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); see {log}") from None
 

@@ -72,6 +72,7 @@ from bench.datasets import CLASSES, prepare, view_px
 from bench.report import header, header_lines
 from bench.timing import (crops_only, in_rounds, profile_kernels, steady_batches, time_loader, views_per_sample,
                           without_blur)
+from pipelines.errors import bad_input
 from pipelines.loader import build_loader
 from pipelines.spec import DecoderHints, LoaderSpec
 from pipelines.views import Recipe, load_recipe
@@ -516,7 +517,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: torch sees no CUDA device; run this on a GPU machine (or --device cpu --quick to try it)")
+        sys.exit(bad_input("torch sees no CUDA device; run this on a GPU machine (or --device cpu --quick to try it)"))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -560,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                                       exclude=KNOWN_FAILURES if "known" in sections else ())}
     unknown = [n for n in sections if n not in run]
     if unknown:
-        sys.exit(f"error: unknown section(s) {', '.join(unknown)}; choose from {', '.join(run)}")
+        sys.exit(bad_input(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(run)}"))
     for name in sections:                   # in the order given
         section(name, run[name])
     print("\n" + "\n".join(header_lines(report)))

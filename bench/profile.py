@@ -66,6 +66,7 @@ from train.config import ConfigError, load_config, to_dict
 from train.loop import STEP_PHASES, epochs_from, phase, train_step
 from train.objectives import OBJECTIVES
 from train.setup import build_parts, resolve_backend, select_device
+from pipelines.errors import bad_input
 
 RECIPES = "relicv2,rsa,byol+sdmp,multicrop8"
 LOADERS = BACKENDS + tuple(peers.PEERS)           # viewmill's backends, then the peers (`bench.peers`)
@@ -221,8 +222,8 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
     for row in out:                       # the ratios to the baseline and the peers, once every row has its rate
         if row["status"] != "ok":
             continue
-        ratio = {}
-        for other in ("torchvision", *peers.PEERS):
+        ratio = {}                        # every peer asked for: None where it was skipped or failed
+        for other in ("torchvision", *(p for p in peers.PEERS if (row["recipe"], p) in rows)):
             o = rows.get((row["recipe"], other))
             ratio[other] = (row["img_per_s"]["median"] / o["img_per_s"]["median"]
                             if o and o["status"] == "ok" else None)
@@ -446,8 +447,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.profile") -
                                "pip install 'viewmill[profile]' (a checkout: make install)")
         report, out = run(a)
     except (ProfileError, ConfigError, profile_report.ReportError, BenchError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return bad_input(exc)
     profile_report.write(report, out)
     print(profile_report.markdown(report, charts=False))
     print(f"wrote {out / 'profile.json'}, {out / 'profile.md'} and {len(report['charts'])} charts")

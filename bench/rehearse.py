@@ -45,6 +45,7 @@ from PIL import Image
 
 from bench.report import header, header_lines
 from pipelines import schema
+from pipelines.errors import bad_input
 from pipelines.processes import descendants, fork_context
 
 IMAGENET = {"classes": 1000, "train": 1_281_167, "val": 50_000}
@@ -465,8 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     stages = [s for s in a.stages.split(",") if s]
     if bad := sorted(set(stages) - set(STAGES)):
-        print(f"error: unknown stage {', '.join(bad)}; choose from {', '.join(STAGES)}", file=sys.stderr)
-        return 2
+        return bad_input(f"unknown stage {', '.join(bad)}; choose from {', '.join(STAGES)}")
     work = a.work.resolve()
     src, root, runs = work / "imagenet-shaped", work / "data", work / "runs"
     # every class keeps an image in each split (a class folder without images is refused)

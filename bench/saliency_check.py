@@ -27,6 +27,7 @@ from bench.train import accuracy_after, last_eval
 from pipelines.views import RECIPE_DIR
 from train.config import CONFIG_DIR, ConfigError, dump_yaml, load_config
 from train.run import folder_of
+from pipelines.errors import bad_input
 
 ARMS = ("p_m = 0", "p_m = 0.1, saliency", "p_m = 0.1, centred control")
 
@@ -93,8 +94,7 @@ def main(argv: list[str]) -> int:
                 results.setdefault(arm, []).append({"seed": seed, "words": words,
                                                     **(done or run_arm(words))})
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     (report / "check.json").write_text(json.dumps({**header(), "steps": steps, "seeds": seeds, "results": results},
                                                   indent=1))
     md = table(results, steps)

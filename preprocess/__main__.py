@@ -14,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from pipelines.errors import bad_input
 from pipelines.processes import process_age_s
 from pipelines.schema import DatasetError
 from preprocess.prepare import ENGINES, SHARD_SIZE, command_seconds, prepare_dataset, summary
@@ -22,8 +23,7 @@ from preprocess.sources import SOURCES, Param
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:         # one line, exit code 2 (argparse prints usage too)
-        print(f"preprocess: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(bad_input(message))
 
 
 def _add_option(group: argparse._ArgumentGroup, param: Param) -> None:
@@ -61,9 +61,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m preprocess") -> i
     a = parse_args(argv, prog)
     source = SOURCES.get(a.dataset)
     if source is None:
-        print(f"preprocess: error: unknown dataset {a.dataset!r}; choose one of {', '.join(SOURCES)}",
-              file=sys.stderr)
-        return 2
+        return bad_input(f"unknown dataset {a.dataset!r}; choose one of {', '.join(SOURCES)}")
     params = {param.name: getattr(a, param.name) for param in source.params}
     started = process_age_s()              # this process's start-up and imports, up to here
     try:
@@ -74,8 +72,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m preprocess") -> i
         if started is not None and ended is not None and (line := command_seconds(path, started, ended)):
             print(line)
     except (ValueError, DatasetError, OSError) as e:
-        print(f"preprocess: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     except KeyboardInterrupt:
         print("preprocess: interrupted; the same command resumes an image folder (other datasets start over)",
               file=sys.stderr)

@@ -132,6 +132,19 @@ def mean_std(sums: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
     return tuple(float(x) for x in mean), tuple(float(x) for x in std)
 
 
+def encode_mask_png(mask: np.ndarray) -> bytes:
+    """A (H, W) uint8 mask as grayscale PNG bytes (lossless, compression level 1): the mask of both
+    formats, the FFCV `mask` field and the DALI shards' `<key>.mask.png` (one encoder, the same bytes).
+
+    Raises:
+        ValueError: a mask OpenCV cannot encode (not (H, W) uint8).
+    """
+    ok, buf = cv2.imencode(".png", np.ascontiguousarray(mask, dtype=np.uint8), [int(cv2.IMWRITE_PNG_COMPRESSION), 1])
+    if not ok:
+        raise ValueError("could not PNG-encode a mask; masks must be (H, W) uint8")
+    return buf.tobytes()
+
+
 def mask_coverage(mask: np.ndarray | None) -> float:
     """Fraction of mask pixels >= 128, in [0, 1], or `schema.NO_MASK_COVERAGE` without a mask.
 

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from pipelines import schema
 from pipelines.processes import fork_context
 from pipelines.shards import coverage_ppm, scan_shards, write_record_table
-from preprocess.records import PreparedSplit, Record, check_record, mask_coverage
+from preprocess.records import PreparedSplit, Record, check_record, encode_mask_png, mask_coverage
 
 
 def encode_image(image: np.ndarray, mode: str, quality: int) -> tuple[str, bytes]:
@@ -45,12 +45,6 @@ def encode_image(image: np.ndarray, mode: str, quality: int) -> tuple[str, bytes
     return "png", buf.getvalue()
 
 
-def _encode_mask(mask: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.ascontiguousarray(mask, dtype=np.uint8), mode="L").save(buf, format="PNG", compress_level=1)
-    return buf.getvalue()
-
-
 def record_members(rec: Record, mode: str, jpeg_quality: int) -> list[tuple[str, bytes]]:
     """The tar members of a checked record: (name, data), in storage order; the image is encoded
     unless the record carries its JPEG bytes."""
@@ -62,7 +56,7 @@ def record_members(rec: Record, mode: str, jpeg_quality: int) -> list[tuple[str,
         (f"{key}.{ext}", data),
     ]
     if rec.mask is not None:
-        members.append((f"{key}.{schema.DALI_MASK_EXT}", _encode_mask(rec.mask)))
+        members.append((f"{key}.{schema.DALI_MASK_EXT}", encode_mask_png(rec.mask)))
     members.append((f"{key}.{schema.DALI_RECORD_EXT}", rec_bytes))
     return members
 

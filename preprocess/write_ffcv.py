@@ -22,27 +22,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import cv2
 import numpy as np
 
 from pipelines import schema
 from pipelines.jit import cache_typed_dict_helpers
 from pipelines.processes import before_fork
-from preprocess.records import PreparedSplit, check_record, mask_coverage
+from preprocess.records import PreparedSplit, check_record, encode_mask_png, mask_coverage
 
 # "No mask" is one zero byte, not zero bytes: FFCV 1.0.2 files a zero-size allocation under the same
 # pointer as the next sample's image, whose reads then return nothing. Readers tell a missing mask by
 # coverage == NO_MASK_COVERAGE, never by the byte count.
 _NO_MASK = np.zeros(1, dtype=np.uint8)
-
-
-def encode_mask_png(mask: np.ndarray) -> np.ndarray:
-    """Encode a (H, W) uint8 mask as grayscale PNG bytes (lossless, compression level 1)."""
-    ok, buf = cv2.imencode(".png", np.ascontiguousarray(mask, dtype=np.uint8),
-                           [int(cv2.IMWRITE_PNG_COMPRESSION), 1])
-    if not ok:
-        raise ValueError("could not PNG-encode a mask; masks must be (H, W) uint8")
-    return buf.reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -100,7 +90,7 @@ class _FFCVRecords:
         if max(rec.shape) > 65535:
             raise ValueError(f"record {i}: image side {max(rec.shape)} px exceeds FFCV's 65535 px; "
                              "apply a max-side size policy")
-        mask_bytes = _NO_MASK if mask is None else encode_mask_png(mask)
+        mask_bytes = _NO_MASK if mask is None else np.frombuffer(encode_mask_png(mask), np.uint8)
         image = (np.ascontiguousarray(rec.image) if rec.encoded is None else _Jpeg(rec.encoded, *rec.shape))
         return (image, int(rec.label), i, mask_bytes, mask_coverage(mask))
 

@@ -98,6 +98,14 @@ def read_masks(path: str | Path) -> tuple[list[np.ndarray | None], np.ndarray]:
     return masks, coverage
 
 
+def read_mask_bytes(path: str | Path) -> list[bytes | None]:
+    """The stored mask bytes of every record of a `.beton` file in index order (None without a mask)."""
+    beton = _Beton(path)
+    coverage = beton.meta[schema.COVERAGE]
+    return [None if c == schema.NO_MASK_COVERAGE else beton.bytes_at(m["ptr"]).tobytes()
+            for m, c in zip(beton.meta[schema.MASK], coverage)]
+
+
 def read_ffcv_records(dataset_dir: str | Path, split: str, *, batch_size: int = 32) -> Iterator[Chunk]:
     """`read_beton` on `<dataset_dir>/<split>.beton` after `schema.read_manifest` accepts the folder."""
     dataset_dir = Path(dataset_dir)

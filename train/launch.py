@@ -28,6 +28,7 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
+from pipelines.errors import EXIT_BAD_INPUT, bad_input
 from pipelines.processes import LimitError, end_with_parent, ensure_open_files
 from pipelines.schema import DatasetError
 from pipelines.spec import LoaderError
@@ -38,7 +39,6 @@ from train.run import Run
 from train.setup import (build_parts, check_batch_split, check_dataset, check_processes, init_backbone,
                          open_files_needed, resolve_backend, select_device)
 
-EXIT_BAD_INPUT = 2
 LAUNCHER_PID = "VIEWMILL_LAUNCHER_PID"   # set by `elastic` for the processes it starts
 
 LauncherName = Literal["local", "slurm"]     # local: this machine's processes (or torchrun's); slurm: a submitit job
@@ -245,18 +245,15 @@ def exit_status(body: Callable[[], int]) -> int:
     try:
         return body()
     except (ConfigError, DatasetError, LoaderError, LimitError, FileNotFoundError) as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return bad_input(e) if os.environ.get("RANK", "0") == "0" else EXIT_BAD_INPUT
     except OSError as e:
         if e.errno not in (errno.EMFILE, errno.ENFILE):
             raise
-        if os.environ.get("RANK", "0") == "0":      # a limit met after all (another library's descriptors)
-            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-            print(f"error: too many open files ({e.strerror}; this process may open {soft}); raise the limit "
-                  f"(ulimit -n {4 * soft}) and run the same command again (run.resume=auto continues a run)",
-                  file=sys.stderr)
-        return EXIT_BAD_INPUT
+        if os.environ.get("RANK", "0") != "0":      # a limit met after all (another library's descriptors)
+            return EXIT_BAD_INPUT
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return bad_input(f"too many open files ({e.strerror}; this process may open {soft}); raise the limit "
+                         f"(ulimit -n {4 * soft}) and run the same command again (run.resume=auto continues a run)")
     except loop.NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -28,6 +28,7 @@ from train.config import Config, ConfigError, load_config
 from train.objectives import OBJECTIVES
 from train.objectives.base import StepValues
 from train.setup import build_online
+from pipelines.errors import bad_input
 
 PREFETCHED_BATCHES = 4      # DALI's prefetch queue (2), the batch made ahead (its taker thread) and the step's
 
@@ -113,8 +114,7 @@ def main(argv: list[str]) -> int:
             print(f"{m:>8}: {r.activations_mib_per_image:7.1f} MiB activations + {r.views_mib_per_image:5.1f} MiB views per "
                   f"image, {r.fixed_gib:.2f} GiB fixed -> fits {r.fits} per {gpu_gib:.0f} GiB GPU", flush=True)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     print(f"smallest: {min(r.fits for r in rows)} ({min(rows, key=lambda r: r.fits).method})")
     return 0
 

@@ -20,6 +20,8 @@ import importlib.metadata
 import sys
 from typing import Callable
 
+from pipelines.errors import bad_input
+
 
 def run_preprocess(argv: list[str]) -> int:
     from preprocess.__main__ import main
@@ -77,8 +79,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:          # one line and exit status 2, as every command errs
-        print(f"viewmill: error: {message}; see viewmill --help", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(bad_input(f"{message}; see viewmill --help"))
 
 
 def version() -> str:

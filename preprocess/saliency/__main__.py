@@ -14,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from pipelines.errors import bad_input
 from pipelines.processes import LimitError, descriptors_needed, ensure_open_files
 from pipelines.schema import DatasetError
 from preprocess.prepare import PreprocessError
@@ -70,8 +71,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m preprocess.salien
         ensure_open_files(descriptors_needed(workers=a.workers), "the saliency stage")
         saliency = compute(a.root / a.dataset, settings, report)
     except (PreprocessError, DatasetError, LimitError, handcrafted.SaliencyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     print(f"masks written into {a.root / a.dataset} (stage {saliency['stage']}); report in {report}")
     return 0
 

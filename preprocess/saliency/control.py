@@ -22,6 +22,7 @@ import numpy as np
 from PIL import Image
 
 from pipelines import schema
+from pipelines.errors import bad_input
 from pipelines.shards import ShardReader
 from preprocess.prepare import PreprocessError, remove_quietly
 from preprocess.saliency.write import write_masks
@@ -83,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = write_control(a.root / a.dataset, a.name, workers=a.workers)
     except (PreprocessError, schema.DatasetError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     print(f"control masks (centred rectangles of the same coverage) written into {out}")
     return 0
 

@@ -42,6 +42,6 @@ def test_failed_preprocessing_is_one_line_pointing_at_its_log(tmp_path) -> None:
         _preprocess(log, "imagefolder", tmp_path / "data", src=tmp_path / "missing", name="x", workers=1)
     text = log.read_text()
     assert text.startswith(f"$ python -m preprocess --dataset imagefolder --out {tmp_path / 'data'} --src ")
-    assert "preprocess: error: " in text
+    assert "\nerror: " in text
     with pytest.raises(BenchError, match="unknown bench dataset 'nosuch'"):
         prepare("nosuch", tmp_path, 8, True, 1)

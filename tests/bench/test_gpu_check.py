@@ -23,11 +23,27 @@ def verdicts(report: dict) -> list[str]:
 
 
 def test_targets_met_moonshot_and_missed() -> None:
-    assert verdicts(_report(12_500, 4_000, 1.2, 1.3, 0.02, 0)) == ["moonshot met", "moonshot met", "met", "met",
-                                                                   "met", "met"]
-    assert verdicts(_report(10_500, 5_000, 2.9, 1.4, 0.03, 0)) == ["met", "met", "met", "met", "met", "met"]
+    assert verdicts(_report(14_500, 4_000, 1.2, 1.3, 0.005, 0)) == ["moonshot met", "moonshot met", "met", "met",
+                                                                    "met", "met"]
+    assert verdicts(_report(12_500, 5_000, 2.9, 1.4, 0.01, 0)) == ["met", "met", "met", "met", "met", "met"]
     assert verdicts(_report(6_094, 4_196, 23.5, 2.01, 0.135, 7)) == ["missed"] * 6      # the first GPU runs
+    assert verdicts(_report(9_700, 3_500, 1.0, 1.3, 0.02, 0)) == ["missed", "met", "met", "met", "missed", "met"]
     assert targets({}) == ["nothing measured"]
+
+
+def test_plain_dali_and_pinned_core_targets() -> None:
+    """The graph against a plain DALI pipeline of the same views (3x) and at 4 and 2 cores (12k, 9k)."""
+    report = _report(12_000, 4_000, 1.0, 1.3, 0.0, 0)
+    report["loader"]["results"].append({"backend": "dali-plain", "recipe": "relicv2", "status": "ok",
+                                        "img_per_s": 4_100})
+    report["cores"] = {"rows": [{"cores": 2, "img_per_s": 8_900}, {"cores": 4, "img_per_s": 12_100},
+                                {"cores": 8, "img_per_s": None}]}
+    lines = targets(report)
+    plain = next(t for t in lines if "plain DALI" in t)
+    assert plain.startswith("2.93× ") and plain.endswith(": missed")
+    assert next(t for t in lines if "at 4 cores" in t).endswith(": met")
+    assert next(t for t in lines if "at 2 cores" in t).endswith(": missed")
+    assert not any("at 8 cores" in t for t in lines)
     assert "2.50× torchvision with 16 workers, batch 32 (target 2×" in targets(_report(10_000, 4_000, 1, 1, 0, 0))[1]
 
 

@@ -81,6 +81,26 @@ def test_index_file_offsets_and_rec(tmp_path) -> None:
         assert data[off:off + size] == str(i % 3).encode()
 
 
+def test_masks_are_the_same_bytes_in_both_formats(tmp_path) -> None:
+    pytest.importorskip("ffcv")
+    from preprocess.write_ffcv import write_ffcv
+    from tests.readers import read_mask_bytes
+
+    split = _Split(n=6)
+    write_dali(split, tmp_path / "train", shard_size=6)
+    write_ffcv(split, tmp_path / "train.beton", num_workers=1)
+    data = (tmp_path / "train" / "shard-000000.tar").read_bytes()
+    lines = (tmp_path / "train" / "shard-000000.idx").read_text().splitlines()[1:]
+    in_tar = []
+    for line in lines:
+        f = line.split()
+        comps = {f[k]: (int(f[k + 1]), int(f[k + 2])) for k in range(0, len(f), 4)}
+        off, size = comps["mask.png"]
+        in_tar.append(data[off:off + size])
+    assert read_mask_bytes(tmp_path / "train.beton") == in_tar
+    assert all(b[:8] == b"\x89PNG\r\n\x1a\n" for b in in_tar)
+
+
 def test_every_index_once_across_two_ranks(tmp_path) -> None:
     out = tmp_path / "train"
     write_dali(_Split(n=15, has_masks=False), out, shard_size=4)

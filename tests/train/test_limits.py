@@ -87,7 +87,7 @@ def test_a_hard_limit_below_the_need_stops_the_run_in_one_line_before_anything_i
                          text=True, timeout=300, preexec_fn=nofile(64, 64))
     err = pre.stderr.strip()
     assert pre.returncode == 2 and len(err.splitlines()) == 1, err
-    assert err.startswith(f"preprocess: error: preprocessing needs {descriptors_needed(workers=2)} open files"), err
+    assert err.startswith(f"error: preprocessing needs {descriptors_needed(workers=2)} open files"), err
     assert not (tmp_path / "d").exists()
 
 
