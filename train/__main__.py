@@ -39,7 +39,7 @@ def usage(prog: str = "python -m train") -> str:
         return f"[{','.join(map(str, v))}]" if isinstance(v, list) else str(v).lower() if isinstance(v, bool) else str(v)
 
     def flat(tree: dict, prefix: str = "") -> list[str]:
-        return [w for k, v in tree.items() if k not in ("method", "objective")
+        return [w for k, v in tree.items() if k not in ("method", "layers", "objective")
                 for w in (flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}={written(v)}"])]
 
     presets = ", ".join(sorted(p.stem for p in (CONFIG_DIR / "data").glob("*.yaml")))

@@ -1,12 +1,14 @@
 """The trainer's configuration: one tree of frozen dataclasses, the only place defaults live.
 
-Merge order (STYLE §4): dataclass defaults → `configs/base.yaml` → the values derived from the
-dataset's `manifest.json` (`derived_from_manifest`: classes, view sizes, batch and schedule; any
-dataset `make preprocess` wrote trains without a YAML) → `configs/data/<DATASET>.yaml` (or the one
-named by `preset=`, when it exists) → `configs/method/<METHOD>.yaml` → the data preset's `per_method: {<METHOD>: ...}` section (a paper's
-setting for one method on that data, e.g. RSA's beta_base 0.3 on CIFAR) → `config=<file.yaml>` files
-(`read_config_file`; a run's saved `config.yaml` holds every key, so it re-runs that run) → dotted
-`key=value` CLI overrides. Unknown keys and values that do
+Merge order (STYLE §4), as a list of named layers (`config_layers`) merged by one loop (`load_config`)
+over the dataclass defaults: `base` (configs/base.yaml) → `dataset NAME` (the values derived from the
+dataset's `manifest.json`, `derived_from_manifest`: classes, view sizes, batch and schedule; any dataset
+`make preprocess` wrote trains without a YAML) → `preset P` (configs/data/P.yaml, the dataset's name
+or `preset=`) → `method M` (configs/method/M.yaml) → `method M on P` (the preset's `per_method` section:
+a paper's setting for one method on that data, e.g. RSA's beta_base 0.3 on CIFAR) → `file F` for each
+`config=F` (`read_config_file`; a run's saved `config.yaml` holds every key, so it re-runs that run) →
+`picks` (method, dataset name and class count) → `words` (dotted `key=value` CLI overrides) → `world N`
+(`for_world`). A run's config.yaml records the names under `layers`. Unknown keys and values that do
 not parse to the field's type are `ConfigError`s with a one-line message; so is a value outside the
 choices of an enumerated (`typing.Literal`) field, whichever source it comes from (a preset, a CLI
 override, a checkpoint's config), so that a typo stops the run before anything is written. The
@@ -139,6 +141,9 @@ class RunConfig:
 @dataclass(frozen=True)
 class Config:
     method: str = "rsa"             # key of train.objectives.OBJECTIVES
+    # Where the values came from: the names of the layers `load_config` merged, in order (config.yaml
+    # records them); not a setting, and not part of a config's equality.
+    layers: tuple[str, ...] = field(default=(), compare=False)
     data: DataConfig = field(default_factory=DataConfig)
     views: ViewsConfig = field(default_factory=ViewsConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -157,7 +162,7 @@ def _valid_keys(cls: type, prefix: str = "") -> list[str]:
         t = _field_types(cls)[f.name]
         if dataclasses.is_dataclass(t):
             keys += _valid_keys(t, f"{prefix}{f.name}.")
-        elif f.name != "objective":
+        elif f.name not in ("objective", "layers"):
             keys.append(f"{prefix}{f.name}")
     return keys
 
@@ -228,6 +233,9 @@ def _merge(tree: dict, update: dict, cls: type, prefix: str = "") -> None:
             if parse_value(dotted, value, type(default)) == default:
                 continue
             raise ConfigError(f"config key {dotted!r} was removed ({why}); remove it")
+        if key == "layers" and not prefix:
+            raise ConfigError("'layers' is where a config's values came from (config.yaml records it), not a "
+                              "setting; remove it")
         if key == "objective" and not prefix:
             if not isinstance(value, dict):
                 raise ConfigError(f"config key 'objective' must be a mapping, got {value!r}")
@@ -417,6 +425,7 @@ def read_config_file(path: str) -> dict:
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {path} holds a {type(tree).__name__}, not sections of keys (data:, optim:, "
                           "...); write it as the config.yaml of a run is written")
+    tree.pop("layers", None)                # a run's config.yaml: where its values came from, not a setting
     try:
         _merge({}, tree, Config)
     except ConfigError as e:
@@ -448,18 +457,92 @@ def _presets(config_dir: Path) -> list[str]:
     return sorted(p.stem for p in (config_dir / "data").glob("*.yaml"))
 
 
+@dataclass(frozen=True)
+class Layer:
+    """One source of config values: its name, as config.yaml's `layers` records it, and the nested keys it
+    sets. `load_config` merges the layers of `config_layers` in order; a later layer's value wins."""
+    name: str
+    tree: dict
+
+
+def config_layers(args: Sequence[str], config_dir: Path = CONFIG_DIR) -> tuple[list[Layer], Manifest | None]:
+    """The layers that CLI words `method=... data=... [preset=...] [config=FILE] key=value ...` stack, in
+    merge order, and the dataset's manifest (None without a dataset folder).
+
+    The layers: `base` (configs/base.yaml); `dataset NAME` (`derived_from_manifest`, when the folder
+    `<data.root>/NAME` exists); `preset P` (configs/data/P.yaml: the `preset=` word, by default the
+    dataset's name when such a file exists); `method M` (configs/method/M.yaml); `method M on P` (the
+    preset's `per_method: {M: ...}`: a paper's setting for one method on that data); `file F` for each
+    `config=F` (in the order given; a file's `method` and `data.name` pick the presets when no word
+    does); `picks` (the method, the dataset folder's name and, from its manifest, its class count: facts
+    of the run whichever preset or file trains on it); `words` (the `key=value` words; a word
+    `optim.steps` (`optim.warmup_steps`) also sets a preset's `optim.epochs` (`optim.warmup_epochs`) to 0,
+    the user's own number over the preset's rule). Layers that set nothing are left out.
+
+    Raises:
+        ConfigError: a malformed word, an unknown dataset, preset or method, a bad config file
+            (`read_config_file`, `check_objective_keys`), or a dataset folder with a missing or damaged
+            manifest.
+    """
+    pairs = _pairs(args)
+    picks = dict(p for p in pairs if p[0] in PICKS)
+    words = [(k, v) for k, v in pairs if k not in PICKS]
+    files = [(value, read_config_file(value)) for key, value in pairs if key == "config"]
+    from_files: dict = {}                   # what the files set, merged: the presets they pick
+    for _, tree in files:
+        _merge(from_files, tree, Config)
+    base, said = _load_yaml(config_dir / "base.yaml"), dict(words)
+
+    def chosen(key: str, default: Any) -> Any:      # data.<key> from the files, else base.yaml, else the default
+        return from_files.get("data", {}).get(key, base.get("data", {}).get(key, default))
+
+    data_name = picks.get("data", chosen("name", DataConfig.name))
+    preset_name = picks.get("preset", data_name)
+    preset_file = config_dir / "data" / f"{preset_name}.yaml"
+    if "preset" in picks and not preset_file.is_file():
+        raise ConfigError(f"no data preset {preset_name!r}; choose one of {', '.join(_presets(config_dir))}")
+    root, folder = said.get("data.root", chosen("root", DataConfig.root)), said.get("data.name", data_name)
+    manifest = dataset_manifest(root, folder)
+    if manifest is None and not preset_file.is_file():
+        raise ConfigError(f"no dataset {folder!r}: {Path(root) / folder} does not exist and there is no data preset "
+                          f"of that name; write it with make preprocess DATASET=imagefolder SRC=<image folder> ARGS=\"--name {folder}\" (or point "
+                          f"data.root at its parent), or choose a preset: {', '.join(_presets(config_dir))}")
+    method = picks.get("method", from_files.get("method", base.get("method", Config.method)))
+    method_file = config_dir / "method" / f"{method}.yaml"
+    if not method_file.is_file():
+        raise _unknown_method(method, sorted(p.stem for p in (config_dir / "method").glob("*.yaml")))
+    data_preset = _load_yaml(preset_file) if preset_file.is_file() else {}
+    per_method = (data_preset.pop("per_method", None) or {}).get(method) or {}
+    for path, tree in files:
+        check_objective_keys(path, method, tree.get("objective"))
+    facts: dict = {"method": method, "data": {"name": folder}}
+    if manifest is not None:
+        facts["data"]["num_classes"] = manifest.num_classes
+    cli: dict = {}
+    for key, value in words:
+        _merge(cli, _dotted_to_nested(key, value), Config)
+    for explicit, preset in (("optim.steps", "optim.epochs"), ("optim.warmup_steps", "optim.warmup_epochs")):
+        if explicit in said and preset not in said:
+            _merge(cli, _dotted_to_nested(preset, "0"), Config)
+    layers = [Layer("base", base),
+              Layer(f"dataset {folder}", derived_from_manifest(manifest) if manifest is not None else {}),
+              Layer(f"preset {preset_name}", data_preset),
+              Layer(f"method {method}", _load_yaml(method_file)),
+              Layer(f"method {method} on {preset_name}", per_method),
+              *(Layer(f"file {path}", tree) for path, tree in files),
+              Layer("picks", facts),
+              Layer("words", cli)]
+    return [layer for layer in layers if layer.tree], manifest
+
+
 def load_config(args: list[str], config_dir: Path = CONFIG_DIR, world_size: int = 1) -> Config:
     """Resolve the config from CLI words `method=... data=... [preset=...] [config=FILE] key=value ...`
-    for a run of `world_size` processes.
+    for a run of `world_size` processes: the layers of `config_layers` merged in order by one loop over
+    the dataclass defaults, then `for_world` (the layer `world N`): a per-GPU batch and a length in
+    epochs become the global batch and the steps of this run. `Config.layers` names them all.
 
-    `data=NAME` names the dataset folder `<data.root>/NAME`. Its manifest, when the folder exists,
-    gives the derived values; the data preset `configs/data/<preset>.yaml` (`preset=` word, default
-    NAME when such a file exists) overrides them. A name with neither a dataset folder nor a preset
-    is an error. `config=FILE` layers (in the order given) come after the method presets and before the
-    `key=value` words; a file's `method` and `data.name` pick the presets when no word does. Then
-    `for_world`: a per-GPU batch and a length in epochs become the global batch
-    and the steps of this run. A CLI `optim.steps` (`optim.warmup_steps`) wins over a preset's
-    `optim.epochs` (`optim.warmup_epochs`); `data.batch_size` is one key, whichever form sets it last wins.
+    `data=NAME` names the dataset folder `<data.root>/NAME`; a name with neither a dataset folder nor a
+    data preset is an error. `data.batch_size` is one key, whichever form sets it last wins.
 
     Args:
         args: `key=value` strings; `method`, `data` and `preset` pick the presets, `config` names a
@@ -476,57 +559,14 @@ def load_config(args: list[str], config_dir: Path = CONFIG_DIR, world_size: int 
             value (`read_config_file`), a dataset folder with a missing or damaged manifest, or a
             per-GPU batch larger than the preset says fits (`for_world`).
     """
-    pairs = _pairs(args)
-    picks = dict(p for p in pairs if p[0] in PICKS)
-    cli = dict(pairs)
-    files = [(value, read_config_file(value)) for key, value in pairs if key == "config"]
-    layered: dict = {}                      # what the files set, merged: the presets they pick
-    for _, file_tree in files:
-        _merge(layered, file_tree, Config)
+    layers, manifest = config_layers(args, config_dir)
     tree: dict = {}
-    _merge(tree, _load_yaml(config_dir / "base.yaml"), Config)
-    for section, key in (("data", "name"), ("data", "root")):
-        if key in layered.get(section, {}):
-            tree.setdefault(section, {})[key] = layered[section][key]
-    data_name = picks.get("data", tree.get("data", {}).get("name", DataConfig.name))
-    preset_name = picks.get("preset", data_name)
-    preset_file = config_dir / "data" / f"{preset_name}.yaml"
-    if "preset" in picks and not preset_file.is_file():
-        raise ConfigError(f"no data preset {preset_name!r}; choose one of {', '.join(_presets(config_dir))}")
-    data_preset = _load_yaml(preset_file) if preset_file.is_file() else {}
-    root = cli.get("data.root", tree.get("data", {}).get("root", DataConfig.root))
-    folder = cli.get("data.name", data_name)
-    manifest = dataset_manifest(root, folder)
-    if manifest is None and not preset_file.is_file():
-        raise ConfigError(f"no dataset {folder!r}: {Path(root) / folder} does not exist and there is no data preset "
-                          f"of that name; write it with make preprocess DATASET=imagefolder SRC=<image folder> ARGS=\"--name {folder}\" (or point "
-                          f"data.root at its parent), or choose a preset: {', '.join(_presets(config_dir))}")
-    if manifest is not None:
-        _merge(tree, derived_from_manifest(manifest), Config)
-    per_method = data_preset.pop("per_method", None) or {}
-    _merge(tree, data_preset, Config)
-    method = picks.get("method", layered.get("method", tree.get("method", Config.method)))
-    method_file = config_dir / "method" / f"{method}.yaml"
-    if not method_file.is_file():
-        raise _unknown_method(method, sorted(p.stem for p in (config_dir / "method").glob("*.yaml")))
-    _merge(tree, _load_yaml(method_file), Config)
-    _merge(tree, per_method.get(method) or {}, Config)
-    for path, file_tree in files:
-        check_objective_keys(path, method, file_tree.get("objective"))
-        _merge(tree, file_tree, Config)
-    tree["method"] = method
-    tree.setdefault("data", {})["name"] = folder
-    if manifest is not None:                # a fact of the data, whichever preset or file trains on it
-        tree["data"]["num_classes"] = manifest.num_classes
-    for key, value in pairs:
-        if key in PICKS:
-            continue
-        _merge(tree, _dotted_to_nested(key, value), Config)
-    for explicit, preset in (("optim.steps", "optim.epochs"), ("optim.warmup_steps", "optim.warmup_epochs")):
-        if explicit in cli and preset not in cli:        # the user's own number over the preset's rule
-            _merge(tree, _dotted_to_nested(preset, "0"), Config)
+    for layer in layers:
+        _merge(tree, layer.tree, Config)
+    method = tree.pop("method")
     objective = build_objective_config(method, tree.pop("objective", {}))
-    cfg = dataclasses.replace(_build(Config, tree), objective=objective)
+    names = (*(layer.name for layer in layers), f"world {world_size}")
+    cfg = dataclasses.replace(_build(Config, tree), method=method, objective=objective, layers=names)
     eval_kinds(cfg)                                     # a labelled evaluation of unlabelled data: stop now
     return resolve_objective(for_world(cfg, world_size, int(manifest.counts.get("train", 0)) if manifest is not None else 0))
 
@@ -600,6 +640,7 @@ def config_from_dict(tree: dict, overrides: Sequence[str] = ()) -> Config:
     """
     tree = dict(tree)
     method = tree.pop("method", Config.method)
+    layers = tuple(tree.pop("layers", None) or ())
     objective = dict(tree.pop("objective", None) or {})
     checked: dict = {}
     _merge(checked, tree, Config)
@@ -610,7 +651,7 @@ def config_from_dict(tree: dict, overrides: Sequence[str] = ()) -> Config:
     objective.update(checked.pop("objective", {}))
     cfg = _build(Config, checked)
     data = dataclasses.replace(cfg.data, batch_size=global_batch(cfg.data.batch_size, 1))   # a saved one is global
-    return resolve_objective(dataclasses.replace(cfg, method=method, data=data,
+    return resolve_objective(dataclasses.replace(cfg, method=method, data=data, layers=layers,
                                                  objective=build_objective_config(method, objective)))
 
 

@@ -40,6 +40,31 @@ def test_merge_order_defaults_base_data_method_cli(tmp_path) -> None:
     assert isinstance(cfg.objective, OBJECTIVES["byol"].Config)
 
 
+def test_the_layers_merge_in_the_order_config_yaml_names_them(tmp_path) -> None:
+    """Each value comes from the last layer that sets it, and `Config.layers` names the layers that set
+    something, in that order, with the world the run was resolved for."""
+    import yaml
+
+    d = write_presets(tmp_path, "optim:\n  lr: 1.0\n  clip: 2.0\n  momentum: 0.5\n",
+                      "optim:\n  lr: 2.0\n  epochs: 3\n  weight_decay: 0.1\nper_method:\n  byol:\n    optim:\n"
+                      "      lr: 2.5\n      weight_decay: 0.2\n",
+                      "optim:\n  lr: 3.0\n  clip: 3.0\n")
+    file = tmp_path / "mine.yaml"
+    file.write_text(yaml.safe_dump({"optim": {"lr": 5.0, "momentum": 0.7}}))
+    cfg = load_config(["method=byol", "data=tiny", f"config={file}", "optim.momentum=0.8"], config_dir=d)
+    assert cfg.layers == ("base", "preset tiny", "method byol", "method byol on tiny", f"file {file}", "picks",
+                          "words", "world 1")
+    assert (cfg.optim.clip, cfg.optim.weight_decay, cfg.optim.lr, cfg.optim.momentum) == (3.0, 0.2, 5.0, 0.8)
+    assert cfg.optim.epochs == 3.0                      # no word names the length: the preset's epochs stay
+    words = load_config(["method=byol", "data=tiny", "optim.steps=11"], config_dir=d, world_size=2)
+    assert words.layers == ("base", "preset tiny", "method byol", "method byol on tiny", "picks", "words", "world 2")
+    assert (words.optim.steps, words.optim.epochs) == (11, 0.0)    # the user's steps over the preset's epochs
+    plain = load_config(["method=rsa", "data=synthetic", f"data.root={tmp_path / 'none'}"])  # no dataset folder
+    assert plain.layers == ("base", "preset synthetic", "method rsa", "picks", "words", "world 1")
+    with pytest.raises(ConfigError, match="'layers' is where a config's values came from.*remove it"):
+        load_config(["method=rsa", "data=synthetic", "layers=[base]"])
+
+
 def test_unknown_key_lists_closest_keys() -> None:
     with pytest.raises(ConfigError, match=r"unknown config key 'optim\.lrr'.*optim\.lr"):
         load_config(["method=rsa", "data=synthetic", "optim.lrr=0.1"])
@@ -383,7 +408,7 @@ def test_a_retired_key_at_its_old_default_is_dropped_and_set_otherwise_is_refuse
     saved.write_text("data:\n  parallel_gpu_ops: false\n  sequence_views: false\n  num_workers: 3\n")
     cfg = load_config(["method=simclr", f"config={saved}"])
     assert cfg.data.num_workers == 3 and to_dict(cfg) == to_dict(dataclasses.replace(
-        base, data=dataclasses.replace(base.data, num_workers=3)))
+        base, data=dataclasses.replace(base.data, num_workers=3), layers=cfg.layers))
     old = to_dict(base)                                       # a checkpoint's config of that time
     old["data"] |= {"parallel_gpu_ops": False, "sequence_views": False}
     assert to_dict(config_from_dict(old)) == to_dict(base)

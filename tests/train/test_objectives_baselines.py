@@ -87,7 +87,8 @@ def test_simclr_module_is_nt_xent_of_projections():
 
 def test_sdmp_without_mixing_is_mocov3_without_its_2tau_factor():
     """lam = 1 and mixes equal to the clean views: the replace version's plain direction is MoCo v3's
-    ctr(q_v, k_o) / 2 tau, and its source and mixing terms are both ctr(q_o, k_v) / 2 tau."""
+    ctr(q_v, k_o) / 2 tau, and its source and mixing terms are both ctr(q_o, k_v) / 2 tau, each at
+    `mix_weight` (the code's 1/2 by default, so that SDMP without mixing is MoCo v3 without 2 tau)."""
     from train.objectives.sdmp import clean_view
     from train.objectives.terms import gather_nograd_local_first, moco_ctr
 
@@ -98,13 +99,14 @@ def test_sdmp_without_mixing_is_mocov3_without_its_2tau_factor():
                   mixed=batch.global_views.clone(), mix_lam=lam,
                   mix_partner=torch.arange(5, -1, -1).expand(2, 6), index=batch.index)
     tau = 0.2
-    for step in range(4):
+    for step, w in ((0, 0.5), (1, 0.5), (2, 1.0), (3, 1.0)):
         s = StepValues(step=step, total_steps=10, epoch=0.0, lr=0.1, weight_decay=0.0, ema=0.99)
-        sdmp = SDMP(SDMP.Config(tau=tau))(online, target, mixed, s).loss
+        cfg = SDMP.Config(tau=tau) if w == 0.5 else SDMP.Config(tau=tau, mix_weight=w)
+        sdmp = SDMP(cfg)(online, target, mixed, s).loss
         v, o = clean_view(step), 1 - clean_view(step)
         (emb,) = online([batch.global_views[[v, o]]])                   # one BN batch, as SDMP's forward
         with torch.no_grad():
             (tgt,) = target([batch.global_views[:2]])
         k = [gather_nograd_local_first(tgt.z[i]) for i in range(2)]
-        want = (moco_ctr(emb.p[0], k[o], tau) + 2 * moco_ctr(emb.p[1], k[v], tau)) / (2 * tau)
+        want = (moco_ctr(emb.p[0], k[o], tau) + 2 * w * moco_ctr(emb.p[1], k[v], tau)) / (2 * tau)
         torch.testing.assert_close(sdmp, want, rtol=1e-5, atol=1e-6)
