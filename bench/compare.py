@@ -34,10 +34,9 @@ from pathlib import Path
 import yaml
 
 from bench.report import header
-from bench.train import accuracy_after, last_eval
-from train.config import Config, ConfigError, dump_yaml, load_config, to_dict
-from train.run import folder_of
+from bench.train import accuracy_after, finished_eval
 from pipelines.errors import bad_input
+from train.config import Config, ConfigError, load_config, to_dict
 
 FIGURES = ("knn_top1", "linear_top1")
 
@@ -88,19 +87,6 @@ def rows(words: list[str], folder: Path) -> dict[str, tuple[str, list[str]]]:
             "paper": paper}
 
 
-def finished(words: list[str]) -> dict | None:
-    """The final evaluation of an earlier run of exactly this config, or None (`bench.saliency_check`)."""
-    cfg = load_config(words)
-    run_dir = folder_of(cfg)
-    try:
-        if (run_dir / "config.yaml").read_text() != dump_yaml(cfg):
-            return None
-        last = last_eval(run_dir)
-    except (OSError, ValueError, KeyError):
-        return None
-    return last[1] if last is not None and last[0] == cfg.optim.steps else None
-
-
 def summary(runs: list[dict], key: str) -> dict:
     values = [100 * r[key] for r in runs]
     return {"mean": statistics.mean(values), "min": min(values), "max": max(values), "runs": values}
@@ -139,7 +125,7 @@ def main(argv: list[str]) -> int:
                 label, row_words = plan[name]
                 run = [*row_words, f"run.seed={seed}", f"run.name=compare-{method.method}-{name}-seed{seed}",
                        f"run.out_dir={out / 'runs'}"]
-                done = finished(run)                 # a bad word fails here, before any training
+                done = finished_eval(run)            # a bad word fails here, before any training
                 print(f"{label}, seed {seed}: " + ("done by an earlier run" if done else "training"), flush=True)
                 results[name].append({"seed": seed, **(done or accuracy_after(load_config(run)))})
     except ConfigError as e:

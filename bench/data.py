@@ -49,11 +49,11 @@ from bench.datasets import DATASETS, IMAGE_PX, QUICK_IMAGE_PX, BenchError, prepa
 from bench.report import header, header_lines
 from bench.timing import crops_only, in_rounds, time_ceiling, time_loader, views_per_sample
 from pipelines import schema
+from pipelines.errors import bad_input
 from pipelines.loader import BACKENDS
 from pipelines.shards import scan_shards
 from pipelines.spec import LoaderSpec
 from pipelines.views import load_recipe
-from pipelines.errors import bad_input
 
 RECIPES = ("relicv2", "rsa")
 ALL_RECIPES = RECIPES + ("byol", "multicrop8", "plain")

@@ -15,9 +15,10 @@ whose estimate no longer fits in `--budget-s` is skipped with a note, and one st
 estimate (or `--limit-s`) is stopped, its threads' stacks written, so that the report comes back
 within the slot. The loader comes last by default: its torchvision baseline is the slowest thing
 measured (each of its 16 workers makes a whole batch on one core, 32-39 ms an image on the H200's
-host). On 27 Nov (13:00 UTC) it ran past the section's limit: its epoch of 7 batches of 256 let at most
-7 of 16 workers work, and each epoch ended in a drain. So the baseline runs at `--baseline-batch` 32,
-on enough images (`--n`) that one epoch holds its whole steady-state run (`bench.timing.epoch_holds`).
+host). At the graph's batch of 256 an epoch of a few batches lets only some of the workers work and
+ends in a drain (docs/benchmarks.md, "The GPU check's own figures"). So the baseline runs at
+`--baseline-batch` 32, on enough images (`--n`) that one epoch holds its whole steady-state run
+(`bench.timing.epoch_holds`).
 
 - **views** — the GPU graph with relicv2's 6 views against its first large crop alone, two
   ablations of the 6 views (crops only: no colour, blur, solarize; without blur), and the 6 views with
@@ -42,9 +43,9 @@ on enough images (`--n`) that one epoch holds its whole steady-state run (`bench
 - **profile** (when named) — the device's work per steady-state batch of the GPU graph, 6 views and
   1 view (`bench.timing.profile_kernels`: every kernel and copy the process launched, DALI's included):
   the device busy against the batch's wall time, launches per batch, the kernels that take the most;
-- **known** (when named) — the 7 `gpu` tests that failed on the first GPU run (docs/benchmarks.md, 26
-  Nov 2026; they have passed since): ResizeMix and CutMix on the GPU graph, relicv2 with saliency
-  masks, SDMP's resume on CUDA.
+- **known** (when named) — the 7 `gpu` tests that failed on the first GPU run (docs/benchmarks.md;
+  they have passed since): ResizeMix and CutMix on the GPU graph, relicv2 with saliency masks, SDMP's
+  resume on CUDA.
 
 The table printed last marks the issue's targets met or missed (`targets`).
 """
@@ -96,19 +97,12 @@ KNOWN_FAILURES = (
     "tests/pipelines/test_dali_backend.py::test_sdmp_laws_of_the_graph[cuda-resizemix]",
     "tests/train/test_cuda.py::test_objective_trains_and_resumes_on_cuda[sdmp]",
 )
-# Seconds each section takes on one H100 with 16 cores, for the budget and the sections' time limits.
-# Measured on an H200 on 27 Nov 2026: known 75, decoder 54, train 36-44, loader 122, tests 192 in 4
-# processes; views 78-89 and profile 40 with two graph variants since dropped, so 4 of the views' 6
-# cells and 2 of the profile's 4 runs (computed); the tests' estimate counts the 8 CUDA training tests
-# at 2 of their former 3 runs each, started first (computed from 192).
-# Since: the views section's filter-blur cell (+15 s), the cores section (4 cells of 3 rounds, computed from
-# the views' rate: 60 s), training at 40 steps a round (5x the timed steps: 100 s), the plain DALI peer in the
-# loader section (+25 s), all computed.
+# Seconds each section takes on one H100 with 16 cores, for the budget and the sections' time limits:
+# measured on a GPU where the section ran as it is, computed from those runs where it changed since
+# (docs/benchmarks.md, "The GPU check's own figures").
 ESTIMATE_S = {"known": 75, "loader": 150, "views": 75, "cores": 60, "decoder": 55, "profile": 20, "train": 100,
               "tests": 160}
-# The gpu tests' processes: on the H200, 4 ran all of them in 186 s; 8 (sharing the one GPU) had
-# finished 40 of them after 200 s (27 Nov 2026).
-TEST_PROCESSES = 4
+TEST_PROCESSES = 4     # the gpu tests' processes: 4 ran them fastest on one GPU (docs/benchmarks.md)
 # The default sections' estimates add up to 545 s (views 75, cores 60, train 100, tests 160, loader 150):
 # the budget lets all five run in one call of the GPU machine (10 minutes at most).
 DEFAULT_BUDGET_S = 560.0
@@ -121,8 +115,8 @@ HW_LOADS = (0.65, 0.85, 1.0)     # the decoder section's shares of hardware-deco
 class SectionTimeout(BaseException):
     """A section ran past its limit (a hang: the GPU machine's slot is too short to wait it out). Not an
     `Exception`, so that what catches a failed cell or backend (`bench.timing.in_rounds`) lets it through
-    and the section stops: on 27 Nov the loader section's rounds caught it as the torchvision cell's
-    error and went on past the limit."""
+    and the section stops (a loader section's rounds once caught it as the torchvision cell's error and
+    went on past the limit)."""
 
 
 @contextlib.contextmanager

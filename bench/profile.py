@@ -56,6 +56,7 @@ from bench.report import header
 from bench.timing import (crops_only, in_rounds, sync, time_ceiling, time_epochs, time_loader, views_per_sample,
                           without_blur)
 from bench.train import in_fresh_process, peak_memory_mb, time_steps
+from pipelines.errors import bad_input
 from pipelines.loader import BACKENDS
 from pipelines.mixing import MIX_KINDS, MixSpec
 from pipelines.shards import scan_shards
@@ -66,7 +67,6 @@ from train.config import ConfigError, load_config, to_dict
 from train.loop import STEP_PHASES, epochs_from, phase, train_step
 from train.objectives import OBJECTIVES
 from train.setup import build_parts, resolve_backend, select_device
-from pipelines.errors import bad_input
 
 RECIPES = "relicv2,rsa,byol+sdmp,multicrop8"
 LOADERS = BACKENDS + tuple(peers.PEERS)           # viewmill's backends, then the peers (`bench.peers`)

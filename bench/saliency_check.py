@@ -23,11 +23,10 @@ from pathlib import Path
 import yaml
 
 from bench.report import header
-from bench.train import accuracy_after, last_eval
-from pipelines.views import RECIPE_DIR
-from train.config import CONFIG_DIR, ConfigError, dump_yaml, load_config
-from train.run import folder_of
+from bench.train import accuracy_after, finished_eval
 from pipelines.errors import bad_input
+from pipelines.views import RECIPE_DIR
+from train.config import CONFIG_DIR, ConfigError, load_config
 
 ARMS = ("p_m = 0", "p_m = 0.1, saliency", "p_m = 0.1, centred control")
 
@@ -60,20 +59,6 @@ def run_arm(words: list[str]) -> dict:
     return accuracy_after(load_config(words))
 
 
-def finished(words: list[str]) -> dict | None:
-    """The final evaluation of an earlier run of exactly this config (same resolved config.yaml, an
-    evaluation at its last step), or None: an interrupted check resumes where it stopped."""
-    cfg = load_config(words)
-    run_dir = folder_of(cfg)
-    try:
-        if (run_dir / "config.yaml").read_text() != dump_yaml(cfg):
-            return None
-        last = last_eval(run_dir)
-    except (OSError, ValueError, KeyError):
-        return None
-    return last[1] if last is not None and last[0] == cfg.optim.steps else None
-
-
 def main(argv: list[str]) -> int:
     opts = dict(w.split("=", 1) for w in argv if w.split("=", 1)[0] in ("dataset", "steps", "seeds", "report"))
     rest = [w for w in argv if w.split("=", 1)[0] not in opts]
@@ -88,7 +73,7 @@ def main(argv: list[str]) -> int:
                 words = ["method=relicv2", *arm_args(arm, dataset, no_saliency), f"optim.steps={steps}",
                          f"optim.warmup_steps={steps // 10}", f"run.seed={seed}",
                          f"run.name=saliency-check-{ARMS.index(arm)}-seed{seed}", *rest]
-                done = finished(words)                   # a bad word fails here, before any training
+                done = finished_eval(words)              # a bad word fails here, before any training
                 print(f"{arm}, seed {seed}: " + ("done by an earlier run" if done else f"training {steps} steps"),
                       flush=True)
                 results.setdefault(arm, []).append({"seed": seed, "words": words,

@@ -27,10 +27,11 @@ import torch
 from bench.report import header, header_lines
 from bench.timing import sync
 from train import schedules
-from train.config import Config, ConfigError, load_config, to_dict
+from train.config import Config, ConfigError, dump_yaml, load_config, to_dict
 from train.launch import train
 from train.loop import check_finite, epochs_from, train_step
 from train.objectives import OBJECTIVES
+from train.run import folder_of
 from train.setup import Parts, build_parts, resolve_backend, select_device
 
 
@@ -91,6 +92,20 @@ def last_eval(run_dir: Path) -> tuple[int, dict[str, float]] | None:
     last = evals[-1]
     return last["step"], {k: last[k] for k in ("knn_top1", "linear_top1", "random_init/knn_top1",
                                                "random_init/linear_top1")}
+
+
+def finished_eval(words: list[str]) -> dict[str, float] | None:
+    """The final evaluation of an earlier run of exactly the config `words` resolve to (the same
+    config.yaml, an evaluation at its last step), or None: an interrupted comparison resumes there."""
+    cfg = load_config(words)
+    run_dir = folder_of(cfg)
+    try:
+        if (run_dir / "config.yaml").read_text() != dump_yaml(cfg):
+            return None
+        last = last_eval(run_dir)
+    except (OSError, ValueError, KeyError):
+        return None
+    return last[1] if last is not None and last[0] == cfg.optim.steps else None
 
 
 def accuracy_after(cfg) -> dict[str, float]:

@@ -329,6 +329,20 @@ def global_batch(batch_size: int | str, world_size: int) -> int:
                       f"batch of each process (e.g. data.batch_size=256{PER_GPU})")
 
 
+def per_process_batch(batch_size: int, processes: int, key: str = "data.batch_size") -> int:
+    """Each process's share of the global batch `batch_size` (`BATCH_RULE`): the same on every process
+    and even (the mixes and paired views need pairs).
+
+    Raises:
+        ConfigError: a global batch that does not split so, naming the multiple to use (`key` names the
+            setting: `batch_size` for the evaluation protocols).
+    """
+    if batch_size % (2 * processes):
+        raise ConfigError(f"{key}={batch_size} must split into even per-process batches over {processes} "
+                          f"process(es); use a multiple of {2 * processes}")
+    return batch_size // processes
+
+
 DERIVED_MAX_BATCH = 256         # the batch every lr in the presets is quoted at
 DERIVED_MIN_STEPS_PER_EPOCH = 8  # a small folder still gets several steps (BatchNorm batches) per epoch
 

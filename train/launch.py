@@ -33,10 +33,10 @@ from pipelines.processes import LimitError, end_with_parent, ensure_open_files
 from pipelines.schema import DatasetError
 from pipelines.spec import LoaderError
 from train import dist, loop
-from train.config import Config, ConfigError, load_config, parse_value
+from train.config import Config, ConfigError, load_config, parse_value, per_process_batch
 from train.log import Log, check_wandb
 from train.run import Run
-from train.setup import (build_parts, check_batch_split, check_dataset, check_processes, init_backbone,
+from train.setup import (build_parts, check_dataset, check_processes, init_backbone,
                          open_files_needed, resolve_backend, select_device)
 
 LAUNCHER_PID = "VIEWMILL_LAUNCHER_PID"   # set by `elastic` for the processes it starts
@@ -130,7 +130,7 @@ def preflight(cfg: Config, processes: int, nodes: int = 1, here: bool = True) ->
     check_wandb(cfg)
     if here:
         check_processes(processes, cfg.run.device)
-    check_batch_split(cfg.data.batch_size, processes * nodes)
+    per_process_batch(cfg.data.batch_size, processes * nodes)      # before any process starts
     check_dataset(cfg)
     run = Run.open(cfg)
     if processes * nodes > 1 and run.resume.state is None:

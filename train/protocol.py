@@ -56,7 +56,8 @@ from pipelines.schema import NO_LABEL
 from pipelines.spec import DatasetInfo, LoaderSpec
 from pipelines.views import Recipe, ViewGroup
 from train import checkpoint, dist
-from train.config import CONFIG_DIR, Config, ConfigError, config_from_dict, parse_value, to_dict
+from train.config import (CONFIG_DIR, Config, ConfigError, config_from_dict, parse_value, per_process_batch,
+                          to_dict)
 from train.log import Log, Meter
 from train.setup import (build_online, channels_last, check_dataset, check_same_network, decoder_hints, loader_workers,
                          open_files_needed, resolve_backend, select_device)
@@ -286,9 +287,7 @@ class Protocol:
     def run(self, backend: str, device: torch.device) -> dict:
         """Train and score (resuming from the folder's checkpoint), returning {"top1", "top5", ...}."""
         cfg, p, world, rank = self.cfg, self.p, dist.world_size(), dist.rank()
-        if p.batch_size % (2 * world):
-            raise ConfigError(f"batch_size={p.batch_size} must split into even batches over {world} process(es); "
-                              f"use a multiple of {2 * world}")
+        per_process_batch(p.batch_size, world, "batch_size")          # an uneven split stops here
         info = DatasetInfo.read(cfg.data.root, cfg.data.name, "train")
         subset = None
         if self.kind == "finetune":

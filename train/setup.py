@@ -23,7 +23,7 @@ from pipelines.schema import read_manifest
 from pipelines.spec import DecoderHints, Loader, LoaderSpec
 from pipelines.views import Recipe, load_recipe
 from train import dist
-from train.config import Config, ConfigError, check_needs, to_dict
+from train.config import Config, ConfigError, check_needs, per_process_batch, to_dict
 from train.objectives import OBJECTIVES
 from train.objectives.base import Objective
 from train.optim import build_optimizer
@@ -127,17 +127,6 @@ def check_processes(n: int, device_name: str) -> None:
         raise ConfigError(f"GPUS={n} but this machine has {have} {what}; use GPUS between 1 and {have}{hint}")
 
 
-def check_batch_split(batch_size: int, processes: int) -> None:
-    """The global batch splits into even per-process batches (the mixes and paired views need pairs).
-
-    Raises:
-        ConfigError: naming the multiple to use.
-    """
-    if batch_size % (2 * processes):
-        raise ConfigError(f"data.batch_size={batch_size} must split into even per-process batches over "
-                          f"{processes} processes (GPUS={processes}); use a multiple of {2 * processes}")
-
-
 def build_train_loader(cfg: Config, recipe: Recipe, backend: str, device: torch.device) -> Loader:
     """This rank's training loader: its share of `data.batch_size`, shuffled, drop-last, with the mixes.
 
@@ -145,10 +134,9 @@ def build_train_loader(cfg: Config, recipe: Recipe, backend: str, device: torch.
         ConfigError: a global batch that does not split into even per-rank batches.
     """
     world = dist.world_size()
-    check_batch_split(cfg.data.batch_size, world)
     spec = LoaderSpec(
         root=cfg.data.root, dataset=cfg.data.name, split="train", recipe=recipe,
-        batch_size=cfg.data.batch_size // world, mix=cfg.data.mix, rank=dist.rank(), world_size=world,
+        batch_size=per_process_batch(cfg.data.batch_size, world), mix=cfg.data.mix, rank=dist.rank(), world_size=world,
         seed=cfg.run.seed, device=str(device), num_workers=loader_workers(cfg, backend, device),
         channels_last=channels_last(cfg, device), decoder=decoder_hints(cfg))
     # Every process on this machine: its training loader and, at times, an evaluation loader of the same

@@ -30,8 +30,9 @@ def test_the_baseline_row_differs_from_the_method_row_only_in_what_makes_the_bas
                                                                                       tmp_path) -> None:
     words = tiny_args(method, tmp_path)
     plan = compare.rows(words, tmp_path)
-    mine = flat({k: v for k, v in to_dict(load_config(plan["method"][1])).items() if k != "objective"})
-    base = flat({k: v for k, v in to_dict(load_config(plan["baseline"][1])).items() if k != "objective"})
+    mine, base = (flat({k: v for k, v in to_dict(load_config(plan[row][1])).items()
+                        if k not in ("objective", "layers")})          # layers: where the values came from
+                  for row in ("method", "baseline"))
     assert {k for k in mine if mine[k] != base[k] and k != "run.name"} == changed     # run.name: set per run
     assert "beside" in plan["paper"]
 

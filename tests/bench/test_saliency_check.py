@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import saliency_check
+from bench.train import finished_eval
 from pipelines.views import load_recipe
 from preprocess.prepare import prepare_dataset
 from preprocess.saliency.control import write_control
@@ -34,9 +35,10 @@ def test_the_three_arms_differ_only_in_background_removal_and_are_scored(tmp_pat
     assert [c.data.name for c in cfgs] == ["synthetic", "synthetic", "synthetic-centre"]
     assert all(c.optim.steps == 2 and c.method == "relicv2" for c in cfgs)
     rest = [to_dict(replace(c, data=replace(c.data, name=""), views=replace(c.views, recipe=""),
-                            run=replace(c.run, name=""))) for c in cfgs]
+                            run=replace(c.run, name=""), layers=()))
+            for c in cfgs]                                                # layers: where values came from
     assert rest[0] == rest[1] == rest[2]                                  # the same run otherwise
-    assert saliency_check.finished(out["results"][saliency_check.ARMS[2]][0]["words"]) is not None   # resumable
+    assert finished_eval(out["results"][saliency_check.ARMS[2]][0]["words"]) is not None   # resumable
     for r in out["results"].values():
         assert 0.0 <= r[0]["knn_top1"] <= 1.0 and 0.0 <= r[0]["linear_top1"] <= 1.0
     assert "| p_m = 0.1, centred control |" in (report / "check.md").read_text()

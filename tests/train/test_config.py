@@ -65,6 +65,16 @@ def test_the_layers_merge_in_the_order_config_yaml_names_them(tmp_path) -> None:
         load_config(["method=rsa", "data=synthetic", "layers=[base]"])
 
 
+def test_a_global_batch_splits_into_even_per_process_batches_or_names_the_multiple() -> None:
+    from train.config import per_process_batch
+
+    assert [per_process_batch(512, n) for n in (1, 2, 8, 64)] == [512, 256, 64, 8]
+    with pytest.raises(ConfigError, match=r"data\.batch_size=100 must split .* over 8 process.*a multiple of 16"):
+        per_process_batch(100, 8)                       # 12.5 a process
+    with pytest.raises(ConfigError, match=r"^batch_size=6 must split .*a multiple of 4"):
+        per_process_batch(6, 2, "batch_size")           # 3 a process: no pairs
+
+
 def test_unknown_key_lists_closest_keys() -> None:
     with pytest.raises(ConfigError, match=r"unknown config key 'optim\.lrr'.*optim\.lr"):
         load_config(["method=rsa", "data=synthetic", "optim.lrr=0.1"])
