@@ -36,7 +36,8 @@ import yaml
 from bench.report import header
 from bench.train import accuracy_after, finished_eval
 from pipelines.errors import bad_input
-from train.config import Config, ConfigError, load_config, to_dict
+from train.config import Config, ConfigError, to_dict
+from train.resolve import load_config
 
 FIGURES = ("knn_top1", "linear_top1")
 

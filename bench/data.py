@@ -47,7 +47,7 @@ import torch
 from bench import peers
 from bench.datasets import DATASETS, IMAGE_PX, QUICK_IMAGE_PX, BenchError, prepare, view_px
 from bench.report import header, header_lines
-from bench.timing import crops_only, in_rounds, time_ceiling, time_loader, views_per_sample
+from bench.timing import crops_only, in_rounds, stages_ms, time_ceiling, time_loader, views_per_sample
 from pipelines import schema
 from pipelines.errors import bad_input
 from pipelines.loader import BACKENDS
@@ -154,14 +154,14 @@ def _backend_cell(s: Settings, work: Path, root: Path, name: str, be: str, devic
 
 
 def stage_shares(full: float, crops: float | None, decode: float | None) -> dict | None:
-    """Split one image's time (1/img_s) into decode, crops + resizes, and colour ops + the rest."""
+    """One image's time split into decode (with the read), crops + resizes, and colour ops + the rest,
+    as shares of their sum (`bench.timing.stages_ms` of the full and crops-only runs)."""
     if not full or not crops or not decode:
         return None
-    t_full, t_crop, t_dec = 1 / full, 1 / crops, 1 / decode
-    dec = min(t_dec, t_crop, t_full)
-    crop = max(min(t_crop, t_full) - dec, 0.0)
-    return {"decode": dec / t_full, "crops_resizes": crop / t_full,
-            "colour_and_rest": max(t_full - dec - crop, 0.0) / t_full}
+    ms = stages_ms({"full": full, "crops_only": crops}, decode)
+    parts = {"decode": ms["decode"], "crops_resizes": ms["crops_resize_rest"], "colour_and_rest": ms["colour"]}
+    total = sum(parts.values())
+    return {k: v / total for k, v in parts.items()}
 
 
 def ratios(results: list[dict], ceilings: list[dict]) -> list[dict]:

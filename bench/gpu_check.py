@@ -319,7 +319,8 @@ def run_profile(a: argparse.Namespace) -> dict:
 def run_train(a: argparse.Namespace) -> dict:
     """ResNet-50 relicv2 steps with the DALI loader against one batch kept on the device."""
     from bench.train import time_steps
-    from train.config import load_config, to_dict
+    from train.config import to_dict
+    from train.resolve import load_config
 
     gpx, lpx = view_px("imagenet-like", a.quick)
     root, name = prepare("imagenet-like", Path(a.work) / "bench-data", a.n, a.quick, a.cores)   # the loader's data

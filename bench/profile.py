@@ -53,8 +53,8 @@ from bench import peers, profile_report
 from bench.data import fill_sizes, operator_counts
 from bench.datasets import DATASETS, BenchError, prepare, view_px
 from bench.report import header
-from bench.timing import (crops_only, in_rounds, sync, time_ceiling, time_epochs, time_loader, views_per_sample,
-                          without_blur)
+from bench.timing import (crops_only, in_rounds, stages_ms, sync, time_ceiling, time_epochs, time_loader,
+                          views_per_sample, without_blur)
 from bench.train import in_fresh_process, peak_memory_mb, time_steps
 from pipelines.errors import bad_input
 from pipelines.loader import BACKENDS
@@ -63,9 +63,10 @@ from pipelines.shards import scan_shards
 from pipelines.spec import LoaderSpec
 from pipelines.views import Recipe, load_recipe
 from train import schedules
-from train.config import ConfigError, load_config, to_dict
+from train.config import ConfigError, to_dict
 from train.loop import STEP_PHASES, epochs_from, phase, train_step
 from train.objectives import OBJECTIVES
+from train.resolve import load_config
 from train.setup import build_parts, resolve_backend, select_device
 
 RECIPES = "relicv2,rsa,byol+sdmp,multicrop8"
@@ -115,19 +116,6 @@ def _ladder(recipe: Recipe, mix: MixSpec) -> dict[str, tuple[Recipe, MixSpec]]:
         runs["no_blur"] = (without_blur(recipe), no_mix)
     runs["crops_only"] = (crops_only(recipe), no_mix)
     return runs
-
-
-def stages_ms(rates: dict[str, float], read: float, decode: float) -> dict[str, float | None]:
-    """Per-image ms of each stage from the ladder's img/s (`_ladder` names) and the ceilings'."""
-    ms = {k: 1000.0 / v for k, v in rates.items() if v}
-    nonneg = lambda x: max(0.0, x)   # noqa: E731
-    no_mix = ms.get("no_mix", ms["full"])
-    no_blur = ms.get("no_blur", no_mix)
-    return {"read": 1000.0 / read, "decode": nonneg(1000.0 / decode - 1000.0 / read),
-            "crops_resize_rest": nonneg(ms["crops_only"] - 1000.0 / decode),
-            "colour": nonneg(no_blur - ms["crops_only"]),
-            "blur": nonneg(no_mix - no_blur) if "no_blur" in ms else None,
-            "mix": nonneg(ms["full"] - no_mix) if "no_mix" in ms else None}
 
 
 def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[str], backends: list[str],
@@ -211,7 +199,7 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
                        vs_ceiling_decode=full["median"] / decode["median"],
                        vs_ceiling_decode_crops=statistics.median(crop_ceiling[rc]) / full["median"],
                        stages_ms=stages_ms({k: statistics.median(v) for k, v in ladder.items()},
-                                           read["median"], decode["median"]),
+                                           decode=decode["median"], read=read["median"]),
                        ladder_img_per_s={k: stat(v) for k, v in ladder.items()})
             if rc == recipes[0]:
                 row.update(first_batch_s=stat(r["first"]), epoch_boundary={

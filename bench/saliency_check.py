@@ -26,7 +26,8 @@ from bench.report import header
 from bench.train import accuracy_after, finished_eval
 from pipelines.errors import bad_input
 from pipelines.views import RECIPE_DIR
-from train.config import CONFIG_DIR, ConfigError, load_config
+from train.config import ConfigError
+from train.resolve import CONFIG_DIR, load_config
 
 ARMS = ("p_m = 0", "p_m = 0.1, saliency", "p_m = 0.1, centred control")
 

@@ -21,7 +21,7 @@ each epoch boundary against the mean gap between batches. A ceiling reads the sa
 `cores` DataLoader workers with one of two libjpeg-turbo decoders (PIL, `torchvision.io.decode_image`):
 the bytes alone (`read`), decode-only, or decode + the recipe's crops and resizes (one decode per
 sample, every crop view resized to its size, no colour ops). The recipe variants here (`crops_only`,
-`without_blur`) are the ablations that split a loader's time into stages.
+`without_blur`) are the ablations that split a loader's time into stages (`stages_ms`).
 """
 
 from __future__ import annotations
@@ -56,6 +56,33 @@ def crops_only(recipe: Recipe) -> Recipe:
 def without_blur(recipe: Recipe) -> Recipe:
     """The recipe with Gaussian blur switched off (everything else as it is)."""
     return Recipe(name=f"{recipe.name}-noblur", groups=tuple(replace(g, blur_p=0.0) for g in recipe.groups))
+
+
+def stages_ms(rates: dict[str, float], decode: float, read: float | None = None) -> dict[str, float | None]:
+    """The stage split, one for every bench: each stage's ms an image, from the img/s of a loader's
+    ablation ladder and of the ceilings. A stage is the difference of two rungs, never negative (a
+    loader faster than the ceiling's decoder gets 0 for its crops, not a negative time).
+
+    Args:
+        rates: img/s of the rungs: "full" and "crops_only" (`crops_only`), and where the recipe has them
+            "no_mix" (the mixes off) and "no_blur" (`without_blur`, the mixes off too).
+        decode: the decode ceiling's img/s (it reads the bytes too).
+        read: the read ceiling's img/s, split off the decode's time; None: not measured (decode holds it).
+
+    Returns:
+        {"read", "decode", "crops_resize_rest", "colour", "blur", "mix"}: ms an image; "read" None without
+        `read`, "blur" and "mix" None where the ladder has no such rung.
+    """
+    ms = {k: 1000.0 / v for k, v in rates.items() if v}
+    nonneg = lambda x: max(0.0, x)   # noqa: E731
+    read_ms = 1000.0 / read if read else None
+    no_mix = ms.get("no_mix", ms["full"])
+    no_blur = ms.get("no_blur", no_mix)
+    return {"read": read_ms, "decode": nonneg(1000.0 / decode - (read_ms or 0.0)),
+            "crops_resize_rest": nonneg(ms["crops_only"] - 1000.0 / decode),
+            "colour": nonneg(no_blur - ms["crops_only"]),
+            "blur": nonneg(no_mix - no_blur) if "no_blur" in ms else None,
+            "mix": nonneg(ms["full"] - no_mix) if "no_mix" in ms else None}
 
 
 def views_per_sample(recipe: Recipe) -> int:

@@ -27,10 +27,11 @@ import torch
 from bench.report import header, header_lines
 from bench.timing import sync
 from train import schedules
-from train.config import Config, ConfigError, dump_yaml, load_config, to_dict
+from train.config import Config, ConfigError, dump_yaml, to_dict
 from train.launch import train
 from train.loop import check_finite, epochs_from, train_step
 from train.objectives import OBJECTIVES
+from train.resolve import load_config
 from train.run import folder_of
 from train.setup import Parts, build_parts, resolve_backend, select_device
 

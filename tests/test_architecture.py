@@ -8,7 +8,8 @@ backends form no cycle). And across the whole project no module imports one that
 imports it back: no import cycle, so every package stands on floors. `viewmill`, the command (no row in
 STYLE's table), imports each package's entry module (`ENTRY_MODULES`) and `pipelines.errors` (the one way
 every command reports bad input) and nothing else of the project,
-and nothing imports it.
+and nothing imports it. `train.config`, the schema and the batch rule, imports nothing else of train
+(`LOWEST_FLOOR`).
 
 One cell of STYLE's table is narrower than the code: `preprocess` may import `pipelines.schema`, and
 its writers and saliency stages also use `pipelines.shards`, `pipelines.processes` and `pipelines.jit`
@@ -55,6 +56,11 @@ TABLE = {
 # pipelines.jit: numba as FFCV's import uses it, for the FFCV writer; pipelines.errors: the one bad-input exit
 # of every command.
 PREPROCESS_BEYOND_STYLE = ("pipelines.shards", "pipelines.processes", "pipelines.jit", "pipelines.errors")
+# Modules on their package's lowest floor: they import nothing else of it (at the top or in a function).
+# train.config: every module of train reads a Config, so the schema and the batch rule stand below all of
+# them; resolving a config from its words (train.resolve, which needs the objectives) stands above.
+LOWEST_FLOOR = {"train.config": "the config's schema and batch rule are train's lowest floor; resolution is "
+                                "train.resolve's"}
 # The backends of `pipelines`, each a family of modules: `<name>_backend.py` plus its helpers
 # `<prefix>*.py`, and the accelerator package only that family may import.
 BACKEND_FAMILIES = {"torch": ("torch_backend", None), "torchvision": ("torchvision_backend", None),
@@ -118,8 +124,11 @@ def violations(path: Path) -> list[str]:
         elif package in TABLE:
             row = TABLE[package]
             may = (package, *row.may, *(PREPROCESS_BEYOND_STYLE if package == "preprocess" else ()))
+            me = ".".join(rel.with_suffix("").parts)
             if under(name, row.must_not):
                 why = f"{package} must not import {', '.join(row.must_not)}"
+            elif me in LOWEST_FLOOR and under(name, (package,)):
+                why = LOWEST_FLOOR[me]
             elif project and not under(name, may):
                 why = f"{package} may import only {', '.join(may[1:]) or 'nothing'} of the project"
             elif package == "pipelines":
@@ -249,6 +258,16 @@ def test_viewmill_may_import_each_entry_module(tmp_path, monkeypatch) -> None:
     path.write_text("".join(f"def f{i}():\n    from {m} import main\n" for i, m in enumerate(ENTRY_MODULES))
                     + "import argparse\nfrom viewmill import cli\n")
     assert violations(path) == []
+
+
+def test_the_config_schema_imports_nothing_else_of_train(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    path = tmp_path / "train" / "config.py"
+    path.parent.mkdir()
+    path.write_text("from pipelines.mixing import MixSpec\nimport yaml\n")
+    assert violations(path) == []
+    path.write_text("def f():\n    from train.objectives import OBJECTIVES\n")
+    assert any("train's lowest floor" in v for v in violations(path))
 
 
 def test_backend_families_import_their_accelerator_and_not_each_other(tmp_path, monkeypatch) -> None:

@@ -32,8 +32,9 @@ def usage(prog: str = "python -m train") -> str:
     import dataclasses
     import textwrap
 
-    from train.config import BATCH_RULE, CONFIG_DIR, Config, to_dict
+    from train.config import BATCH_RULE, Config, to_dict
     from train.objectives import OBJECTIVES
+    from train.resolve import CONFIG_DIR
 
     def written(v) -> str:                  # as a key=value word reads it back
         return f"[{','.join(map(str, v))}]" if isinstance(v, list) else str(v).lower() if isinstance(v, bool) else str(v)

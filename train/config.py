@@ -1,18 +1,18 @@
-"""The trainer's configuration: one tree of frozen dataclasses, the only place defaults live.
+"""The trainer's configuration: one tree of frozen dataclasses, the only place defaults live, and the
+rules every value obeys wherever it comes from (a preset, a config file, a CLI word, a checkpoint's
+saved config).
 
-Merge order (STYLE §4), as a list of named layers (`config_layers`) merged by one loop (`load_config`)
-over the dataclass defaults: `base` (configs/base.yaml) → `dataset NAME` (the values derived from the
-dataset's `manifest.json`, `derived_from_manifest`: classes, view sizes, batch and schedule; any dataset
-`make preprocess` wrote trains without a YAML) → `preset P` (configs/data/P.yaml, the dataset's name
-or `preset=`) → `method M` (configs/method/M.yaml) → `method M on P` (the preset's `per_method` section:
-a paper's setting for one method on that data, e.g. RSA's beta_base 0.3 on CIFAR) → `file F` for each
-`config=F` (`read_config_file`; a run's saved `config.yaml` holds every key, so it re-runs that run) →
-`picks` (method, dataset name and class count) → `words` (dotted `key=value` CLI overrides) → `world N`
-(`for_world`). A run's config.yaml records the names under `layers`. Unknown keys and values that do
-not parse to the field's type are `ConfigError`s with a one-line message; so is a value outside the
-choices of an enumerated (`typing.Literal`) field, whichever source it comes from (a preset, a CLI
-override, a checkpoint's config), so that a typo stops the run before anything is written. The
-`objective:` section is validated by the chosen objective's own `Config` dataclass.
+- Keys and types (`merge`, `parse_value`): an unknown key, a value that does not parse to its field's
+  type, or a value outside the choices of an enumerated (`typing.Literal`) field is a `ConfigError`
+  with a one-line message, so that a typo stops a run before anything is written. Retired keys
+  (`RETIRED`) load at their old default and are refused otherwise.
+- The batch rule (`BATCH_RULE`): `data.batch_size` is the global batch or `<n>/gpu` (`global_batch`),
+  each process's share is the same and even (`per_process_batch`), and a length in epochs becomes
+  steps at that batch (`for_world`).
+
+How a run's config is resolved from its words (presets, the dataset's manifest, config files,
+overrides) is `train.resolve`'s; the `objective:` section is validated there by the objective's own
+`Config`. This module is the lowest floor of train/: it imports nothing else of train/.
 """
 
 from __future__ import annotations
@@ -22,21 +22,13 @@ import difflib
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import Any, Literal
 
 import yaml
 
 from pipelines.loader import Backend
 from pipelines.mixing import MixSpec
-from pipelines.schema import DatasetError, Manifest, read_manifest
 from pipelines.spec import DecoderHints
-from pipelines.views import Recipe, dataset_sizes
-
-if TYPE_CHECKING:
-    from train.objectives.base import ViewNeeds
-
-CONFIG_DIR = Path(__file__).parent / "configs"
 
 
 class ConfigError(ValueError):
@@ -152,14 +144,15 @@ class Config:
     objective: Any = None           # the objective's own frozen Config (validated by its class)
 
 
-def _field_types(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
+    """{field name: its type} of a config dataclass (annotations resolved)."""
     return typing.get_type_hints(cls)
 
 
 def _valid_keys(cls: type, prefix: str = "") -> list[str]:
     keys = []
     for f in dataclasses.fields(cls):
-        t = _field_types(cls)[f.name]
+        t = field_types(cls)[f.name]
         if dataclasses.is_dataclass(t):
             keys += _valid_keys(t, f"{prefix}{f.name}.")
         elif f.name not in ("objective", "layers"):
@@ -167,7 +160,8 @@ def _valid_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
-def _unknown(key: str, valid: list[str]) -> ConfigError:
+def unknown_key(key: str, valid: list[str]) -> ConfigError:
+    """The one-line error for an unknown key, naming the closest valid keys (or all of them)."""
     close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else f"; valid keys: {', '.join(valid)}"
     return ConfigError(f"unknown config key {key!r}{hint}")
@@ -223,9 +217,9 @@ RETIRED = {
 }
 
 
-def _merge(tree: dict, update: dict, cls: type, prefix: str = "") -> None:
+def merge(tree: dict, update: dict, cls: type, prefix: str = "") -> None:
     """Merge the nested dict `update` into `tree` (in place), checking keys and types against `cls`."""
-    hints = _field_types(cls)
+    hints = field_types(cls)
     for key, value in update.items():
         dotted = f"{prefix}{key}"
         if dotted in RETIRED:
@@ -242,69 +236,36 @@ def _merge(tree: dict, update: dict, cls: type, prefix: str = "") -> None:
             tree.setdefault("objective", {}).update(value)
             continue
         if key not in hints:
-            raise _unknown(dotted, _valid_keys(Config))
+            raise unknown_key(dotted, _valid_keys(Config))
         t = hints[key]
         if dataclasses.is_dataclass(t):
             if not isinstance(value, dict):
                 raise ConfigError(f"config key {dotted!r} is a section; set its fields, e.g. {dotted}.<key>=...")
-            _merge(tree.setdefault(key, {}), value, t, f"{dotted}.")
+            merge(tree.setdefault(key, {}), value, t, f"{dotted}.")
         else:
             tree[key] = parse_value(dotted, value, t)
 
 
-def _dotted_to_nested(key: str, value: Any) -> dict:
+def nested(key: str, value: Any) -> dict:
+    """A dotted key and its value as a nested tree: `nested("optim.lr", v)` is {"optim": {"lr": v}}."""
     nested: Any = value
     for part in reversed(key.split(".")):
         nested = {part: nested}
     return nested
 
 
-def _build(cls: type, tree: dict) -> Any:
-    hints = _field_types(cls)
+def build(cls: type, tree: dict) -> Any:
+    """The frozen dataclass `cls` from a tree `merge` checked; what the tree lacks keeps its default."""
+    hints = field_types(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name in tree and dataclasses.is_dataclass(hints[f.name]):
-            kwargs[f.name] = _build(hints[f.name], tree[f.name])
+            kwargs[f.name] = build(hints[f.name], tree[f.name])
         elif f.name in tree:
             kwargs[f.name] = tree[f.name]
     return cls(**kwargs)
 
 
-def _load_yaml(path: Path) -> dict:
-    if not path.is_file():
-        options = sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise ConfigError(f"no config file {path.name} in {path.parent.name}/; choose one of {', '.join(options)}")
-    return yaml.safe_load(path.read_text()) or {}
-
-
-def build_objective_config(method: str, section: dict) -> Any:
-    """Validate the `objective:` section with the objective's own Config dataclass."""
-    from train.objectives import OBJECTIVES
-
-    if method not in OBJECTIVES:
-        raise _unknown_method(method, sorted(OBJECTIVES))
-    cls = OBJECTIVES[method].Config
-    hints = _field_types(cls)
-    kwargs = {}
-    for key, value in section.items():
-        if key not in hints:
-            raise _unknown(f"objective.{key}", [f"objective.{k}" for k in hints])
-        kwargs[key] = parse_value(f"objective.{key}", value, hints[key])
-    try:
-        return cls(**kwargs)
-    except ValueError as e:                 # the Config's own checks (`__post_init__`), one line each
-        raise ConfigError(str(e)) from None
-
-
-def _unknown_method(method: str, valid: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(method, valid, n=3, cutoff=0.4)
-    hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    return ConfigError(f"unknown method {method!r}{hint}; choose one of {', '.join(valid)}")
-
-
-# What a dataset's manifest decides when no data preset does (`derived_from_manifest`).
-DERIVED_EPOCHS = 100            # training length: short for SSL, long enough to learn on a small folder
-DERIVED_WARMUP_EPOCHS = 10      # linear warmup (BYOL, RELICv2: 10 epochs)
 PER_GPU = "/gpu"                # `data.batch_size=256/gpu`: 256 per process
 BATCH_RULE = ("data.batch_size=B is the global batch (all processes together); B/gpu is B per process, the "
               "global batch B x processes; the lr scales with the global batch, and each process's batch is even")
@@ -343,262 +304,6 @@ def per_process_batch(batch_size: int, processes: int, key: str = "data.batch_si
     return batch_size // processes
 
 
-DERIVED_MAX_BATCH = 256         # the batch every lr in the presets is quoted at
-DERIVED_MIN_STEPS_PER_EPOCH = 8  # a small folder still gets several steps (BatchNorm batches) per epoch
-
-
-def eval_kinds(cfg: Config) -> tuple[str, ...]:
-    """The labelled evaluations `run.eval` asks for: kNN and the probe ("auto" on labelled data, and
-    "linear", which adds `train.protocol`'s linear evaluation after the last step), one of them, or none;
-    the label-free health metrics run in every case.
-
-    Raises:
-        ConfigError: kNN or the probe asked for on a dataset without labels.
-    """
-    labelled = cfg.data.num_classes > 0
-    if cfg.run.eval in ("knn", "probe", "linear") and not labelled:
-        raise ConfigError(f"run.eval={cfg.run.eval} needs labels, and dataset {cfg.data.name!r} has none; use "
-                          "run.eval=auto (label-free health metrics) or train on a labelled dataset")
-    return {"auto": ("knn", "probe") if labelled else (), "knn": ("knn",), "probe": ("probe",),
-            "linear": ("knn", "probe"), "none": ()}[cfg.run.eval]
-
-
-def derived_from_manifest(manifest: Manifest) -> dict:
-    """The data-preset values a dataset's manifest decides, as a config tree.
-
-    Classes from `class_names`; view sizes from the stored image side (`dataset_sizes`: 224/96 for
-    ImageNet-size images, the image side and half of it below; global views of 64 px and less get the
-    small-image stem); the batch is the largest power of two up to 256 that still gives 8 steps per
-    epoch; `DERIVED_EPOCHS` epochs with a 10-epoch warmup; a checkpoint every 5 % of the run.
-
-    Raises:
-        ConfigError: a manifest without train images or without classes (name the fix).
-    """
-    n_train = int(manifest.counts.get("train", 0))
-    if n_train < 2:
-        raise ConfigError(f"dataset {manifest.dataset!r} has {n_train} train images in its manifest; the trainer "
-                          "needs a train split of 2 or more images: re-run make preprocess on a folder with more")
-    batch = 2
-    while batch * 2 <= min(DERIVED_MAX_BATCH, n_train // DERIVED_MIN_STEPS_PER_EPOCH):
-        batch *= 2
-    steps_per_epoch = n_train // batch
-    steps = DERIVED_EPOCHS * steps_per_epoch
-    global_px, local_px = dataset_sizes(manifest.image_px)
-    return {"data": {"num_classes": manifest.num_classes, "batch_size": batch},
-            "views": {"global_px": global_px, "local_px": local_px},
-            "optim": {"steps": steps, "warmup_steps": DERIVED_WARMUP_EPOCHS * steps_per_epoch},
-            "run": {"ckpt_every": max(1, steps // 20), "eval_every_epochs": 0}}
-
-
-DERIVED_KEYS = ("data.num_classes", "data.batch_size", "views.global_px", "views.local_px",
-                "optim.steps", "optim.warmup_steps", "run.ckpt_every", "run.eval_every_epochs")
-
-
-def dataset_manifest(root: str | Path, name: str) -> Manifest | None:
-    """The manifest of `<root>/<name>` (sizes checked, no hashing), None when the folder does not exist.
-
-    Raises:
-        ConfigError: the folder exists but its manifest is missing, damaged or incomplete.
-    """
-    folder = Path(root) / name
-    if not folder.is_dir():
-        return None
-    try:
-        return read_manifest(folder, verify="size")
-    except DatasetError as e:
-        raise ConfigError(str(e)) from None
-
-
-PICKS = ("method", "data", "preset", "config")    # CLI words that choose layers rather than set a key
-
-
-def read_config_file(path: str) -> dict:
-    """The tree of a `config=<file.yaml>` layer (or `config=<name>`, a setup of `configs/setups/`: a
-    paper's setting of a method that its words alone would spell out, e.g. `uota-mocov2star`), its keys
-    and values checked against the schema (the `objective:` section's keys once the method is known,
-    `check_objective_keys`).
-
-    Raises:
-        ConfigError: a missing or unreadable file, a file that is not a mapping, an unknown key or a bad
-            value; one line naming the file and what to change in it.
-    """
-    file = Path(path)
-    if not file.is_file() and (CONFIG_DIR / "setups" / f"{path}.yaml").is_file():     # a setup by its name
-        file = CONFIG_DIR / "setups" / f"{path}.yaml"
-    if not file.is_file():
-        setups = ", ".join(sorted(p.stem for p in (CONFIG_DIR / "setups").glob("*.yaml")))
-        raise ConfigError(f"config={path}: no such file or setup; give a YAML config file (e.g. a run's <run "
-                          f"folder>/config.yaml) or a setup of train/configs/setups: {setups}")
-    try:
-        tree = yaml.safe_load(file.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"config file {path} does not read as YAML ({first}); fix the file") from None
-    if tree is None:
-        return {}
-    if not isinstance(tree, dict):
-        raise ConfigError(f"config file {path} holds a {type(tree).__name__}, not sections of keys (data:, optim:, "
-                          "...); write it as the config.yaml of a run is written")
-    tree.pop("layers", None)                # a run's config.yaml: where its values came from, not a setting
-    try:
-        _merge({}, tree, Config)
-    except ConfigError as e:
-        raise ConfigError(f"config file {path}: {e}; change it in the file (nothing was written)") from None
-    return tree
-
-
-def check_objective_keys(path: str, method: str, section: Any) -> None:
-    """The `objective:` keys of config file `path` exist for `method`.
-
-    Raises:
-        ConfigError: naming the file, the key and the keys `method` has.
-    """
-    from train.objectives import OBJECTIVES
-
-    if method not in OBJECTIVES or not section:
-        return
-    hints = _field_types(OBJECTIVES[method].Config)
-    for key in section:
-        if not hints:
-            raise ConfigError(f"config file {path}: method {method} has no objective keys, so 'objective.{key}' is "
-                              "unknown; remove the objective section from the file (nothing was written)")
-        if key not in hints:
-            raise ConfigError(f"config file {path}: {_unknown(f'objective.{key}', [f'objective.{k}' for k in hints])} "
-                              f"(method {method}); change it in the file (nothing was written)")
-
-
-def _presets(config_dir: Path) -> list[str]:
-    return sorted(p.stem for p in (config_dir / "data").glob("*.yaml"))
-
-
-@dataclass(frozen=True)
-class Layer:
-    """One source of config values: its name, as config.yaml's `layers` records it, and the nested keys it
-    sets. `load_config` merges the layers of `config_layers` in order; a later layer's value wins."""
-    name: str
-    tree: dict
-
-
-def config_layers(args: Sequence[str], config_dir: Path = CONFIG_DIR) -> tuple[list[Layer], Manifest | None]:
-    """The layers that CLI words `method=... data=... [preset=...] [config=FILE] key=value ...` stack, in
-    merge order, and the dataset's manifest (None without a dataset folder).
-
-    The layers: `base` (configs/base.yaml); `dataset NAME` (`derived_from_manifest`, when the folder
-    `<data.root>/NAME` exists); `preset P` (configs/data/P.yaml: the `preset=` word, by default the
-    dataset's name when such a file exists); `method M` (configs/method/M.yaml); `method M on P` (the
-    preset's `per_method: {M: ...}`: a paper's setting for one method on that data); `file F` for each
-    `config=F` (in the order given; a file's `method` and `data.name` pick the presets when no word
-    does); `picks` (the method, the dataset folder's name and, from its manifest, its class count: facts
-    of the run whichever preset or file trains on it); `words` (the `key=value` words; a word
-    `optim.steps` (`optim.warmup_steps`) also sets a preset's `optim.epochs` (`optim.warmup_epochs`) to 0,
-    the user's own number over the preset's rule). Layers that set nothing are left out.
-
-    Raises:
-        ConfigError: a malformed word, an unknown dataset, preset or method, a bad config file
-            (`read_config_file`, `check_objective_keys`), or a dataset folder with a missing or damaged
-            manifest.
-    """
-    pairs = _pairs(args)
-    picks = dict(p for p in pairs if p[0] in PICKS)
-    words = [(k, v) for k, v in pairs if k not in PICKS]
-    files = [(value, read_config_file(value)) for key, value in pairs if key == "config"]
-    from_files: dict = {}                   # what the files set, merged: the presets they pick
-    for _, tree in files:
-        _merge(from_files, tree, Config)
-    base, said = _load_yaml(config_dir / "base.yaml"), dict(words)
-
-    def chosen(key: str, default: Any) -> Any:      # data.<key> from the files, else base.yaml, else the default
-        return from_files.get("data", {}).get(key, base.get("data", {}).get(key, default))
-
-    data_name = picks.get("data", chosen("name", DataConfig.name))
-    preset_name = picks.get("preset", data_name)
-    preset_file = config_dir / "data" / f"{preset_name}.yaml"
-    if "preset" in picks and not preset_file.is_file():
-        raise ConfigError(f"no data preset {preset_name!r}; choose one of {', '.join(_presets(config_dir))}")
-    root, folder = said.get("data.root", chosen("root", DataConfig.root)), said.get("data.name", data_name)
-    manifest = dataset_manifest(root, folder)
-    if manifest is None and not preset_file.is_file():
-        raise ConfigError(f"no dataset {folder!r}: {Path(root) / folder} does not exist and there is no data preset "
-                          f"of that name; write it with make preprocess DATASET=imagefolder SRC=<image folder> ARGS=\"--name {folder}\" (or point "
-                          f"data.root at its parent), or choose a preset: {', '.join(_presets(config_dir))}")
-    method = picks.get("method", from_files.get("method", base.get("method", Config.method)))
-    method_file = config_dir / "method" / f"{method}.yaml"
-    if not method_file.is_file():
-        raise _unknown_method(method, sorted(p.stem for p in (config_dir / "method").glob("*.yaml")))
-    data_preset = _load_yaml(preset_file) if preset_file.is_file() else {}
-    per_method = (data_preset.pop("per_method", None) or {}).get(method) or {}
-    for path, tree in files:
-        check_objective_keys(path, method, tree.get("objective"))
-    facts: dict = {"method": method, "data": {"name": folder}}
-    if manifest is not None:
-        facts["data"]["num_classes"] = manifest.num_classes
-    cli: dict = {}
-    for key, value in words:
-        _merge(cli, _dotted_to_nested(key, value), Config)
-    for explicit, preset in (("optim.steps", "optim.epochs"), ("optim.warmup_steps", "optim.warmup_epochs")):
-        if explicit in said and preset not in said:
-            _merge(cli, _dotted_to_nested(preset, "0"), Config)
-    layers = [Layer("base", base),
-              Layer(f"dataset {folder}", derived_from_manifest(manifest) if manifest is not None else {}),
-              Layer(f"preset {preset_name}", data_preset),
-              Layer(f"method {method}", _load_yaml(method_file)),
-              Layer(f"method {method} on {preset_name}", per_method),
-              *(Layer(f"file {path}", tree) for path, tree in files),
-              Layer("picks", facts),
-              Layer("words", cli)]
-    return [layer for layer in layers if layer.tree], manifest
-
-
-def load_config(args: list[str], config_dir: Path = CONFIG_DIR, world_size: int = 1) -> Config:
-    """Resolve the config from CLI words `method=... data=... [preset=...] [config=FILE] key=value ...`
-    for a run of `world_size` processes: the layers of `config_layers` merged in order by one loop over
-    the dataclass defaults, then `for_world` (the layer `world N`): a per-GPU batch and a length in
-    epochs become the global batch and the steps of this run. `Config.layers` names them all.
-
-    `data=NAME` names the dataset folder `<data.root>/NAME`; a name with neither a dataset folder nor a
-    data preset is an error. `data.batch_size` is one key, whichever form sets it last wins.
-
-    Args:
-        args: `key=value` strings; `method`, `data` and `preset` pick the presets, `config` names a
-            config file, the rest are dotted overrides.
-        config_dir: folder with base.yaml, data/ and method/.
-        world_size: processes of the run (GPUs, or CPU processes under gloo).
-
-    Returns:
-        The frozen, validated Config.
-
-    Raises:
-        ConfigError: a malformed word, an unknown key (with the closest valid keys), a bad value, an
-            unknown dataset or preset, a config file that is missing, unreadable or holds an unknown key or bad
-            value (`read_config_file`), a dataset folder with a missing or damaged manifest, or a
-            per-GPU batch larger than the preset says fits (`for_world`).
-    """
-    layers, manifest = config_layers(args, config_dir)
-    tree: dict = {}
-    for layer in layers:
-        _merge(tree, layer.tree, Config)
-    method = tree.pop("method")
-    objective = build_objective_config(method, tree.pop("objective", {}))
-    names = (*(layer.name for layer in layers), f"world {world_size}")
-    cfg = dataclasses.replace(_build(Config, tree), method=method, objective=objective, layers=names)
-    eval_kinds(cfg)                                     # a labelled evaluation of unlabelled data: stop now
-    return resolve_objective(for_world(cfg, world_size, int(manifest.counts.get("train", 0)) if manifest is not None else 0))
-
-
-def resolve_objective(cfg: Config) -> Config:
-    """`cfg` with the objective's config resolved against the run (`Objective.resolve`).
-
-    Raises:
-        ConfigError: a setup the objective refuses.
-    """
-    from train.objectives import OBJECTIVES
-
-    try:
-        return dataclasses.replace(cfg, objective=OBJECTIVES[cfg.method].resolve(cfg))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
 def for_world(cfg: Config, world_size: int, train_size: int) -> Config:
     """`cfg` as `world_size` processes run it: `data.batch_size` becomes the global batch (`global_batch`;
     the learning rate scales with it, `schedules.scaled_lr`); with `optim.epochs` /
@@ -628,47 +333,6 @@ def for_world(cfg: Config, world_size: int, train_size: int) -> Config:
                                optim=dataclasses.replace(o, steps=steps, warmup_steps=warmup))
 
 
-def _pairs(words: Sequence[str]) -> list[tuple[str, str]]:
-    """CLI words `key=value` as (key, value) pairs, or a ConfigError naming the malformed word."""
-    pairs = []
-    for word in words:
-        if "=" not in word:
-            raise ConfigError(f"argument {word!r} is not key=value; write e.g. optim.lr=0.5")
-        key, value = word.split("=", 1)
-        pairs.append((key.strip(), value))
-    return pairs
-
-
-def config_from_dict(tree: dict, overrides: Sequence[str] = ()) -> Config:
-    """Rebuild a Config from `to_dict` output (a checkpoint's or config.yaml's), checking it again.
-
-    Args:
-        tree: nested dicts as `to_dict` writes them.
-        overrides: dotted `key=value` words applied on top (e.g. `data.root=...`); not `method`.
-
-    Returns:
-        The frozen, validated Config.
-
-    Raises:
-        ConfigError: an unknown key, a bad value, or an override of `method`.
-    """
-    tree = dict(tree)
-    method = tree.pop("method", Config.method)
-    layers = tuple(tree.pop("layers", None) or ())
-    objective = dict(tree.pop("objective", None) or {})
-    checked: dict = {}
-    _merge(checked, tree, Config)
-    for key, value in _pairs(overrides):
-        if key == "method":
-            raise ConfigError(f"method={value} cannot override the saved method {method}; start a new run instead")
-        _merge(checked, _dotted_to_nested(key, value), Config)
-    objective.update(checked.pop("objective", {}))
-    cfg = _build(Config, checked)
-    data = dataclasses.replace(cfg.data, batch_size=global_batch(cfg.data.batch_size, 1))   # a saved one is global
-    return resolve_objective(dataclasses.replace(cfg, method=method, data=data, layers=layers,
-                                                 objective=build_objective_config(method, objective)))
-
-
 def to_dict(cfg: Any) -> dict:
     """The config as plain nested dicts/lists (for YAML, JSON and checkpoints)."""
     def plain(v: Any) -> Any:
@@ -682,34 +346,5 @@ def to_dict(cfg: Any) -> dict:
 
 
 def dump_yaml(cfg: Config) -> str:
+    """The config as a run's config.yaml holds it."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-
-def check_needs(method: str, needs: ViewNeeds, recipe: Recipe, mix_kind: str) -> None:
-    """Fail at start-up, in one line, when the views of the data config cannot feed the objective.
-
-    Counts the views of each `Batch` field from the roles the recipe resolved (`Recipe.fields`).
-
-    Args:
-        method: objective name (for the message).
-        needs: the objective instance's `ViewNeeds`.
-        recipe: the resolved `pipelines.views.Recipe`.
-        mix_kind: `data.mix.kind`.
-
-    Raises:
-        ConfigError: naming the missing views and the setting that provides them.
-    """
-    views = {name: sum(g.count for g in groups) for name, groups in recipe.fields.items()}
-    n_global, n_local, weak = views["global_views"], views["local_views"], views["weak_views"]
-    problems = []
-    if n_global < needs.global_views:
-        problems.append(f"{needs.global_views} global views (recipe has {n_global})")
-    if n_local < needs.local:
-        problems.append(f"{needs.local} local views (recipe has {n_local})")
-    if needs.weak and not weak:
-        problems.append("staged weak views (recipe has none)")
-    if needs.mix != "none" and mix_kind != needs.mix:
-        problems.append(f"data.mix.kind={needs.mix} (config has {mix_kind})")
-    if problems:
-        raise ConfigError(f"method {method} needs {', '.join(problems)} but views.recipe={recipe.name} "
-                          f"gives fewer; use configs/method/{method}.yaml's recipe or fix views.recipe / data.mix.kind")

@@ -61,10 +61,12 @@ from pipelines.schema import NO_LABEL
 from pipelines.spec import DatasetInfo, LoaderSpec
 from pipelines.views import load_recipe
 from train import checkpoint, dist
-from train.config import Config, ConfigError, config_from_dict, eval_kinds
+from train.config import Config, ConfigError
 from train.log import eval_line
-from train.setup import (build_online, channels_last, check_dataset, check_same_network, decoder_hints,
-                         loader_workers, open_files_needed, resolve_backend, select_device)
+from train.resolve import config_from_dict
+from train.run import check_same_network
+from train.setup import (build_online, channels_last, check_dataset, decoder_hints, loader_workers, open_files_needed,
+                         resolve_backend, select_device)
 
 EVAL_CAP = {"train": 100_000, "val": 50_000}   # records per split evaluated by default (ImageNet's val whole)
 ALIGNMENT_CAP = 512                            # val images of the alignment figure at most
@@ -73,6 +75,22 @@ PROBE_LBFGS_MAX = 2e9                          # rows x width x classes up to wh
 PROBE_SGD_EPOCHS, PROBE_SGD_BATCH, PROBE_SGD_LR = 30, 4096, 0.1
 RANKME_EPS = 1e-7                              # Garrido et al. Eq. 1's epsilon
 _NOTED: set[tuple] = set()                     # the caps this process has printed
+
+
+def eval_kinds(cfg: Config) -> tuple[str, ...]:
+    """The labelled evaluations `run.eval` asks for: kNN and the probe ("auto" on labelled data, and
+    "linear", which adds `train.protocol`'s linear evaluation after the last step), one of them, or none;
+    the label-free health metrics run in every case.
+
+    Raises:
+        ConfigError: kNN or the probe asked for on a dataset without labels.
+    """
+    labelled = cfg.data.num_classes > 0
+    if cfg.run.eval in ("knn", "probe", "linear") and not labelled:
+        raise ConfigError(f"run.eval={cfg.run.eval} needs labels, and dataset {cfg.data.name!r} has none; use "
+                          "run.eval=auto (label-free health metrics) or train on a labelled dataset")
+    return {"auto": ("knn", "probe") if labelled else (), "knn": ("knn",), "probe": ("probe",),
+            "linear": ("knn", "probe"), "none": ()}[cfg.run.eval]
 
 
 def _check_split(feats: Tensor, labels: Tensor, num_classes: int, split: str) -> None:
@@ -409,7 +427,7 @@ def score_features(train: tuple[Tensor, Tensor, Tensor] | None, val_feats: Tenso
             `kinds` is empty.
         val_feats, val_labels: this rank's val shard (M_r, F), (M_r,).
         align: this rank's `alignment_sums`.
-        kinds: the labelled evaluations (`config.eval_kinds`). num_classes: C. seed: the probe's order.
+        kinds: the labelled evaluations (`eval_kinds`). num_classes: C. seed: the probe's order.
 
     Returns:
         See `evaluate_backbone`.

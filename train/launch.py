@@ -33,8 +33,10 @@ from pipelines.processes import LimitError, end_with_parent, ensure_open_files
 from pipelines.schema import DatasetError
 from pipelines.spec import LoaderError
 from train import dist, loop
-from train.config import Config, ConfigError, load_config, parse_value, per_process_batch
+from train.config import Config, ConfigError, parse_value, per_process_batch
+from train.evaluate import eval_kinds
 from train.log import Log, check_wandb
+from train.resolve import load_config
 from train.run import Run
 from train.setup import (build_parts, check_dataset, check_processes, init_backbone,
                          open_files_needed, resolve_backend, select_device)
@@ -116,8 +118,8 @@ def take_processes(argv: list[str]) -> tuple[int, list[str]]:
 def preflight(cfg: Config, processes: int, nodes: int = 1, here: bool = True) -> Run:
     """Everything that can be checked in the process that launches a run, before a process is launched or a
     file written (`here`: the processes start on this machine, so its devices are counted): W&B, the
-    processes, the batch split, the dataset, the run folder's resume state and, with more than one process,
-    `model.init` (a single process checks it itself, before any write).
+    processes, the batch split, the evaluations asked for, the dataset, the run folder's resume state and,
+    with more than one process, `model.init` (a single process checks it itself, before any write).
 
     Returns:
         The run, opened in this process (not a rank: no collective).
@@ -131,6 +133,7 @@ def preflight(cfg: Config, processes: int, nodes: int = 1, here: bool = True) ->
     if here:
         check_processes(processes, cfg.run.device)
     per_process_batch(cfg.data.batch_size, processes * nodes)      # before any process starts
+    eval_kinds(cfg)                                                 # a labelled evaluation of unlabelled data
     check_dataset(cfg)
     run = Run.open(cfg)
     if processes * nodes > 1 and run.resume.state is None:
@@ -183,6 +186,7 @@ def train(cfg: Config, run: Run | None = None) -> Path:
         NonFiniteLossError: the loss became NaN or infinite.
     """
     check_wandb(cfg)
+    eval_kinds(cfg)                         # a labelled evaluation of unlabelled data: before any write
     device = select_device(cfg.run.device, cfg.run.dist_timeout_min)
     run = run or Run.open(cfg)
     if run.finished:                        # a requeued job, the same command twice: its results stand

@@ -18,7 +18,7 @@ from pipelines.batch import Batch
 from pipelines.processes import process_age_s
 from pipelines.spec import Loader
 from train import checkpoint, dist, schedules
-from train.config import to_dict
+from train.config import per_process_batch, to_dict
 from train.evaluate import evaluate_backbone
 from train.log import Log, Meter, format_duration
 from train.objectives.base import LossOut, StepValues
@@ -78,7 +78,7 @@ def train(run: Run, parts: Parts, log: Log, backend: str) -> bool:
             batch = next(batches)
         data_s = time.perf_counter() - wait_start
         out = train_step(parts, batch, s)
-        meter.tick(batch_size=cfg.data.batch_size // world, data_s=data_s)
+        meter.tick(batch_size=per_process_batch(cfg.data.batch_size, world), data_s=data_s)
         done = step + 1
         if step == start_step:               # what a start costs before training: imports, loaders, evaluation
             age = process_age_s()

@@ -25,9 +25,10 @@ from pipelines.batch import Batch, view_bytes
 from pipelines.errors import bad_input
 from pipelines.mixing import partner_index, with_mix_source
 from pipelines.views import load_recipe
-from train.config import Config, ConfigError, load_config
+from train.config import Config, ConfigError
 from train.objectives import OBJECTIVES
 from train.objectives.base import StepValues
+from train.resolve import load_config
 from train.setup import build_online
 
 PREFETCHED_BATCHES = 4      # DALI's prefetch queue (2), the batch made ahead (its taker thread) and the step's

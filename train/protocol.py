@@ -56,11 +56,12 @@ from pipelines.schema import NO_LABEL
 from pipelines.spec import DatasetInfo, LoaderSpec
 from pipelines.views import Recipe, ViewGroup
 from train import checkpoint, dist
-from train.config import (CONFIG_DIR, Config, ConfigError, config_from_dict, parse_value, per_process_batch,
-                          to_dict)
+from train.config import Config, ConfigError, parse_value, per_process_batch, to_dict
 from train.log import Log, Meter
-from train.setup import (build_online, channels_last, check_dataset, check_same_network, decoder_hints, loader_workers,
-                         open_files_needed, resolve_backend, select_device)
+from train.resolve import CONFIG_DIR, config_from_dict
+from train.run import check_same_network
+from train.setup import (build_online, channels_last, check_dataset, decoder_hints, loader_workers, open_files_needed,
+                         resolve_backend, select_device)
 
 Kind = Literal["linear", "finetune"]
 PROTOCOL_DIR = CONFIG_DIR / "protocol"
@@ -300,7 +301,8 @@ class Protocol:
                       f"{batch} (batch_size= sets another)", flush=True)
             p = self.p = dataclasses.replace(p, batch_size=batch)
         spec = LoaderSpec(root=cfg.data.root, dataset=cfg.data.name, split="train",
-                          recipe=train_recipe(cfg.views.global_px, p.augment), batch_size=p.batch_size // world,
+                          recipe=train_recipe(cfg.views.global_px, p.augment),
+                          batch_size=per_process_batch(p.batch_size, world, "batch_size"),
                           rank=rank, world_size=world, seed=p.seed, device=str(device),
                           num_workers=loader_workers(cfg, backend, device), channels_last=channels_last(cfg, device),
                           decoder=decoder_hints(cfg), subset=subset)

@@ -26,11 +26,41 @@ from torch import nn
 
 from models.backbone import export_backbone_state, save_backbone
 from train import checkpoint, dist
-from train.config import Config, dump_yaml
+from train.config import Config, ConfigError, dump_yaml, to_dict
 from train.log import Log
-from train.setup import check_same_network
 
 FINISHED = "backbone.safetensors"       # written last, by rank 0: the run reached optim.steps
+
+# The parts of a saved config that fix the network's layout: a checkpoint only loads into a network
+# built with the same values (views.global_px decides the small-image stem).
+LAYOUT_KEYS = ("method", "model.backbone", "model.proj_hidden", "model.proj_out", "model.proj_layers",
+               "model.proj_last_bn", "model.pred_hidden", "model.pred_last_bn", "views.global_px")
+
+
+def check_same_network(cfg: Config, saved: dict, path: str, fix: str) -> None:
+    """Refuse a checkpoint whose saved config builds another network than `cfg`.
+
+    Args:
+        cfg: the config the network is built from.
+        saved: the checkpoint's `config` (plain dicts, as `to_dict` writes them).
+        path: the checkpoint file (for the message).
+        fix: how to proceed, the end of the message.
+
+    Raises:
+        ConfigError: naming each differing `LAYOUT_KEYS` value, saved and asked for.
+    """
+    def value(tree: dict, dotted: str, default=None):
+        for part in dotted.split("."):
+            if not isinstance(tree, dict) or part not in tree:
+                return default
+            tree = tree[part]
+        return tree
+
+    ours, defaults = to_dict(cfg), to_dict(Config())
+    saved = {k: value(saved, k, value(defaults, k)) for k in LAYOUT_KEYS}   # a key added since: its default
+    diffs = [f"{k}={saved[k]} (asked for {value(ours, k)})" for k in LAYOUT_KEYS if saved[k] != value(ours, k)]
+    if diffs:
+        raise ConfigError(f"checkpoint {path} was trained with {', '.join(diffs)}; {fix}")
 
 
 def proposed_name(cfg: Config) -> str:

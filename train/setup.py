@@ -23,9 +23,9 @@ from pipelines.schema import read_manifest
 from pipelines.spec import DecoderHints, Loader, LoaderSpec
 from pipelines.views import Recipe, load_recipe
 from train import dist
-from train.config import Config, ConfigError, check_needs, per_process_batch, to_dict
+from train.config import Config, ConfigError, per_process_batch
 from train.objectives import OBJECTIVES
-from train.objectives.base import Objective
+from train.objectives.base import Objective, check_needs
 from train.optim import build_optimizer
 
 
@@ -53,38 +53,6 @@ def resolve_backend(cfg: Config, device: torch.device) -> str:
     if cfg.data.backend != "auto":
         return cfg.data.backend
     return auto_backend(device.type, cfg.data.root, cfg.data.name)
-
-
-# The parts of a saved config that fix the network's layout: a checkpoint only loads into a network
-# built with the same values (views.global_px decides the small-image stem).
-LAYOUT_KEYS = ("method", "model.backbone", "model.proj_hidden", "model.proj_out", "model.proj_layers",
-               "model.proj_last_bn", "model.pred_hidden", "model.pred_last_bn", "views.global_px")
-
-
-def check_same_network(cfg: Config, saved: dict, path: str, fix: str) -> None:
-    """Refuse a checkpoint whose saved config builds another network than `cfg`.
-
-    Args:
-        cfg: the config the network is built from.
-        saved: the checkpoint's `config` (plain dicts, as `to_dict` writes them).
-        path: the checkpoint file (for the message).
-        fix: how to proceed, the end of the message.
-
-    Raises:
-        ConfigError: naming each differing `LAYOUT_KEYS` value, saved and asked for.
-    """
-    def value(tree: dict, dotted: str, default=None):
-        for part in dotted.split("."):
-            if not isinstance(tree, dict) or part not in tree:
-                return default
-            tree = tree[part]
-        return tree
-
-    ours, defaults = to_dict(cfg), to_dict(Config())
-    saved = {k: value(saved, k, value(defaults, k)) for k in LAYOUT_KEYS}   # a key added since: its default
-    diffs = [f"{k}={saved[k]} (asked for {value(ours, k)})" for k in LAYOUT_KEYS if saved[k] != value(ours, k)]
-    if diffs:
-        raise ConfigError(f"checkpoint {path} was trained with {', '.join(diffs)}; {fix}")
 
 
 def init_backbone(cfg: Config, backbone: nn.Module) -> None:

@@ -20,8 +20,9 @@ import os
 import shutil
 from typing import TYPE_CHECKING
 
-from train.config import Config, ConfigError, load_config
+from train.config import Config, ConfigError
 from train.launch import ClusterConfig, exit_status, preflight, start
+from train.resolve import load_config
 from train.run import folder_of, proposed_name
 
 if TYPE_CHECKING:

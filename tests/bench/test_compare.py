@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
 
 from bench import compare
-from train.config import ConfigError, load_config, to_dict
+from train.config import ConfigError, to_dict
+from train.resolve import load_config
 
 
 def flat(tree: dict, prefix: str = "") -> dict:

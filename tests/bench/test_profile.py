@@ -68,20 +68,6 @@ def test_quick_profile_writes_a_schema_valid_report_with_stages_split_and_charts
     assert "### Against the peers" in md and "### First batch and epoch boundaries (byol+sdmp" in md
 
 
-def test_stages_are_differences_of_the_ablation_ladder() -> None:
-    # Per-image ms: full 10 ms, no mix 8, no blur 5, crops only 4; read 0.5 ms, decode 2 ms.
-    rates = {"full": 100.0, "no_mix": 125.0, "no_blur": 200.0, "crops_only": 250.0}
-    got = profile.stages_ms(rates, read=2000.0, decode=500.0)
-    want = {"read": 0.5, "decode": 2.0 - 0.5, "crops_resize_rest": 4.0 - 2.0, "colour": 5.0 - 4.0,
-            "blur": 8.0 - 5.0, "mix": 10.0 - 8.0}
-    assert got == pytest.approx(want)
-    # A recipe without blur or mix has no such stage; a backend faster than the ceiling decoder
-    # gets 0 for crops, not a negative time.
-    got = profile.stages_ms({"full": 500.0, "crops_only": 1000.0}, read=2000.0, decode=500.0)
-    assert got["blur"] is None and got["mix"] is None and got["crops_resize_rest"] == 0.0
-    assert got["colour"] == pytest.approx(1.0)
-
-
 def _report(cpu: str = "EPYC", tv_rate: float = 100.0, ffcv_rate: float = 600.0, steps: float = 5.0,
             ceiling: float = 700.0) -> dict:
     """A minimal valid report: two loader rows, one ceiling set, one method, scaling points."""

@@ -13,7 +13,8 @@ from bench.train import finished_eval
 from pipelines.views import load_recipe
 from preprocess.prepare import prepare_dataset
 from preprocess.saliency.control import write_control
-from train.config import load_config, to_dict
+from train.config import to_dict
+from train.resolve import load_config
 
 
 @pytest.mark.slow

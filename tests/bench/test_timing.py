@@ -1,17 +1,18 @@
 """`bench.timing`: the one loader timing of the data bench, the profile and the GPU check (steady state,
-first batch and the taking thread's CPU apart), the one rounds loop they time their cells in, and the
-first-batch and epoch-boundary timing of the profile."""
+first batch and the taking thread's CPU apart), the one rounds loop they time their cells in, the
+first-batch and epoch-boundary timing of the profile, and the one stage split of the data bench and the
+profile."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import pytest
 
-import time
-
-from bench.timing import (EpochTiming, LoaderTiming, cpu_utilisation, device_work, in_rounds, steady_batches,
-                          time_epochs, time_loader)
+from bench import data
+from bench.timing import (EpochTiming, LoaderTiming, cpu_utilisation, device_work, in_rounds, stages_ms,
+                          steady_batches, time_epochs, time_loader)
 
 
 @dataclass
@@ -182,3 +183,27 @@ def test_device_work_is_the_union_of_the_device_intervals_per_batch() -> None:
     assert w["top"][0]["ms"] == pytest.approx(0.275)
     # Stream 1 (700 us of work) waited 1.8 ms once (an input) and had a 600-us gap (an operator's set-up).
     assert w["busiest_stream"] == pytest.approx({"stream": 1, "work_ms": 0.35, "waits_ms": 0.9, "gaps_ms": 0.3})
+
+
+def test_stages_are_differences_of_the_ablation_ladder() -> None:
+    # Per-image ms: full 10 ms, no mix 8, no blur 5, crops only 4; read 0.5 ms, decode 2 ms.
+    rates = {"full": 100.0, "no_mix": 125.0, "no_blur": 200.0, "crops_only": 250.0}
+    got = stages_ms(rates, decode=500.0, read=2000.0)
+    want = {"read": 0.5, "decode": 2.0 - 0.5, "crops_resize_rest": 4.0 - 2.0, "colour": 5.0 - 4.0,
+            "blur": 8.0 - 5.0, "mix": 10.0 - 8.0}
+    assert got == pytest.approx(want)
+    # A recipe without blur or mix has no such stage; a backend faster than the ceiling decoder
+    # gets 0 for crops, not a negative time.
+    got = stages_ms({"full": 500.0, "crops_only": 1000.0}, decode=500.0, read=2000.0)
+    assert got["blur"] is None and got["mix"] is None and got["crops_resize_rest"] == 0.0
+    assert got["colour"] == pytest.approx(1.0)
+
+
+
+def test_the_data_bench_splits_an_image_s_time_by_the_same_ladder() -> None:
+    # Per-image ms: full 10, crops only 4, decode 2 (no read ceiling: decode holds it): 2 + 2 + 6 of 10.
+    assert data.stage_shares(100.0, 250.0, 500.0) == pytest.approx(
+        {"decode": 0.2, "crops_resizes": 0.2, "colour_and_rest": 0.6})
+    # A loader faster than the ceiling's decoder: all of its time is the decode's.
+    assert data.stage_shares(1000.0, 1000.0, 500.0) == pytest.approx(
+        {"decode": 1.0, "crops_resizes": 0.0, "colour_and_rest": 0.0})

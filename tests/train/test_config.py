@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from pipelines.views import Recipe, ViewGroup
-from train.config import Config, ConfigError, check_needs, config_from_dict, load_config, to_dict
+from train.config import Config, ConfigError, to_dict
 from train.objectives import OBJECTIVES
-from train.objectives.base import ViewNeeds
+from train.objectives.base import ViewNeeds, check_needs
+from train.resolve import config_from_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -344,7 +345,7 @@ def test_every_data_preset_sets_every_derived_value(preset: str) -> None:
     """So that a named preset trains the same whether or not its dataset folder exists yet."""
     import yaml
 
-    from train.config import DERIVED_KEYS
+    from train.resolve import DERIVED_KEYS
 
     tree = yaml.safe_load((ROOT / "train" / "configs" / "data" / f"{preset}.yaml").read_text())
     instead = {"optim.steps": "optim.epochs", "optim.warmup_steps": "optim.warmup_epochs"}   # per run instead
@@ -394,7 +395,7 @@ def test_the_imagenet_preset_is_a_per_gpu_batch_that_fits_on_any_number_of_gpus(
 def test_a_checkpoint_is_checked_for_the_network_it_builds_keys_added_since_taking_their_defaults() -> None:
     """`check_same_network`: a saved config of another layout is a one-line error naming the key; a
     config saved before a layout key existed (`model.proj_last_bn`) reads as that key's default."""
-    from train.setup import check_same_network
+    from train.run import check_same_network
 
     byol = load_config(["method=byol", "data=synthetic"])
     saved = to_dict(byol)

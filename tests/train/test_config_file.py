@@ -9,8 +9,9 @@ import pytest
 import yaml
 
 from tests.train.test_train_cli import fails_in_one_line
-from train.config import ConfigError, dump_yaml, load_config
+from train.config import ConfigError, dump_yaml
 from train.objectives import OBJECTIVES
+from train.resolve import load_config
 
 
 @pytest.mark.parametrize("method", sorted(OBJECTIVES))

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from train.config import load_config
 from train.objectives import OBJECTIVES
+from train.resolve import load_config
 
 pytest.importorskip("nvidia.dali")
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]        # slow: started first (tests/conftest.py)

@@ -267,7 +267,7 @@ def eval_result(words: list[str]) -> dict:
     """kNN + probe of a fixed random-init backbone, evaluated by this process (and its peers, if any),
     and the number of feature rows this process extracted itself, per split."""
     from train import evaluate
-    from train.config import load_config
+    from train.resolve import load_config
     from train.setup import build_online
 
     cfg = load_config(words, world_size=tdist.get_world_size() if tdist.is_initialized() else 1)

@@ -209,7 +209,7 @@ def test_alignment_is_the_mean_squared_distance_of_the_normalised_views() -> Non
 
 def test_alignment_reads_at_most_its_cap_of_val_images_and_nothing_else_changes(tiny_args, tmp_path,
                                                                                 monkeypatch) -> None:
-    from train.config import load_config
+    from train.resolve import load_config
 
     cfg = load_config(tiny_args("byol", tmp_path))
     backbone = build_backbone(cfg.model.backbone, cfg.views.global_px)[0].eval()
@@ -231,7 +231,7 @@ def test_an_evaluation_frees_its_loaders_and_the_next_one_scores_the_same(backen
     import os
 
     from pipelines.processes import descendants
-    from train.config import load_config
+    from train.resolve import load_config
 
     cfg = load_config(tiny_args("byol", tmp_path, f"data.backend={backend}", "data.num_workers=2"))
     backbone = build_backbone(cfg.model.backbone, cfg.views.global_px)[0].eval()

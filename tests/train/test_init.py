@@ -8,7 +8,7 @@ import torch
 
 from models.backbone import build_backbone, save_backbone
 from train import checkpoint
-from train.config import load_config
+from train.resolve import load_config
 from train.setup import build_parts
 
 

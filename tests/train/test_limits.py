@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pipelines import loader, processes
-from pipelines.processes import LimitError, check_shared_memory, descriptors_needed, ensure_open_files
+from pipelines.processes import LimitError, check_shared_memory, descriptors_needed
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARDS = 336          # train records, one per shard: more than the 256 open files the runs below may hold
@@ -100,10 +100,10 @@ def test_too_little_shared_memory_stops_the_run_in_one_line_naming_the_size(tiny
                                          r"container more \(docker run --shm-size=\d+g.* or need less$"):
         check_shared_memory(free + 2**30, "a test", "need less", path=str(tmp_path))
 
-    from train.config import load_config
-    from train.setup import build_train_loader
     from pipelines.spec import LoaderSpec
     from pipelines.views import load_recipe
+    from train.resolve import load_config
+    from train.setup import build_train_loader
 
     cfg = load_config(tiny_args("simclr", tmp_path, "data.num_workers=2"))
     recipe = load_recipe(cfg.views.recipe, cfg.views.global_px, cfg.views.local_px)
@@ -133,7 +133,8 @@ def test_the_workers_default_to_each_process_s_share_of_the_cores_at_most_the_me
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")                         # SLURM gave each task its cores
     assert loader.default_workers("torch", "cuda", 8) == 6 and loader.default_workers("dali", "cuda", 8) == 4
 
-    from train.config import ConfigError, load_config
+    from train.config import ConfigError
+    from train.resolve import load_config
     from train.setup import loader_workers
 
     monkeypatch.delenv("SLURM_CPUS_PER_TASK")

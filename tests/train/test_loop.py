@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from train import checkpoint
-from train.config import config_from_dict, load_config
 from train.launch import train
 from train.loop import NonFiniteLossError
 from train.objectives import OBJECTIVES
+from train.resolve import config_from_dict, load_config
 
 
 def train_records(run_dir, kind: str = "train") -> list[dict]:

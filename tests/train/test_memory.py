@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from train.config import load_config
 from train.memory import estimate, saved_bytes
+from train.resolve import load_config
 
 
 @pytest.mark.slow

@@ -196,7 +196,7 @@ def test_uota_mocov2star_is_moco_v2_without_predictor_and_with_a_fixed_key_momen
 
 
 def test_uota_preset_is_byol_with_its_own_two_views():
-    from train.config import load_config
+    from train.resolve import load_config
 
     cfg = load_config(["method=uota", "data=synthetic"])
     assert cfg.objective.base == "byol" and cfg.views.recipe == "byol" and cfg.model.pred_hidden > 0

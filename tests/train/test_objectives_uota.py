@@ -104,8 +104,8 @@ def test_the_pseudo_code_reweights_nothing_at_byol_s_shapes_and_shrinkage_does()
 def test_the_default_config_spreads_its_weights_on_real_features(tiny_data_root, tmp_path):
     """The uota preset on synthetic (BYOL+UOTA, batch 64 against a 128-d predictor: the degenerate
     shape, so Ledoit-Wolf), trained a few steps past N_warm: uota/w_std in metrics.jsonl well above 0."""
-    from train.config import load_config
     from train.launch import train
+    from train.resolve import load_config
 
     cfg = load_config(["method=uota", "data=synthetic", f"data.root={tiny_data_root}", "data.backend=torch",
                        "data.num_workers=1", "optim.steps=5", "optim.warmup_steps=1", "run.log_every=1",
@@ -157,7 +157,7 @@ def test_uota_weights_finite_when_sigma_is_rank_deficient(shrinkage: str):
 def test_mocov2star_queue_is_as_wide_as_the_projector_on_every_preset(data):
     """The README's MoCo-v2*+UOTA command on every data preset: the queue width follows the model
     (it was fixed at 128 and the first step failed where the preset's projector is 256 wide)."""
-    from train.config import load_config
+    from train.resolve import load_config
 
     mocov2 = ["method=uota", f"data={data}", "objective.base=mocov2star", "views.recipe=multicrop8", "model.pred_hidden=0"]
     assert load_config(mocov2).objective.dim == load_config(mocov2).model.proj_out
@@ -165,7 +165,8 @@ def test_mocov2star_queue_is_as_wide_as_the_projector_on_every_preset(data):
 
 
 def test_a_degenerate_setup_without_shrinkage_is_a_one_line_error():
-    from train.config import ConfigError, load_config
+    from train.config import ConfigError
+    from train.resolve import load_config
 
     with pytest.raises(ConfigError, match="every UOTA weight would be exactly 1; use objective.shrinkage=auto"):
         load_config(["method=uota", "data=synthetic", "objective.shrinkage=none"])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from train import schedules
-from train.config import load_config
 from train.optim import apply_lr_wd, build_optimizer
+from train.resolve import load_config
 
 
 def test_lars_skips_weight_decay_and_adaptation_for_biases_and_norm_layers(tiny_args, tmp_path) -> None:

@@ -18,8 +18,9 @@ import torch
 
 from bench.rehearse import write_folder
 from train import checkpoint, protocol
-from train.config import ConfigError, load_config, to_dict
+from train.config import ConfigError, to_dict
 from train.protocol import Protocol, labelled_share, load_protocol, lr_at
+from train.resolve import load_config
 from train.setup import build_online
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +94,7 @@ def test_the_labelled_share_is_class_balanced_seeded_and_refuses_an_empty_class(
 def test_linear_evaluation_leaves_the_backbone_bit_identical(tiny_args, tmp_path) -> None:
     ckpt = pretrained(tiny_args, tmp_path)
     state = checkpoint.load(ckpt)
-    from train.config import config_from_dict
+    from train.resolve import config_from_dict
 
     cfg = config_from_dict(state["config"])
     _, p = load_protocol("linear", "small", cfg.method, 64, [("epochs", "2"), ("batch_size", "16"), ("bn", "true")])
@@ -112,7 +113,7 @@ def test_linear_evaluation_leaves_the_backbone_bit_identical(tiny_args, tmp_path
 def test_the_head_separates_classes_the_features_separate(colours, tmp_path) -> None:
     """Ten colours, the network at its initialisation: a linear head on its frozen features classifies
     the val images."""
-    from train.config import load_config
+    from train.resolve import load_config
 
     cfg = load_config(["method=simclr", "data=colours", f"data.root={colours}", "data.backend=torch",
                        "data.num_workers=1", "views.global_px=16", "views.local_px=8", "model.backbone=test_resnet",
@@ -125,7 +126,7 @@ def test_the_head_separates_classes_the_features_separate(colours, tmp_path) -> 
 def test_fine_tuning_trains_the_whole_network_on_its_labelled_share(tiny_args, tmp_path) -> None:
     ckpt = pretrained(tiny_args, tmp_path)
     state = checkpoint.load(ckpt)
-    from train.config import config_from_dict
+    from train.resolve import config_from_dict
 
     cfg = config_from_dict(state["config"])
     _, p = load_protocol("finetune", "small-finetune", cfg.method, 64, [("labels", "10%"), ("epochs", "2"),

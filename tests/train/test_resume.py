@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from train import checkpoint
-from train.config import load_config
+from train.resolve import load_config
 
 
 def test_checkpoint_round_trips_rng_and_is_weights_only(tmp_path) -> None:

@@ -14,7 +14,8 @@ import yaml
 
 from train import checkpoint
 from train.__main__ import main
-from train.config import load_config, to_dict
+from train.config import to_dict
+from train.resolve import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

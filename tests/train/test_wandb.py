@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from tests.train.test_train_cli import fails_in_one_line
-from train.__main__ import main
 
 BLOCK = 32 * 1024                   # W&B's run file: LevelDB-log blocks of 32 KiB
 HEADER = 7                          # `:W&B`, magic (2 bytes), version (1); each chunk: crc32, length, type
@@ -58,8 +57,8 @@ def wandb_history(records: list) -> dict[tuple[str, int], float]:
 def test_wandb_offline_gets_the_tensorboard_scalars(tiny_args, tmp_path, monkeypatch) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from train.config import load_config
     from train.launch import train
+    from train.resolve import load_config
 
     for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": tmp_path / "config",
                        "WANDB_CACHE_DIR": tmp_path / "cache", "WANDB_DATA_DIR": tmp_path / "data"}.items():

@@ -1,6 +1,7 @@
 """Types shared by the trainer and every objective: what goes in (`StepValues`), what comes out
-(`LossOut`), what an objective needs from the data (`ViewNeeds`), the `Objective` base class with the
-validation every `Config` shares, and the online/target forward that the EMA-target objectives share."""
+(`LossOut`), what an objective needs from the data (`ViewNeeds`, checked against the views at start-up
+by `check_needs`), the `Objective` base class with the validation every `Config` shares, and the
+online/target forward that the EMA-target objectives share."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from torch import Tensor, nn
 
 from pipelines.batch import Batch
 from pipelines.mixing import MixKind
+from pipelines.views import Recipe
+from train.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,36 @@ class ViewNeeds:
     weak: bool = False        # needs staged weak parents (RSA)
     mix: MixKind = "none"     # intra-batch mix kind it needs: "none" | "sdmp" | "dacl"
     target: bool = True       # uses an EMA target network
+
+
+def check_needs(method: str, needs: ViewNeeds, recipe: Recipe, mix_kind: str) -> None:
+    """Fail at start-up, in one line, when the views of the data config cannot feed the objective.
+
+    Counts the views of each `Batch` field from the roles the recipe resolved (`Recipe.fields`).
+
+    Args:
+        method: objective name (for the message).
+        needs: the objective instance's `ViewNeeds`.
+        recipe: the resolved `pipelines.views.Recipe`.
+        mix_kind: `data.mix.kind`.
+
+    Raises:
+        ConfigError: naming the missing views and the setting that provides them.
+    """
+    views = {name: sum(g.count for g in groups) for name, groups in recipe.fields.items()}
+    n_global, n_local, weak = views["global_views"], views["local_views"], views["weak_views"]
+    problems = []
+    if n_global < needs.global_views:
+        problems.append(f"{needs.global_views} global views (recipe has {n_global})")
+    if n_local < needs.local:
+        problems.append(f"{needs.local} local views (recipe has {n_local})")
+    if needs.weak and not weak:
+        problems.append("staged weak views (recipe has none)")
+    if needs.mix != "none" and mix_kind != needs.mix:
+        problems.append(f"data.mix.kind={needs.mix} (config has {mix_kind})")
+    if problems:
+        raise ConfigError(f"method {method} needs {', '.join(problems)} but views.recipe={recipe.name} "
+                          f"gives fewer; use configs/method/{method}.yaml's recipe or fix views.recipe / data.mix.kind")
 
 
 @dataclass
