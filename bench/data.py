@@ -47,7 +47,7 @@ import torch
 from bench import peers
 from bench.datasets import DATASETS, IMAGE_PX, QUICK_IMAGE_PX, BenchError, prepare, view_px
 from bench.report import header, header_lines
-from bench.timing import crops_only, in_rounds, stages_ms, time_ceiling, time_loader, views_per_sample
+from bench.timing import crops_only, in_rounds, ladder_cell, stages_ms, time_ceiling, views_per_sample
 from pipelines import schema
 from pipelines.errors import bad_input
 from pipelines.loader import BACKENDS
@@ -137,16 +137,14 @@ def _backend_cell(s: Settings, work: Path, root: Path, name: str, be: str, devic
         loader.set_epoch(epoch)
         return loader
 
+    workers = 0 if s.quick else peers.batch_workers(be, s.cores)
+    rungs = {"full": recipe, **({"crops_only": crops_only(recipe)} if s.stages else {})}
+    timed = ladder_cell(lambda rec, epoch: make(epoch, rec), rungs, s.batches, s.warmup_batches, device, workers)
+
     def run(rnd: int) -> dict[str, list]:
-        workers = 0 if s.quick else peers.batch_workers(be, s.cores)
-        t = time_loader(lambda e: make(rnd + e), s.batches, s.warmup_batches, 1, device, workers)
-        print(f"{name} {recipe.name} {be} round {rnd + 1}: {t.img_per_s[0]:,.0f} img/s, first batch "
-              f"{t.first_batch_s[0]:.1f} s", flush=True)
-        out = {"img_per_s": list(t.img_per_s), "first_batch_s": list(t.first_batch_s),
-               "thread_cpu_ms": list(t.thread_cpu_ms), "cpu_utilisation": list(t.cpu_utilisation)}
-        if s.stages:
-            out["crops_only_img_per_s"] = list(time_loader(lambda e: make(rnd + e, crops_only(recipe)), s.batches,
-                                                           s.warmup_batches, 1, device, workers).img_per_s)
+        out = timed(rnd)
+        print(f"{name} {recipe.name} {be} round {rnd + 1}: {out['full'][0]:,.0f} img/s, first batch "
+              f"{out['first_batch_s'][0]:.1f} s", flush=True)
         if rnd == 0:
             out["operators"] = [operator_counts(make(0))]
         return out
@@ -354,11 +352,11 @@ def run(s: Settings) -> dict:
                     row.update(status="failed", error=cell.error, traceback=cell.traceback)
                 elif cell is not None:
                     r = cell.runs
-                    full, crops_only_rate = _median(r["img_per_s"]), _median(r.get("crops_only_img_per_s", [])) or None
-                    row.update(status="ok", **spread(r["img_per_s"]), views_per_s=full * row["views_per_sample"],
+                    full, crops_only_rate = _median(r["full"]), _median(r.get("crops_only", [])) or None
+                    row.update(status="ok", **spread(r["full"]), views_per_s=full * row["views_per_sample"],
                                first_batch_s=_median(r["first_batch_s"]), thread_cpu_ms=_median(r["thread_cpu_ms"]),
                                cpu_utilisation=_median([u for u in r["cpu_utilisation"] if u is not None]) or None,
-                               crops_only_runs=r.get("crops_only_img_per_s", []), crops_only_img_per_s=crops_only_rate,
+                               crops_only_runs=r.get("crops_only", []), crops_only_img_per_s=crops_only_rate,
                                stage_share=stage_shares(full, crops_only_rate,
                                                         _median(decode.runs.get("img_per_s", []))),
                                operators=(r.get("operators") or [None])[0])

@@ -53,8 +53,8 @@ from bench import peers, profile_report
 from bench.data import fill_sizes, operator_counts
 from bench.datasets import DATASETS, BenchError, prepare, view_px
 from bench.report import header
-from bench.timing import (crops_only, in_rounds, stages_ms, sync, time_ceiling, time_epochs, time_loader,
-                          views_per_sample, without_blur)
+from bench.timing import (crops_only, in_rounds, ladder_cell, stages_ms, sync, time_ceiling, time_epochs,
+                          time_loader, views_per_sample, without_blur)
 from bench.train import in_fresh_process, peak_memory_mb, time_steps
 from pipelines.errors import bad_input
 from pipelines.loader import BACKENDS
@@ -144,15 +144,11 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
         recipe, mix = cells[rc]
         device = be.partition("@")[2] or a.device
         workers = 0 if a.quick else peers.batch_workers(be, a.cores)
+        timed = ladder_cell(lambda rung, epoch: make(be, *rung, a.cores, epoch), _ladder(recipe, mix), a.batches,
+                            a.warmup_batches, device, workers)
 
         def run(rnd: int) -> dict[str, list]:
-            out: dict[str, list] = {}
-            for step, (r, m) in _ladder(recipe, mix).items():
-                timing = time_loader(lambda e, r=r, m=m: make(be, r, m, a.cores, rnd + e), a.batches,
-                                     a.warmup_batches, 1, device, workers)
-                out[step] = list(timing.img_per_s)
-                if step == "full":
-                    out["util"], out["thread_cpu_ms"] = list(timing.cpu_utilisation), list(timing.thread_cpu_ms)
+            out = timed(rnd)
             if rnd == 0:
                 out["operators"] = [operator_counts(make(be, recipe, mix, a.cores, 0))]
             if rc == recipes[0]:   # first batch and epoch boundaries: whole short epochs
@@ -191,7 +187,7 @@ def profile_loader(a: argparse.Namespace, root: Path, name: str, recipes: list[s
         if row["status"] == "ok":
             r = cell.runs
             ladder = {k: r[k] for k in _ladder(*cells[rc])}
-            util = [u for u in r["util"] if u is not None]
+            util = [u for u in r["cpu_utilisation"] if u is not None]
             full = stat(ladder["full"])
             row.update(img_per_s=full, views_per_s=full["median"] * views_per_sample(cells[rc][0]),
                        cpu_utilisation=statistics.median(util) if util else None,

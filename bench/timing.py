@@ -6,6 +6,7 @@ the GPU check), and the rounds every bench times its cells in.
     ceiling = time_ceiling(scan_shards(split), "pil", recipe, 32, 16, 3, repeats=3, cores=2)
     epochs = time_epochs(lambda e: build(epoch=e), epochs=3, device="cpu")   # first batch, epoch-boundary stall
     cells = in_rounds(3, {"torchvision": lambda rnd: {...}, ...})            # every cell once per round
+    cell = ladder_cell(lambda rung, e: build(rung, epoch=e), {"full": r, "crops_only": crops_only(r)}, 16, 3, "cpu")
 
 A loader run builds a fresh loader and reads it the way training does, epoch after epoch: the time from
 building it to its first batch is reported apart (pipeline build, worker start-up, first decodes), then
@@ -35,7 +36,7 @@ import time
 import traceback
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import numpy as np
 import torch
@@ -301,6 +302,32 @@ class Cell:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def ladder_cell(make: Callable[[Any, int], Loader], rungs: dict[str, Any], batches: int, warmup: int,
+                device: str | torch.device, workers: int = 0) -> Callable[[int], dict[str, list]]:
+    """The loader cell of every bench that times a loader's stages (an `in_rounds` cell): in round `rnd`,
+    one steady-state run (`time_loader`) of each rung of an ablation ladder, in order.
+
+    Args:
+        make: builds the loader of a rung at an epoch: `make(rung, epoch)`, epoch `rnd` + the run's.
+        rungs: {name: rung}, the full recipe first (e.g. {"full": recipe, "crops_only": crops_only(recipe)}).
+        batches, warmup, device, workers: as `time_loader`'s.
+
+    Returns:
+        The cell: per round {rung name: [img/s]} and, of the first rung, "first_batch_s", "thread_cpu_ms"
+        and "cpu_utilisation" (each a list of one run's value).
+    """
+    def cell(rnd: int) -> dict[str, list]:
+        out: dict[str, list] = {}
+        for i, (name, rung) in enumerate(rungs.items()):
+            t = time_loader(lambda e, rung=rung: make(rung, rnd + e), batches, warmup, 1, device, workers)
+            out[name] = list(t.img_per_s)
+            if i == 0:
+                out.update(first_batch_s=list(t.first_batch_s), thread_cpu_ms=list(t.thread_cpu_ms),
+                           cpu_utilisation=list(t.cpu_utilisation))
+        return out
+    return cell
 
 
 def in_rounds(repeats: int, cells: dict[Hashable, Callable[[int], dict[str, list]]],

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import pytest
 
 from bench import data
-from bench.timing import (EpochTiming, LoaderTiming, cpu_utilisation, device_work, in_rounds, stages_ms,
-                          steady_batches, time_epochs, time_loader)
+from bench.timing import (EpochTiming, LoaderTiming, cpu_utilisation, device_work, in_rounds, ladder_cell,
+                          stages_ms, steady_batches, time_epochs, time_loader)
 
 
 @dataclass
@@ -45,6 +45,22 @@ def test_each_run_builds_a_fresh_loader_skips_its_warmup_and_times_the_rest() ->
     assert len(timing.img_per_s) == len(timing.cpu_utilisation) == 3 and all(r > 0 for r in timing.img_per_s)
     assert all(u is None or 0.0 <= u <= 1.0 for u in timing.cpu_utilisation)
     assert min(timing.img_per_s) <= timing.median <= max(timing.img_per_s)
+
+
+def test_a_ladder_cell_times_each_rung_in_order_at_the_round_s_epoch() -> None:
+    """Round 2 builds one loader a rung, in the ladder's order, at epoch 2; the first rung's run gives the
+    first batch, the thread's CPU and the machine's share as well."""
+    made: list[tuple[str, int]] = []
+
+    def make(rung: str, epoch: int) -> _Loader:
+        made.append((rung, epoch))
+        return _Loader(8, [], epoch)
+
+    cell = ladder_cell(make, {"full": "full", "crops_only": "crops"}, batches=3, warmup=1, device="cpu")
+    out = cell(2)
+    assert made == [("full", 2), ("crops", 2)]
+    assert set(out) == {"full", "crops_only", "first_batch_s", "thread_cpu_ms", "cpu_utilisation"}
+    assert all(len(v) == 1 for v in out.values()) and out["full"][0] > 0 and out["crops_only"][0] > 0
 
 
 class _Bursts:
