@@ -103,7 +103,7 @@ eval: install  ## kNN + linear probe of CKPT's backbone against random init
 linear: install  ## the papers' linear evaluation of CKPT (top-1/top-5; ARGS: preset=, compare=random_init, epochs=, ...)
 	$(PY) -m train gpus=$(GPUS) linear ckpt=$(CKPT) $(ARGS)
 
-finetune: install  ## semi-supervised fine-tuning of CKPT on LABELS (1% or 10%) of the labels (ARGS: preset=, ...)
+finetune: install  ## semi-supervised fine-tuning of CKPT on LABELS (1%, 10%, or a file listing the labelled images) (ARGS: preset=, ...)
 	$(PY) -m train gpus=$(GPUS) finetune ckpt=$(CKPT) labels=$(LABELS) $(ARGS)
 
 compare: install  ## METHOD beside the baseline its paper compares it with, all else equal, over seeds (ARGS: seeds=, steps=, key=value)

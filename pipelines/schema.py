@@ -11,6 +11,9 @@ Layout of one dataset, `<root>/<dataset>/`:
     <split>/shard-NNNNNN.idx       DALI index file of the shard (`wds2idx` format)
     <split>/records.npy            the split's record table, (N, 8) int64 (`shards.TABLE_COLUMNS`), so
                                    that a reader maps it instead of reading every `.rec` member
+    <split>/names.txt              image folders: record i's source file (line i, UTF-8), relative to
+                                   the source folder, so that published subsets (ImageNet's 1 % / 10 %
+                                   label lists) select records by name
     gt_masks/<split>.npy           synthetic only: exact foreground masks (N, H, W) uint8 {0, 255},
                                    kept for saliency evaluation, never read by training
 
@@ -52,6 +55,7 @@ DALI_RECORD_EXT = "rec"     # little-endian int64 [label, index, coverage in par
 DALI_MASK_EXT = "mask.png"  # grayscale PNG, present only once masks exist
 SHARD_PATTERN = "shard-{:06d}.tar"
 RECORDS_NAME = "records.npy"
+NAMES_NAME = "names.txt"
 INDEX_PATTERN = "shard-{:06d}.idx"
 
 # Image encoding policy.

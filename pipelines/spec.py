@@ -101,6 +101,26 @@ class DatasetInfo:
 
         return np.array(ShardReader.open(self.dir / self.split, self.count).labels)
 
+    def names(self) -> list[str]:
+        """Each record's source file in index order (`schema.NAMES_NAME`: image folders' datasets).
+
+        Raises:
+            schema.DatasetError: a split written without names (a generated dataset, CIFAR, or an image
+                folder written before names were recorded), or names that do not match its records.
+        """
+        path = self.dir / self.split / schema.NAMES_NAME
+        try:
+            names = path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            raise schema.DatasetError(
+                f"dataset {self.dir.name} records no file names for its {self.split} records ({path} is missing: "
+                "only image folders written by make preprocess since names were recorded have them); write it "
+                "again with make preprocess ... ARGS=--force") from None
+        if len(names) != self.count:
+            raise schema.DatasetError(f"{path} lists {len(names)} names for {self.count} records; write the dataset "
+                                      "again with make preprocess ... ARGS=--force")
+        return names
+
     def reads_masks(self, recipe: Recipe) -> bool:
         """Whether a loader reads the masks: the recipe removes backgrounds and the dataset has masks."""
         return self.has_masks and removes_backgrounds(recipe)

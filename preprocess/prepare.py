@@ -456,6 +456,7 @@ def _write_folder(listing: ListedSource, staging: Path, plan: dict, job: Job, wi
     copied in a background process (`with_ffcv`); the facts the manifest records, with the checksums the
     units computed."""
     copies: list = []
+    base = listing.src if listing.src.is_dir() else listing.src.parent       # a list file: its folder
 
     def on_split(split_name: str, split: stream.ShardSplit) -> None:
         if len(split) == 0:
@@ -473,7 +474,7 @@ def _write_folder(listing: ListedSource, staging: Path, plan: dict, job: Job, wi
         warm = ffcv_pool.submit(_timed, warm_up_ffcv) if with_ffcv else None
         try:
             res = stream.write_folder(listing.files, staging, plan, listing.policy, shard_size=job.shard_size,
-                                      engine=engine, progress=job.progress, on_split=on_split)
+                                      engine=engine, progress=job.progress, names_root=base, on_split=on_split)
             t = time.perf_counter()
             if warm is not None:
                 seconds[f"ffcv_import{BACKGROUND}"] = warm.result()
@@ -482,7 +483,6 @@ def _write_folder(listing: ListedSource, staging: Path, plan: dict, job: Job, wi
         finally:
             for c in copies:
                 c.cancel()
-    base = listing.src if listing.src.is_dir() else listing.src.parent       # a list file: its folder
     written = PreparedSource(splits=res.splits, params=listing.params, class_names=listing.class_names,
                              image_px=res.image_px, mean=res.mean, std=res.std,
                              size_policy={"side": listing.policy["side"], "max_side_px": listing.policy["max_side"]},

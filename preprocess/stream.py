@@ -16,6 +16,7 @@ process plus the listing.
         <split>/shard-NNNNNN.tar|.idx               the dataset's shards: the parts under their final
                                                     indices (hard links; copies renumbered after a skip)
         <split>/records.npy                         the split's record table, for the loaders
+        <split>/names.txt                           each record's source file, relative to `names_root`
         <split>.beton                               written from those shards, nothing decoded
 
 Resuming: a run with the same plan (source, size policy, shard size, file listing) keeps every unit
@@ -281,7 +282,7 @@ def _remove_temporaries(parts: Path) -> None:
 
 
 def write_folder(files: dict[str, list[tuple[str, int]]], staging: Path, plan: dict, policy_args: dict, *,
-                 shard_size: int, engine, progress: bool,
+                 shard_size: int, engine, progress: bool, names_root: Path | None = None,
                  on_split: Callable[[str, ShardSplit], None] | None = None) -> FolderResult:
     """Write every split's shards into `staging` (created by the caller, possibly holding a finished
     part of this plan), resuming finished units; each split's final shards are assembled as soon as
@@ -296,6 +297,8 @@ def write_folder(files: dict[str, list[tuple[str, int]]], staging: Path, plan: d
         engine: `LocalEngine` or `RayEngine`.
         progress: a bar with images/s and ETA when stderr is a terminal; a summary line per split
             in any case.
+        names_root: the folder the records' names (`schema.NAMES_NAME`) are relative to; None: the
+            paths as listed.
         on_split: called with each assembled split while the other splits' units still run (the
             caller starts its FFCV copy there); splits go in `files` order, largest units first.
 
@@ -329,7 +332,10 @@ def write_folder(files: dict[str, list[tuple[str, int]]], staging: Path, plan: d
         done = [results[(s, n)] for n in range(count[s])]
         _split_line(s, done, time.perf_counter() - t0 if any(u.split == s for u in todo) else 0.0, bar)
         t = time.perf_counter()
-        splits[s] = _assemble(s, done, staging, parts, known)
+        gone = {x["path"] for r in done for x in r["skipped"]}
+        names = [os.path.relpath(f, names_root) if names_root is not None else f
+                 for u in units if u.split == s for f, _ in u.files if f not in gone]
+        splits[s] = _assemble(s, done, staging, parts, known, names)
         seconds["assemble"] += time.perf_counter() - t
         if on_split is not None:
             on_split(s, splits[s])
@@ -364,9 +370,11 @@ def _split_line(split: str, done: list[dict], secs: float, bar: tqdm) -> None:
               f"{n - stored} skipped; {when}", file=sys.stderr)
 
 
-def _assemble(split: str, results: list[dict], staging: Path, parts: Path, known: dict[str, dict]) -> ShardSplit:
-    """The split's final shards from its parts (records 0..N-1 in listing order) and its `ShardSplit`;
-    adds the checksums the units computed of the shards used as they are to `known`."""
+def _assemble(split: str, results: list[dict], staging: Path, parts: Path, known: dict[str, dict],
+              names: list[str]) -> ShardSplit:
+    """The split's final shards from its parts (records 0..N-1 in listing order), their source files'
+    `names` as `schema.NAMES_NAME`, and its `ShardSplit`; adds the checksums the units computed of the
+    shards used as they are to `known`."""
     out = staging / split
     if out.exists():
         shutil.rmtree(out)                 # an earlier attempt's assembly: redone from the parts
@@ -394,6 +402,9 @@ def _assemble(split: str, results: list[dict], staging: Path, parts: Path, known
         number += 1
         first += len(r["records"])
     write_record_table(out, records)
+    if len(names) != len(records):
+        raise AssertionError(f"{split}: {len(names)} names for {len(records)} records")
+    (out / schema.NAMES_NAME).write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
     return ShardSplit(ShardReader(records), np.array(sizes, dtype=np.int64).reshape(-1, 2))
 
 

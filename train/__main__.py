@@ -50,7 +50,7 @@ def usage(prog: str = "python -m train") -> str:
         f"usage: {prog} [gpus=N] [method=METHOD] [data=DATASET] [preset=PRESET] [config=FILE.yaml] [key=value ...]",
         f"       {prog} eval ckpt=CHECKPOINT [key=value ...]",
         f"       {prog} [gpus=N] linear ckpt=CHECKPOINT [preset=NAME] [compare=random_init] [key=value ...]",
-        f"       {prog} [gpus=N] finetune ckpt=CHECKPOINT labels=1%|10% [preset=NAME] [key=value ...]",
+        f"       {prog} [gpus=N] finetune ckpt=CHECKPOINT labels=1%|10%|FILE [preset=NAME] [key=value ...]",
         "",
         "Pretrain METHOD on DATASET, then evaluate its backbone (kNN, linear probe) against a random-init one;",
         "eval does the evaluation for a checkpoint; linear and finetune run the papers' protocols on it",

@@ -2,7 +2,7 @@
 linear evaluation and semi-supervised fine-tuning (DESIGN §6, the second kind of evaluation).
 
     python -m train linear ckpt=<run>/checkpoint.pt [preset=NAME] [compare=random_init] [key=value ...]
-    python -m train finetune ckpt=<run>/checkpoint.pt labels=1%|10% [preset=NAME] [key=value ...]
+    python -m train finetune ckpt=<run>/checkpoint.pt labels=1%|10%|FILE [preset=NAME] [key=value ...]
 
 Linear evaluation (BYOL App. C.1, RELICv2 App. B.1, SimCLR, MoCo v2/v3): the pretrained backbone
 frozen in eval mode (its weights and BatchNorm statistics never change), a linear classifier (after a
@@ -12,7 +12,9 @@ image alone, DACL's domain-agnostic protocol), scored by top-1 and top-5 on cent
 split (resize to 256/224 of the view, centre crop: `views.ViewGroup.centre_crop`). Fine-tuning
 (SimCLR Sec. B.5, RELICv2 App. B.2): the same, with the whole network trained (the backbone at
 `backbone_lr_scale` times the head's learning rate) on a class-balanced, seeded share of the labels
-(at least one image per class of its share: a class the share would leave empty is refused).
+(at least one image per class of its share: a class the share would leave empty is refused), or on
+the train images a file lists by name (`labels=FILE`, one a line: SimCLR's published ImageNet 1 % and
+10 % lists, `n01440764_10026.JPEG`, drop in; `listed_records`).
 
 The views come from the loaders pretraining uses (`pipelines.loader`: DALI on a GPU, FFCV or DALI on
 a CPU; the same backend as the run unless `data.backend=` says otherwise), sharded over the ranks of
@@ -21,7 +23,7 @@ naming the paper and section it follows; `preset=auto`: the method's own on Imag
 short `small` presets otherwise) with `key=value` overrides of `ProtocolConfig`; dotted `data.*` and
 `run.*` words override the pretraining config the checkpoint saved (`data.root=`, `run.device=`).
 
-Its folder is `<run>/<kind>-<preset>[-<labels>]` (`-random_init` for the `compare=random_init` run: the
+Its folder is `<run>/<kind>-<preset>[-<labels>]` (`labels_tag`) (`-random_init` for the `compare=random_init` run: the
 same protocol on the network at the pretraining run's initialisation): `config.yaml`, `metrics.jsonl`,
 TensorBoard events, `checkpoint.pt` every `ckpt_every` steps and at the end. The same command after a
 kill continues from that checkpoint and ends with the uninterrupted run's result (the positions of the
@@ -88,7 +90,8 @@ class ProtocolConfig:
     bn: bool = False                # a non-affine BatchNorm before the linear layer
     augment: bool = True            # random-resized crop and flip of the train images; false: the resized image
     backbone_lr_scale: float = 1.0  # fine-tuning: the backbone's lr as a share of the head's
-    labels: str = ""                # fine-tuning: the share of labelled train images, "1%" or "10%"
+    labels: str = ""                # fine-tuning: the share of labelled train images, "1%" or "10%", or a
+                                    # file listing the labelled train images by name, one a line
     seed: int = 0                   # the labelled share, the head's initialisation, the loaders' draws
     log_every: int = 50             # steps between log lines
     ckpt_every: int = 500           # steps between checkpoints (and one at the end)
@@ -122,7 +125,7 @@ def load_protocol(kind: Kind, preset: str, method: str, train_records: int, word
         small = train_records < SMALL_TRAIN
         table = METHOD_PRESETS[kind]
         preset = ("small" if kind == "linear" else "small-finetune") if small else \
-            table.get(method, table.get(method.split(":")[0], "byol")).format(labels=labels.rstrip("%") + "pct")
+            table.get(method, table.get(method.split(":")[0], "byol")).format(labels=share_of(labels, train_records))
     path = PROTOCOL_DIR / f"{preset}.yaml"
     if not path.is_file():
         raise ConfigError(f"no {kind} preset {preset!r}; choose one of {', '.join(preset_names())} (or preset=auto)")
@@ -137,13 +140,87 @@ def load_protocol(kind: Kind, preset: str, method: str, train_records: int, word
             raise ConfigError(f"unknown {kind} key {key!r}; valid keys: {', '.join(hints)}")
         values[key] = parse_value(key, value, hints[key])
     cfg = ProtocolConfig(**values)
-    if kind == "finetune" and cfg.labels not in ("1%", "10%"):
-        raise ConfigError(f"finetune needs labels=1% or labels=10% (the share of labelled train images), got "
-                          f"{cfg.labels!r}")
+    if kind == "finetune" and cfg.labels not in SHARES and not Path(cfg.labels).is_file():
+        raise ConfigError(f"finetune needs labels=1%, labels=10% (the share of labelled train images) or labels=FILE "
+                          f"(a file listing the labelled train images, one name a line), got {cfg.labels!r}"
+                          + (": no such file" if cfg.labels not in ("", "1", "10") else ""))
     if cfg.epochs <= 0 or cfg.batch_size < 2 or cfg.lr <= 0:
         raise ConfigError(f"{kind}: epochs, lr must be > 0 and batch_size >= 2 (got {cfg.epochs}, {cfg.lr}, "
                           f"{cfg.batch_size})")
     return preset, cfg
+
+
+SHARES = ("1%", "10%")            # labels= shares; anything else is a file of names
+
+
+def _listed(path: str) -> list[str]:
+    """The names a labels file lists: one a line, blank lines and `#` comments left out."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def share_of(labels: str, train_records: int) -> str:
+    """The schedule a `labels` setting follows: "1pct" or "10pct" (a file: the nearer of the two to the
+    share of the train records it lists)."""
+    if labels in SHARES or not Path(labels).is_file():             # not a file: refused by the caller
+        return labels.rstrip("%") + "pct"
+    return "1pct" if len(_listed(labels)) < 0.03 * max(train_records, 1) else "10pct"
+
+
+def labels_tag(labels: str) -> str:
+    """`labels` as a run's folder and results file name it: "1pct", "10pct", or "list-<file stem>"."""
+    if labels in SHARES:
+        return labels.rstrip("%") + "pct"
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(labels).stem)
+    return f"list-{stem}"
+
+
+def listed_records(path: str, names: list[str]) -> tuple[int, ...]:
+    """The sorted record indices of the train images file `path` lists: a line names a record by its
+    source file as the dataset stored it (`DatasetInfo.names`, relative to the source folder) or by that
+    file's base name alone (the published ImageNet lists: `n01440764_10026.JPEG`).
+
+    Raises:
+        ConfigError: an empty list, a name no record has (how many, the first), or a base name that
+            several records share (give the path).
+    """
+    listed = _listed(path)
+    if not listed:
+        raise ConfigError(f"labels={path} lists no image; give one train image name a line")
+    index = {n: i for i, n in enumerate(names)}
+    by_base: dict[str, list[int]] = {}
+    for i, n in enumerate(names):
+        by_base.setdefault(n.rsplit("/", 1)[-1], []).append(i)
+    chosen, missing = set(), []
+    for name in listed:
+        if name in index:
+            chosen.add(index[name])
+            continue
+        hits = by_base.get(name.rsplit("/", 1)[-1], [])
+        if len(hits) > 1:
+            raise ConfigError(f"labels={path}: {name!r} is the name of {len(hits)} train images (e.g. "
+                              f"{names[hits[0]]}); give its path as the dataset lists it")
+        if hits:
+            chosen.add(hits[0])
+        else:
+            missing.append(name)
+    if missing:
+        raise ConfigError(f"labels={path}: {len(missing):,} of its {len(listed):,} names are no train image of this "
+                          f"dataset (the first: {missing[0]!r}); list images of its train split")
+    return tuple(sorted(chosen))
+
+
+def labelled_records(labels: str, info: DatasetInfo, num_classes: int, seed: int) -> tuple[int, ...]:
+    """The records fine-tuning trains on: a class-balanced share (`labelled_share`) or a file's list
+    (`listed_records`).
+
+    Raises:
+        ConfigError: a share that leaves a class empty, a list that names no train image.
+        schema.DatasetError: a list on a dataset that recorded no file names.
+    """
+    if labels in SHARES:
+        return labelled_share(torch.from_numpy(info.labels()), labels, num_classes, seed)
+    return listed_records(labels, info.names())
 
 
 def labelled_share(labels: Tensor, share: str, num_classes: int, seed: int) -> tuple[int, ...]:
@@ -292,7 +369,7 @@ class Protocol:
         info = DatasetInfo.read(cfg.data.root, cfg.data.name, "train")
         subset = None
         if self.kind == "finetune":
-            subset = labelled_share(torch.from_numpy(info.labels()), p.labels, cfg.data.num_classes, p.seed)
+            subset = labelled_records(p.labels, info, cfg.data.num_classes, p.seed)
         records = len(subset) if subset else info.count
         if p.batch_size > records:            # a preset's batch on a small (share of a) dataset: one batch an epoch
             batch = records // (2 * world) * 2 * world
@@ -430,9 +507,9 @@ def main(kind: Kind, args: list[str]) -> dict:
         labels = train.labels()
         if (labels == NO_LABEL).any():
             raise ConfigError(f"dataset {cfg.data.name} has unlabelled train records; fine-tuning needs labels")
-        labelled_share(torch.from_numpy(labels), p.labels, cfg.data.num_classes, p.seed)   # a class left empty: stop now
-    name = f"{kind}-{preset}" + (f"-{p.labels.rstrip('%')}pct" if kind == "finetune" else "")
-    results_path = ckpt.parent / (f"{kind}_eval.json" if kind == "linear" else f"finetune_{p.labels.rstrip('%')}pct_eval.json")
+        labelled_records(p.labels, train, cfg.data.num_classes, p.seed)   # a class left empty, a bad list: stop now
+    name = f"{kind}-{preset}" + (f"-{labels_tag(p.labels)}" if kind == "finetune" else "")
+    results_path = ckpt.parent / (f"{kind}_eval.json" if kind == "linear" else f"finetune_{labels_tag(p.labels)}_eval.json")
     ensure_open_files(open_files_needed(cfg, dist.local_world_size(), int(os.environ.get("WORLD_SIZE", "1"))),
                       f"the {kind} evaluation")
     device = select_device(cfg.run.device, cfg.run.dist_timeout_min)

@@ -225,6 +225,8 @@ def test_skipped_files_renumber_the_later_shards(tmp_path: Path, clean) -> None:
     for (_, _, data), f in zip(records, good):
         if max(Image.open(f).size) <= CAP:
             assert data == f.read_bytes()                                  # each file at its new index
+    names = (ds / "train" / "names.txt").read_text().splitlines()        # each record's source, skips left out
+    assert names == [f.relative_to(bad).as_posix() for f in good]
 
 
 def test_another_plan_or_force_starts_over(tmp_path: Path, clean, monkeypatch, capsys) -> None:

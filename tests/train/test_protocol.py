@@ -1,6 +1,6 @@
 """The papers' protocols (`train/protocol.py`): linear evaluation leaves the backbone as it was to the
 bit and separates what is separable; fine-tuning trains the whole network on a class-balanced, seeded
-share of the labels; two gloo ranks take the one-process steps; a killed evaluation resumes to the
+share of the labels or on the images a file lists by name; two gloo ranks take the one-process steps; a killed evaluation resumes to the
 uninterrupted result; bad input is one line and writes nothing."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from bench.rehearse import write_folder
 from train import checkpoint, protocol
 from train.config import ConfigError, to_dict
-from train.protocol import Protocol, labelled_share, load_protocol, lr_at
+from train.protocol import Protocol, labelled_share, listed_records, load_protocol, lr_at
 from train.resolve import load_config
 from train.setup import build_online
 
@@ -68,7 +68,7 @@ def test_presets_resolve_by_method_and_size_and_bad_keys_are_one_line() -> None:
         load_protocol("linear", "nope", "byol", 10, [])
     with pytest.raises(ConfigError, match=r"'relicv2-1pct' is a fine-tuning preset; use it with python -m train finetune"):
         load_protocol("linear", "relicv2-1pct", "byol", 10, [])
-    with pytest.raises(ConfigError, match=r"finetune needs labels=1% or labels=10%"):
+    with pytest.raises(ConfigError, match=r"finetune needs labels=1%, labels=10% .* or labels=FILE"):
         load_protocol("finetune", "small-finetune", "byol", 10, [("labels", "5%")])
 
 
@@ -192,6 +192,61 @@ def test_a_killed_evaluation_resumes_to_the_uninterrupted_result(tiny_args, tmp_
     assert third.returncode == 0 and "step " not in third.stdout and "top-1" in third.stdout
 
 
+def test_a_dataset_written_from_an_image_folder_names_each_record_by_its_source_file(colours) -> None:
+    """Record i's name is the file it was written from: the shard holds that file's JPEG bytes as they are
+    (images under the size cap are not re-encoded) and the record's label is its class folder's."""
+    from pipelines.schema import read_manifest
+    from pipelines.shards import ShardReader
+    from pipelines.spec import DatasetInfo
+
+    src = colours.parent / "src"
+    classes = read_manifest(colours / "colours").class_names
+    for split, count in (("train", 400), ("val", 80)):
+        info = DatasetInfo.read(colours, "colours", split)
+        names, reader = info.names(), ShardReader.open(info.dir / split, info.count)
+        assert len(names) == count == len(set(names))
+        for i in range(0, count, 7):
+            assert reader.image(i) == (src / names[i]).read_bytes(), (split, i, names[i])
+            assert classes[int(reader.labels[i])] == Path(names[i]).parent.name
+
+
+def test_a_list_of_file_names_picks_the_records_it_names_for_fine_tuning(colours, tmp_path) -> None:
+    """SimCLR's published lists name images by their base name (`n01440764_10026.JPEG`); a path as the
+    dataset stored it works too; the fine-tuning loader reads exactly the listed records."""
+    from pipelines.spec import DatasetInfo
+
+    names = DatasetInfo.read(colours, "colours", "train").names()
+    chosen = [3, 41, 42, 250, 399]
+    listing = tmp_path / "subset.txt"
+    listing.write_text("# a published subset\n" + "".join(f"{Path(names[i]).name}\n" for i in chosen[:3])
+                       + f"\n{names[250]}\n  {Path(names[399]).name}  \n")
+    assert listed_records(str(listing), names) == tuple(chosen)
+    missing = tmp_path / "missing.txt"
+    missing.write_text(f"{Path(names[0]).name}\nn01440764_10026.JPEG\n")
+    with pytest.raises(ConfigError, match=r"1 of its 2 names are no train image .*'n01440764_10026.JPEG'"):
+        listed_records(str(missing), names)
+    dup = tmp_path / "dup.txt"
+    dup.write_text("x.jpg\n")
+    with pytest.raises(ConfigError, match=r"'x.jpg' is the name of 2 train images .*give its path"):
+        listed_records(str(dup), ["a/x.jpg", "b/x.jpg"])
+
+    cfg = load_config(["method=simclr", "data=colours", f"data.root={colours}", "data.backend=torch",
+                       "data.num_workers=1", "views.global_px=16", "views.local_px=8", "model.backbone=test_resnet",
+                       f"run.out_dir={tmp_path}"])
+    name, p = load_protocol("finetune", "auto", cfg.method, 400, [("labels", str(listing)), ("epochs", "1"),
+                                                                  ("batch_size", "4")])
+    assert name == "small-finetune" and protocol.labels_tag(p.labels) == "list-subset"
+    assert protocol.share_of(str(listing), 1_281_167) == "1pct" and protocol.share_of(str(listing), 100) == "10pct"
+    seen = []
+    real = protocol.build_loader
+    protocol.build_loader = lambda backend, spec: seen.append(spec) or real(backend, spec)
+    try:
+        Protocol("finetune", name, p, cfg, tmp_path / "ft", None).run("torch", torch.device("cpu"))
+    finally:
+        protocol.build_loader = real
+    assert seen[0].subset == tuple(chosen) and seen[1].subset is None
+
+
 def test_bad_input_is_one_line_and_writes_nothing(tiny_args, tmp_path, capsys) -> None:
     from train.__main__ import main
 
@@ -209,6 +264,10 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_args, tmp_path, capsys) -
     exported = checkpoint.save(tmp_path / "backbone.pt", {"conv1.weight": torch.zeros(1)})
     fails(["linear", f"ckpt={exported}"], "not a training checkpoint")
     fails(["finetune", f"ckpt={ckpt}", "labels=1%"], "labels=1% leaves class", "use a larger share")
+    fails(["finetune", f"ckpt={ckpt}", f"labels={tmp_path / 'nope.txt'}"], "labels=FILE", "no such file")
+    listing = tmp_path / "list.txt"
+    listing.write_text("a.jpg\n")
+    fails(["finetune", f"ckpt={ckpt}", f"labels={listing}"], "records no file names", "ARGS=--force")
     fails(["linear", f"ckpt={ckpt}", "epoch=3"], "unknown linear key 'epoch'")
     fails(["linear", f"ckpt={ckpt}", "compare=best"], "compare=random_init")
     assert sorted(p.name for p in ckpt.parent.iterdir()) == before
