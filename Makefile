@@ -106,7 +106,7 @@ linear: install  ## the papers' linear evaluation of CKPT (top-1/top-5; ARGS: pr
 finetune: install  ## semi-supervised fine-tuning of CKPT on LABELS (1%, 10%, or a file listing the labelled images) (ARGS: preset=, ...)
 	$(PY) -m train gpus=$(GPUS) finetune ckpt=$(CKPT) labels=$(LABELS) $(ARGS)
 
-compare: install  ## METHOD beside the baseline its paper compares it with, all else equal, over seeds (ARGS: seeds=, steps=, key=value)
+compare: install  ## METHOD beside the baseline its paper compares it with, all else equal, over seeds (ARGS: seeds=, steps=, against=, key=value)
 	$(PY) -m bench.compare method=$(METHOD) data=$(DATASET) $(if $(PRESET),preset=$(PRESET)) data.root=$(OUT) $(ARGS)
 
 profile: install-test  ## throughput report: loader stages vs baseline, peers (lightly, SPDL) and ceilings, first batch, epoch boundaries, training steps, scaling

@@ -1,5 +1,5 @@
-"""`python -m bench.compare method=rsa [data=synthetic] [seeds=3] [steps=N] [key=value ...]` (`make compare`):
-a method beside the baseline its paper compares it with, everything else equal, over seeds.
+"""`python -m bench.compare method=rsa [data=synthetic] [seeds=3] [steps=N] [against=B] [key=value ...]`
+(`make compare`): a method beside the baseline its paper compares it with, everything else equal, over seeds.
 
 Each paper's claim is its method against a baseline with the rest of the setting held fixed. The method
 row is `method=... data=... key=value ...` as `make train` resolves it; the baseline row is that same
@@ -19,8 +19,10 @@ The rows (`baseline`, docs/evaluation.md's table):
   `objective.warmup=1`: the reweighting never starts) for MoCo-v2*+UOTA.
 - relicv2: BYOL (RELICv2 Table 1): BYOL's two views and predictor (as wide as the projector).
 - dacl: SimCLR beside SimCLR + DACL (DACL Table 3): the method row is `objective.with_simclr=true` on
-  BYOL's views. DACL's domain-agnostic baselines (Gaussian-noise positives) are not built; the
-  random-init network of every run is the paper's "no pre-training" row.
+  BYOL's views. `against=gaussian`: DACL's domain-agnostic baseline (Tables 1-3, "Gaussian-noise"):
+  the same DACL run with Gaussian-noise positives instead of Mixup-noise ones
+  (`data.mix.dacl_noises=[gaussian]`, `mixing.dacl_gaussian`). The random-init network of every run is
+  the paper's "no pre-training" row.
 - byol, simclr, mocov3: the baselines themselves; a comparison of one is refused.
 """
 
@@ -42,14 +44,23 @@ from train.resolve import load_config
 FIGURES = ("knn_top1", "linear_top1")
 
 
-def baseline(cfg: Config) -> tuple[str, list[str], list[str], str]:
+AGAINST = {"dacl": ("simclr", "gaussian")}       # methods with more than one baseline: the first is the default
+
+
+def baseline(cfg: Config, against: str = "") -> tuple[str, list[str], list[str], str]:
     """(baseline method, the method row's extra words, the baseline's words, the paper's row) of `cfg`'s
-    method (module docstring).
+    method (module docstring); `against` picks one of `AGAINST`'s baselines.
 
     Raises:
-        ConfigError: a method that is itself a baseline.
+        ConfigError: a method that is itself a baseline, a baseline the method has not.
     """
     m = cfg.method
+    if against and against not in AGAINST.get(m, ()):
+        choices = ", ".join(AGAINST.get(m, ())) or "none: it has one baseline"
+        raise ConfigError(f"against={against}: method {m} is compared with {choices}; drop against= or pick one")
+    if m == "dacl" and against == "gaussian":
+        return "dacl", [], ["data.mix.dacl_noises=[gaussian]"], \
+            "DACL Tables 1-3: Gaussian-noise beside DACL"
     if m == "sdmp":
         return "mocov3", [], [], "SDMP Tables 1 and 5: MoCo v3 beside SDMP on MoCo v3"
     if m == "rsa":
@@ -68,19 +79,19 @@ def baseline(cfg: Config) -> tuple[str, list[str], list[str], str]:
                       "dacl")
 
 
-def rows(words: list[str], folder: Path) -> dict[str, tuple[str, list[str]]]:
+def rows(words: list[str], folder: Path, against: str = "") -> dict[str, tuple[str, list[str]]]:
     """{"method": (label, words), "baseline": (label, words)}: the baseline's words name a config file in
     `folder` holding the method row's resolved config without what the baseline changes."""
     cfg = load_config(words)
-    base, extra, base_words, paper = baseline(cfg)
+    base, extra, base_words, paper = baseline(cfg, against)
     cfg = load_config([*words, *extra])
     tree = to_dict(cfg)
     tree.pop("method")
-    if base != cfg.method:                   # the baseline's own objective; the same method keeps its settings
+    if base != cfg.method:                   # the baseline's own objective and no mixes; the same method keeps both
         tree.pop("objective")
-    tree["data"].pop("mix")
+        tree["data"].pop("mix")
     tree["run"].pop("name")
-    path = folder / f"{cfg.method}-row.yaml"
+    path = folder / f"{cfg.method}-row{'-' + against if against else ''}.yaml"
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
     method_label = cfg.method + (" (" + ", ".join(extra) + ")" if extra else "")
     return {"method": (method_label, [*words, *extra]),
@@ -111,15 +122,18 @@ def table(report: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    opts = {k: v for k, v in (w.split("=", 1) for w in argv if "=" in w) if k in ("seeds", "steps", "report")}
+    opts = {k: v for k, v in (w.split("=", 1) for w in argv if "=" in w) if k in ("seeds", "steps", "report", "against")}
     words = [w for w in argv if w.split("=", 1)[0] not in opts]
     seeds = int(opts.get("seeds", 3))
     steps = [f"optim.steps={opts['steps']}", f"optim.warmup_steps={int(opts['steps']) // 10}"] if "steps" in opts else []
     try:
         method = load_config([*words, *steps])
-        out = Path(opts.get("report", f"reports/compare-{method.method}-{method.data.name}"))
+        against = opts.get("against", "")
+        out = Path(opts.get("report", f"reports/compare-{method.method}-{method.data.name}"
+                                      + (f"-{against}" if against else "")))
+        baseline(method, against)                                 # an unknown baseline stops here
         out.mkdir(parents=True, exist_ok=True)
-        plan = rows([*words, *steps], out)
+        plan = rows([*words, *steps], out, against)
         results: dict[str, list[dict]] = {"method": [], "baseline": []}
         for seed in range(seeds):
             for name in ("method", "baseline"):

@@ -65,9 +65,9 @@ from pipelines.views import FIELDS
 
 
 def draws_in_graph(spec: LoaderSpec) -> bool:
-    """Whether the graph draws something itself (DACL's Binary Mixup masks, from DALI's random operator),
-    so that a resume needs DALI's checkpoint of it."""
-    return spec.mix.kind == "dacl" and "binary" in spec.mix.dacl_noises
+    """Whether the graph draws something itself (DACL's Binary Mixup masks and the Gaussian-noise
+    baseline's delta, from DALI's random operators), so that a resume needs DALI's checkpoint of it."""
+    return spec.mix.kind == "dacl" and bool({"binary", "gaussian"} & set(spec.mix.dacl_noises))
 
 
 def host_workers(spec: LoaderSpec) -> int:

@@ -374,9 +374,11 @@ def _sdmp(mixers: tuple[str, ...], x, xp, inputs: dict, size: int):
     return y
 
 
-def _dacl_noise(n: str, x, xp, v: int, inputs: dict, keep):
+def _dacl_noise(n: str, x, xp, v: int, inputs: dict, keep, shift):
     if n == "binary":                                                         # Eq. (6)
         return fn.cast(keep * x + (1 - keep) * xp, dtype=types.UINT8)
+    if n == "gaussian":                                                       # the baseline: x + alpha delta
+        return fn.cast(dmath.clamp(x + shift, 0.0, 255.0), dtype=types.UINT8)
     lam, lam_other = inputs[f"mix/{v}/lam"], inputs[f"mix/{v}/lam_other"]
     if n == "linear":                                                         # Eq. (3)
         return _blend(x, xp, lam, lam_other)
@@ -384,14 +386,14 @@ def _dacl_noise(n: str, x, xp, v: int, inputs: dict, keep):
     return fn.cast(y, dtype=types.UINT8)
 
 
-def _dacl(noises: tuple[str, ...], x, xp, v: int, inputs: dict, keep):
+def _dacl(noises: tuple[str, ...], x, xp, v: int, inputs: dict, keep, shift):
     """The sample's noise: with several (DACL+), one conditional branch per noise."""
     if len(noises) == 1:
-        return _dacl_noise(noises[0], x, xp, v, inputs, keep)
+        return _dacl_noise(noises[0], x, xp, v, inputs, keep, shift)
     if inputs[f"mix/{noises[0]}"]:
-        y = _dacl_noise(noises[0], x, xp, v, inputs, keep)
+        y = _dacl_noise(noises[0], x, xp, v, inputs, keep, shift)
     else:
-        y = _dacl(noises[1:], x, xp, v, inputs, keep)
+        y = _dacl(noises[1:], x, xp, v, inputs, keep, shift)
     return y
 
 
@@ -422,7 +424,13 @@ def mixes(spec: LoaderSpec, views: dict[str, object], inputs: dict, device: str,
                 # (before the noise branches, so that a debug run can output it)
                 u = fn.random.uniform(range=[0.0, 1.0], shape=[size, size, 3], device=device, seed=seed + v)
                 keep = debug[f"mix/{v}/binary_mask"] = fn.cast(u < inputs[f"mix/{v}/rho"], dtype=types.UINT8)
-            out.append(_dacl(tuple(mix.dacl_noises), x, xp, v, inputs, keep))
+            shift = None
+            if "gaussian" in mix.dacl_noises:
+                # the baseline's delta ~ N(0, I) per pixel and channel, drawn here like the masks; in levels
+                delta = debug[f"mix/{v}/gauss_normal"] = fn.random.normal(shape=[size, size, 3], device=device,
+                                                                          seed=seed + 1000 + v)
+                shift = delta * (mix.gauss_scale * 255.0)
+            out.append(_dacl(tuple(mix.dacl_noises), x, xp, v, inputs, keep, shift))
     return out
 
 

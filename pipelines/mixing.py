@@ -30,6 +30,12 @@ Laws (one home; DESIGN §4):
   Plain DACL (Algorithm 1) is Linear Mixup alone, the default `dacl_noises`. DACL+ (Sec. 3.1) lists
   several and draws one noise function per sample, used for both of the sample's positives ("apply
   this function to create both of the positive samples").
+  The baseline DACL compares with (Tables 1-3, "Gaussian-noise"), Sec. 4: x+ = x + alpha delta, delta ~
+  N(0, sigma^2 I) drawn for each positive, with alpha searched in {0.05, 0.1, 0.3, 0.5} and sigma 1.0
+  (Sec. 5: "the mean of Gaussian-noise ... and the standard deviation is set to 1.0"); here on [0, 1]
+  pixels, clipped to them (`dacl_gaussian`; `dacl_noises: [gaussian]`, alpha `MixSpec.gauss_scale`,
+  0.1 by default: the paper reports no choice). It has no partner: its lam, the weight of the sample
+  itself, is 1.
 
 Sources (`MixSpec.source`): "global" mixes every global view of the batch (view v of the mix is
 global view v mixed); "image" mixes the whole image resized to the global size with no other op,
@@ -54,7 +60,8 @@ from pipelines.views import Recipe, ViewGroup
 
 SDMP_MIXERS = ("mixup", "cutmix", "resizemix")
 SDMP_BOX_LAM = (0.1, 0.8)          # CutMix / ResizeMix: lam = 0.1 + 0.8 Beta(alpha, alpha), SDMP's code
-DACL_NOISES = ("linear", "geometric", "binary")
+DACL_NOISES = ("linear", "geometric", "binary")     # DACL(+)'s Mixup-noises
+DACL_BASELINE_NOISES = ("gaussian",)                 # the noise DACL is compared with (Tables 1-3)
 MixKind = Literal["none", "sdmp", "dacl"]
 MixSource = Literal["global", "image"]
 MIX_KINDS: tuple[str, ...] = typing.get_args(MixKind)
@@ -70,6 +77,7 @@ class MixSpec:
     sdmp_mixers: tuple[str, ...] = SDMP_MIXERS    # one drawn uniformly per batch
     dacl_noises: tuple[str, ...] = ("linear",)    # plain DACL (Algorithm 1); several: DACL+, one drawn per sample
     binary_swap: float = 0.3           # Binary Mixup: P(an element comes from the partner) = 1 - rho
+    gauss_scale: float = 0.1           # DACL's Gaussian-noise baseline: x + gauss_scale N(0, 1) on [0, 1] pixels
     source: MixSource = "global"       # "global": mix every global view; "image": the whole image,
                                        # resized to the global size without ops, mixed twice
 
@@ -182,11 +190,18 @@ def dacl_binary(x: Tensor, partner: Tensor, mask: Tensor, out: Tensor | None = N
     return torch.where(mask.bool(), x, x[partner], out=out)
 
 
+def dacl_gaussian(x: Tensor, normal: Tensor, scale: float, out: Tensor | None = None) -> Tensor:
+    """DACL's Gaussian-noise positive, Sec. 4: x + alpha delta with delta = `normal` ~ N(0, I) (same shape as
+    x) and alpha = `scale`, on [0, 1] pixels, clipped to them."""
+    return torch.clamp(x + scale * normal, 0.0, 1.0, out=out)
+
+
 def affine_in_pixels(mix: MixSpec) -> bool:
     """Whether every mixer `mix` can draw commutes with an affine map of the pixel values (a per-channel
     normalisation): mixup, CutMix, ResizeMix (interpolation weights sum to 1) and DACL's linear and
-    binary noises do, DACL's geometric one does not. Such mixes can be made from normalised views."""
-    return mix.kind == "sdmp" or (mix.kind == "dacl" and "geometric" not in mix.dacl_noises)
+    binary noises do, DACL's geometric one and the Gaussian-noise baseline (clipped to the pixels' range)
+    do not. Such mixes can be made from normalised views."""
+    return mix.kind == "sdmp" or (mix.kind == "dacl" and not {"geometric", "gaussian"} & set(mix.dacl_noises))
 
 
 
@@ -212,13 +227,15 @@ def check_mix(mix: MixSpec) -> None:
         if not mix.alpha > 0:
             raise ValueError(f"SDMP draws lam ~ Beta(alpha, alpha): mix.alpha must be > 0, got {mix.alpha}")
     if mix.kind == "dacl":
-        bad = [n for n in mix.dacl_noises if n not in DACL_NOISES]
+        bad = [n for n in mix.dacl_noises if n not in DACL_NOISES + DACL_BASELINE_NOISES]
         if bad or not mix.dacl_noises:
-            raise ValueError(f"unknown DACL noise(s) {bad}; use some of {', '.join(DACL_NOISES)}")
+            raise ValueError(f"unknown DACL noise(s) {bad}; use some of {', '.join(DACL_NOISES + DACL_BASELINE_NOISES)}")
         if not 0.0 <= mix.alpha < 1.0:
             raise ValueError(f"DACL draws lam ~ U(alpha, 1): mix.alpha must be in [0, 1), got {mix.alpha}")
         if not 0.0 < mix.binary_swap < 1.0:
             raise ValueError(f"mix.binary_swap is a probability in (0, 1), got {mix.binary_swap}; the paper searches 0.1, 0.3, 0.5")
+        if not mix.gauss_scale > 0:
+            raise ValueError(f"mix.gauss_scale must be > 0, got {mix.gauss_scale}; the paper searches 0.05, 0.1, 0.3, 0.5")
 
 
 def with_mix_source(recipe: Recipe, mix: MixSpec) -> Recipe:
@@ -304,6 +321,7 @@ class MixDraw:
     boxes: Tensor | None = None  # SDMP: (V, B, 4) long (y0, x0, y1, x1), exclusive ends, clipped
     noise: Tensor | None = None  # DACL: (B,) long, index into MixSpec.dacl_noises, shared by the positives
     keep: Tensor | None = None   # DACL binary mixup: (V, B, C, H, W) bool, m of Eq. (6)
+    normal: Tensor | None = None # DACL Gaussian-noise: (V, B, C, H, W) float32 delta ~ N(0, I), per positive
 
 
 def sample_sdmp(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generator, device) -> MixDraw:
@@ -354,9 +372,10 @@ def binary_rho(mix: MixSpec, lam: Tensor) -> Tensor:
 
 def sample_dacl(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generator, device, *,
                 pixel_masks: bool = True) -> MixDraw:
-    """DACL(+) draws (module docstring): per positive a partner != i and lam; one noise per sample;
-    the Binary Mixup masks unless `pixel_masks` is False (an engine that draws them where the pixels
-    are: the DALI graph; the other draws are the same either way)."""
+    """DACL(+) draws (module docstring): per positive a partner != i and lam (1 for the Gaussian-noise
+    baseline's samples: no partner); one noise per sample; the Binary Mixup masks and the Gaussian noise
+    unless `pixel_masks` is False (an engine that draws them where the pixels are: the DALI graph; the
+    other draws are the same either way)."""
     shift = torch.randint(1, max(b, 2), (v, b), generator=gen)
     partner = (torch.arange(b) + shift) % b                                          # (V, B)
     lam = mix.alpha + (1 - mix.alpha) * torch.rand(v, b, generator=gen)               # (V, B)
@@ -369,7 +388,14 @@ def sample_dacl(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generat
             dev_gen = torch.Generator(device=device).manual_seed(mask_seed)
             u = torch.rand((v, b, 3, h, w), generator=dev_gen, device=device)
             keep = u < binary_rho(mix, lam).to(device).view(v, b, 1, 1, 1)             # (V, B, 3, H, W)
-    return MixDraw(partner=partner.to(device), lam=lam.to(device), noise=noise.to(device), keep=keep)
+    normal = None
+    if "gaussian" in mix.dacl_noises:
+        normal_seed = int(torch.randint(2**62, (1,), generator=gen))
+        if pixel_masks:
+            dev_gen = torch.Generator(device=device).manual_seed(normal_seed)
+            normal = torch.randn((v, b, 3, h, w), generator=dev_gen, device=device)       # (V, B, 3, H, W)
+        lam = torch.where(noise == mix.dacl_noises.index("gaussian"), 1.0, lam)        # its own sample only
+    return MixDraw(partner=partner.to(device), lam=lam.to(device), noise=noise.to(device), keep=keep, normal=normal)
 
 
 def apply_dacl(x: Tensor, d: MixDraw, mix: MixSpec, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -382,6 +408,8 @@ def apply_dacl(x: Tensor, d: MixDraw, mix: MixSpec, out: Tensor | None = None) -
             dst = out[k] if j == 0 else None
             if name == "binary":
                 m = dacl_binary(x[k], d.partner[k], d.keep[k], dst)
+            elif name == "gaussian":
+                m = dacl_gaussian(x[k], d.normal[k], mix.gauss_scale, dst)
             else:
                 m = (dacl_linear if name == "linear" else dacl_geometric)(x[k], d.partner[k], d.lam[k], dst)
             if j:

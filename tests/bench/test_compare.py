@@ -19,17 +19,18 @@ def flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-@pytest.mark.parametrize("method, changed", [
-    ("sdmp", {"method", "data.mix.kind"}),
-    ("rsa", {"method", "views.recipe"}),
-    ("relicv2", {"method", "views.recipe"}),            # the tiny runs give relicv2 a predictor already
-    ("dacl", {"method", "data.mix.kind", "data.mix.alpha", "data.mix.source"}),
-    ("uota", {"method"}),
+@pytest.mark.parametrize("method, changed, against", [
+    ("sdmp", {"method", "data.mix.kind"}, ""),
+    ("rsa", {"method", "views.recipe"}, ""),
+    ("relicv2", {"method", "views.recipe"}, ""),            # the tiny runs give relicv2 a predictor already
+    ("dacl", {"method", "data.mix.kind", "data.mix.alpha", "data.mix.source"}, ""),
+    ("dacl", {"data.mix.dacl_noises"}, "gaussian"),        # DACL Tables 1-3's Gaussian-noise row
+    ("uota", {"method"}, ""),
 ])
-def test_the_baseline_row_differs_from_the_method_row_only_in_what_makes_the_baseline(method, changed, tiny_args,
-                                                                                      tmp_path) -> None:
+def test_the_baseline_row_differs_from_the_method_row_only_in_what_makes_the_baseline(method, changed, against,
+                                                                                      tiny_args, tmp_path) -> None:
     words = tiny_args(method, tmp_path)
-    plan = compare.rows(words, tmp_path)
+    plan = compare.rows(words, tmp_path, against)
     mine, base = (flat({k: v for k, v in to_dict(load_config(plan[row][1])).items()
                         if k not in ("objective", "layers")})          # layers: where the values came from
                   for row in ("method", "baseline"))
@@ -56,6 +57,10 @@ def test_moco_v2_star_with_uota_is_compared_with_itself_without_the_reweighting(
 def test_a_baseline_is_not_compared(tiny_args, tmp_path) -> None:
     with pytest.raises(ConfigError, match="method=byol is a baseline"):
         compare.rows(tiny_args("byol", tmp_path), tmp_path)
+    with pytest.raises(ConfigError, match=r"against=gaussian: method rsa is compared with none"):
+        compare.rows(tiny_args("rsa", tmp_path), tmp_path, "gaussian")
+    with pytest.raises(ConfigError, match=r"against=byol: method dacl is compared with simclr, gaussian"):
+        compare.rows(tiny_args("dacl", tmp_path), tmp_path, "byol")
 
 
 @pytest.mark.slow

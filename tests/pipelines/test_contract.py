@@ -43,6 +43,8 @@ CASES = {name: (load_recipe(name, PX, PX // 2), MixSpec()) for name in PRESETS}
 CASES["byol+sdmp"] = (load_recipe("byol", PX, PX // 2), MixSpec("sdmp"))
 CASES["plain+dacl"] = (load_recipe("plain", PX, PX // 2), MixSpec("dacl", alpha=0.5, source="image",
                                                                   dacl_noises=DACL_NOISES))     # DACL+
+CASES["plain+gaussian"] = (load_recipe("plain", PX, PX // 2), MixSpec("dacl", alpha=0.5, source="image",
+                                                                      dacl_noises=("gaussian",)))
 CASES["odd"] = (ODD, MixSpec())
 
 
@@ -98,6 +100,17 @@ def _check_fields(b, recipe: Recipe, mix: MixSpec, root: Path) -> None:
     assert lo <= float(b.mixed.min()) and float(b.mixed.max()) <= hi
     assert b.mix_lam.shape == b.mix_partner.shape == (vm, B) and b.mix_partner.dtype == torch.int64
     assert bool(((b.mix_lam >= 0) & (b.mix_lam <= 1)).all())
+    if mix.dacl_noises == ("gaussian",) and mix.kind == "dacl":
+        # DACL's Gaussian-noise baseline, x + alpha delta, delta ~ N(0, I) per positive: no partner (lam 1);
+        # the plain recipe's view is the source image, so the positives' residuals are alpha delta
+        # (where neither is clipped)
+        assert torch.equal(b.mix_lam, torch.ones(vm, B))
+        p, x = _pixels(b.mixed, root), _pixels(b.global_views[:1], root)
+        inside = ((p > 1) & (p < 254)).all(0)
+        r = (p - x)[:, inside] / (mix.gauss_scale * 255)                           # (2, pixels)
+        assert float(r.mean().abs()) < 0.1 and 0.9 < float(r.std()) < 1.1
+        assert float(torch.corrcoef(r)[0, 1].abs()) < 0.1                         # a delta per positive
+        return
     if mix.kind == "sdmp":                         # flip partner; the same lam for every view of a sample
         assert torch.equal(b.mix_partner, torch.arange(B - 1, -1, -1).expand(vm, B))
         assert torch.allclose(b.mix_lam, b.mix_lam[:1].expand(vm, B))

@@ -129,14 +129,19 @@ def mixed_batches(shards, request):
     out = {}
     for m in ("mixup", "cutmix", "resizemix"):
         out[m] = _first_batch(shards, MixSpec("sdmp", alpha=1.0, sdmp_mixers=(m,)), request.param)
-    for m in ("linear", "geometric", "binary"):
-        out[m] = _first_batch(shards, MixSpec("dacl", alpha=0.5, dacl_noises=(m,)), request.param)
+    for m in ("linear", "geometric", "binary", "gaussian"):
+        out[m] = _first_batch(shards, MixSpec("dacl", alpha=0.5, dacl_noises=(m,), gauss_scale=GAUSS), request.param)
     return out
 
 
-def _expected(kind, x, xp, lam, box, mask):
+GAUSS = 0.2                      # the Gaussian-noise baseline's alpha in the tests: noise well above rounding
+
+
+def _expected(kind, x, xp, lam, box, mask, normal=None):
     """Numpy statement of the mixes (DESIGN.md §4) on float pixels (B, 3, S, S)."""
     lam4 = lam.view(-1, 1, 1, 1)
+    if kind == "gaussian":                                               # DACL Sec. 4: x + alpha delta
+        return (x + GAUSS * 255 * normal).clamp(0, 255)
     if kind in ("mixup", "linear"):
         return lam4 * x + (1 - lam4) * xp
     if kind == "geometric":
@@ -149,7 +154,7 @@ def _expected(kind, x, xp, lam, box, mask):
     return y
 
 
-@pytest.mark.parametrize("kind", ["mixup", "cutmix", "linear", "geometric", "binary"])
+@pytest.mark.parametrize("kind", ["mixup", "cutmix", "linear", "geometric", "binary", "gaussian"])
 def test_mix_formula(mixed_batches, kind: str) -> None:
     b, dbg = mixed_batches[kind]
     for v in range(2):
@@ -158,13 +163,20 @@ def test_mix_formula(mixed_batches, kind: str) -> None:
         box = dbg.get("mix/cutmix_box")
         mask = dbg.get(f"mix/{v}/binary_mask")
         mask = torch.from_numpy(mask).permute(0, 3, 1, 2) if mask is not None else None
-        want = _expected(kind, x, xp, b.mix_lam[v], box, mask)
+        normal = dbg.get(f"mix/{v}/gauss_normal")
+        normal = torch.from_numpy(normal).permute(0, 3, 1, 2) if normal is not None else None
+        want = _expected(kind, x, xp, b.mix_lam[v], box, mask, normal)
         got = _pixels(b.mixed[v])
         assert (got - want).abs().max() <= 0.5 + 1e-3                    # uint8 rounding only
         if kind == "cutmix":                                             # lam = pixel fraction kept
             area = (box[:, 2] - box[:, 0]) * (box[:, 3] - box[:, 1])
             assert np.allclose(b.mix_lam[v].numpy(), 1 - area / 256, atol=1e-6)
-    if kind in ("linear", "geometric", "binary"):                        # DACL partner != itself
+    if kind == "gaussian":                                               # no partner: lam 1; delta ~ N(0, 1)
+        assert torch.equal(b.mix_lam, torch.ones(2, 8))
+        deltas = np.stack([dbg[f"mix/{v}/gauss_normal"] for v in range(2)])
+        assert abs(deltas.mean()) < 0.05 and abs(deltas.std() - 1) < 0.05
+        assert abs(np.corrcoef(deltas[0].ravel(), deltas[1].ravel())[0, 1]) < 0.05   # a delta per positive
+    elif kind in ("linear", "geometric", "binary"):                      # DACL partner != itself
         assert not torch.any(b.mix_partner == torch.arange(8))
         assert float(b.mix_lam.min()) >= 0.5
     else:                                                                # SDMP flip partner, same lam
@@ -189,7 +201,7 @@ def test_resizemix_pastes_partner_in_box(mixed_batches) -> None:
                 assert (got[i][:, y0:y1, x0:x1].mean((1, 2)) - partner).abs().max() < 1.0
 
 
-@pytest.mark.parametrize("kind", ["mixup", "cutmix", "resizemix", "linear", "geometric", "binary"])
+@pytest.mark.parametrize("kind", ["mixup", "cutmix", "resizemix", "linear", "geometric", "binary", "gaussian"])
 def test_dali_mix_equals_torch_reference(mixed_batches, kind: str) -> None:
 
     b, dbg = mixed_batches[kind]
@@ -205,6 +217,9 @@ def test_dali_mix_equals_torch_reference(mixed_batches, kind: str) -> None:
         elif kind == "binary":
             mask = torch.from_numpy(dbg[f"mix/{v}/binary_mask"]).permute(0, 3, 1, 2)
             want = mixing.dacl_binary(x, p, mask)
+        elif kind == "gaussian":
+            normal = torch.from_numpy(dbg[f"mix/{v}/gauss_normal"]).permute(0, 3, 1, 2)
+            want = mixing.dacl_gaussian(x, normal, GAUSS)
         else:
             want = getattr(mixing, f"dacl_{kind}")(x, p, lam)
         got = _pixels(b.mixed[v]) / 255

@@ -161,6 +161,36 @@ def test_plain_dacl_is_linear_mixup_alone():
     torch.testing.assert_close(out.mixed, want, atol=1e-6, rtol=0)
 
 
+def test_the_gaussian_noise_baseline_adds_scaled_standard_normal_noise_to_each_positive():
+    """DACL Sec. 4's Gaussian-noise positives, x+ = x + alpha delta and x++ = x + alpha delta' with
+    delta, delta' ~ N(0, sigma^2 I), sigma 1 (Sec. 5), transcribed on [0, 1] pixels and clipped to them:
+    each positive its own delta, no partner (lam 1), the same draws from the same generator."""
+    b, s, alpha = 32, 16, 0.3
+    x = torch.rand(2, b, 3, s, s, generator=torch.Generator().manual_seed(1))
+    spec = mixing.MixSpec("dacl", alpha=0.5, dacl_noises=("gaussian",), gauss_scale=alpha)
+    out = mixing.mix_views(x, spec, torch.Generator().manual_seed(9))
+    delta = out.draw.normal                                                         # (2, B, 3, S, S)
+    assert delta.shape == x.shape and abs(delta.mean().item()) < 0.02 and abs(delta.std().item() - 1) < 0.02
+    assert stats.kstest(delta.flatten().numpy(), stats.norm.cdf).pvalue > 1e-3
+    assert torch.corrcoef(torch.stack([delta[0].flatten(), delta[1].flatten()]))[0, 1].abs() < 0.02
+    want = torch.minimum(torch.maximum(x + alpha * delta, torch.zeros(())), torch.ones(()))
+    torch.testing.assert_close(out.mixed, want, atol=0, rtol=0)
+    assert torch.equal(out.lam, torch.ones(2, b))
+    again = mixing.mix_views(x, spec, torch.Generator().manual_seed(9))
+    assert torch.equal(again.mixed, out.mixed)
+    # With Mixup-noises (DACL+ beside the baseline), a sample that drew another noise keeps its partner
+    # and lam, and its draws are those the Mixup-noises alone would make.
+    both = mixing.MixSpec("dacl", alpha=0.5, dacl_noises=("linear", "gaussian"))
+    d = mixing.sample_dacl(2, b, s, s, both, torch.Generator().manual_seed(4), "cpu")
+    plain = mixing.sample_dacl(2, b, s, s, mixing.MixSpec("dacl", alpha=0.5, dacl_noises=("linear", "binary")),
+                               torch.Generator().manual_seed(4), "cpu")
+    linear = d.noise == 0
+    assert torch.equal(d.lam[:, linear], plain.lam[:, linear]) and torch.equal(d.lam[:, ~linear], torch.ones(2, int((~linear).sum())))
+    with pytest.raises(ValueError, match="gauss_scale must be > 0"):
+        mixing.check_mix(mixing.MixSpec("dacl", alpha=0.5, dacl_noises=("gaussian",), gauss_scale=0.0))
+    assert not mixing.affine_in_pixels(spec)
+
+
 @pytest.mark.parametrize("swap", [0.1, 0.5])
 def test_binary_mixup_swaps_the_set_share_of_elements_whatever_lam(swap):
     """Eq. (6) with rho = 1 - binary_swap (the grid {0.1, 0.3, 0.5} read as the swapped share)."""
