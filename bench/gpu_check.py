@@ -23,12 +23,15 @@ ends in a drain (docs/benchmarks.md, "The GPU check's own figures"). So the base
 - **views** — the GPU graph with relicv2's 6 views against its first large crop alone, two
   ablations of the 6 views (crops only: no colour, blur, solarize; without blur), and the 6 views with
   the blur as one pass of per-sample kernels made on the host (`gpu_blur="filter"`: 1 x 1 where none
-  was drawn) against DALI's blur on every sample (the default until this measures it faster);
+  was drawn) against DALI's blur on every sample (the default until this measures it faster), and the
+  6 views handed out as uint8 and normalised on the device (`graph_dtype="uint8"`) against the graph's
+  own normalisation;
 - **cores** — the 6 views with the process pinned to 2, 4, 8 and all cores and as many reader workers
   (`data.num_workers=auto` takes 4 on a GPU: the best of the last such measurement);
 - **train** — ResNet-50 `relicv2` at 224/96, bf16, channels-last: `bench.train.time_steps` with the
   DALI GPU loader against the same steps fed one batch already on the device (the data stall), 40
   timed steps a round, the median of 3 rounds (fewer could not tell a 1 % stall from noise);
+  `--graph-dtype uint8` feeds it uint8 views normalised on the device (`data.graph_dtype`);
 - **tests** — the `gpu` tests (but those of **known** when it runs too; `--tests all`: the whole
   suite), in parallel processes, stopped after `--tests-timeout` as Ctrl-C stops them: the tests that
   finished are reported;
@@ -100,10 +103,10 @@ KNOWN_FAILURES = (
 # Seconds each section takes on one H100 with 16 cores, for the budget and the sections' time limits:
 # measured on a GPU where the section ran as it is, computed from those runs where it changed since
 # (docs/benchmarks.md, "The GPU check's own figures").
-ESTIMATE_S = {"known": 75, "loader": 150, "views": 75, "cores": 60, "decoder": 55, "profile": 20, "train": 100,
+ESTIMATE_S = {"known": 75, "loader": 150, "views": 90, "cores": 60, "decoder": 55, "profile": 20, "train": 100,
               "tests": 160}
 TEST_PROCESSES = 4     # the gpu tests' processes: 4 ran them fastest on one GPU (docs/benchmarks.md)
-# The default sections' estimates add up to 545 s (views 75, cores 60, train 100, tests 160, loader 150):
+# The default sections' estimates add up to 560 s (views 90, cores 60, train 100, tests 160, loader 150):
 # the budget lets all five run in one call of the GPU machine (10 minutes at most).
 DEFAULT_BUDGET_S = 560.0
 STOP_GRACE_S = 30      # seconds a test run stopped at its time limit has to write its report
@@ -217,20 +220,21 @@ def _view_recipes(a: argparse.Namespace) -> tuple[Recipe, Recipe]:
 
 
 def _make_gpu_loader(a: argparse.Namespace, recipe: Recipe, epoch: int, hw_load: float = DecoderHints.hw_load,
-                     gpu_blur: str = "gaussian", cores: int | None = None):
+                     gpu_blur: str = "gaussian", cores: int | None = None, graph_dtype: str = "float32"):
     """The DALI loader of `recipe` on the bench's ImageNet-like JPEGs (the loader section's data), its
     decoder sending `hw_load` of the JPEGs to the hardware decoder, with `cores` workers (default
     `--cores`)."""
     root, name = prepare("imagenet-like", Path(a.work) / "bench-data", a.n, a.quick, a.cores)
     loader = build_loader("dali", LoaderSpec(root=str(root), dataset=name, split="train", recipe=recipe,
                                              batch_size=a.batch_size, device=a.device, num_workers=cores or a.cores,
-                                             decoder=DecoderHints(hw_load=hw_load), gpu_blur=gpu_blur))
+                                             decoder=DecoderHints(hw_load=hw_load), gpu_blur=gpu_blur,
+                                             graph_dtype=graph_dtype))
     loader.set_epoch(epoch)
     return loader
 
 
 def _gpu_cell(a: argparse.Namespace, recipe: Recipe, hw_load: float = DecoderHints.hw_load, gpu_blur: str = "gaussian",
-              cores: int | None = None):
+              cores: int | None = None, graph_dtype: str = "float32"):
     """An `in_rounds` cell: one steady-state run of the GPU graph of `recipe` (`_make_gpu_loader`); with
     `cores`, the process pinned to that many cores while it runs (DALI's threads and workers, made at the
     pipeline's build, inherit it)."""
@@ -238,7 +242,8 @@ def _gpu_cell(a: argparse.Namespace, recipe: Recipe, hw_load: float = DecoderHin
         pinned = contextlib.nullcontext() if cores is None else pinned_to(cores)
         with pinned:
             return {"img_per_s": list(time_loader(
-                lambda e: _make_gpu_loader(a, recipe, rnd + e, hw_load, gpu_blur, cores), a.batches, LOADER_WARMUP,
+                lambda e: _make_gpu_loader(a, recipe, rnd + e, hw_load, gpu_blur, cores, graph_dtype), a.batches,
+                LOADER_WARMUP,
                 1, a.device).img_per_s)}
     return cell
 
@@ -261,8 +266,9 @@ def run_views(a: argparse.Namespace) -> dict:
     six, one = _view_recipes(a)
     cells = {r.name: r for r in (six, one, crops_only(six), without_blur(six))}
     timed = in_rounds(a.repeats, {**{name: _gpu_cell(a, r) for name, r in cells.items()},
-                                  "relicv2-filterblur": _gpu_cell(a, six, gpu_blur="filter")})
-    cells["relicv2-filterblur"] = six
+                                  "relicv2-filterblur": _gpu_cell(a, six, gpu_blur="filter"),
+                                  "relicv2-uint8": _gpu_cell(a, six, graph_dtype="uint8")})
+    cells["relicv2-filterblur"] = cells["relicv2-uint8"] = six
     out: dict = {"batch_size": a.batch_size}
     for name, recipe in cells.items():
         cell_ = timed[name]
@@ -274,6 +280,7 @@ def run_views(a: argparse.Namespace) -> dict:
                      "views_per_s": rate * views_per_sample(recipe)}
     out["cost_6_vs_1"] = out["relicv2-1view"]["img_per_s"] / out["relicv2"]["img_per_s"]
     out["filterblur_vs_gaussian"] = out["relicv2-filterblur"]["img_per_s"] / out["relicv2"]["img_per_s"]
+    out["uint8_vs_float32"] = out["relicv2-uint8"]["img_per_s"] / out["relicv2"]["img_per_s"]
     return out
 
 
@@ -328,7 +335,8 @@ def run_train(a: argparse.Namespace) -> dict:
                        "data.backend=dali", f"data.batch_size={a.train_batch}", f"data.num_workers={a.cores}",
                        f"data.num_classes={CLASSES}", f"views.global_px={gpx}", f"views.local_px={lpx}",
                        f"model.backbone={'test_resnet' if a.quick else 'resnet50'}", f"run.amp={a.device == 'cuda'}",
-                       f"model.channels_last={a.device == 'cuda'}", f"run.device={a.device}"])
+                       f"model.channels_last={a.device == 'cuda'}", f"run.device={a.device}",
+                       f"data.graph_dtype={a.graph_dtype}"])
     torch.backends.cudnn.benchmark = True
     if a.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -358,7 +366,9 @@ def table(report: dict) -> str:
                   f"6 views cost {v['cost_6_vs_1']:.2f}× one view; 6 views, crops only "
                   f"{v['relicv2-crops']['img_per_s']:,.0f} img/s, "
                   f"without blur {v['relicv2-noblur']['img_per_s']:,.0f}; the blur as per-sample host kernels "
-                  f"{v['relicv2-filterblur']['img_per_s']:,.0f} img/s ({v['filterblur_vs_gaussian']:.2f}×)"]
+                  f"{v['relicv2-filterblur']['img_per_s']:,.0f} img/s ({v['filterblur_vs_gaussian']:.2f}×); uint8 "
+                  f"views normalised on the device {v['relicv2-uint8']['img_per_s']:,.0f} img/s "
+                  f"({v['uint8_vs_float32']:.2f}×)"]
     c = report.get("cores")
     if c and "error" not in c:
         lines += ["", f"GPU graph, 6 views, batch {c['batch_size']}, pinned to N cores with N workers: "
@@ -445,6 +455,9 @@ def targets(report: dict) -> list[str]:
     if "filterblur_vs_gaussian" in v:
         out.append(f"blur as per-sample host kernels {v['filterblur_vs_gaussian']:.2f}× DALI's blur on every sample "
                    "(> 1: make gpu_blur='filter' the default)")
+    if "uint8_vs_float32" in v:
+        out.append(f"uint8 views normalised on the device {v['uint8_vs_float32']:.2f}× the graph's normalisation "
+                   "(then the training section with --graph-dtype uint8 tells the stall)")
     if "cost_6_vs_1" in v:
         out.append(f"6 views cost {v['cost_6_vs_1']:.2f}× 1 view (≤ {MAX_VIEW_COST}): "
                    + ("met" if v["cost_6_vs_1"] <= MAX_VIEW_COST else "missed"))
@@ -486,6 +499,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, default=None, help="timed loader batches per run (default 24; quick 2)")
     p.add_argument("--train-batch", type=int, default=None, help="ResNet-50 batch size (default 128; quick 12)")
     p.add_argument("--train-steps", type=int, default=None, help="timed training steps per run (default 40; quick 2)")
+    p.add_argument("--graph-dtype", default="float32", choices=("float32", "uint8"),
+                   help="the training section's DALI views: normalised in the graph, or uint8 normalised on the device")
     p.add_argument("--n", type=int, default=None,
                    help="generated ImageNet-like train images (default: 2000, or more where the torchvision "
                         "baseline's steady state needs them in one epoch; quick 48)")

@@ -56,7 +56,7 @@ from nvidia.dali.backend import TensorListGPU  # noqa: E402
 from nvidia.dali.plugin.pytorch import feed_ndarray  # noqa: E402
 
 from pipelines.augment import saliency_usable
-from pipelines.batch import Batch, ReusedBuffers
+from pipelines.batch import Batch, ReusedBuffers, normalize
 from pipelines.dali_graph import NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs
 from pipelines.processes import before_fork, end_with_creator, fork_server
 from pipelines.shards import ShardReader, image_size
@@ -231,22 +231,29 @@ def _tensor(tl, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
     return out.to(dev, non_blocking=True)
 
 
-def _feed(tls: list, dev: torch.device, buffers: ReusedBuffers, channels_last: bool) -> torch.Tensor | None:
+def _feed(tls: list, dev: torch.device, buffers: ReusedBuffers, channels_last: bool,
+          stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None) -> torch.Tensor | None:
     """Copy V view outputs (DALI batches of (3, S, S), or (S, S, 3) channels-last, float32 samples) into
     one (V, B, 3, S, S) tensor on `dev`, one `feed_ndarray` per view: GPU outputs device to device on
     the current stream, CPU outputs into a reused host buffer. Channels-last: a permuted view of a
-    (V, B, S, S, 3) tensor, so that each view is a channels-last (B, 3, S, S) tensor without a copy."""
+    (V, B, S, S, 3) tensor, so that each view is a channels-last (B, 3, S, S) tensor without a copy.
+    With `stats` (mean, std) the outputs are uint8 views (`graph_dtype="uint8"`), normalised here on
+    `dev` by `batch.normalize` (on the current stream; its result keeps the layout)."""
     if not tls:
         return None
     dense = [tl.as_tensor() for tl in tls]                                 # (B, ...) each
     shape = (len(dense), *dense[0].shape())
     on_gpu = isinstance(tls[0], TensorListGPU)
-    out = torch.empty(shape, dtype=torch.float32, device=dev) if on_gpu else buffers.take(shape)
+    if stats is not None:
+        out = torch.empty(shape, dtype=torch.uint8, device=dev if on_gpu else "cpu")
+    else:
+        out = torch.empty(shape, dtype=torch.float32, device=dev) if on_gpu else buffers.take(shape)
     stream = torch.cuda.current_stream(dev) if on_gpu else None
     for v, t in enumerate(dense):
         feed_ndarray(t, out[v], cuda_stream=stream)
     out = out.to(dev, non_blocking=True)
-    return out.permute(0, 1, 4, 2, 3) if channels_last else out
+    out = out.permute(0, 1, 4, 2, 3) if channels_last else out
+    return normalize(out, *stats) if stats is not None else out
 
 
 class _Ahead(NamedTuple):
@@ -405,7 +412,9 @@ class DaliLoader(EpochLoader):
             passed = dict(zip(out.passed, outs[len(out.fields):]))
             debug = ({n: _host(tl) for n, tl in zip(out.debug, outs[len(out.fields) + len(out.passed):])}
                      if self.debug else {})
-            fields = {f: _feed(views.get(f, []), dev, self._buffers, s.channels_last) for f in (*FIELDS, "mixed")}
+            stats = (self.info.mean, self.info.std) if s.graph_dtype == "uint8" else None
+            fields = {f: _feed(views.get(f, []), dev, self._buffers, s.channels_last, stats)
+                      for f in (*FIELDS, "mixed")}
             ids = _tensor(passed["ids"], torch.int64, dev)                   # (B, 2 + V) index, label, partners
             mixed = "lam" in passed
             batch = Batch(**fields, index=ids[:, 0].contiguous(), label=ids[:, 1].contiguous(),

@@ -22,7 +22,9 @@ empty batch), CutMix and ResizeMix as `fn.multi_paste` of the box on the device,
 sample. Three workarounds of DALI 2.4.0 GPU bugs are marked where they are (ResizeMix's patch padded to
 the canvas, empty paste regions out of the canvas, masks decoded outside the conditionals). Every
 output leaves normalised (`crop_mirror_normalize`: the formula of `batch.normalize`), CHW, or HWC when
-a channels-last network takes it (then the loader hands out a permuted view, no copy).
+a channels-last network takes it (then the loader hands out a permuted view, no copy); with
+`LoaderSpec.graph_dtype="uint8"` the views leave as uint8 and the loader normalises them on the device
+with `batch.normalize` (the data-stall option the GPU check measures).
 
 Colour jitter + grayscale are one `fn.coord_transform` per view (`colour_matrices`): without the clamps
 the four torchvision ops compose to the same affine map in every order, so the random order only
@@ -495,7 +497,10 @@ def graph(spec: LoaderSpec, inputs: dict, masks: bool, mean, std, *, channels_la
 
     def normalized(x):
         # `batch.normalize` ((x/255 - mean)/std, float32) inside the graph, in DALI's threads and
-        # overlapped with training through the prefetch queue.
+        # overlapped with training through the prefetch queue; with `graph_dtype="uint8"` the views leave
+        # as they are (a quarter of the bytes, no operator a view) and the loader normalises them.
+        if spec.graph_dtype == "uint8":
+            return x if channels_last else fn.transpose(x, perm=[2, 0, 1])
         return fn.crop_mirror_normalize(x, dtype=types.FLOAT, output_layout="HWC" if channels_last else "CHW",
                                         mean=[255.0 * m for m in mean], std=[255.0 * s for s in std])
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol
+import typing
+from typing import Iterator, Literal, Protocol
 
 import numpy as np
 
@@ -43,6 +44,9 @@ class DecoderHints:
     hw_load: float = 1.0
     size_hint_px: int = 0              # image side the decoder preallocates its buffers for (the dataset's max); 0: none
 
+GpuBlur = Literal["gaussian", "filter"]           # the DALI GPU graph's blur (`dali_graph.colour_ops`)
+GraphDtype = Literal["float32", "uint8"]          # the DALI graph's view outputs (`dali_graph.graph`)
+
 
 @dataclass(frozen=True)
 class LoaderSpec:
@@ -64,7 +68,9 @@ class LoaderSpec:
     limit: int = 0                     # > 0: only that many records of the split, evenly spread (`EpochOrder`)
     subset: tuple[int, ...] | None = None  # only these records of the split (sorted dataset indices), e.g. labelled ones
     channels_last: bool = False        # views in a channels-last network's memory layout (DALI; others: NCHW)
-    gpu_blur: str = "gaussian"         # the DALI GPU graph's blur: "gaussian" (DALI's, every sample) | "filter" (`dali_graph`)
+    gpu_blur: GpuBlur = "gaussian"     # the DALI GPU graph's blur: "gaussian" (DALI's, every sample) | "filter" (`dali_graph`)
+    graph_dtype: GraphDtype = "float32"  # the DALI graph's views: "float32" (normalised in the graph) | "uint8"
+                                       # (normalised on the device by `batch.normalize`: a quarter of the bytes)
     decoder: DecoderHints = field(default_factory=DecoderHints)
 
 
@@ -305,6 +311,9 @@ def check_spec(spec: LoaderSpec, info: DatasetInfo) -> None:
                           "batch size")
     if spec.mix.kind != "none" and not spec.drop_last:
         raise LoaderError("intra-batch mixes need full batches; use drop_last=True")
+    for key, value, t in (("gpu_blur", spec.gpu_blur, GpuBlur), ("graph_dtype", spec.graph_dtype, GraphDtype)):
+        if value not in typing.get_args(t):
+            raise LoaderError(f"{key}={value!r} is not one of {', '.join(typing.get_args(t))}; pick one")
     try:
         check_mix(spec.mix)
     except ValueError as e:

@@ -28,7 +28,7 @@ import yaml
 
 from pipelines.loader import Backend
 from pipelines.mixing import MixSpec
-from pipelines.spec import DecoderHints
+from pipelines.spec import DecoderHints, GpuBlur, GraphDtype
 
 
 class ConfigError(ValueError):
@@ -51,6 +51,9 @@ class DataConfig:
     max_batch_per_gpu: int = 0      # the largest per-process batch the preset says fits one GPU; 0: no limit
     hw_decoder_load: float = DecoderHints.hw_load   # DALI on a GPU: share of the JPEGs for the hardware decoder
     decode_size_hint_px: int = 0    # DALI on a GPU: image side the decoder preallocates for; 0: none
+    gpu_blur: GpuBlur = "gaussian"  # DALI on a GPU: "gaussian" (DALI's blur, every sample) | "filter" (one pass of
+                                    # per-sample kernels made on the host, 1 x 1 where none was drawn)
+    graph_dtype: GraphDtype = "float32"   # DALI: views normalised in the graph, or "uint8" normalised on the device
     num_workers: int | str = "auto"  # reader workers per process; "auto": its share of the cores, capped where measured (`train.setup.loader_workers`)
     num_classes: int = 10           # classes, for kNN / linear-probe evaluation; 0: an unlabelled dataset
     mix: MixSpec = field(default_factory=MixSpec)   # intra-batch mixes: pipelines.mixing.MixSpec's fields

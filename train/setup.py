@@ -106,7 +106,8 @@ def build_train_loader(cfg: Config, recipe: Recipe, backend: str, device: torch.
         root=cfg.data.root, dataset=cfg.data.name, split="train", recipe=recipe,
         batch_size=per_process_batch(cfg.data.batch_size, world), mix=cfg.data.mix, rank=dist.rank(), world_size=world,
         seed=cfg.run.seed, device=str(device), num_workers=loader_workers(cfg, backend, device),
-        channels_last=channels_last(cfg, device), decoder=decoder_hints(cfg))
+        channels_last=channels_last(cfg, device), decoder=decoder_hints(cfg), gpu_blur=cfg.data.gpu_blur,
+        graph_dtype=cfg.data.graph_dtype)
     # Every process on this machine: its training loader and, at times, an evaluation loader of the same
     # batch (the same encoded files in DALI's chunks; fewer views elsewhere).
     local = dist.local_world_size()

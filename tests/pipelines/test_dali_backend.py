@@ -486,9 +486,9 @@ def test_graph_views_stay_on_the_device(shards, device, monkeypatch) -> None:
     fed, host = [], []
     real_feed, real_host = dali_backend._feed, dali_backend._host
 
-    def feed(tls, dev, buffers, channels_last):
+    def feed(tls, dev, buffers, channels_last, stats=None):
         fed.extend(isinstance(tl, kind) for tl in tls)
-        return real_feed(tls, dev, buffers, channels_last)
+        return real_feed(tls, dev, buffers, channels_last, stats)
 
     monkeypatch.setattr(dali_backend, "_feed", feed)
     monkeypatch.setattr(dali_backend, "_host", lambda tl: host.append(tl) or real_host(tl))
@@ -523,6 +523,29 @@ def test_channels_last_views_are_the_same_views_laid_out_for_the_network(shards,
         assert b.global_views.permute(0, 1, 3, 4, 2).is_contiguous()                # (V, B, S, S, 3) memory
         assert all(b.global_views[v].is_contiguous(memory_format=torch.channels_last) for v in range(2))
         assert torch.equal(a.global_views, b.global_views.cpu()) and torch.equal(a.weak_views, b.weak_views.cpu())
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_uint8_views_normalised_on_the_device_are_the_graph_s_normalised_views(shards, device, channels_last) -> None:
+    """`graph_dtype="uint8"`: the graph hands its views (and mixes) out as uint8 and the loader normalises
+    them with `batch.normalize` on the training device: the float32 run's values (up to float rounding
+    of the same formula), in the layout the network takes, every field, batch after batch."""
+    mix = MixSpec("sdmp", alpha=1.0)
+    kw = dict(recipe=Recipe("both", RSA.groups + RELIC.groups[1:]), batch_size=8, device=device, seed=6,
+              mix=mix, channels_last=channels_last)
+    ref = list(on_host(dali_backend.DaliLoader(LoaderSpec(root="", dataset="", split="train", **kw), shards), device))
+    raw = dali_backend.DaliLoader(LoaderSpec(root="", dataset="", split="train", graph_dtype="uint8", **kw), shards)
+    n = 0
+    for a, b in zip(ref, raw, strict=True):
+        for f in ("global_views", "weak_views", "local_views", "mixed"):
+            x, y = getattr(a, f), getattr(b, f)
+            assert y.dtype == torch.float32 and y.device.type == torch.device(device).type
+            assert torch.allclose(x, y.cpu(), atol=1e-5, rtol=0), f
+            if channels_last:
+                assert all(y[v].is_contiguous(memory_format=torch.channels_last) for v in range(y.shape[0]))
+        assert torch.equal(a.mix_lam, b.mix_lam.cpu()) and torch.equal(a.index, b.index.cpu())
+        n += 1
+    assert n == len(raw) > 1
 
 
 def test_a_batch_made_ahead_is_dropped_when_the_position_jumps(shards) -> None:

@@ -137,3 +137,20 @@ def test_the_filter_blur_takes_host_kernels_and_replaces_every_gaussian_blur() -
     cpu_into_gpu = {o.schema for o in ops if o.device == "gpu" for dev, arg in o.inputs if dev == "cpu" and not arg}
     assert cpu_into_gpu == {"Filter"} and all(o.schema in REGISTRY[o.device] for o in ops)
     assert sum(o.device == "gpu" for o in ops) == sum(o.device == "gpu" for o in base)
+
+
+def test_uint8_outputs_drop_the_graph_s_normalisation() -> None:
+    """`graph_dtype="uint8"` on the GPU graph of relicv2 (channels-last, as a GPU network takes it): no
+    CropMirrorNormalize, none added in its place, one GPU operator fewer per view; CHW outputs take a
+    Transpose each instead."""
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=load_recipe("relicv2", 224, 96), batch_size=256,
+                      device="cuda", channels_last=True)
+
+    def ops(**kw):
+        return graph_operators(define_pipeline(replace(spec, **kw), False, (0.5,) * 3, (0.25,) * 3, device_id=None)[0])[0]
+
+    base, raw, chw = ops(), ops(graph_dtype="uint8"), ops(graph_dtype="uint8", channels_last=False)
+    assert sum(o.schema == "CropMirrorNormalize" for o in base) == 6
+    assert not any(o.schema == "CropMirrorNormalize" for o in raw + chw)
+    assert sum(o.device == "gpu" for o in raw) == sum(o.device == "gpu" for o in base) - 6
+    assert sum(o.schema == "Transpose" for o in chw) == 6 and len(chw) == len(base)

@@ -448,3 +448,21 @@ def test_a_setup_is_named_by_config_and_spells_out_the_paper_s_setting() -> None
     assert (cfg.optim.name, cfg.optim.lr, cfg.optim.min_lr_ratio, cfg.optim.weight_decay) == ("lars", 4.0, 0.001, 1e-6)
     with pytest.raises(ConfigError, match=r"no such file or setup; .*setups: uota-mocov2star$"):
         load_config(["config=uota-mocov2", "data=synthetic"])
+
+
+def test_the_dali_graph_settings_reach_the_training_loader(tiny_args, tmp_path, monkeypatch) -> None:
+    """`data.gpu_blur` and `data.graph_dtype` (the GPU graph's options the GPU check measures) are the
+    training loader's; another value is a one-line error naming the choices."""
+    import torch
+
+    from pipelines.views import load_recipe
+    from train import setup
+
+    cfg = load_config(tiny_args("byol", tmp_path, "data.gpu_blur=filter", "data.graph_dtype=uint8"))
+    seen = []
+    monkeypatch.setattr(setup, "build_loader", lambda backend, spec: seen.append(spec))
+    setup.build_train_loader(cfg, load_recipe(cfg.views.recipe, 32, 16), "dali", torch.device("cpu"))
+    assert (seen[0].gpu_blur, seen[0].graph_dtype) == ("filter", "uint8")
+    assert (Config().data.gpu_blur, Config().data.graph_dtype) == ("gaussian", "float32")
+    with pytest.raises(ConfigError, match=r"'data.graph_dtype': 'float16' is not a valid choice; choose one of float32, uint8"):
+        load_config(tiny_args("byol", tmp_path, "data.graph_dtype=float16"))
