@@ -160,8 +160,8 @@ def _listed(path: str) -> list[str]:
 
 
 def share_of(labels: str, train_records: int) -> str:
-    """The schedule a `labels` setting follows: "1pct" or "10pct" (a file: the nearer of the two to the
-    share of the train records it lists)."""
+    """The schedule a `labels` setting follows: "1pct" or "10pct" (a file: "1pct" when it lists under 3 %
+    of the train records, about the geometric mean of the two shares)."""
     if labels in SHARES or not Path(labels).is_file():             # not a file: refused by the caller
         return labels.rstrip("%") + "pct"
     return "1pct" if len(_listed(labels)) < 0.03 * max(train_records, 1) else "10pct"
