@@ -23,7 +23,7 @@ naming the paper and section it follows; `preset=auto`: the method's own on Imag
 short `small` presets otherwise) with `key=value` overrides of `ProtocolConfig`; dotted `data.*` and
 `run.*` words override the pretraining config the checkpoint saved (`data.root=`, `run.device=`).
 
-Its folder is `<run>/<kind>-<preset>[-<labels>]` (`labels_tag`) (`-random_init` for the `compare=random_init` run: the
+Its folder is `<run>/<kind>-<preset>[-<labels_tag>]` (`-random_init` for the `compare=random_init` run: the
 same protocol on the network at the pretraining run's initialisation): `config.yaml`, `metrics.jsonl`,
 TensorBoard events, `checkpoint.pt` every `ckpt_every` steps and at the end. The same command after a
 kill continues from that checkpoint and ends with the uninterrupted run's result (the positions of the
