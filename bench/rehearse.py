@@ -258,6 +258,32 @@ def dataset_facts(root: Path) -> dict:
             "tiny_jpeg_bytes": round(tiny, 1)}
 
 
+@dataclass(frozen=True)
+class KillPlan:
+    """The training stage's steps: where a rank dies (after the first checkpoint, so that the next start
+    resumes), where the whole run dies (past the epoch boundary), and the checkpoint and log intervals
+    that make both happen on a run of any length."""
+
+    steps: int
+    ckpt_every: int
+    log_every: int
+    kill_rank_at: int
+    kill_run_at: int
+
+
+def kill_plan(per_epoch: int, past_epoch: int, ckpt_every: int, log_every: int, kill_share: float) -> KillPlan:
+    """The `KillPlan` of a run of `per_epoch` steps an epoch and `past_epoch` more: `ckpt_every` and
+    `log_every` as asked where the run is long enough, shorter where it is not (a `--scale 0.01`
+    rehearsal has 12 steps an epoch: a checkpoint every 50 steps would come after the run's end and
+    neither kill would happen)."""
+    steps = per_epoch + past_epoch
+    ckpt = max(1, min(ckpt_every, per_epoch // 3))
+    log = max(1, min(log_every, ckpt // 2))
+    kill_run_at = per_epoch + past_epoch // 2
+    kill_rank_at = min(max(ckpt + log, int(kill_share * per_epoch)), kill_run_at - ckpt - log)
+    return KillPlan(steps, ckpt, log, kill_rank_at, kill_run_at)
+
+
 def train_words(a: argparse.Namespace, root: Path, runs: Path, steps: int, backend: str, name: str,
                 ranks: int, *extra: str) -> list[str]:
     return python("-m", "train", f"gpus={ranks}", "run.device=cpu", "method=simclr", f"data={NAME}", "preset=imagenet",
@@ -276,11 +302,10 @@ def metrics(run: Path) -> list[dict]:
 def train_stage(a: argparse.Namespace, root: Path, runs: Path, train_records: int) -> dict:
     """Stage 3: three starts of the same command (module docstring)."""
     per_epoch = train_records // (a.ranks * a.batch)
-    steps = per_epoch + a.past_epoch
-    # the rank dies after the first checkpoint (so that the next start resumes), the run past the boundary
-    kill_rank_at = max(a.ckpt_every + a.log_every, int(a.kill_rank_at * per_epoch))
-    kill_run_at = per_epoch + a.past_epoch // 2
-    words = train_words(a, root, runs, steps, "dali", "rehearsal", a.ranks)
+    plan = kill_plan(per_epoch, a.past_epoch, a.ckpt_every, a.log_every, a.kill_rank_at)
+    steps, kill_rank_at, kill_run_at = plan.steps, plan.kill_rank_at, plan.kill_run_at
+    words = train_words(argparse.Namespace(**{**vars(a), "ckpt_every": plan.ckpt_every, "log_every": plan.log_every}),
+                        root, runs, steps, "dali", "rehearsal", a.ranks)
     run = runs / "rehearsal"
     starts = []
 
@@ -312,8 +337,12 @@ def train_stage(a: argparse.Namespace, root: Path, runs: Path, train_records: in
                        "rank_pss_mib": [(s, round(p, 1)) for s, p in w.rank_pss[:: max(1, len(w.rank_pss) // 40)]]})
         if stop is None and w.returncode != 0:
             raise RehearsalError(f"the last start ended with exit status {w.returncode}: {starts[-1]['last_line']}")
+        if stop is not None and w.returncode == 0:
+            raise RehearsalError(f"the {label!r} start ended on its own before its kill at step "
+                                 f"{kill_rank_at if not starts[:-1] else kill_run_at}: {starts[-1]['last_line']}")
     evals = [r for r in metrics(run) if r.get("kind") == "eval"]
     return {"steps": steps, "steps_per_epoch": per_epoch, "kill_rank_at": kill_rank_at, "kill_run_at": kill_run_at,
+            "ckpt_every": plan.ckpt_every, "log_every": plan.log_every,
             "starts": starts, "final_eval": evals[-1] if evals else None, "command": " ".join(words[1:])}
 
 
