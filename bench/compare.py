@@ -92,6 +92,7 @@ def rows(words: list[str], folder: Path, against: str = "") -> dict[str, tuple[s
         tree["data"].pop("mix")
     tree["run"].pop("name")
     path = folder / f"{cfg.method}-row{'-' + against if against else ''}.yaml"
+    folder.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
     method_label = cfg.method + (" (" + ", ".join(extra) + ")" if extra else "")
     return {"method": (method_label, [*words, *extra]),
@@ -131,9 +132,7 @@ def main(argv: list[str]) -> int:
         against = opts.get("against", "")
         out = Path(opts.get("report", f"reports/compare-{method.method}-{method.data.name}"
                                       + (f"-{against}" if against else "")))
-        baseline(method, against)                                 # an unknown baseline stops here
-        out.mkdir(parents=True, exist_ok=True)
-        plan = rows([*words, *steps], out, against)
+        plan = rows([*words, *steps], out, against)          # an unknown baseline stops here, before any write
         results: dict[str, list[dict]] = {"method": [], "baseline": []}
         for seed in range(seeds):
             for name in ("method", "baseline"):

@@ -65,6 +65,7 @@ import subprocess
 import sys
 import time
 import traceback
+import typing
 import xml.etree.ElementTree as ET
 from datetime import datetime, timezone
 from pathlib import Path
@@ -78,7 +79,7 @@ from bench.timing import (crops_only, in_rounds, profile_kernels, steady_batches
                           without_blur)
 from pipelines.errors import bad_input
 from pipelines.loader import build_loader
-from pipelines.spec import DecoderHints, LoaderSpec
+from pipelines.spec import DecoderHints, GraphDtype, LoaderSpec
 from pipelines.views import Recipe, load_recipe
 
 # The GPU issue's targets on one H100 (steady state, batch 256, generated ImageNet-like JPEGs).
@@ -241,10 +242,8 @@ def _gpu_cell(a: argparse.Namespace, recipe: Recipe, hw_load: float = DecoderHin
     def cell(rnd: int) -> dict:
         pinned = contextlib.nullcontext() if cores is None else pinned_to(cores)
         with pinned:
-            return {"img_per_s": list(time_loader(
-                lambda e: _make_gpu_loader(a, recipe, rnd + e, hw_load, gpu_blur, cores, graph_dtype), a.batches,
-                LOADER_WARMUP,
-                1, a.device).img_per_s)}
+            make = lambda e: _make_gpu_loader(a, recipe, rnd + e, hw_load, gpu_blur, cores, graph_dtype)  # noqa: E731
+            return {"img_per_s": list(time_loader(make, a.batches, LOADER_WARMUP, 1, a.device).img_per_s)}
     return cell
 
 
@@ -499,7 +498,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, default=None, help="timed loader batches per run (default 24; quick 2)")
     p.add_argument("--train-batch", type=int, default=None, help="ResNet-50 batch size (default 128; quick 12)")
     p.add_argument("--train-steps", type=int, default=None, help="timed training steps per run (default 40; quick 2)")
-    p.add_argument("--graph-dtype", default="float32", choices=("float32", "uint8"),
+    p.add_argument("--graph-dtype", default="float32", choices=typing.get_args(GraphDtype),
                    help="the training section's DALI views: normalised in the graph, or uint8 normalised on the device")
     p.add_argument("--n", type=int, default=None,
                    help="generated ImageNet-like train images (default: 2000, or more where the torchvision "

@@ -317,9 +317,9 @@ def train_stage(a: argparse.Namespace, root: Path, runs: Path, train_records: in
     def kill_group(proc, w: Watched) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
-    for label, stop, kill in (("start", lambda w: w.step >= kill_rank_at, kill_rank),
-                              ("after a rank was killed", lambda w: w.step >= kill_run_at, kill_group),
-                              ("after the whole run was killed", None, None)):
+    for label, at, kill in (("start", kill_rank_at, kill_rank), ("after a rank was killed", kill_run_at, kill_group),
+                            ("after the whole run was killed", None, None)):
+        stop = None if at is None else (lambda w, at=at: w.step >= at)
         before = len(metrics(run))
         print(f"train: {label}: {' '.join(words[1:])}", flush=True)
         w = watch(words, stop_when=stop, kill=kill)
@@ -338,8 +338,8 @@ def train_stage(a: argparse.Namespace, root: Path, runs: Path, train_records: in
         if stop is None and w.returncode != 0:
             raise RehearsalError(f"the last start ended with exit status {w.returncode}: {starts[-1]['last_line']}")
         if stop is not None and w.returncode == 0:
-            raise RehearsalError(f"the {label!r} start ended on its own before its kill at step "
-                                 f"{kill_rank_at if not starts[:-1] else kill_run_at}: {starts[-1]['last_line']}")
+            raise RehearsalError(f"the {label!r} start ended on its own before its kill at step {at}: "
+                                 f"{starts[-1]['last_line']}")
     evals = [r for r in metrics(run) if r.get("kind") == "eval"]
     return {"steps": steps, "steps_per_epoch": per_epoch, "kill_rank_at": kill_rank_at, "kill_run_at": kill_run_at,
             "ckpt_every": plan.ckpt_every, "log_every": plan.log_every,

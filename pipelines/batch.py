@@ -5,6 +5,7 @@ bookkeeping that turns a batch's rendered views into it: fields in `Recipe.field
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass, fields
 
@@ -63,9 +64,18 @@ def normalize(x: Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> Ten
     """
     if x.dtype == torch.uint8:
         x = x.float().div_(255.0)
-    m = torch.tensor(mean, device=x.device, dtype=x.dtype).view(3, 1, 1)
-    s = torch.tensor(std, device=x.device, dtype=x.dtype).view(3, 1, 1)
+    m, s = _statistics(tuple(mean), tuple(std), x.device, x.dtype)
     return (x - m) / s
+
+
+@functools.lru_cache(maxsize=16)
+def _statistics(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device, dtype: torch.dtype
+                ) -> tuple[Tensor, Tensor]:
+    """`mean` and `std` as (3, 1, 1) tensors on `device`, made once per device: a new CUDA tensor from
+    host values is a blocking copy that waits for the device's stream, which a batch normalised on a GPU
+    (the torch loaders' views, the DALI graph's uint8 views) must not do every time."""
+    return (torch.tensor(mean, device=device, dtype=dtype).view(3, 1, 1),
+            torch.tensor(std, device=device, dtype=dtype).view(3, 1, 1))
 
 
 def mix_batch(views: dict[str, Tensor], recipe: Recipe, mix: MixSpec, gen: torch.Generator,

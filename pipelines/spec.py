@@ -15,9 +15,9 @@ Backends import this module, never `pipelines.loader` (which imports them).
 from __future__ import annotations
 
 import enum
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-import typing
 from typing import Iterator, Literal, Protocol
 
 import numpy as np
@@ -43,6 +43,7 @@ class DecoderHints:
     # Nov 2026): the hybrid path's CPU work competed with the graph's own host work.
     hw_load: float = 1.0
     size_hint_px: int = 0              # image side the decoder preallocates its buffers for (the dataset's max); 0: none
+
 
 GpuBlur = Literal["gaussian", "filter"]           # the DALI GPU graph's blur (`dali_graph.colour_ops`)
 GraphDtype = Literal["float32", "uint8"]          # the DALI graph's view outputs (`dali_graph.graph`)

@@ -282,7 +282,7 @@ def _remove_temporaries(parts: Path) -> None:
 
 
 def write_folder(files: dict[str, list[tuple[str, int]]], staging: Path, plan: dict, policy_args: dict, *,
-                 shard_size: int, engine, progress: bool, names_root: Path | None = None,
+                 shard_size: int, engine, progress: bool, names_root: Path,
                  on_split: Callable[[str, ShardSplit], None] | None = None) -> FolderResult:
     """Write every split's shards into `staging` (created by the caller, possibly holding a finished
     part of this plan), resuming finished units; each split's final shards are assembled as soon as
@@ -297,8 +297,7 @@ def write_folder(files: dict[str, list[tuple[str, int]]], staging: Path, plan: d
         engine: `LocalEngine` or `RayEngine`.
         progress: a bar with images/s and ETA when stderr is a terminal; a summary line per split
             in any case.
-        names_root: the folder the records' names (`schema.NAMES_NAME`) are relative to; None: the
-            paths as listed.
+        names_root: the folder the records' names (`schema.NAMES_NAME`) are relative to.
         on_split: called with each assembled split while the other splits' units still run (the
             caller starts its FFCV copy there); splits go in `files` order, largest units first.
 
@@ -333,8 +332,7 @@ def write_folder(files: dict[str, list[tuple[str, int]]], staging: Path, plan: d
         _split_line(s, done, time.perf_counter() - t0 if any(u.split == s for u in todo) else 0.0, bar)
         t = time.perf_counter()
         gone = {x["path"] for r in done for x in r["skipped"]}
-        names = [os.path.relpath(f, names_root) if names_root is not None else f
-                 for u in units if u.split == s for f, _ in u.files if f not in gone]
+        names = relative([f for u in units if u.split == s for f, _ in u.files if f not in gone], names_root)
         splits[s] = _assemble(s, done, staging, parts, known, names)
         seconds["assemble"] += time.perf_counter() - t
         if on_split is not None:
@@ -358,6 +356,13 @@ def write_folder(files: dict[str, list[tuple[str, int]]], staging: Path, plan: d
     seconds["units"] = time.perf_counter() - t0 - seconds["assemble"]
     return _facts(files, results, {s: splits[s] for s in files}, seconds, reused=len(units) - len(todo),
                   known=known)
+
+
+def relative(paths: list[str], root: Path) -> list[str]:
+    """`paths` relative to `root`: the prefix cut off where a path starts with it (a listing of `root`:
+    0.2 µs a path), `os.path.relpath` elsewhere (3.5 µs: 4.7 s over ImageNet's 1.33 M files)."""
+    prefix = os.path.join(str(root), "")
+    return [p[len(prefix):] if p.startswith(prefix) else os.path.relpath(p, root) for p in paths]
 
 
 def _split_line(split: str, done: list[dict], secs: float, bar: tqdm) -> None:

@@ -69,7 +69,7 @@ def train(run: Run, parts: Parts, log: Log, backend: str) -> bool:
               f"from step {start_step} to {cfg.optim.steps}, {steps_per_epoch} steps/epoch")
     if note := parts.objective.describe(cfg.optim.steps, steps_per_epoch):
         log.print(note)
-    meter = Meter()
+    meter, rank_batch = Meter(), per_process_batch(cfg.data.batch_size, world)
     stop = cfg.optim.steps if not cfg.run.stop_after_steps else min(cfg.run.stop_after_steps, cfg.optim.steps)
     for step in range(start_step, stop):
         s = schedules.at(cfg.optim, step, steps_per_epoch, cfg.data.batch_size)
@@ -78,7 +78,7 @@ def train(run: Run, parts: Parts, log: Log, backend: str) -> bool:
             batch = next(batches)
         data_s = time.perf_counter() - wait_start
         out = train_step(parts, batch, s)
-        meter.tick(batch_size=per_process_batch(cfg.data.batch_size, world), data_s=data_s)
+        meter.tick(batch_size=rank_batch, data_s=data_s)
         done = step + 1
         if step == start_step:               # what a start costs before training: imports, loaders, evaluation
             age = process_age_s()

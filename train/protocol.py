@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -187,16 +188,20 @@ def listed_records(path: str, names: list[str]) -> tuple[int, ...]:
     listed = _listed(path)
     if not listed:
         raise ConfigError(f"labels={path} lists no image; give one train image name a line")
-    index = {n: i for i, n in enumerate(names)}
-    by_base: dict[str, list[int]] = {}
+    by_base: dict[str, int] = {}                 # one int a record (ImageNet: 1.28 M), lists only where shared
+    shared: dict[str, list[int]] = {}
     for i, n in enumerate(names):
-        by_base.setdefault(n.rsplit("/", 1)[-1], []).append(i)
+        base = n.rsplit("/", 1)[-1]
+        if base in by_base:
+            shared.setdefault(base, [by_base[base]]).append(i)
+        else:
+            by_base[base] = i
     chosen, missing = set(), []
     for name in listed:
-        if name in index:
-            chosen.add(index[name])
-            continue
-        hits = by_base.get(name.rsplit("/", 1)[-1], [])
+        base = name.rsplit("/", 1)[-1]
+        hits = shared.get(base) or ([by_base[base]] if base in by_base else [])
+        if len(hits) > 1:                        # a path as stored tells them apart
+            hits = [i for i in hits if names[i] == name] or hits
         if len(hits) > 1:
             raise ConfigError(f"labels={path}: {name!r} is the name of {len(hits)} train images (e.g. "
                               f"{names[hits[0]]}); give its path as the dataset lists it")
@@ -210,9 +215,11 @@ def listed_records(path: str, names: list[str]) -> tuple[int, ...]:
     return tuple(sorted(chosen))
 
 
+@functools.lru_cache(maxsize=2)
 def labelled_records(labels: str, info: DatasetInfo, num_classes: int, seed: int) -> tuple[int, ...]:
     """The records fine-tuning trains on: a class-balanced share (`labelled_share`) or a file's list
-    (`listed_records`).
+    (`listed_records`); worked out once a process (the check at start, then the pretrained and the
+    random-init runs: at ImageNet's size a list is matched against 1.28 M names).
 
     Raises:
         ConfigError: a share that leaves a class empty, a list that names no train image.

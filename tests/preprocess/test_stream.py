@@ -300,3 +300,10 @@ def test_the_ray_engine_writes_the_same_dataset_and_redoes_a_killed_worker_s_sha
     assert len(list(attempts.iterdir())) == 2                              # killed once, redone once
     assert _contents(ds) == expect                                         # no duplicate, no missing index
     assert read_manifest(ds).build["engine"] == "ray"
+
+
+@pytest.mark.parametrize("root", ["/data/imagenet", "/data/imagenet/", "data/imagenet", "."])
+def test_record_names_are_the_paths_relative_to_the_source_as_relpath_gives_them(root: str) -> None:
+    paths = ["/data/imagenet/train/n01/a.JPEG", "data/imagenet/val/n02/b.JPEG", "/elsewhere/c.png",
+             "/data/imagenet-2/train/d.jpg", "data/imagenet/train/n01/ä é.jpg"]
+    assert stream.relative(paths, Path(root)) == [os.path.relpath(p, root) for p in paths]
