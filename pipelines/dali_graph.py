@@ -205,7 +205,7 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
                                                             1).astype(np.int32)
                 elif g.blur_p < 1:             # the conditional's predicate
                     inputs[f"{tag}/blur"] = p.blur[rows].numpy()
-            if g.solarize_p > 0 and gpu:       # x ^ (mask · [x >= 128]): 255 inverts the upper levels, 0 nothing
+            if g.solarize_p > 0 and gpu:       # min(x, x ^ mask): 255 inverts the upper levels, 0 nothing
                 inputs[f"{tag}/solarize_mask"] = np.where(p.solarize[rows].numpy(), 255, 0).astype(np.uint8)
             elif g.solarize_p > 0:
                 inputs[f"{tag}/solarize"] = p.solarize[rows].numpy()
@@ -289,9 +289,10 @@ def colour_ops(x, inputs: dict, tag: str, gpu_branches: bool = False):
     with a conditional (`enable_conditionals=True`: an `if` on a per-sample input) so that blur and
     solarize run only on the samples whose coin came up. The GPU graph adds the offset, made on the
     device (so it cannot be an argument), after a float pass, and gives every sample the same
-    operators with no-op parameters (a blur window of 1; solarize as x XOR 255 where x >= 128, with a
-    per-sample mask of 255 or 0, one uint8 operator): no conditional, whose splits and merges of the
-    views and their arguments cost more operators there than the work they skip.
+    operators with no-op parameters (a blur window of 1; solarize as min(x, x XOR mask) with a
+    per-sample mask of 255 or 0: two uint8 operators, as each arithmetic node is one operator in DALI):
+    no conditional, whose splits and merges of the views and their arguments cost more operators there
+    than the work they skip.
 
     Args:
         inputs: the graph's inputs; blur and solarize take the GPU graph's form where `draw_inputs`
@@ -322,8 +323,8 @@ def colour_ops(x, inputs: dict, tag: str, gpu_branches: bool = False):
                 x = fn.gaussian_blur(x, sigma=sigma)
         else:
             x = fn.gaussian_blur(x, sigma=sigma)
-    if f"{tag}/solarize_mask" in inputs:                    # GPU: every sample, no-op masks
-        x = x ^ ((x >= 128) * inputs[f"{tag}/solarize_mask"])
+    if f"{tag}/solarize_mask" in inputs:                    # GPU: every sample, no-op masks (0)
+        x = dmath.min(x, x ^ inputs[f"{tag}/solarize_mask"])  # min(x, 255 - x): x below 128, 255 - x above
     elif f"{tag}/solarize" in inputs:
         if inputs[f"{tag}/solarize"]:                       # conditional: only the drawn samples
             x = fn.lookup_table(x, keys=list(range(256)), values=_SOLARIZED, dtype=types.UINT8)

@@ -154,3 +154,19 @@ def test_uint8_outputs_drop_the_graph_s_normalisation() -> None:
     assert not any(o.schema == "CropMirrorNormalize" for o in raw + chw)
     assert sum(o.device == "gpu" for o in raw) == sum(o.device == "gpu" for o in base) - 6
     assert sum(o.schema == "Transpose" for o in chw) == 6 and len(chw) == len(base)
+
+
+def test_each_view_of_the_gpu_graph_costs_its_pixel_operators_and_no_more() -> None:
+    """The GPU operators of relicv2's graph, counted from its recipe (each DALI arithmetic node is one
+    operator, and each operator's host set-up is what the GPU graph's batch waits on): per view the
+    resize, the colour pass (mean, the offset's and the view's transforms, the offset's add, the cast
+    back to uint8), the blur, the normalisation, and where the view solarizes two uint8 operators
+    (min(x, x ^ mask)); one decode for the batch."""
+    recipe, (ops, _), _ = gpu_graph("relicv2", MixSpec(), False)
+    on_gpu = collections.Counter(o.schema for o in ops if o.device != "cpu")
+    views = sum(g.count for g in recipe.crop_groups)
+    solarizing = sum(g.count for g in recipe.crop_groups if g.solarize_p > 0)
+    assert solarizing == 3 and views == 6
+    assert on_gpu == {"decoders__Image": 1, "Resize": views, "reductions__Mean": views, "CoordTransform": 2 * views,
+                      "Cast": views, "GaussianBlur": views, "CropMirrorNormalize": views,
+                      "_ArithmeticGenericOp": views + 2 * solarizing}
