@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m preprocess.salien
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="synthetic", help="dataset folder name under --root (default synthetic)")
     p.add_argument("--root", type=Path, default=Path("data"), help="data root (default data)")
-    p.add_argument("--methods", default=",".join(handcrafted.METHODS), help="handcrafted methods: rbd, mr")
+    p.add_argument("--methods", default=",".join(handcrafted.DEFAULT_METHODS),
+                   help=f"handcrafted methods, of {', '.join(handcrafted.METHODS)} (default "
+                        f"{','.join(handcrafted.DEFAULT_METHODS)})")
     p.add_argument("--subset", type=int, default=SUBSET, help=f"train images scored and searched (default {SUBSET})")
     p.add_argument("--seed", type=int, default=0, help="seed of the subset")
     p.add_argument("--work-px", type=int, default=handcrafted.WORK_PX, help="working side of the maps, px")

@@ -46,7 +46,7 @@ SUBSET = 2500
 
 @dataclass(frozen=True)
 class Settings:
-    methods: tuple[str, ...] = handcrafted.METHODS
+    methods: tuple[str, ...] = handcrafted.DEFAULT_METHODS
     subset: int = SUBSET
     seed: int = 0
     work_px: int = handcrafted.WORK_PX

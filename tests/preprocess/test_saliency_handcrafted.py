@@ -1,4 +1,4 @@
-"""The handcrafted saliency maps (RBD, MR over SLIC superpixels) and the quality scores."""
+"""The handcrafted saliency maps (RBD, MR, MC over SLIC superpixels) and the quality scores."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def test_each_method_finds_a_disc_on_a_flat_background(method) -> None:
 
 def test_maps_keep_the_image_shape_of_a_non_square_image() -> None:
     img, gt = disc_image(48, 80, centre=(24, 50), radius=12)
-    out = hc.maps(img)
-    assert set(out) == set(hc.METHODS)
+    out = hc.maps(img, hc.METHODS)
+    assert set(out) == set(hc.METHODS) and set(hc.maps(img)) == set(hc.DEFAULT_METHODS)
     for sal in out.values():
         assert sal.shape == (48, 80) and 0.0 <= sal.min() and sal.max() <= 1.0
         assert quality.iou(sal, gt) >= 0.8
@@ -40,15 +40,15 @@ def test_maps_are_deterministic_and_flip_equivariant() -> None:
     from preprocess.synthetic import SyntheticSplit
 
     img = SyntheticSplit(4, seed=3)[2].image           # clutter, distractors, texture
-    a, b = hc.maps(img), hc.maps(img)
-    mirrored = hc.maps(img[:, ::-1].copy())
+    a, b = hc.maps(img, hc.METHODS), hc.maps(img, hc.METHODS)
+    mirrored = hc.maps(img[:, ::-1].copy(), hc.METHODS)
     for m in hc.METHODS:
         assert np.array_equal(a[m], b[m])
         np.testing.assert_allclose(mirrored[m], a[m][:, ::-1], atol=1e-6)
 
 
 def test_a_uniform_image_has_no_salient_pixel() -> None:
-    out = hc.maps(np.full((64, 64, 3), 120, np.uint8))
+    out = hc.maps(np.full((64, 64, 3), 120, np.uint8), hc.METHODS)
     assert all(np.array_equal(v, np.zeros((64, 64), np.float32)) for v in out.values())
 
 
@@ -56,7 +56,7 @@ def test_too_few_superpixels_and_unknown_methods_are_errors() -> None:
     img, _ = disc_image(16, 16, centre=(8, 8), radius=5)
     with pytest.raises(hc.SaliencyError, match="SLIC made .* superpixels for a target of 2000"):
         hc.build_graph(img, hc.SlicParams(segments=2000))
-    with pytest.raises(hc.SaliencyError, match="unknown saliency method 'dsr'; choose from rbd, mr"):
+    with pytest.raises(hc.SaliencyError, match="unknown saliency method 'dsr'; choose from rbd, mr, mc"):
         hc.maps(img, methods=("dsr",))
 
 
@@ -71,6 +71,56 @@ def test_the_graph_records_neighbours_and_image_sides() -> None:
     assert np.array_equal(np.flatnonzero(g.sides["top"]), np.unique(labels[0]))
     assert np.array_equal(np.flatnonzero(g.boundary), np.unique(np.concatenate(
         [labels[0], labels[-1], labels[:, 0], labels[:, -1]])))
+
+
+def absorbed_time_by_the_paper(g: hc.Graph, theta: float = 10.0, eps: float = 1e-5) -> np.ndarray:
+    """Jiang et al. (ICCV 2013), transcribed node by node: transient nodes 0..n-1 (every superpixel),
+    absorbing nodes n.. (a virtual copy of each boundary superpixel); an edge between superpixels that
+    are neighbours, neighbours of neighbours, or both on the boundary, weighted exp(-theta * d / range)
+    + eps on the colour distance d normalised over the edges; a self-loop of 1; each copy linked to
+    the transient nodes as its original. P in canonical form [[Q, R], [0, I]]; N = (I - Q)^-1 (Eq. 2);
+    the absorbed time y = N c, c = 1 (Eq. 3), min-max normalised."""
+    n = g.n
+    lab = g.lab
+    near = {i: set(np.flatnonzero(g.adj[i])) for i in range(n)}
+    linked = np.zeros((n, n), bool)
+    for i in range(n):
+        for j in range(n):
+            two_ring = j in near[i] or any(j in near[k] for k in near[i])
+            linked[i, j] = i != j and (two_ring or (g.boundary[i] and g.boundary[j]))
+    dist = {(i, j): float(np.sqrt(((lab[i] - lab[j]) ** 2).sum())) for i in range(n) for j in range(n) if linked[i, j]}
+    lo, hi = min(dist.values()), max(dist.values())
+    copies = list(np.flatnonzero(g.boundary))
+    size = n + len(copies)
+    weight = np.zeros((size, size))
+    for (i, j), d in dist.items():
+        weight[i, j] = np.exp(-theta * (d - lo) / (hi - lo)) + eps
+    for i in range(n):
+        weight[i, i] = 1.0
+    for k, b in enumerate(copies):
+        weight[:n, n + k] = weight[:n, b]
+    p = np.zeros((size, size))
+    for i in range(n):
+        p[i] = weight[i] / weight[i].sum()
+    for k in range(len(copies)):
+        p[n + k, n + k] = 1.0                                    # absorbing
+    q = p[:n, :n]
+    fundamental = np.linalg.inv(np.eye(n) - q)
+    y = fundamental @ np.ones(n)
+    return (y - y.min()) / (y.max() - y.min())
+
+
+def test_mc_is_the_absorbed_time_of_the_papers_chain() -> None:
+    from preprocess.synthetic import SyntheticSplit
+
+    for img in (disc_image()[0], SyntheticSplit(4, seed=3)[2].image):
+        g = hc.build_graph(img, hc.SlicParams(segments=60))
+        np.testing.assert_allclose(hc.mc(g), absorbed_time_by_the_paper(g), atol=1e-9)
+    img, gt = disc_image()
+    g = hc.build_graph(img, hc.SlicParams(segments=60))
+    inside = np.bincount(g.labels.ravel(), weights=(gt > 0).ravel(), minlength=g.n) / np.bincount(g.labels.ravel())
+    y = hc.mc(g)
+    assert y[inside > 0.9].min() > y[inside < 0.1].max()        # the disc is absorbed last
 
 
 def test_quality_scores_follow_their_definitions() -> None:
