@@ -304,7 +304,10 @@ def colour_ops(x, inputs: dict, tag: str, gpu_branches: bool = False):
         if f"{tag}/contrast" in inputs:
             mean_rgb = fn.reductions.mean(x, axes=[0, 1], keep_dims=True)         # (1, 1, 3) float
             t = fn.coord_transform(mean_rgb, M=inputs[f"{tag}/contrast"])       # b·(1-c)·mean gray
-            if x.device == "gpu" or gpu_branches:     # (1, 1, 3) offset broadcast over the view, then rounded
+            # GPU: (1, 1, 3) offset broadcast over the view, then rounded. The cast stays: an argument
+            # must come from the CPU, and CoordTransform's output is its input's type or float, so
+            # neither the pass nor an add before it can round to uint8 itself.
+            if x.device == "gpu" or gpu_branches:
                 x = fn.cast(fn.coord_transform(x, M=m, dtype=types.FLOAT) + t, dtype=types.UINT8)
             else:
                 x = fn.coord_transform(x, M=m, T=fn.reshape(t, shape=[3]), dtype=types.UINT8)
