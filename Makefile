@@ -62,12 +62,12 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PIP) --no-build-isolation -e '.[test,profile,ffcv,dali]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
-install-test: $(TEST_STAMP)  ## install, plus the optional extras the tests cover (Ray for ENGINE=ray, submitit, W&B, the peer loaders, the docs)
+install-test: $(TEST_STAMP)  ## install, plus the optional extras the tests cover (Ray for ENGINE=ray, submitit, W&B, the peer loaders, the docs, the dense CRF)
 
 # Straight to every extra (one pip run, not install's and then this one's): it also stands for install.
 $(TEST_STAMP): pyproject.toml requirements.lock
 	$(system_venv_torch)
-	$(PIP) --no-build-isolation -e '.[test,profile,ffcv,dali,ray,slurm,wandb,peers,docs]'
+	$(PIP) --no-build-isolation -e '.[test,profile,ffcv,dali,ray,slurm,wandb,peers,docs,crf]'
 	@rm -f $(VENV)/.installed-* && touch $(STAMP) $@
 
 demo: install  ## preprocess synthetic, pretrain dacl for a few CPU minutes, evaluate vs random init
@@ -91,6 +91,7 @@ train: install  ## pretrain METHOD on DATASET (PRESET: data preset; GPUS>1: DDP 
 	$(PY) -m train gpus=$(GPUS) nodes=$(NODES) $(if $(RDZV),rdzv=$(RDZV)) launcher=$(LAUNCHER) method=$(METHOD) data=$(DATASET) $(if $(PRESET),preset=$(PRESET)) data.root=$(OUT) run.out_dir=$(RUNS) $(ARGS)
 
 saliency: install  ## saliency masks for a written dataset (both formats) + reports/saliency-<DATASET>/ (INIT: a run's backbone)
+	@$(PY) -c "import pydensecrf.densecrf" 2>/dev/null || $(PIP) --no-build-isolation pydensecrf2
 	$(PY) -m preprocess.saliency --dataset $(DATASET) --root $(OUT) $(if $(INIT),--init $(INIT)) $(ARGS)
 
 saliency-check: install  ## after make saliency: relicv2 with p_m 0, 0.1 on the masks, 0.1 on centred rectangles (ARGS: steps=, seeds=)

@@ -71,14 +71,14 @@ def test_the_wheel_declares_ranges_holding_the_lock_extras_and_the_command(wheel
     assert extras["ffcv"] == {"ffcv", "numba"} and extras["dali"] == {"nvidia-dali-cuda130"}
     assert extras["ray"] == {"ray"} and extras["slurm"] == {"submitit"} and extras["wandb"] == {"wandb"}
     assert extras["peers"] == {"lightly", "spdl"}
-    assert extras["docs"] == {"mkdocs", "mkdocs-material", "mkdocstrings"}
+    assert extras["docs"] == {"mkdocs", "mkdocs-material", "mkdocstrings"} and extras["crf"] == {"pydensecrf2"}
     assert {"test", "profile"} <= set(extras)
     assert "viewmill = viewmill.cli:main" in entry_points
     data = {p.relative_to(ROOT).as_posix() for pattern in ("train/configs/**/*.yaml", "pipelines/recipes/*.yaml")
             for p in ROOT.glob(pattern)} | {"bench/profile_schema.json"}
     assert data <= names and not any(n.startswith("tests/") for n in names)
     makefile = (ROOT / "Makefile").read_text()             # make install: both accelerators; make test: every extra
-    assert ".[test,profile,ffcv,dali]" in makefile and ".[test,profile,ffcv,dali,ray,slurm,wandb,peers,docs]" in makefile
+    assert ".[test,profile,ffcv,dali]" in makefile and ".[test,profile,ffcv,dali,ray,slurm,wandb,peers,docs,crf]" in makefile
 
 
 def environment_with_torch(venv: Path) -> None:

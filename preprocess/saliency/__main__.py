@@ -18,7 +18,7 @@ from pipelines.errors import bad_input
 from pipelines.processes import LimitError, descriptors_needed, ensure_open_files
 from pipelines.schema import DatasetError
 from preprocess.prepare import PreprocessError
-from preprocess.saliency import handcrafted
+from preprocess.saliency import crf, handcrafted
 from models.saliency import backbone_source
 from preprocess.saliency.refine import LOSSES, RefineSettings
 from preprocess.saliency.run import SUBSET, Settings, compute, default_workers
@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m preprocess.salien
     p.add_argument("--backbone", default=RefineSettings.backbone, help="timm ResNet of the networks at random init")
     p.add_argument("--init", default=None, help="backbone of the networks from a viewmill run: its folder or "
                    "backbone.safetensors (make saliency INIT=...)")
+    p.add_argument("--crf", action=argparse.BooleanOptionalAction, default=RefineSettings.crf,
+                   help="DeepUSPS's dense CRF on each prediction before the moving average (default on; needs "
+                        "pydensecrf, the crf extra, which make saliency installs)")
     p.add_argument("--net-px", type=int, default=0, help="input side of the networks (default: the images' side, 64-128)")
     p.add_argument("--score-images", type=int, default=500, help="held-out train images every stage is scored on")
     p.add_argument("--case-images", type=int, default=16, help="labelled test images per case in the report")
@@ -66,7 +69,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m preprocess.salien
             except ValueError as e:
                 raise PreprocessError(f"INIT: {e}") from None
         refinement = RefineSettings(rounds=a.rounds, epochs=a.epochs, final_epochs=a.final_epochs, loss=a.loss, lr=a.lr,
-                                    backbone=a.backbone, init=a.init, net_px=a.net_px, seed=a.seed)
+                                    backbone=a.backbone, init=a.init, net_px=a.net_px, seed=a.seed, crf=a.crf)
+        if a.crf and a.rounds:
+            crf.require()
         settings = Settings(methods=methods, subset=a.subset, seed=a.seed, work_px=a.work_px, workers=a.workers,
                             case_images=a.case_images, score_images=a.score_images, refinement=refinement)
         report = a.report / f"saliency-{a.dataset}"

@@ -246,10 +246,11 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None) -> 
         import torch
 
         torch.set_num_threads(settings.workers)
-        x = refine.as_input(read_images(train_dir, n, subset, r.net_px), m.mean, m.std)
+        subset_images = read_images(train_dir, n, subset, r.net_px)
+        x = refine.as_input(subset_images, m.mean, m.std)
         targets = {k: np.stack([handcrafted.resize_map(sub_maps[i][k].astype(np.float32) / 255, (r.net_px, r.net_px))
                                 for i in subset]) for k in settings.methods}
-        out = refine.refine(x, targets, r)
+        out = refine.refine(x, targets, r, images=subset_images, workers=settings.workers)
         seconds.update({f"refine_{k}": round(v, 2) for k, v in out.seconds.items()})
         nets = {k: refine.NetStage(net, r.net_px, m.mean, m.std) for k, net in out.nets.items()}
         images = read_images(train_dir, n, list(scored), r.net_px)

@@ -60,7 +60,7 @@ def test_rounds_train_on_noisy_labels_and_recover_the_objects() -> None:
             lab[:8, :8] = 1.0
         images.append(image), truth.append(gt), noisy.append(lab)
     x = as_input(np.stack(images), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
-    s = RefineSettings(rounds=2, epochs=6, final_epochs=6, batch_size=8, lr=3e-3, net_px=px, loss="bce")
+    s = RefineSettings(rounds=2, epochs=6, final_epochs=6, batch_size=8, lr=3e-3, net_px=px, loss="bce", crf=False)
     out = refine(x, {"a": np.stack(noisy), "b": np.stack(noisy)}, s, log=lambda line: None)
     assert set(out.nets) == {"a-r1", "a-r2", "b-r1", "b-r2", "final"} and set(out.labels) == {"a-r1", "a-r2", "b-r1", "b-r2"}
     for lab in out.labels.values():
