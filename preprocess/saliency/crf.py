@@ -1,6 +1,6 @@
-"""DeepUSPS's dense CRF on saliency predictions (Nguyen et al., NeurIPS 2019, Sec. 3.2: the
-predictions are made to follow the image's colour edges before they enter the moving average, its
-"intra-image fidelity"): a fully connected CRF of two labels (Krähenbühl and Koltun, NeurIPS 2011)
+"""DeepUSPS's dense CRF on saliency predictions (Nguyen et al., NeurIPS 2019: the predictions are
+made to follow the image's colour edges before they enter the moving average, its "intra-image
+fidelity"): a fully connected CRF of two labels (Krähenbühl and Koltun, NeurIPS 2011)
 through `pydensecrf` (the `pydensecrf2` package, the `crf` extra).
 
 Parameters of DeepUSPS's code on 432-px images: unary −log p of the two labels, a Gaussian kernel of
@@ -56,13 +56,13 @@ def dense_crf(p: np.ndarray, image: np.ndarray, iterations: int = ITERATIONS) ->
         raise ValueError(f"dense_crf needs an (H, W, 3) uint8 image of the map's size {(h, w)}, got "
                          f"{image.shape} {image.dtype}")
     scale = max(h, w) / DEEPUSPS_SIDE
-    crf = dcrf.DenseCRF2D(w, h, 2)
+    model = dcrf.DenseCRF2D(w, h, 2)
     prob = np.clip(np.stack([1.0 - p, p]), P_FLOOR, 1.0 - P_FLOOR).astype(np.float32)       # (2, H, W)
-    crf.setUnaryEnergy(np.ascontiguousarray(-np.log(prob).reshape(2, -1)))
-    crf.addPairwiseGaussian(sxy=max(1.0, GAUSSIAN_SXY * scale), compat=GAUSSIAN_COMPAT)
-    crf.addPairwiseBilateral(sxy=BILATERAL_SXY * scale, srgb=BILATERAL_SRGB, rgbim=np.ascontiguousarray(image),
+    model.setUnaryEnergy(np.ascontiguousarray(-np.log(prob).reshape(2, -1)))
+    model.addPairwiseGaussian(sxy=max(1.0, GAUSSIAN_SXY * scale), compat=GAUSSIAN_COMPAT)
+    model.addPairwiseBilateral(sxy=BILATERAL_SXY * scale, srgb=BILATERAL_SRGB, rgbim=np.ascontiguousarray(image),
                              compat=BILATERAL_COMPAT)
-    q = np.asarray(crf.inference(iterations), dtype=np.float32).reshape(2, h, w)
+    q = np.asarray(model.inference(iterations), dtype=np.float32).reshape(2, h, w)
     return q[1]
 
 
