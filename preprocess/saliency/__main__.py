@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m preprocess.salien
     p.add_argument("--init", default=None, help="backbone of the networks from a viewmill run: its folder or "
                    "backbone.safetensors (make saliency INIT=...)")
     p.add_argument("--crf", action=argparse.BooleanOptionalAction, default=RefineSettings.crf,
-                   help="DeepUSPS's dense CRF on each prediction before the moving average (default on; needs "
-                        "pydensecrf, the crf extra, which make saliency installs)")
+                   help="DeepUSPS's dense CRF on the refinement's predictions and the networks' maps (default on; "
+                        "needs pydensecrf, the crf extra, which make saliency installs)")
     p.add_argument("--net-px", type=int, default=0, help="input side of the networks (default: the images' side, 64-128)")
     p.add_argument("--score-images", type=int, default=500, help="held-out train images every stage is scored on")
     p.add_argument("--case-images", type=int, default=16, help="labelled test images per case in the report")

@@ -18,13 +18,13 @@ or binary cross-entropy with `loss="bce"`. Round-1 targets are the handcrafted m
 (0.3; DeepUSPS uses 0.23-0.36 per method), later ones the moving average at 0.5.
 
 Each prediction goes through DeepUSPS's dense CRF with its image (`crf.py`) before it is folded into
-the moving average, as in DeepUSPS (`crf=False`, `--no-crf`: without; on `synthetic` the CRF lifts
-every refined stage by 0.02-0.03 held-out IoU, docs/saliency.md).
+the moving average, as in DeepUSPS (`crf=False`, `--no-crf`: without; measured in docs/saliency.md).
+
+The networks' maps go through the same CRF when they are scored and written (`NetStage`), as at
+DeepUSPS's test time.
 
 Deviations:
 - The predictions are eval-mode and flip-averaged (DeepUSPS records the training forward's).
-- No CRF at test time (DeepUSPS applies one to its final maps too): the masks of a whole split are
-  written from the network's maps.
 - Every round's network and the stage II network are candidate stages: `run.py` scores them with the
   handcrafted maps and uses the best, where DeepUSPS always uses stage II (on `synthetic` the best
   stage I round scores higher; docs/saliency.md).
@@ -64,7 +64,7 @@ class RefineSettings:
     backbone: str = "test_resnet"     # timm ResNet of the networks (ignored with init)
     init: str | None = None           # run folder or backbone.safetensors of a viewmill run
     net_px: int = 64                  # square input side of the networks, px (the CLI's 0: the images' side)
-    crf: bool = True                  # DeepUSPS's dense CRF on each prediction before the moving average
+    crf: bool = True                  # DeepUSPS's dense CRF on the predictions (moving average) and the maps
     width: int = 32                   # decoder channels
     seed: int = 0
 
@@ -216,17 +216,22 @@ def refine(x: Tensor, handcrafted: dict[str, np.ndarray], s: RefineSettings, log
 @dataclass(frozen=True)
 class NetStage:
     """A trained saliency network as a map function, like a handcrafted method: images of any size
-    in, [0, 1] maps out."""
+    in, [0, 1] maps out; with `crf`, each map through the dense CRF with its image, as DeepUSPS's
+    test time (`workers` processes)."""
 
     net: SaliencyNet
     px: int
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    crf: bool = False
+    workers: int = 1
 
     def maps(self, images) -> np.ndarray:
         """(N, px, px) float32 maps of a sequence of (H, W, 3) uint8 images, at the network's side
         (resized to a square as DeepUSPS feeds its network, not aspect-preserving)."""
-        return predict(self.net, as_input(np.stack([resize_square(im, self.px) for im in images]), self.mean, self.std))
+        square = np.stack([resize_square(im, self.px) for im in images])
+        p = predict(self.net, as_input(square, self.mean, self.std))
+        return dense_crf_all(p, square, self.workers) if self.crf else p
 
     def __call__(self, image: np.ndarray) -> np.ndarray:
         """The (H, W) float32 map of one (H, W, 3) uint8 image, at the image's size."""

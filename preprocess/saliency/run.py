@@ -252,7 +252,8 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None) -> 
                                 for i in subset]) for k in settings.methods}
         out = refine.refine(x, targets, r, images=subset_images, workers=settings.workers)
         seconds.update({f"refine_{k}": round(v, 2) for k, v in out.seconds.items()})
-        nets = {k: refine.NetStage(net, r.net_px, m.mean, m.std) for k, net in out.nets.items()}
+        nets = {k: refine.NetStage(net, r.net_px, m.mean, m.std, crf=r.crf, workers=settings.workers)
+                for k, net in out.nets.items()}
         images = read_images(train_dir, n, list(scored), r.net_px)
         for k, stage in nets.items():
             for i, p in zip(scored, stage.maps(images)):

@@ -1,6 +1,7 @@
 """DeepUSPS's dense CRF on saliency predictions: it pulls a soft, misplaced prediction onto the
 object's colour edges; the refinement folds the CRF of each prediction, made with its own image,
-into the moving average; `--crf` without pydensecrf is one line."""
+into the moving average, and a network stage's maps are the CRF of its predictions; the CRF without
+pydensecrf is one line."""
 
 from __future__ import annotations
 
@@ -75,6 +76,20 @@ def test_the_refinement_folds_the_crf_of_each_prediction_with_its_own_image(monk
     with pytest.raises(ValueError, match="needs the subset's uint8 images"):
         refine(x, maps, s, log=lambda _line: None)
     assert out.labels["rbd-r1"].shape == (n, px, px)
+
+
+@needs_crf
+def test_a_network_stage_with_the_crf_gives_the_crf_of_its_maps() -> None:
+    from models.saliency import build_saliency_net
+    from preprocess.saliency.handcrafted import resize_square
+    from preprocess.saliency.refine import NetStage
+
+    net = build_saliency_net("test_resnet", None, 8)
+    images = [cases.make("two-objects", i, px=48)[0] for i in range(3)]          # resized to the side 32
+    plain = NetStage(net, 32, (0.5,) * 3, (0.25,) * 3)
+    with_crf = NetStage(net, 32, (0.5,) * 3, (0.25,) * 3, crf=True, workers=1)
+    square = np.stack([resize_square(im, 32) for im in images])
+    np.testing.assert_array_equal(with_crf.maps(images), crf.dense_crf_all(plain.maps(images), square))
 
 
 def test_the_crf_without_pydensecrf_is_one_line(tmp_path, monkeypatch, capsys) -> None:
