@@ -243,13 +243,13 @@ def mc(g: Graph, p: McParams = McParams()) -> np.ndarray:
     """Saliency per superpixel, in [0, 1], as the time a random walk from it takes to be absorbed by
     the image's boundary.
 
-    Graph (Sec. 3.1): every superpixel a transient node linked to its 2-ring, the boundary superpixels
+    Graph: every superpixel a transient node linked to its 2-ring, the boundary superpixels
     linked to each other; w_ij = exp(−θ·d̂_ij) + ε, and a self-loop of weight 1 (W + I). Absorbing
     nodes are virtual copies of the boundary superpixels, each linked to the transient nodes with the
     weights of its original. With the transitions P = D⁻¹[W | W_B] (D the degrees over both blocks),
-    Q = D⁻¹W is the transient block, the fundamental matrix N = (I − Q)⁻¹ (Eq. 2), and the absorbed
-    time y = N·1 (Eq. 3) min-max normalised is the map (Sec. 4.1). Left out: the paper's refinement by
-    the equilibrium distribution for maps it judges too flat (Sec. 4.2).
+    Q = D⁻¹W is the transient block, the fundamental matrix N = (I − Q)⁻¹, and the absorbed time
+    y = N·1 min-max normalised is the map. Left out: the paper's refinement by the equilibrium
+    distribution for maps it judges too flat.
     """
     n, d = g.n, g.colour_distance()
     if n < 2:

@@ -78,8 +78,8 @@ def absorbed_time_by_the_paper(g: hc.Graph, theta: float = 10.0, eps: float = 1e
     absorbing nodes n.. (a virtual copy of each boundary superpixel); an edge between superpixels that
     are neighbours, neighbours of neighbours, or both on the boundary, weighted exp(-theta * d / range)
     + eps on the colour distance d normalised over the edges; a self-loop of 1; each copy linked to
-    the transient nodes as its original. P in canonical form [[Q, R], [0, I]]; N = (I - Q)^-1 (Eq. 2);
-    the absorbed time y = N c, c = 1 (Eq. 3), min-max normalised."""
+    the transient nodes as its original. P in canonical form [[Q, R], [0, I]]; N = (I - Q)^-1;
+    the absorbed time y = N c, c = 1, min-max normalised."""
     n = g.n
     lab = g.lab
     near = {i: set(np.flatnonzero(g.adj[i])) for i in range(n)}
