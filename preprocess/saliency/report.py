@@ -91,7 +91,7 @@ def _refinement(saliency: dict) -> str:
     source = "random init" if b["init"] == "random" else f"initialised from {b['init']}"
     return (f"{r['rounds']} rounds × {r['epochs']} epochs per method, a final network of {r['final_epochs']} epochs, "
             f"{r['loss']} loss, Adam lr {r['lr']} (doubled per round), batch {r['batch_size']}, moving average "
-            f"{r['keep']} / {1 - r['keep']:.1f}{' of dense-CRF predictions' if r.get('crf') else ''}, first-round "
+            f"{r['keep']} / {1 - r['keep']:.1f}{' of dense-CRF predictions (the maps through the CRF too)' if r.get('crf') else ''}, first-round "
             f"threshold {r['first_threshold']}, {r['net_px']} px; "
             f"backbone {b['timm_model']}, {source}")
 
