@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m preprocess.salien
         settings = Settings(methods=methods, subset=a.subset, seed=a.seed, work_px=a.work_px, workers=a.workers,
                             case_images=a.case_images, score_images=a.score_images, refinement=refinement)
         report = a.report / f"saliency-{a.dataset}"
-        ensure_open_files(descriptors_needed(workers=a.workers), "the saliency stage")
+        # the maps' worker processes, and the dense CRF's beside them
+        ensure_open_files(descriptors_needed(workers=a.workers * (2 if a.crf and a.rounds else 1)), "the saliency stage")
         saliency = compute(a.root / a.dataset, settings, report)
     except (PreprocessError, DatasetError, LimitError, handcrafted.SaliencyError) as e:
         return bad_input(e)

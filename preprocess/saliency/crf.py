@@ -66,27 +66,41 @@ def dense_crf(p: np.ndarray, image: np.ndarray, iterations: int = ITERATIONS) ->
     return q[1]
 
 
-_BATCH: tuple[np.ndarray, np.ndarray] | None = None     # the maps and images forked workers read
+def _crf_chunk(job: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    p, images = job
+    return np.stack([dense_crf(a, im) for a, im in zip(p, images)])
 
 
-def _crf_range(bounds: tuple[int, int]) -> np.ndarray:
-    p, images = _BATCH
-    return np.stack([dense_crf(p[i], images[i]) for i in range(*bounds)])
+class CrfPool:
+    """`dense_crf` of many maps, in `workers` processes forked once for a whole run (the refinement's
+    folds, then every map of every split) and sent the maps and images in chunks; in this process with
+    one worker. A context manager: the processes end with it.
 
+    Calling it: (N, H, W) maps and their (N, H, W, 3) uint8 images -> (N, H, W) float32.
+    """
 
-def dense_crf_all(p: np.ndarray, images: np.ndarray, workers: int = 1) -> np.ndarray:
-    """`dense_crf` of each of (N, H, W) maps with its (N, H, W, 3) image: (N, H, W) float32, in
-    `workers` forked processes (which read both arrays from the parent's memory) when there are
-    more than a few maps a worker."""
-    global _BATCH
-    if len(p) == 0:
-        return p.astype(np.float32)
-    if workers <= 1 or len(p) < 8 * workers:
-        return np.stack([dense_crf(a, im) for a, im in zip(p, images)])
-    edges = np.linspace(0, len(p), workers + 1).astype(int)
-    _BATCH = (p, images)
-    try:
-        with fork_context().Pool(workers) as pool:
-            return np.concatenate(pool.map(_crf_range, list(zip(edges[:-1], edges[1:]))))
-    finally:
-        _BATCH = None
+    CHUNKS_PER_WORKER = 4          # chunks a call hands each worker (an uneven share waits on the slowest)
+
+    def __init__(self, workers: int = 1) -> None:
+        self.workers = max(1, workers)
+        self._pool = fork_context().Pool(self.workers) if self.workers > 1 else None
+
+    def __call__(self, p: np.ndarray, images: np.ndarray) -> np.ndarray:
+        if len(p) == 0:
+            return p.astype(np.float32)
+        if self._pool is None or len(p) < 2 * self.workers:
+            return _crf_chunk((p, images))
+        edges = np.linspace(0, len(p), min(len(p), self.workers * self.CHUNKS_PER_WORKER) + 1).astype(int)
+        return np.concatenate(self._pool.map(_crf_chunk, [(p[a:b], images[a:b]) for a, b in zip(edges, edges[1:])]))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool.join()
+            self._pool = None
+
+    def __enter__(self) -> "CrfPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

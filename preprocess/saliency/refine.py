@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from models.saliency import SaliencyNet, build_saliency_net, saliency_probabilities
-from preprocess.saliency.crf import dense_crf_all
+from preprocess.saliency.crf import CrfPool
 from preprocess.saliency.handcrafted import resize_map, resize_square
 
 LOSSES = ("bce", "soft_f")
@@ -160,7 +160,7 @@ def train_net(x: Tensor, targets: Tensor, epochs: int, lr: float, s: RefineSetti
 
 
 def refine(x: Tensor, handcrafted: dict[str, np.ndarray], s: RefineSettings, log=print,
-           images: np.ndarray | None = None, workers: int = 1) -> Refinement:
+           images: np.ndarray | None = None, crf: CrfPool | None = None) -> Refinement:
     """Stage I for every method, then stage II.
 
     Args:
@@ -169,7 +169,7 @@ def refine(x: Tensor, handcrafted: dict[str, np.ndarray], s: RefineSettings, log
         s: settings.
         log: receives one line per round.
         images: (N, px, px, 3) uint8, the same images unnormalised (needed with `s.crf`).
-        workers: processes of the dense CRF.
+        crf: the dense CRF's processes (with `s.crf`; None: in this process).
 
     Returns:
         The `Refinement`: nets "<method>-r<k>" for each round and "final" (stage II); labels
@@ -179,6 +179,7 @@ def refine(x: Tensor, handcrafted: dict[str, np.ndarray], s: RefineSettings, log
         raise ValueError(f"unknown saliency loss {s.loss!r}; choose from {', '.join(LOSSES)}")
     if s.crf and (images is None or images.shape[:3] != (len(x), *x.shape[-2:])):
         raise ValueError("the dense CRF needs the subset's uint8 images at the networks' side")
+    crf = crf or CrfPool(1)
     out = Refinement()
     skip = s.epochs // 3
     for mi, (method, maps) in enumerate(handcrafted.items()):
@@ -192,7 +193,7 @@ def refine(x: Tensor, handcrafted: dict[str, np.ndarray], s: RefineSettings, log
                     return
                 p = predict(net, x)
                 if s.crf:
-                    p = dense_crf_all(p, images, workers)
+                    p = crf(p, images)
                 state["mva"] = p if "mva" not in state else s.keep * state["mva"] + (1 - s.keep) * p
 
             net = train_net(x, torch.from_numpy(target[None].astype(np.float32)), s.epochs, s.lr * 2 ** (r - 1),
@@ -217,21 +218,20 @@ def refine(x: Tensor, handcrafted: dict[str, np.ndarray], s: RefineSettings, log
 class NetStage:
     """A trained saliency network as a map function, like a handcrafted method: images of any size
     in, [0, 1] maps out; with `crf`, each map through the dense CRF with its image, as DeepUSPS's
-    test time (`workers` processes)."""
+    test time."""
 
     net: SaliencyNet
     px: int
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
-    crf: bool = False
-    workers: int = 1
+    crf: CrfPool | None = None
 
     def maps(self, images) -> np.ndarray:
         """(N, px, px) float32 maps of a sequence of (H, W, 3) uint8 images, at the network's side
         (resized to a square as DeepUSPS feeds its network, not aspect-preserving)."""
         square = np.stack([resize_square(im, self.px) for im in images])
         p = predict(self.net, as_input(square, self.mean, self.std))
-        return dense_crf_all(p, square, self.workers) if self.crf else p
+        return self.crf(p, square) if self.crf is not None else p
 
     def __call__(self, image: np.ndarray) -> np.ndarray:
         """The (H, W) float32 map of one (H, W, 3) uint8 image, at the image's size."""

@@ -39,6 +39,7 @@ from pipelines.shards import ShardReader
 from pipelines.processes import fork_context
 from preprocess.prepare import DatasetLock
 from preprocess.saliency import handcrafted, quality, refine
+from preprocess.saliency.crf import CrfPool
 from preprocess.saliency.write import write_masks
 
 SUBSET = 2500
@@ -207,13 +208,16 @@ def compute(dataset_dir: Path, settings: Settings, report_dir: Path | None = Non
     dataset_dir = Path(dataset_dir)
     lock = DatasetLock(dataset_dir.parent, dataset_dir.name)
     lock.acquire()                 # before reading: `make preprocess --force` may not swap it meanwhile
+    r = settings.refinement
     try:
-        return _compute(dataset_dir, settings, report_dir)
+        # The dense CRF's processes, forked once before anything is read or trained, for the whole run.
+        with CrfPool(settings.workers if r.rounds and r.crf else 1) as crf:
+            return _compute(dataset_dir, settings, report_dir, crf if r.crf else None)
     finally:
         lock.release()
 
 
-def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None) -> dict:
+def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None, crf: CrfPool | None) -> dict:
     m = schema.read_manifest(dataset_dir)
     n = m.counts["train"]
     rng = np.random.default_rng(settings.seed)
@@ -250,10 +254,9 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None) -> 
         x = refine.as_input(subset_images, m.mean, m.std)
         targets = {k: np.stack([handcrafted.resize_map(sub_maps[i][k].astype(np.float32) / 255, (r.net_px, r.net_px))
                                 for i in subset]) for k in settings.methods}
-        out = refine.refine(x, targets, r, images=subset_images, workers=settings.workers)
+        out = refine.refine(x, targets, r, images=subset_images, crf=crf)
         seconds.update({f"refine_{k}": round(v, 2) for k, v in out.seconds.items()})
-        nets = {k: refine.NetStage(net, r.net_px, m.mean, m.std, crf=r.crf, workers=settings.workers)
-                for k, net in out.nets.items()}
+        nets = {k: refine.NetStage(net, r.net_px, m.mean, m.std, crf=crf) for k, net in out.nets.items()}
         images = read_images(train_dir, n, list(scored), r.net_px)
         for k, stage in nets.items():
             for i, p in zip(scored, stage.maps(images)):

@@ -41,8 +41,9 @@ def test_the_crf_of_many_maps_in_processes_is_that_of_each_map() -> None:
     made = [cases.make("clutter-medium", i, px=32) for i in range(20)]
     images = np.stack([im for im, _ in made])
     p = np.stack([_soft_shifted(gt, 2) for _, gt in made])
-    one = crf.dense_crf_all(p, images)
-    assert np.array_equal(crf.dense_crf_all(p, images, workers=2), one)
+    one = crf.CrfPool(1)(p, images)
+    with crf.CrfPool(2) as pool:                     # forked once, called twice
+        assert np.array_equal(pool(p, images), one) and np.array_equal(pool(p[:9], images[:9]), one[:9])
     assert np.array_equal(one[7], crf.dense_crf(p[7], images[7])) and one.shape == p.shape
 
 
@@ -53,9 +54,7 @@ def test_a_map_and_an_image_of_other_sizes_are_an_error() -> None:
 
 
 @needs_crf
-def test_the_refinement_folds_the_crf_of_each_prediction_with_its_own_image(monkeypatch) -> None:
-    from preprocess.saliency import refine as refine_module
-
+def test_the_refinement_folds_the_crf_of_each_prediction_with_its_own_image() -> None:
     px, n = 32, 8
     made = [cases.make("clutter-low", i, px=px) for i in range(n)]
     images = np.stack([im for im, _ in made])
@@ -63,13 +62,12 @@ def test_the_refinement_folds_the_crf_of_each_prediction_with_its_own_image(monk
     maps = {"rbd": np.stack([gt.astype(np.float32) / 255 for _, gt in made])}
     calls = []
 
-    def recording(p, imgs, workers):
+    def recording(p, imgs):
         calls.append(imgs)
-        return crf.dense_crf_all(p, imgs, workers)
+        return crf.CrfPool(1)(p, imgs)
 
-    monkeypatch.setattr(refine_module, "dense_crf_all", recording)
     s = RefineSettings(rounds=1, epochs=3, final_epochs=1, batch_size=4, net_px=px, crf=True)
-    out = refine(x, maps, s, log=lambda _line: None, images=images)
+    out = refine(x, maps, s, log=lambda _line: None, images=images, crf=recording)
     assert len(calls) == s.epochs - s.epochs // 3                 # every averaged epoch, none before
     assert all(c is images for c in calls)
     # Without its images the CRF cannot run: an error before any training.
@@ -87,9 +85,9 @@ def test_a_network_stage_with_the_crf_gives_the_crf_of_its_maps() -> None:
     net = build_saliency_net("test_resnet", None, 8)
     images = [cases.make("two-objects", i, px=48)[0] for i in range(3)]          # resized to the side 32
     plain = NetStage(net, 32, (0.5,) * 3, (0.25,) * 3)
-    with_crf = NetStage(net, 32, (0.5,) * 3, (0.25,) * 3, crf=True, workers=1)
+    with_crf = NetStage(net, 32, (0.5,) * 3, (0.25,) * 3, crf=crf.CrfPool(1))
     square = np.stack([resize_square(im, 32) for im in images])
-    np.testing.assert_array_equal(with_crf.maps(images), crf.dense_crf_all(plain.maps(images), square))
+    np.testing.assert_array_equal(with_crf.maps(images), crf.CrfPool(1)(plain.maps(images), square))
 
 
 def test_the_crf_without_pydensecrf_is_one_line(tmp_path, monkeypatch, capsys) -> None:
