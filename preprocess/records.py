@@ -146,11 +146,13 @@ def encode_mask_png(mask: np.ndarray) -> bytes:
 
 
 def mask_coverage(mask: np.ndarray | None) -> float:
-    """Fraction of mask pixels >= 128, in [0, 1], or `schema.NO_MASK_COVERAGE` without a mask.
+    """Fraction of mask pixels >= 128, in [0, 1] rounded to parts per million as the shards store it
+    (so the FFCV file, copied from them or not, holds the same value), or `schema.NO_MASK_COVERAGE`
+    without a mask.
 
     Args:
         mask: (H, W) uint8 mask, or None.
     """
     if mask is None:
         return schema.NO_MASK_COVERAGE
-    return float(np.mean(mask >= 128))
+    return round(float(np.mean(mask >= 128)) * 1_000_000) / 1_000_000

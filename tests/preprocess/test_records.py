@@ -59,6 +59,8 @@ def test_mask_coverage_is_the_fraction_at_or_above_128() -> None:
     mask = np.array([[0, 127, 128, 255]], np.uint8)
     assert mask_coverage(mask) == 0.5
     assert mask_coverage(None) == schema.NO_MASK_COVERAGE
+    # In parts per million, the shards' unit, so that the FFCV file holds what the shards hold.
+    assert mask_coverage(np.array([[255, 0, 0]], np.uint8)) == 0.333333
 
 
 @pytest.mark.parametrize("rec,expect", [BAD[0], BAD[3]])
