@@ -107,8 +107,9 @@ def run(n: int, synthetic_n: int, work: Path, cores: int, repeats: int, with_ray
 
 def estimate_imagenet(row: dict, cores: int) -> float:
     """Hours for ImageNet-1k's train split on TARGET_CORES cores from a folder's all-core run: the units
-    scale with cores; the other stages (listing, the whole FFCV copy, checksums) are taken as serial,
-    as the copy of a split that is nearly all of the images overlaps little."""
+    scale with cores; the other stages (listing, the whole FFCV copy as fast as on this machine's cores,
+    checksums) are taken as serial, as the copy of a split that is nearly all of the images overlaps
+    little: an upper bound, since the copy's processes would have more cores too."""
     r = row[f"local_{cores}"]
     secs, n = r["seconds"], r["images"]
     per_core_unit = secs["units"] * cores / n                  # seconds of one core per image

@@ -1,7 +1,8 @@
 """Turn a source (synthetic, CIFAR, image folder) into a complete dataset folder, atomically.
 
     OUT/.<name>.staging/            everything is written here first
-        <split>.beton               FFCV file          (preprocess/write_ffcv.py)
+        <split>.beton               FFCV file          (preprocess/write_ffcv.py; an image folder's
+                                                        copied from its shards, preprocess/ffcv_copy.py)
         <split>/shard-*.tar|.idx    DALI shards        (preprocess/write_dali.py)
         gt_masks/<split>.npy        synthetic only: exact foreground masks
         .verified.json              checksum stamp (see pipelines/schema.py, verification policy)
@@ -11,7 +12,8 @@
 A source held in memory (synthetic, CIFAR) is made or read and checked first (`preprocess/sources.py`,
 before anything is written under OUT), then the two writers run per split. An image folder is
 listed, then written in one streamed, resumable pass (`preprocess/stream.py`: each image decoded
-once, straight into its DALI shard, on all cores or on Ray) and its `.beton` copied from the shards. Where FFCV is not installed (a GPU machine
+once, straight into its DALI shard, on all cores or on Ray) and its `.beton` copied from the shards
+(by several processes, nothing decoded). Where FFCV is not installed (a GPU machine
 that reads with DALI only) the `.beton` files are left out, said on stderr and in the manifest's
 `formats`; the ffcv backend then refuses the dataset with that fix. Nothing under OUT/<name> changes until
 the new dataset is complete: with --force the old folder is moved aside (its manifest removed
@@ -44,6 +46,7 @@ from pipelines.schema import DatasetError, Manifest
 from pipelines.processes import descriptors_needed, ensure_open_files, fork_context
 from pipelines.shards import scan_shards, write_record_table
 from preprocess import stream
+from preprocess.ffcv_copy import copy_to_ffcv
 from preprocess.sources import SOURCES, ListedSource, PreparedSource, PreprocessError, Source
 from preprocess.write_dali import write_dali
 from preprocess.write_ffcv import warm_up as warm_up_ffcv, write_ffcv
@@ -440,14 +443,11 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t
 
 
-def _copy_to_ffcv(split: stream.ShardSplit, path: Path) -> float:
-    """Write an image folder's split to FFCV from its shards; returns the seconds it took.
-
-    Copying bytes is I/O: one writer process is faster than several, which wait for each other's
-    pages (1,800 records: 0.18 s on 1, 0.30 s on 2).
-    """
+def _copy_to_ffcv(split: stream.ShardSplit, path: Path, workers: int) -> float:
+    """Copy an image folder's split from its shards into its FFCV file (`preprocess.ffcv_copy`, on
+    `workers` processes); returns the seconds it took."""
     t = time.perf_counter()
-    write_ffcv(split, path, num_workers=1)
+    copy_to_ffcv(split.reader, path, sizes=split.sizes, jpeg_quality=split.jpeg_quality, num_workers=workers)
     return time.perf_counter() - t
 
 
@@ -464,11 +464,11 @@ def _write_folder(listing: ListedSource, staging: Path, plan: dict, job: Job, wi
                                   f"({len(listing.files[split_name])} skipped, see their reasons with a "
                                   "viewer): add valid images")
         if with_ffcv:                # in a process of its own while the other splits' units run
-            copies.append(ffcv_pool.submit(_copy_to_ffcv, split, staging / f"{split_name}.beton"))
+            copies.append(ffcv_pool.submit(_copy_to_ffcv, split, staging / f"{split_name}.beton", job.workers))
 
     engine = _engine(job.engine, job.workers)
     seconds: dict[str, float] = {}
-    # Forked from this (main) thread: FFCV's writer forks again, which numba refuses from a thread.
+    # Forked from this (main) thread: the copy forks again, which numba refuses from a thread.
     with ProcessPoolExecutor(1, mp_context=fork_context()) as ffcv_pool:
         # The copy process imports FFCV at once, while the units run (1.5-3 s that were in series).
         warm = ffcv_pool.submit(_timed, warm_up_ffcv) if with_ffcv else None

@@ -4,7 +4,7 @@ Fields, in storage order: image (`RGBImageField`, raw bytes for mode "raw" so th
 bit-exact, JPEG at `split.jpeg_quality` for mode "jpg", a record's `encoded` JPEG byte for byte;
 never resized here, the size policy was applied when the records were made), label and index
 (`IntField`), mask (`BytesField` holding a grayscale PNG; one zero byte when the split has no
-masks, see `_NO_MASK`) and coverage (`FloatField`, fraction of mask pixels >= 128,
+masks, see `NO_MASK`) and coverage (`FloatField`, fraction of mask pixels >= 128,
 `schema.NO_MASK_COVERAGE` without a mask).
 
 The file is written under a temporary name and renamed into place; the caller
@@ -32,7 +32,9 @@ from preprocess.records import PreparedSplit, check_record, encode_mask_png, mas
 # "No mask" is one zero byte, not zero bytes: FFCV 1.0.2 files a zero-size allocation under the same
 # pointer as the next sample's image, whose reads then return nothing. Readers tell a missing mask by
 # coverage == NO_MASK_COVERAGE, never by the byte count.
-_NO_MASK = np.zeros(1, dtype=np.uint8)
+NO_MASK = np.zeros(1, dtype=np.uint8)
+MAX_SIDE = 65535           # FFCV stores an image's width and height as uint16
+PAGE_SIZE = 1 << 23        # FFCV's DatasetWriter default (4 x 2 MiB)
 
 
 @dataclass(frozen=True)
@@ -82,17 +84,44 @@ class _FFCVRecords:
         except Exception as e:  # noqa: BLE001 — reported to the parent through the error file
             with open(self.error_path, "a", encoding="utf-8") as f:
                 f.write(f"{type(e).__name__}: {e}\n")
-            return (np.zeros((1, 1, 3), np.uint8), 0, int(i), _NO_MASK, schema.NO_MASK_COVERAGE)
+            return (np.zeros((1, 1, 3), np.uint8), 0, int(i), NO_MASK, schema.NO_MASK_COVERAGE)
 
     def _fields(self, i: int) -> tuple:
         rec = check_record(self.split, i)
         mask = rec.mask
-        if max(rec.shape) > 65535:
-            raise ValueError(f"record {i}: image side {max(rec.shape)} px exceeds FFCV's 65535 px; "
-                             "apply a max-side size policy")
-        mask_bytes = _NO_MASK if mask is None else np.frombuffer(encode_mask_png(mask), np.uint8)
+        check_side(i, *rec.shape)
+        mask_bytes = NO_MASK if mask is None else np.frombuffer(encode_mask_png(mask), np.uint8)
         image = (np.ascontiguousarray(rec.image) if rec.encoded is None else _Jpeg(rec.encoded, *rec.shape))
         return (image, int(rec.label), i, mask_bytes, mask_coverage(mask))
+
+
+def check_side(i: int, height: int, width: int) -> None:
+    """Raises ValueError when record i's image is too large for FFCV's uint16 width and height."""
+    if max(height, width) > MAX_SIDE:
+        raise ValueError(f"record {i}: image side {max(height, width)} px exceeds FFCV's {MAX_SIDE} px; "
+                         "apply a max-side size policy")
+
+
+def ffcv_fields(mode: str, jpeg_quality: int) -> dict:
+    """The FFCV fields of `schema.FFCV_FIELDS`, in order, for a split of image `mode`."""
+    from ffcv.fields import BytesField, FloatField, IntField, RGBImageField
+
+    image = (RGBImageField(write_mode="raw") if mode == "raw"
+             else RGBImageField(write_mode="jpg", jpeg_quality=int(jpeg_quality)))
+    image.encode = functools.partial(_encode_passing_jpegs_through, image)
+    by_name = {schema.IMAGE: image, schema.LABEL: IntField(), schema.INDEX: IntField(),
+               schema.MASK: BytesField(), schema.COVERAGE: FloatField()}
+    return {name: by_name[name] for name in schema.FFCV_FIELDS}
+
+
+def temporary_file(path: Path) -> tuple[int, str]:
+    """A new temporary file beside `path` (descriptor, name) with the permissions any new file of this
+    process gets: `mkstemp`'s own are 0600, a dataset no one else on the machine could read."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    return fd, tmp
 
 
 def warm_up() -> None:
@@ -106,7 +135,8 @@ def warm_up() -> None:
     IMAGE_MODES["jpg"], IMAGE_MODES["raw"]                  # noqa: B018
 
 
-def write_ffcv(split: PreparedSplit, path: Path, *, num_workers: int = 1, progress: bool = False) -> None:
+def write_ffcv(split: PreparedSplit, path: Path, *, num_workers: int = 1, progress: bool = False,
+               page_size: int = PAGE_SIZE) -> None:
     """Write `split` to the FFCV file `path` (temporary name, then an atomic rename).
 
     Args:
@@ -115,6 +145,7 @@ def write_ffcv(split: PreparedSplit, path: Path, *, num_workers: int = 1, progre
         path: destination `.beton` file; its folder must exist.
         num_workers: writer processes (>= 1).
         progress: show a progress bar (only when stderr is a terminal).
+        page_size: FFCV's page (its default, 8 MiB; a power of two >= 2 MiB).
 
     Raises:
         ValueError: bad mode, empty split, a bad record (the message names it), or bad num_workers.
@@ -132,17 +163,11 @@ def write_ffcv(split: PreparedSplit, path: Path, *, num_workers: int = 1, progre
 
     warm_up()
     import ffcv.writer
-    from ffcv.fields import BytesField, FloatField, IntField, RGBImageField
     from tqdm import tqdm
 
-    image = (RGBImageField(write_mode="raw") if split.mode == "raw"
-             else RGBImageField(write_mode="jpg", jpeg_quality=int(split.jpeg_quality)))
-    image.encode = functools.partial(_encode_passing_jpegs_through, image)
-    by_name = {schema.IMAGE: image, schema.LABEL: IntField(), schema.INDEX: IntField(),
-               schema.MASK: BytesField(), schema.COVERAGE: FloatField()}
-    fields = {name: by_name[name] for name in schema.FFCV_FIELDS}
+    fields = ffcv_fields(split.mode, split.jpeg_quality)
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temporary_file(path)
     os.close(fd)
     err = tmp + ".err"
     show = progress and sys.stderr.isatty()
@@ -152,7 +177,8 @@ def write_ffcv(split: PreparedSplit, path: Path, *, num_workers: int = 1, progre
         # ... and polls its workers every 0.1 s, a fifth of a small file's write: poll every 5 ms.
         ffcv.writer.sleep = lambda _seconds: time.sleep(0.005)
         before_fork()                            # FFCV forks its writer processes
-        writer = ffcv.writer.DatasetWriter(tmp, fields, num_workers=min(num_workers, len(split)))
+        writer = ffcv.writer.DatasetWriter(tmp, fields, page_size=page_size,
+                                           num_workers=min(num_workers, len(split)))
         # chunksize: workers take 64 records at a time, so small splits still spread over workers.
         before = set(mp.active_children())
         writer.from_indexed_dataset(_FFCVRecords(split, err), chunksize=64)

@@ -4,8 +4,9 @@ fields and `<key>.mask.png` with the coverage in each record's `.rec` of the DAL
 The dataset is rewritten through the same writers and the same staging, manifest-last and swap
 steps as `preprocess/prepare.py`, so an interrupted run leaves the previous dataset and its manifest
 valid. Records are read back from the DALI shards: JPEG images are stored again byte for byte
-(`Record.encoded`), lossless ones decoded and re-encoded losslessly; labels, indices and the
-ground-truth masks of `synthetic` are kept. Masks arrive as probability maps (uint8, 0-255) of any
+(`Record.encoded`, never decoded) and the `.beton` copied from the new shards (`preprocess.ffcv_copy`),
+lossless ones decoded and re-encoded losslessly by both writers; labels, indices and the ground-truth
+masks of `synthetic` are kept. Masks arrive as probability maps (uint8, 0-255) of any
 size per record; each is resized bilinearly to its stored image and binarised at 0.5 (the DeepUSPS
 convention), so the mask has exactly the image's geometry.
 """
@@ -26,6 +27,7 @@ from PIL import Image
 
 from pipelines import schema
 from pipelines.shards import ShardReader
+from preprocess.ffcv_copy import copy_to_ffcv
 from preprocess.prepare import Hashed, PreprocessError, ffcv_installed, remove_quietly, write_staged
 from preprocess.records import Record
 from preprocess.saliency.handcrafted import resize_map
@@ -61,11 +63,14 @@ class StoredSplit:
     def __getitem__(self, i: int) -> Record:
         i = int(i)
         data = self._reader.image(i)
-        image = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
         label = int(self._reader.labels[i])
-        rec = Record(image=image, label=label, index=i,
-                     encoded=data if self.mode == "jpg" else None)
-        return replace(rec, mask=binarise(self.masks(i), *image.shape[:2]))
+        with Image.open(io.BytesIO(data)) as img:
+            if self.mode == "jpg":                     # stored again as it is: only its size is read
+                w, h = img.size
+                rec = Record(image=None, label=label, index=i, encoded=data, size=(h, w))
+            else:
+                rec = Record(image=np.asarray(img.convert("RGB")), label=label, index=i)
+        return replace(rec, mask=binarise(self.masks(i), *rec.shape))
 
 
 def write_masks(dataset_dir: Path, masks: dict[str, Callable[[int], np.ndarray]], saliency: dict, *,
@@ -101,12 +106,15 @@ def write_masks(dataset_dir: Path, masks: dict[str, Callable[[int], np.ndarray]]
 
     def fill(staging: Path) -> None:
         for split, count in old.counts.items():
-            stored = StoredSplit(dataset_dir / split, count, old.image_mode, masks[split],
-                                 jpeg_quality=old.jpeg_quality or schema.JPEG_QUALITY)
-            if with_ffcv:
-                write_ffcv(stored, staging / f"{split}.beton", num_workers=workers, progress=progress)
+            quality = old.jpeg_quality or schema.JPEG_QUALITY
+            stored = StoredSplit(dataset_dir / split, count, old.image_mode, masks[split], jpeg_quality=quality)
             write_dali(stored, staging / split, shard_size=old.shard_size or count, num_workers=workers,
                        progress=progress)
+            if with_ffcv and old.image_mode == "jpg":      # the new shards copied: no mask made twice
+                copy_to_ffcv(ShardReader.open(staging / split, count), staging / f"{split}.beton", has_masks=True,
+                             jpeg_quality=quality, num_workers=workers, progress=progress)
+            elif with_ffcv:                                 # pixels, which the shards hold as PNG
+                write_ffcv(stored, staging / f"{split}.beton", num_workers=workers, progress=progress)
         for rel in old.gt_masks.values():
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(dataset_dir / rel, staging / rel)

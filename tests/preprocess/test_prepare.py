@@ -54,6 +54,15 @@ def test_complete_dataset_layout_and_manifest(dataset: Path) -> None:
     assert [p.name for p in dataset.parent.glob(".*")] == [".synthetic.lock"]   # no staging or old folder
 
 
+def test_every_file_gets_the_permissions_of_a_new_file(dataset: Path) -> None:
+    """Readable by whoever may read what this user writes (the umask), as the shards are: the FFCV files
+    once kept their temporary files' 0600, a dataset no one else on a shared machine could read."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.relative_to(dataset).as_posix(): p.stat().st_mode & 0o777 for p in dataset.rglob("*") if p.is_file()}
+    assert "train.beton" in modes and set(modes.values()) == {0o666 & ~umask}, modes
+
+
 def test_gt_masks_and_mean_std_match_the_source(dataset: Path) -> None:
     m = read_manifest(dataset)
     src = SyntheticSplit(48, image_px=32)
