@@ -7,7 +7,8 @@ bytes already encoded that is all overhead: one process copied faster than two, 
 record, and it was the serial part of preprocessing an image folder (docs/measured.md). Here the place
 of every byte is computed first, from the records' sizes in the shards' record table, exactly as
 FFCV's allocator places it with one worker (`plan`); then processes write disjoint runs of pages at
-once, a page's pieces in one gathered, positioned write (`copy_to_ffcv`).
+once, a page's pieces in one gathered, positioned write (`copy_to_ffcv`), while this process hashes
+the pages already written for the manifest.
 
 The layout of a `.beton` (FFCV 1.0.2: ffcv/writer.py, ffcv/memory_allocator.py, ffcv/types.py):
 
@@ -30,6 +31,7 @@ splits go through FFCV's writer.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import sys
@@ -195,10 +197,12 @@ def _spans(layout: Layout, parts: int) -> list[tuple[int, int]]:
 
 def copy_to_ffcv(reader: ShardReader, path: Path, *, sizes: np.ndarray | None = None, has_masks: bool = False,
                  jpeg_quality: int = schema.JPEG_QUALITY, num_workers: int = 1, progress: bool = False,
-                 page_size: int = PAGE_SIZE) -> None:
+                 page_size: int = PAGE_SIZE) -> str:
     """Write the FFCV file `path` of the records `reader` reads (mode "jpg"), equal byte for byte to
     `write_ffcv(split, path, num_workers=1, page_size=page_size)` of the same records; under a
-    temporary name, renamed into place when whole.
+    temporary name, renamed into place when whole. Returns the file's SHA-256 (hex), for the manifest:
+    with `sizes` given, each run of pages is hashed as soon as it is written, while the processes
+    write the next ones (for ILSVRC-2012's ~140 GB a sequential hash after the copy would be minutes).
 
     Args:
         reader: the split's shards (records in index order).
@@ -210,7 +214,8 @@ def copy_to_ffcv(reader: ShardReader, path: Path, *, sizes: np.ndarray | None = 
         progress: a progress bar (only when stderr is a terminal).
 
     Raises:
-        ValueError: an empty split, a record larger than a page or wider than FFCV's 65,535 px.
+        ValueError: an empty split, a record larger than a page or wider than FFCV's 65,535 px, or a
+            shard shorter than its record table says.
         FileNotFoundError: the destination folder does not exist.
     """
     from ffcv.types import CURRENT_VERSION, FieldDescType, HeaderType, TYPE_ID_HANDLER, get_metadata_type
@@ -258,19 +263,28 @@ def copy_to_ffcv(reader: ShardReader, path: Path, *, sizes: np.ndarray | None = 
         desc["arguments"][:] = field.to_binary()[0]
 
     fd, tmp = temporary_file(path)
+    digest, hashed = hashlib.sha256(), 0               # the file's hash, over its first `hashed` bytes
     try:
         os.ftruncate(fd, layout.file_size)                 # pages read as zeros where nothing is written
         os.pwrite(fd, layout.table.tobytes(), layout.data_start + layout.pages * page_size)
+        if sizes is not None:                              # the metadata is whole: written and hashed first
+            os.pwrite(fd, header.tobytes() + descriptors.tobytes() + meta.tobytes(), 0)
         spans = _spans(layout, 4 * num_workers)
         args = (reader, layout, has_masks, tmp, sizes is None)
-        pool = fork_context().Pool(min(num_workers, len(spans)), _init_worker, args) if num_workers > 1 else None
+        # Processes even for one worker: this one hashes what they wrote meanwhile (30,000 records of 41 KB
+        # copied and hashed in 1.09 s instead of 1.44 s, one worker on 2 cores).
+        pool = fork_context().Pool(min(num_workers, len(spans)), _init_worker, args) if len(spans) > 1 else None
         if pool is None:
             _init_worker(*args)
         bar = tqdm(total=n, unit="img", desc=path.name, disable=not (progress and sys.stderr.isatty()))
         try:
-            for count, rows in (pool.imap_unordered(_write_pages, spans) if pool else map(_write_pages, spans)):
+            done = pool.imap(_write_pages, spans) if pool else map(_write_pages, spans)
+            for (_, hi), (count, rows) in zip(spans, done):
                 image["height"][rows[:, 0]], image["width"][rows[:, 0]] = rows[:, 1], rows[:, 2]
                 bar.update(count)
+                if sizes is not None:                      # pages up to the end of this run are final
+                    end = layout.data_start + (int(layout.page_of(layout.piece_ptr[hi - 1])) + 1) * page_size
+                    hashed = _hash(fd, digest, hashed, end)
             if pool:
                 pool.close()                     # the workers end on their own (no SIGTERM in a user's log)
         except BaseException:
@@ -282,7 +296,9 @@ def copy_to_ffcv(reader: ShardReader, path: Path, *, sizes: np.ndarray | None = 
                 pool.join()
             bar.close()
             _WORKER.clear()
-        os.pwrite(fd, header.tobytes() + descriptors.tobytes() + meta.tobytes(), 0)
+        if sizes is None:
+            os.pwrite(fd, header.tobytes() + descriptors.tobytes() + meta.tobytes(), 0)
+        _hash(fd, digest, hashed, layout.file_size)
         os.close(fd)
         fd = -1
         os.replace(tmp, path)
@@ -291,3 +307,15 @@ def copy_to_ffcv(reader: ShardReader, path: Path, *, sizes: np.ndarray | None = 
             os.close(fd)
         if os.path.exists(tmp):
             os.remove(tmp)
+    return digest.hexdigest()
+
+
+def _hash(fd: int, digest, start: int, end: int, chunk: int = 1 << 24) -> int:
+    """Feed bytes [start, end) of `fd` to `digest`; returns `end`."""
+    while start < end:
+        data = os.pread(fd, min(chunk, end - start), start)
+        if not data:
+            raise OSError(f"the file ended at byte {start} of {end} while it was hashed")
+        digest.update(data)
+        start += len(data)
+    return end

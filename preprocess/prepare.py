@@ -443,19 +443,20 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t
 
 
-def _copy_to_ffcv(split: stream.ShardSplit, path: Path, workers: int) -> float:
+def _copy_to_ffcv(split: stream.ShardSplit, path: Path, workers: int) -> tuple[float, dict]:
     """Copy an image folder's split from its shards into its FFCV file (`preprocess.ffcv_copy`, on
-    `workers` processes); returns the seconds it took."""
+    `workers` processes); returns the seconds it took and the file's {sha256, bytes}, hashed as it was
+    written."""
     t = time.perf_counter()
-    copy_to_ffcv(split.reader, path, sizes=split.sizes, jpeg_quality=split.jpeg_quality, num_workers=workers)
-    return time.perf_counter() - t
+    sha = copy_to_ffcv(split.reader, path, sizes=split.sizes, jpeg_quality=split.jpeg_quality, num_workers=workers)
+    return time.perf_counter() - t, {"sha256": sha, "bytes": path.stat().st_size}
 
 
 def _write_folder(listing: ListedSource, staging: Path, plan: dict, job: Job, with_ffcv: bool) -> Written:
     """An image folder's shards (`stream.write_folder`) and, as each split is assembled, its `.beton`
     copied in a background process (`with_ffcv`); the facts the manifest records, with the checksums the
-    units computed."""
-    copies: list = []
+    units and the copies computed."""
+    copies: dict = {}                # relpath -> the copy's future
     base = listing.src if listing.src.is_dir() else listing.src.parent       # a list file: its folder
 
     def on_split(split_name: str, split: stream.ShardSplit) -> None:
@@ -464,7 +465,8 @@ def _write_folder(listing: ListedSource, staging: Path, plan: dict, job: Job, wi
                                   f"({len(listing.files[split_name])} skipped, see their reasons with a "
                                   "viewer): add valid images")
         if with_ffcv:                # in a process of its own while the other splits' units run
-            copies.append(ffcv_pool.submit(_copy_to_ffcv, split, staging / f"{split_name}.beton", job.workers))
+            copies[f"{split_name}.beton"] = ffcv_pool.submit(_copy_to_ffcv, split, staging / f"{split_name}.beton",
+                                                             job.workers)
 
     engine = _engine(job.engine, job.workers)
     seconds: dict[str, float] = {}
@@ -478,10 +480,11 @@ def _write_folder(listing: ListedSource, staging: Path, plan: dict, job: Job, wi
             t = time.perf_counter()
             if warm is not None:
                 seconds[f"ffcv_import{BACKGROUND}"] = warm.result()
-            seconds[f"ffcv_write{BACKGROUND}"] = sum(c.result() for c in copies)
+            copied = {rel: c.result() for rel, c in copies.items()}
+            seconds[f"ffcv_write{BACKGROUND}"] = sum(secs for secs, _ in copied.values())
             seconds["ffcv_wait"] = time.perf_counter() - t
         finally:
-            for c in copies:
+            for c in copies.values():
                 c.cancel()
     written = PreparedSource(splits=res.splits, params=listing.params, class_names=listing.class_names,
                              image_px=res.image_px, mean=res.mean, std=res.std,
@@ -490,7 +493,8 @@ def _write_folder(listing: ListedSource, staging: Path, plan: dict, job: Job, wi
                              stored=res.stored)
     build = {"engine": engine.name, "resumed_units": res.reused,
              "cpu_seconds": {k: round(v, 3) for k, v in res.cpu_seconds.items()}}
-    return Written(written, {**seconds, **res.seconds}, build, res.checksums)
+    known = {**res.checksums, **{rel: checksum for rel, (_, checksum) in copied.items()}}
+    return Written(written, {**seconds, **res.seconds}, build, known)
 
 
 def _engine(engine: str | object, workers: int):
