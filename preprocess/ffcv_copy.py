@@ -32,19 +32,17 @@ splits go through FFCV's writer.
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 from tqdm import tqdm
 
 from pipelines import schema
 from pipelines.processes import fork_context
-from pipelines.shards import ShardReader
+from pipelines.shards import ShardReader, image_size
 from preprocess.write_ffcv import NO_MASK, PAGE_SIZE, check_side, ffcv_fields, temporary_file, warm_up
 
 _IMAGE, _MASK = 0, 1       # what a piece of a page holds
@@ -115,13 +113,6 @@ def plan(image_sizes: np.ndarray, mask_sizes: np.ndarray, data_start: int, page_
                   size[order])
 
 
-def _header_size(data: bytes) -> tuple[int, int]:
-    """(H, W) from an encoded image's header, nothing decoded."""
-    with Image.open(io.BytesIO(data)) as img:
-        w, h = img.size
-    return h, w
-
-
 # ------------------------------------------------------------------------------------------------
 # The processes: each writes runs of whole pages.
 # ------------------------------------------------------------------------------------------------
@@ -165,7 +156,7 @@ def _write_pages(span: tuple[int, int]) -> tuple[int, np.ndarray]:
                 if ptr == int(layout.image_ptr[rec]):                 # not a stray copy
                     images += 1
                     if _WORKER["read_sizes"]:
-                        h, w = _header_size(data)
+                        h, w = image_size(data)
                         check_side(rec, h, w)
                         sizes.append((rec, h, w))
             elif kind == _MASK and _WORKER["has_masks"]:

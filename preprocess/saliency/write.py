@@ -26,7 +26,7 @@ import numpy as np
 from PIL import Image
 
 from pipelines import schema
-from pipelines.shards import ShardReader
+from pipelines.shards import ShardReader, image_size
 from preprocess.ffcv_copy import copy_to_ffcv
 from preprocess.prepare import Hashed, PreprocessError, ffcv_installed, remove_quietly, write_staged
 from preprocess.records import Record
@@ -64,12 +64,10 @@ class StoredSplit:
         i = int(i)
         data = self._reader.image(i)
         label = int(self._reader.labels[i])
-        with Image.open(io.BytesIO(data)) as img:
-            if self.mode == "jpg":                     # stored again as it is: only its size is read
-                w, h = img.size
-                rec = Record(image=None, label=label, index=i, encoded=data, size=(h, w))
-            else:
-                rec = Record(image=np.asarray(img.convert("RGB")), label=label, index=i)
+        if self.mode == "jpg":                         # stored again as it is: only its size is read
+            rec = Record(image=None, label=label, index=i, encoded=data, size=image_size(data))
+        else:
+            rec = Record(image=np.asarray(Image.open(io.BytesIO(data)).convert("RGB")), label=label, index=i)
         return replace(rec, mask=binarise(self.masks(i), *rec.shape))
 
 
