@@ -107,11 +107,18 @@ def coverage_ppm(coverage: float) -> int:
 def write_record_table(split_dir: Path, records: list[ShardRecord]) -> Path:
     """Save the record table of a split whose shards are written (`records`: its `scan_shards`, or what
     the writer knows of them, every shard inside `split_dir`), atomically; returns its path."""
-    split_dir = Path(split_dir)
     reader = ShardReader(records)
     table = np.array(reader.cols)
     # the reader numbers the shards it saw; the table names each by the number in its file name
     table[:, 0] = np.array([int(Path(s).stem.split("-")[1]) for s in reader.shards], np.int64)[table[:, 0]]
+    return save_record_table(split_dir, table)
+
+
+def save_record_table(split_dir: Path, table: np.ndarray) -> Path:
+    """Save `table` ((N, 8) int64, `TABLE_COLUMNS`, the shard column numbering `shard-NNNNNN.tar` of
+    `split_dir`) as the split's record table, atomically; returns its path."""
+    split_dir = Path(split_dir)
+    table = np.asarray(table, np.int64).reshape(-1, len(TABLE_COLUMNS))
     path = split_dir / schema.RECORDS_NAME
     tmp = split_dir / f".{schema.RECORDS_NAME}.tmp"
     with open(tmp, "wb") as f:

@@ -47,7 +47,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pipelines import schema
-from pipelines.shards import ShardReader, ShardRecord, write_record_table
+from pipelines.shards import TABLE_COLUMNS, ShardReader, coverage_ppm, save_record_table
 from pipelines.processes import fork_context
 from preprocess import imagefolder
 from preprocess.records import Record, mean_std, pixel_sums
@@ -384,7 +384,7 @@ def _assemble(split: str, results: list[dict], staging: Path, parts: Path, known
     if out.exists():
         shutil.rmtree(out)                 # an earlier attempt's assembly: redone from the parts
     out.mkdir()
-    records, sizes, number, first = [], [], 0, 0
+    tables, sizes, number, first = [], [], 0, 0        # per unit: its rows of the record table, (H, W)
     for r in results:
         if not r["records"]:
             continue                       # every file of this unit was skipped: no shard
@@ -398,19 +398,21 @@ def _assemble(split: str, results: list[dict], staging: Path, parts: Path, known
                 known[b.relative_to(staging).as_posix()] = {"sha256": digest, "bytes": size}
         else:
             renumber_shard(src_tar, src_idx, out, number, first)
-        for j, (members, (h, w, label)) in enumerate(zip(schema.read_index(out / schema.INDEX_PATTERN.format(number)),
-                                                          r["records"])):
-            offset, size = members["jpg"]
-            records.append(ShardRecord(shard=str(tar), image_offset=offset, image_size=size, mask_offset=-1,
-                                       mask_size=0, label=label, index=first + j, coverage=schema.NO_MASK_COVERAGE))
-            sizes.append((h, w))
+        index = schema.read_index(out / schema.INDEX_PATTERN.format(number))
+        image = np.array([m["jpg"] for m in index], np.int64).reshape(-1, 2)    # offset, size in the shard
+        hwl = np.array(r["records"], np.int64).reshape(-1, 3)                 # H, W, label of each record
+        k = len(hwl)
+        tables.append(np.column_stack([np.full(k, number), image, np.full(k, -1), np.zeros(k),      # no mask
+                                       hwl[:, 2], np.arange(first, first + k),
+                                       np.full(k, coverage_ppm(schema.NO_MASK_COVERAGE))]).astype(np.int64))
+        sizes.append(hwl[:, :2])
         number += 1
-        first += len(r["records"])
-    write_record_table(out, records)
-    if len(names) != len(records):
-        raise AssertionError(f"{split}: {len(names)} names for {len(records)} records")
+        first += k
+    save_record_table(out, np.concatenate(tables) if tables else np.zeros((0, len(TABLE_COLUMNS)), np.int64))
+    if len(names) != first:
+        raise AssertionError(f"{split}: {len(names)} names for {first} records")
     (out / schema.NAMES_NAME).write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
-    return ShardSplit(ShardReader(records), np.array(sizes, dtype=np.int64).reshape(-1, 2))
+    return ShardSplit(ShardReader.open(out, first), np.concatenate(sizes) if sizes else np.zeros((0, 2), np.int64))
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
