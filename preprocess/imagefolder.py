@@ -171,8 +171,11 @@ def list_image_folder(src: Path, class_list: Path | None) -> tuple[list[str], di
             d = src / split / n
             if not d.is_dir():
                 continue
-            imgs = sorted(str(p) for p in d.iterdir()
-                          if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+            # scandir's entries know their type without a stat of each file: 1.28 M stats are minutes
+            # on a network filesystem.
+            with os.scandir(d) as entries:
+                imgs = sorted(e.path for e in entries
+                              if os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS and e.is_file())
             if not imgs:
                 raise ImageFolderError(f"class folder {d} has no image files ({', '.join(IMAGE_EXTENSIONS[:4])}, "
                                        "...): add images or remove the folder (or the class from the list)")
