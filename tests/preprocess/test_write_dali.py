@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tarfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,7 +12,7 @@ pytest.importorskip("nvidia.dali")
 
 from pipelines import schema  # noqa: E402
 from preprocess.records import Record  # noqa: E402
-from preprocess.write_dali import write_dali  # noqa: E402
+from preprocess.write_dali import tar_header, write_dali  # noqa: E402
 from tests.readers import assert_table_is_the_scan, read_shards  # noqa: E402
 
 
@@ -122,3 +123,28 @@ def test_bad_input(tmp_path) -> None:
 
     with pytest.raises(ValueError, match="no mask"):
         write_dali(NoMask(), tmp_path / "b")
+
+
+def _tarfile_header(name: str, size: int) -> bytes | str:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, 0o644, 0
+    try:
+        return info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+    except ValueError as e:
+        return f"ValueError: {e}"
+
+
+def test_each_member_header_is_the_one_tarfile_writes() -> None:
+    """Names of 1 to 120 bytes (a prefix field past 100, refused past what it holds), non-ASCII, and
+    sizes up to USTAR's 11 octal digits and past them (refused as tarfile refuses)."""
+    rng = np.random.default_rng(0)
+    names = ["000000123.jpg", "000000001.mask.png", "a", "x" * 100, "x" * 101, "é.png"]
+    names += ["".join(rng.choice(list("abc0123456789._-/"), int(rng.integers(1, 121)))) for _ in range(200)]
+    sizes = [0, 1, 511, 512, 978, 8 ** 11 - 1, 8 ** 11, 2 ** 40] + [int(v) for v in rng.integers(0, 2 ** 34, 30)]
+    for name in names:
+        for size in sizes:
+            try:
+                ours: bytes | str = tar_header(name, size)
+            except ValueError as e:
+                ours = f"ValueError: {e}"
+            assert ours == _tarfile_header(name, size), (name, size)
