@@ -327,6 +327,14 @@ class Written:
     known: dict[str, dict] = field(default_factory=dict)  # checksums the writers computed: {relpath: {sha256, bytes}}
 
 
+@dataclass
+class Known:
+    """What a `write_staged` fill that records nothing else returns: the checksums its writers computed,
+    {relpath: {sha256, bytes}}."""
+
+    known: dict[str, dict] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class Hashed:
     """The dataset files of a staging folder with their checksums (`hash_files`)."""
@@ -554,8 +562,8 @@ def write_staged(staging: Path, final: Path, fill: Callable[[Path], M],
     is swapped in for `final` (`swap_in`).
 
     Args:
-        fill: writes the files; what it returns goes to `manifest_of` (a `Written` also brings the
-            checksums its writers computed, which are not computed again).
+        fill: writes the files; what it returns goes to `manifest_of` (a `Written` or a `Known` also
+            brings the checksums its writers computed, which are not computed again).
         resumable: the staging folder may hold an interrupted run's work that `fill` resumes; it is
             kept when this run fails too. Otherwise it must not exist and is removed on failure.
         workers: threads that hash the files.
@@ -568,7 +576,7 @@ def write_staged(staging: Path, final: Path, fill: Callable[[Path], M],
         staging.mkdir(exist_ok=resumable)
         made = fill(staging)
         t = time.perf_counter()
-        files = hash_files(staging, workers, made.known if isinstance(made, Written) else None)
+        files = hash_files(staging, workers, made.known if isinstance(made, (Written, Known)) else None)
         manifest = manifest_of(made, Hashed(files, time.perf_counter() - t))
         write_manifest(staging, manifest)
         for p in staging.iterdir():

@@ -28,7 +28,7 @@ from PIL import Image
 from pipelines import schema
 from pipelines.shards import ShardReader, image_size
 from preprocess.ffcv_copy import copy_to_ffcv
-from preprocess.prepare import Hashed, PreprocessError, ffcv_installed, remove_quietly, write_staged
+from preprocess.prepare import Hashed, Known, PreprocessError, ffcv_installed, remove_quietly, write_staged
 from preprocess.records import Record
 from preprocess.saliency.handcrafted import resize_map
 from preprocess.write_dali import write_dali
@@ -102,22 +102,26 @@ def write_masks(dataset_dir: Path, masks: dict[str, Callable[[int], np.ndarray]]
         print("ffcv is not installed: the masks go into the DALI shards only and the .beton files are dropped "
               "(pip install 'viewmill[ffcv]', then make saliency again, keeps them)", file=sys.stderr)
 
-    def fill(staging: Path) -> None:
+    def fill(staging: Path) -> Known:
+        copied = Known()                                    # the .beton files hashed as they were copied
         for split, count in old.counts.items():
             quality = old.jpeg_quality or schema.JPEG_QUALITY
             stored = StoredSplit(dataset_dir / split, count, old.image_mode, masks[split], jpeg_quality=quality)
             write_dali(stored, staging / split, shard_size=old.shard_size or count, num_workers=workers,
                        progress=progress)
             if with_ffcv and old.image_mode == "jpg":      # the new shards copied: no mask made twice
-                copy_to_ffcv(ShardReader.open(staging / split, count), staging / f"{split}.beton", has_masks=True,
-                             jpeg_quality=quality, num_workers=workers, progress=progress)
+                beton = staging / f"{split}.beton"
+                sha = copy_to_ffcv(ShardReader.open(staging / split, count), beton, has_masks=True,
+                                   jpeg_quality=quality, num_workers=workers, progress=progress)
+                copied.known[beton.name] = {"sha256": sha, "bytes": beton.stat().st_size}
             elif with_ffcv:                                 # pixels, which the shards hold as PNG
                 write_ffcv(stored, staging / f"{split}.beton", num_workers=workers, progress=progress)
         for rel in old.gt_masks.values():
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(dataset_dir / rel, staging / rel)
+        return copied
 
-    def manifest_of(_: None, hashed: Hashed) -> schema.Manifest:
+    def manifest_of(_: Known, hashed: Hashed) -> schema.Manifest:
         build = {**old.build, "saliency_write_seconds": round(time.perf_counter() - t0, 3)}
         formats = old.formats if with_ffcv else {k: v for k, v in old.formats.items() if k != "ffcv"}
         return replace(old, files=hashed.files, formats=formats, has_masks=True, mask_source="saliency", saliency=saliency,
