@@ -82,7 +82,8 @@ def test_jpegs_are_stored_again_byte_for_byte_and_masks_take_each_image_geometry
     for split, n in after.counts.items():
         beton = _Beton(ds / f"{split}.beton")
         reader = ShardReader(scan_shards(ds / split, n))
-        masks, _ = read_masks(ds / f"{split}.beton")
+        masks, coverage = read_masks(ds / f"{split}.beton")
+        assert np.array_equal(coverage, reader.coverage) and (coverage == 0.5).all()   # copied from the shards
         for i in range(n):
             assert reader.image(i) == jpeg_before[split][i]
             meta = beton.meta[schema.IMAGE][i]
