@@ -43,10 +43,11 @@ from tqdm import tqdm
 from pipelines import schema
 from pipelines.processes import fork_context
 from pipelines.shards import ShardReader, image_size
-from preprocess.write_ffcv import NO_MASK, PAGE_SIZE, check_side, ffcv_fields, temporary_file, warm_up
+from preprocess.write_ffcv import MAX_SIDE, NO_MASK, PAGE_SIZE, check_side, ffcv_fields, temporary_file, warm_up
 
 _IMAGE, _MASK = 0, 1       # what a piece of a page holds
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024     # buffers one pwritev takes
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else -1        # buffers one pwritev takes
+_IOV_MAX = _IOV_MAX if _IOV_MAX > 0 else 16                                    # (-1: not stated; 16, the least POSIX allows)
 
 
 @dataclass
@@ -66,8 +67,13 @@ class Layout:
     piece_size: np.ndarray     # (P,) int64 bytes
 
     @property
+    def table_ptr(self) -> int:
+        """File offset of the allocation table: right after the last page."""
+        return self.data_start + self.pages * self.page_size
+
+    @property
     def file_size(self) -> int:
-        return self.data_start + self.pages * self.page_size + self.table.nbytes
+        return self.table_ptr + self.table.nbytes
 
     def page_of(self, ptr: np.ndarray) -> np.ndarray:
         return (np.asarray(ptr, np.int64) - self.data_start) // self.page_size
@@ -188,11 +194,11 @@ def _spans(layout: Layout, parts: int) -> list[tuple[int, int]]:
 
 def copy_to_ffcv(reader: ShardReader, path: Path, *, sizes: np.ndarray | None = None, has_masks: bool = False,
                  jpeg_quality: int = schema.JPEG_QUALITY, num_workers: int = 1, progress: bool = False,
-                 page_size: int = PAGE_SIZE) -> str:
+                 page_size: int = PAGE_SIZE) -> dict:
     """Write the FFCV file `path` of the records `reader` reads (mode "jpg"), equal byte for byte to
     `write_ffcv(split, path, num_workers=1, page_size=page_size)` of the same records; under a
-    temporary name, renamed into place when whole. Returns the file's SHA-256 (hex), for the manifest:
-    with `sizes` given, each run of pages is hashed as soon as it is written, while the processes
+    temporary name, renamed into place when whole. Returns the file's checksum as the manifest records
+    it, {"sha256", "bytes"}: with `sizes` given, each run of pages is hashed as soon as it is written, while the processes
     write the next ones (for ILSVRC-2012's ~140 GB a sequential hash after the copy would be minutes).
 
     Args:
@@ -219,8 +225,9 @@ def copy_to_ffcv(reader: ShardReader, path: Path, *, sizes: np.ndarray | None = 
         raise FileNotFoundError(f"output folder {path.parent} does not exist; create it first")
     if sizes is not None:
         sizes = np.asarray(sizes)
-        for i in np.flatnonzero(sizes.max(axis=1) > 65535)[:1]:
-            check_side(int(i), *(int(v) for v in sizes[i]))
+        too_wide = np.flatnonzero(sizes.max(axis=1) > MAX_SIDE)
+        if len(too_wide):
+            check_side(int(too_wide[0]), *(int(v) for v in sizes[too_wide[0]]))
     warm_up()
     fields = ffcv_fields("jpg", jpeg_quality)
     handlers = list(fields.values())
@@ -245,7 +252,7 @@ def copy_to_ffcv(reader: ShardReader, path: Path, *, sizes: np.ndarray | None = 
 
     header = np.zeros((), HeaderType)
     header["version"], header["num_fields"], header["page_size"] = CURRENT_VERSION, len(fields), page_size
-    header["num_samples"], header["alloc_table_ptr"] = n, layout.data_start + layout.pages * page_size
+    header["num_samples"], header["alloc_table_ptr"] = n, layout.table_ptr
     descriptors = np.zeros(len(fields), FieldDescType)
     type_ids = {handler: type_id for type_id, handler in TYPE_ID_HANDLER.items()}
     for desc, (name, field) in zip(descriptors, fields.items()):
@@ -257,7 +264,7 @@ def copy_to_ffcv(reader: ShardReader, path: Path, *, sizes: np.ndarray | None = 
     digest, hashed = hashlib.sha256(), 0               # the file's hash, over its first `hashed` bytes
     try:
         os.ftruncate(fd, layout.file_size)                 # pages read as zeros where nothing is written
-        os.pwrite(fd, layout.table.tobytes(), layout.data_start + layout.pages * page_size)
+        os.pwrite(fd, layout.table.tobytes(), layout.table_ptr)
         if sizes is not None:                              # the metadata is whole: written and hashed first
             os.pwrite(fd, header.tobytes() + descriptors.tobytes() + meta.tobytes(), 0)
         spans = _spans(layout, 4 * num_workers)
@@ -298,7 +305,7 @@ def copy_to_ffcv(reader: ShardReader, path: Path, *, sizes: np.ndarray | None = 
             os.close(fd)
         if os.path.exists(tmp):
             os.remove(tmp)
-    return digest.hexdigest()
+    return {"sha256": digest.hexdigest(), "bytes": layout.file_size}
 
 
 def _hash(fd: int, digest, start: int, end: int, chunk: int = 1 << 24) -> int:

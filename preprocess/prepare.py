@@ -456,8 +456,9 @@ def _copy_to_ffcv(split: stream.ShardSplit, path: Path, workers: int) -> tuple[f
     `workers` processes); returns the seconds it took and the file's {sha256, bytes}, hashed as it was
     written."""
     t = time.perf_counter()
-    sha = copy_to_ffcv(split.reader, path, sizes=split.sizes, jpeg_quality=split.jpeg_quality, num_workers=workers)
-    return time.perf_counter() - t, {"sha256": sha, "bytes": path.stat().st_size}
+    checksum = copy_to_ffcv(split.reader, path, sizes=split.sizes, jpeg_quality=split.jpeg_quality,
+                            num_workers=workers)
+    return time.perf_counter() - t, checksum
 
 
 def _write_folder(listing: ListedSource, staging: Path, plan: dict, job: Job, with_ffcv: bool) -> Written:

@@ -16,6 +16,7 @@ import cv2
 import numpy as np
 
 from pipelines import schema
+from pipelines.shards import coverage_ppm
 
 
 @dataclass(frozen=True)
@@ -155,4 +156,4 @@ def mask_coverage(mask: np.ndarray | None) -> float:
     """
     if mask is None:
         return schema.NO_MASK_COVERAGE
-    return round(float(np.mean(mask >= 128)) * 1_000_000) / 1_000_000
+    return coverage_ppm(float(np.mean(mask >= 128))) / 1_000_000

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m preprocess.salien
                             case_images=a.case_images, score_images=a.score_images, refinement=refinement)
         report = a.report / f"saliency-{a.dataset}"
         # the maps' worker processes, and the dense CRF's beside them
-        ensure_open_files(descriptors_needed(workers=a.workers * (2 if a.crf and a.rounds else 1)), "the saliency stage")
+        ensure_open_files(descriptors_needed(workers=a.workers + settings.crf_workers), "the saliency stage")
         saliency = compute(a.root / a.dataset, settings, report)
     except (PreprocessError, DatasetError, LimitError, handcrafted.SaliencyError) as e:
         return bad_input(e)

@@ -57,6 +57,11 @@ class Settings:
     score_images: int = 500        # held-out train images every stage is scored on (outside the subset)
     refinement: refine.RefineSettings = refine.RefineSettings()
 
+    @property
+    def crf_workers(self) -> int:
+        """Processes of the dense CRF beside the maps' (none without it or without a refinement)."""
+        return self.workers if self.refinement.crf and self.refinement.rounds else 0
+
 
 # ----------------------------------------------------------------------------- parallel maps
 
@@ -211,7 +216,7 @@ def compute(dataset_dir: Path, settings: Settings, report_dir: Path | None = Non
     r = settings.refinement
     try:
         # The dense CRF's processes, forked once before anything is read or trained, for the whole run.
-        with CrfPool(settings.workers if r.rounds and r.crf else 1) as crf:
+        with CrfPool(settings.crf_workers or 1) as crf:
             return _compute(dataset_dir, settings, report_dir, crf if r.crf else None)
     finally:
         lock.release()

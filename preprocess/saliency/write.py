@@ -110,10 +110,9 @@ def write_masks(dataset_dir: Path, masks: dict[str, Callable[[int], np.ndarray]]
             write_dali(stored, staging / split, shard_size=old.shard_size or count, num_workers=workers,
                        progress=progress)
             if with_ffcv and old.image_mode == "jpg":      # the new shards copied: no mask made twice
-                beton = staging / f"{split}.beton"
-                sha = copy_to_ffcv(ShardReader.open(staging / split, count), beton, has_masks=True,
-                                   jpeg_quality=quality, num_workers=workers, progress=progress)
-                copied.known[beton.name] = {"sha256": sha, "bytes": beton.stat().st_size}
+                copied.known[f"{split}.beton"] = copy_to_ffcv(
+                    ShardReader.open(staging / split, count), staging / f"{split}.beton", has_masks=True,
+                    jpeg_quality=quality, num_workers=workers, progress=progress)
             elif with_ffcv:                                 # pixels, which the shards hold as PNG
                 write_ffcv(stored, staging / f"{split}.beton", num_workers=workers, progress=progress)
         for rel in old.gt_masks.values():

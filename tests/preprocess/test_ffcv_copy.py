@@ -64,10 +64,11 @@ def written(request, tmp_path_factory) -> tuple[NoiseJpegs, ShardReader, bytes]:
 def test_the_copy_is_byte_for_byte_the_file_ffcvs_writer_writes(written, workers, sizes_known, tmp_path) -> None:
     split, reader, reference = written
     sizes = np.array([split[i].size for i in range(split.n)]) if sizes_known else None
-    sha = copy_to_ffcv(reader, tmp_path / "train.beton", sizes=sizes, has_masks=split.has_masks, jpeg_quality=90,
-                       num_workers=workers, page_size=PAGE)
+    checksum = copy_to_ffcv(reader, tmp_path / "train.beton", sizes=sizes, has_masks=split.has_masks,
+                            jpeg_quality=90, num_workers=workers, page_size=PAGE)
     assert (tmp_path / "train.beton").read_bytes() == reference
-    assert sha == hashlib.sha256(reference).hexdigest()        # hashed run by run as the pages were written
+    # hashed run by run as the pages were written
+    assert checksum == {"sha256": hashlib.sha256(reference).hexdigest(), "bytes": len(reference)}
     assert [p.name for p in tmp_path.iterdir()] == ["train.beton"]                   # no temporary left
     umask = os.umask(0o022)
     os.umask(umask)
