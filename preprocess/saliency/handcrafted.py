@@ -1,13 +1,14 @@
 """Handcrafted saliency maps over SLIC superpixels: Robust Background Detection (RBD; Zhu, Liang, Wei
-and Sun, CVPR 2014), graph-based Manifold Ranking (MR; Yang, Zhang, Lu, Ruan and Yang, CVPR 2013) and
-the Absorbing Markov Chain (MC; Jiang, Zhang, Lu, Yang and Yang, ICCV 2013), the pseudo-labels DeepUSPS
-refines (RELICv2 App. A.2 uses RBD, MR, DSR and MC; DSR is not implemented).
+and Sun, CVPR 2014), graph-based Manifold Ranking (MR; Yang, Zhang, Lu, Ruan and Yang, CVPR 2013), the
+Absorbing Markov Chain (MC; Jiang, Zhang, Lu, Yang and Yang, ICCV 2013) and Dense and Sparse
+Reconstruction (DSR, `dsr.py`): the pseudo-labels DeepUSPS refines (RELICv2 App. A.2.1 uses all four).
 
-All work on one graph of superpixels: SLIC with `sigma=1, compactness=20` (without smoothing SLIC
-merges a noisy image into a handful of segments), the actual count checked against the target; per
-superpixel its mean CIE-Lab colour, mean normalised position, its 4-connected neighbours and the image
-sides it touches. Implemented from the papers' equations with the reference parameters of the
-authors' demos; every map is min-max normalised to [0, 1] and filled back to pixels. Images smaller than `work_px` are upsampled first (bicubic), and the map is resized back.
+RBD, MR and MC work on one graph of superpixels (DSR segments the image at eight scales of its
+own): SLIC with `sigma=1, compactness=20` (`superpixels.py`), the actual count checked against the
+target; per superpixel its mean CIE-Lab colour, mean normalised position, its 4-connected neighbours
+and the image sides it touches. Implemented from the papers' equations with the reference parameters
+of the authors' demos; every map is min-max normalised to [0, 1] and filled back to pixels. Images
+smaller than `work_px` are upsampled first (bicubic), and the map is resized back.
 """
 
 from __future__ import annotations
@@ -18,26 +19,13 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import shortest_path
 
-SIDES = ("top", "bottom", "left", "right")
-METHODS = ("rbd", "mr", "mc")
+from preprocess.saliency import dsr
+from preprocess.saliency.superpixels import SIDES, SaliencyError, SlicParams, minmax, region_means, segment, touching
+
+METHODS = ("rbd", "mr", "mc", "dsr")
 # The methods `make saliency` fuses and refines unless told: MC adds nothing to the fusion of RBD and MR
 # on the labelled test images (docs/saliency.md), and fails on objects that touch the image's border.
 DEFAULT_METHODS = ("rbd", "mr")
-
-
-class SaliencyError(ValueError):
-    """Bad saliency input or parameters, with the fix."""
-
-
-@dataclass(frozen=True)
-class SlicParams:
-    """SLIC settings: `segments` is the target count at the working size (the reference RBD code uses
-    H·W/600 at ≥ 224 px; ~80 at 64 px); a result under `min_fraction` of it is an error."""
-
-    segments: int = 80
-    compactness: float = 20.0
-    sigma: float = 1.0
-    min_fraction: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -71,11 +59,6 @@ def _two_ring(adj: np.ndarray) -> np.ndarray:
     return ring
 
 
-def _minmax(x: np.ndarray) -> np.ndarray:
-    lo, hi = float(x.min()), float(x.max())
-    return (x - lo) / (hi - lo) if hi > lo else np.zeros_like(x, dtype=np.float64)
-
-
 def _edge_scaled(d: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """d̂: the colour distances min-max normalised over the graph's edges (MR's and MC's weights)."""
     de = d[edges]
@@ -90,35 +73,20 @@ def build_graph(image: np.ndarray, slic: SlicParams = SlicParams()) -> Graph:
         SaliencyError: SLIC returned fewer than `slic.min_fraction` of `slic.segments` superpixels.
     """
     from skimage.color import rgb2lab
-    from skimage.segmentation import slic as skimage_slic
 
-    if image.ndim != 3 or image.shape[2] != 3:
-        raise SaliencyError(f"saliency needs (H, W, 3) RGB images, got shape {image.shape}")
-    h, w = image.shape[:2]
-    raw = skimage_slic(image, n_segments=slic.segments, compactness=slic.compactness, sigma=slic.sigma,
-                       start_label=0, channel_axis=-1)
-    _, labels = np.unique(raw, return_inverse=True)
-    labels = labels.reshape(h, w)
+    labels = segment(image, slic)
     n = int(labels.max()) + 1
-    if n < slic.min_fraction * slic.segments:
-        raise SaliencyError(f"SLIC made {n} superpixels for a target of {slic.segments} on a {w}x{h} image; "
-                            "raise the working size or lower the superpixel count")
-    lab = rgb2lab(image)
-    flat = labels.ravel()
-    count = np.bincount(flat, minlength=n).astype(np.float64)
-    mean = lambda v: np.bincount(flat, weights=v.ravel(), minlength=n) / count   # noqa: E731
-    lab_mean = np.stack([mean(lab[..., c]) for c in range(3)], axis=1)
+    h, w = labels.shape
     rows, cols = np.mgrid[0:h, 0:w]
-    pos = np.stack([mean(rows + 0.5) / h, mean(cols + 0.5) / w], axis=1)
+    lab_mean = region_means(labels, rgb2lab(image))
+    pos = region_means(labels, np.stack([(rows + 0.5) / h, (cols + 0.5) / w], axis=-1))
     adj = np.zeros((n, n), dtype=bool)
     for a, b in ((labels[:-1], labels[1:]), (labels[:, :-1], labels[:, 1:])):
         diff = a != b
         adj[a[diff], b[diff]] = True
     adj |= adj.T
     np.fill_diagonal(adj, False)
-    sides = {s: np.zeros(n, dtype=bool) for s in SIDES}
-    for s, edge in (("top", labels[0]), ("bottom", labels[-1]), ("left", labels[:, 0]), ("right", labels[:, -1])):
-        sides[s][np.unique(edge)] = True
+    sides = touching(labels)
     return Graph(labels=labels, lab=lab_mean, pos=pos, adj=adj, sides=sides)
 
 
@@ -176,7 +144,7 @@ def rbd(g: Graph, p: RbdParams = RbdParams()) -> np.ndarray:
     dpos2 = ((g.pos[:, None, :] - g.pos[None, :, :]) ** 2).sum(axis=-1)
     w_spa = np.exp(-dpos2 / (2 * p.sigma_spa ** 2))
     w_spa[dpos2 > (3 * p.sigma_spa) ** 2] = 0.0
-    w_fg = _minmax((d * w_spa * w_bg[None, :]).sum(axis=1))
+    w_fg = minmax((d * w_spa * w_bg[None, :]).sum(axis=1))
     if w_fg.max() > w_fg.min():
         w_fg[w_fg < threshold_otsu(w_fg)] = 0.0
 
@@ -186,7 +154,7 @@ def rbd(g: Graph, p: RbdParams = RbdParams()) -> np.ndarray:
     bg = p.lambda_bg * w_bg
     bg[bndcon > 3] = 1000.0                       # the reference code: certain background
     s = np.linalg.solve(laplacian + np.diag(bg) + np.diag(w_fg), w_fg)
-    return _minmax(s)
+    return minmax(s)
 
 
 # ----------------------------------------------------------------------------- MR
@@ -222,9 +190,9 @@ def mr(g: Graph, p: MrParams = MrParams()) -> np.ndarray:
     np.fill_diagonal(rank, 0.0)
     s_bq = np.ones(n)
     for side in SIDES:
-        s_bq *= 1.0 - _minmax(rank @ g.sides[side].astype(np.float64))
-    s_bq = _minmax(s_bq)
-    return _minmax(rank @ (s_bq >= s_bq.mean()).astype(np.float64))
+        s_bq *= 1.0 - minmax(rank @ g.sides[side].astype(np.float64))
+    s_bq = minmax(s_bq)
+    return minmax(rank @ (s_bq >= s_bq.mean()).astype(np.float64))
 
 
 # ----------------------------------------------------------------------------- MC
@@ -260,7 +228,7 @@ def mc(g: Graph, p: McParams = McParams()) -> np.ndarray:
     w = np.where(edges, np.exp(-p.theta * _edge_scaled(d, edges)) + p.eps, 0.0) + np.eye(n)
     degree = w.sum(axis=1) + w[:, g.boundary].sum(axis=1)           # to transient and absorbing nodes
     q = w / degree[:, None]
-    return _minmax(np.linalg.solve(np.eye(n) - q, np.ones(n)))
+    return minmax(np.linalg.solve(np.eye(n) - q, np.ones(n)))
 
 
 # ----------------------------------------------------------------------------- images
@@ -330,11 +298,13 @@ def maps(image: np.ndarray, methods: tuple[str, ...] = DEFAULT_METHODS, work_px:
 
 
 def _per_pixel(work: np.ndarray, methods: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """One pass: every method on one superpixel graph, filled back to the working image's pixels."""
-    g = build_graph(np.ascontiguousarray(work), SlicParams(segments=segments_for(work.shape[0])))
+    """One pass: every graph method on one superpixel graph, filled back to the working image's pixels,
+    and DSR on its own segmentations."""
+    work = np.ascontiguousarray(work)
+    g = build_graph(work, SlicParams(segments=segments_for(work.shape[0])))
     if float(np.ptp(g.lab, axis=0).max()) < 1e-3:      # one colour everywhere: nothing stands out
         return {m: np.zeros(work.shape[:2]) for m in methods}
-    return {m: _METHOD_MAPS[m](g)[g.labels] for m in methods}
+    return {m: dsr.dsr(work) if m == "dsr" else _METHOD_MAPS[m](g)[g.labels] for m in methods}
 
 
 _METHOD_MAPS = {"rbd": rbd, "mr": mr, "mc": mc}

@@ -1,4 +1,5 @@
-"""The handcrafted saliency maps (RBD, MR, MC over SLIC superpixels) and the quality scores."""
+"""The handcrafted saliency maps (RBD, MR, MC over SLIC superpixels; DSR, every method here and its
+terms in test_saliency_dsr.py) and the quality scores."""
 
 from __future__ import annotations
 
@@ -56,8 +57,8 @@ def test_too_few_superpixels_and_unknown_methods_are_errors() -> None:
     img, _ = disc_image(16, 16, centre=(8, 8), radius=5)
     with pytest.raises(hc.SaliencyError, match="SLIC made .* superpixels for a target of 2000"):
         hc.build_graph(img, hc.SlicParams(segments=2000))
-    with pytest.raises(hc.SaliencyError, match="unknown saliency method 'dsr'; choose from rbd, mr, mc"):
-        hc.maps(img, methods=("dsr",))
+    with pytest.raises(hc.SaliencyError, match="unknown saliency method 'hs'; choose from rbd, mr, mc, dsr"):
+        hc.maps(img, methods=("hs",))
 
 
 def test_the_graph_records_neighbours_and_image_sides() -> None:

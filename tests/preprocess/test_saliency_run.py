@@ -57,8 +57,8 @@ def test_bad_input_is_one_line(tmp_path, capsys) -> None:
     assert main(["--root", str(tmp_path), "--dataset", "nosuch"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: dataset folder") and "make preprocess" in err and "\n" not in err
-    assert main(["--root", str(tmp_path), "--methods", "rbd,dsr"]) == 2
-    assert "unknown saliency method dsr" in capsys.readouterr().err
+    assert main(["--root", str(tmp_path), "--methods", "rbd,hs"]) == 2
+    assert "unknown saliency method hs" in capsys.readouterr().err
 
 
 @pytest.mark.slow
