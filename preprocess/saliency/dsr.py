@@ -144,17 +144,25 @@ def propagate(error: np.ndarray, feat: np.ndarray, cluster: np.ndarray, tau: flo
     """Context-based propagation of a min-max normalised error: superpixels in descending order of
     error, each replaced in place by (1 − τ) ε_i + τ Σ_j w_ij ε̃_j / Σ_j w_ij over the other members j
     of its cluster, w_ij = exp(−‖x_i − x_j‖² / 2σ²), σ² the mean over the feature dimensions of their
-    variance; the result min-max normalised."""
+    variance; the result min-max normalised.
+
+    An update reads only its own cluster, so the clusters are processed side by side: step k updates
+    the k-th largest error of every cluster at once, the same result as the one global order in a
+    few times fewer steps.
+    """
     sigma2 = float(feat.var(axis=0).mean())
     d2 = ((feat[:, None, :] - feat[None, :, :]) ** 2).sum(axis=-1)
     w = np.exp(-d2 / (2 * sigma2)) if sigma2 > 0 else np.ones_like(d2)
     w *= cluster[:, None] == cluster[None, :]
     np.fill_diagonal(w, 0.0)
+    total = w.sum(axis=1)
     out = error.astype(np.float64).copy()
-    for i in np.argsort(-out, kind="stable"):
-        total = w[i].sum()
-        if total > 0:
-            out[i] = (1 - tau) * out[i] + tau * float(w[i] @ out) / total
+    order = np.argsort(-out, kind="stable")
+    queues = [order[cluster[order] == c] for c in np.unique(cluster)]     # each cluster, descending
+    for k in range(max(len(q) for q in queues)):
+        i = np.array([q[k] for q in queues if k < len(q)])
+        i = i[total[i] > 0]
+        out[i] = (1 - tau) * out[i] + tau * (w[i] @ out) / total[i]
     return minmax(out)
 
 
