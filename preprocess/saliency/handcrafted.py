@@ -23,8 +23,9 @@ from preprocess.saliency import dsr
 from preprocess.saliency.superpixels import SIDES, SaliencyError, SlicParams, minmax, region_means, segment, touching
 
 METHODS = ("rbd", "mr", "mc", "dsr")
-# The methods `make saliency` fuses and refines unless told: MC adds nothing to the fusion of RBD and MR
-# on the labelled test images (docs/saliency.md), and fails on objects that touch the image's border.
+# The methods `make saliency` fuses and refines unless told (docs/saliency.md): MC adds nothing to RBD and
+# MR's refined stages on `synthetic` and fails on objects that touch the image's border; DSR gains about
+# 0.01 IoU for ten times the maps' cost (0.4 s an image), hours on ImageNet if its fusion is written.
 DEFAULT_METHODS = ("rbd", "mr")
 
 
