@@ -140,6 +140,19 @@ def test_scale_weights_are_the_inverse_distance_of_a_pixel_to_its_superpixel() -
         assert weight[y, x] == pytest.approx(1 / np.linalg.norm(pix[y, x] - feat[labels[y, x]]))
 
 
+def test_scales_where_slic_makes_few_superpixels_still_give_a_map() -> None:
+    """The authors' code takes SLIC's count as it comes; so does DSR here, where the graph methods'
+    count check would stop a run over a whole dataset."""
+    from preprocess.synthetic import SyntheticSplit
+    from preprocess.saliency.superpixels import SlicParams, segment
+
+    img = hc.resize_square(SyntheticSplit(50, seed=1)[4].image, 32)
+    counts = [segment(img, SlicParams(segments=n, compactness=c, min_fraction=0.0)).max() + 1 for n, c in dsr.SCALES]
+    assert any(k < 0.5 * n for k, (n, _) in zip(counts, dsr.SCALES))        # the case the check would stop
+    sal = hc.maps(img, ("dsr",), work_px=32)["dsr"]
+    assert sal.shape == (32, 32) and 0.0 <= sal.min() and sal.max() == pytest.approx(1.0)
+
+
 def test_object_gaussian_is_centred_on_the_maps_weighted_centroid() -> None:
     sal = np.zeros((40, 60))
     sal[10, 20], sal[30, 50] = 3.0, 1.0                   # centroid (15, 27.5)
