@@ -6,7 +6,7 @@ accuracy than no masks, so a mask's quality is measured before it is used):
 1. a seeded subset of the training split (default min(2,500, N), the paper's 2,500 images) and a
    disjoint held-out set of train images (default 500) every stage is scored on;
 2. the handcrafted maps of both, in parallel over cores: RBD and MR over SLIC superpixels
-   (`handcrafted.py`) and their fusion (the mean);
+   (`handcrafted.py`; MC and DSR when asked for) and their fusion (the mean);
 3. the DeepUSPS refinement on the subset (`refine.py`): per method, self-training rounds of a fresh
    network on the previous round's moving-average labels (stage I), then one network trained on
    every refined label set (stage II); each round's network and the final one are scored on the
@@ -40,6 +40,8 @@ from pipelines.processes import fork_context
 from preprocess.prepare import DatasetLock
 from preprocess.saliency import handcrafted, quality, refine
 from preprocess.saliency.crf import CrfPool
+from preprocess.saliency.dsr import DsrParams
+from preprocess.saliency.superpixels import SlicParams
 from preprocess.saliency.write import write_masks
 
 SUBSET = 2500
@@ -303,7 +305,9 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None, crf
                     "scored_against": "ground truth (synthetic)" if gt is not None else "none (label-free statistics)",
                     "scored_on": f"{len(held)} held-out train images" if held else f"the {len(subset)} subset images",
                     "subset": len(subset), "seed": settings.seed, "work_px": settings.work_px,
-                    "slic": {"segments": handcrafted.segments_for(settings.work_px), "compactness": 20.0, "sigma": 1.0},
+                    "slic": {"segments": handcrafted.segments_for(settings.work_px),
+                             "compactness": SlicParams.compactness, "sigma": SlicParams.sigma},
+                    **({"dsr": asdict(DsrParams())} if "dsr" in settings.methods else {}),
                     "threshold": 0.5, "refinement": _describe(r), "backbone": _backbone(r),
                     "seconds": {k: round(v, 2) for k, v in seconds.items()}}
         t = time.perf_counter()

@@ -21,16 +21,18 @@ def test_make_saliency_writes_the_best_stage_into_both_formats_with_a_report(tmp
     ds = prepare_dataset("synthetic", root, workers=1, train_size=24, val_size=8, image_px=32, seed=4)
     argv = ["--root", str(root), "--subset", "12", "--workers", "2", "--work-px", "64",
             "--report", str(tmp_path / "reports"), "--case-images", "2", "--score-images", "8",
-            "--rounds", "1", "--epochs", "1", "--final-epochs", "1"]
+            "--rounds", "1", "--epochs", "1", "--final-epochs", "1", "--methods", "rbd,mr,dsr"]
     assert main(argv) == 0
     m = schema.read_manifest(ds, verify="full")
     sal = m.saliency
     assert m.has_masks and m.mask_source == "saliency" and sal["subset"] == 12
     # Every stage is scored on held-out images: the handcrafted ones, each round's network, the final one.
-    assert set(sal["scores"]) == {"rbd", "mr", "fusion", "rbd-r1", "mr-r1", "final"}
-    assert set(sal["label_scores"]) == {"rbd-r1", "mr-r1"} and sal["scored_on"] == "8 held-out train images"
+    assert set(sal["scores"]) == {"rbd", "mr", "dsr", "fusion", "rbd-r1", "mr-r1", "dsr-r1", "final"}
+    assert set(sal["label_scores"]) == {"rbd-r1", "mr-r1", "dsr-r1"} and sal["scored_on"] == "8 held-out train images"
     assert sal["refinement"]["rounds"] == 1 and sal["backbone"] == {"timm_model": "test_resnet", "init": "random"}
-    assert set(sal["agreement"]) == {"rbd vs mr", "rbd vs rbd-r1", "mr vs mr-r1", "fusion vs final"}
+    assert sal["methods"] == ["rbd", "mr", "dsr"] and sal["dsr"]["scales"][-1] == [400, 30.0]
+    assert set(sal["agreement"]) == {"rbd vs mr", "rbd vs dsr", "mr vs dsr", "rbd vs rbd-r1", "mr vs mr-r1",
+                                     "dsr vs dsr-r1", "fusion vs final"}
     assert all(0 <= v <= 1 for v in sal["agreement"].values())
     # The stage used is the one with the best IoU against the synthetic ground truth.
     assert sal["stage"] == max(sal["scores"], key=lambda k: sal["scores"][k]["iou"])
