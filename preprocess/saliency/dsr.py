@@ -128,7 +128,7 @@ def sparse_residuals(x: np.ndarray, templates: np.ndarray, lam: float = 0.01, rh
 
 def sparse_error(feat: np.ndarray, border: np.ndarray, lam: float = 0.01) -> np.ndarray:
     """ε_s(i) = ‖x_i − Bα_i‖², α_i the lasso code of x_i over the border templates B, on unit-length
-    features and templates (as the authors' code)."""
+    features and templates, as in the authors' code."""
     return (sparse_residuals(_unit(feat), _unit(feat[border]), lam) ** 2).sum(axis=1)
 
 
@@ -196,7 +196,7 @@ def bayes_posterior(prior: np.ndarray, observer: np.ndarray, bins: int = 60) -> 
     return np.divide(num, den, out=np.zeros_like(num, dtype=np.float64), where=den > 0)
 
 
-def _scale_errors(image: np.ndarray, pix: np.ndarray, segments: int, compactness: float, p: DsrParams):
+def scale_errors(image: np.ndarray, pix: np.ndarray, segments: int, compactness: float, p: DsrParams):
     """One scale: the dense and the sparse propagated error per pixel, and each pixel's weight
     1 / ‖f_z − x_n‖."""
     # SLIC's count is used as it comes, as the authors' code does: at 50 superpixels and compactness
@@ -219,7 +219,7 @@ def dsr(image: np.ndarray, p: DsrParams = DsrParams()) -> np.ndarray:
     pix = pixel_features(image)
     dense_sum = sparse_sum = weight_sum = 0.0
     for segments, compactness in p.scales:
-        dense, sparse, weight = _scale_errors(image, pix, segments, compactness, p)
+        dense, sparse, weight = scale_errors(image, pix, segments, compactness, p)
         dense_sum = dense_sum + weight * dense
         sparse_sum = sparse_sum + weight * sparse
         weight_sum = weight_sum + weight

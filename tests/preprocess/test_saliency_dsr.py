@@ -135,7 +135,7 @@ def test_propagation_follows_the_papers_update_order_and_weights() -> None:
 def test_scale_weights_are_the_inverse_distance_of_a_pixel_to_its_superpixel() -> None:
     img = sample_images()[1]
     feat, _, labels, pix = superpixels(img, 100, 10.0)
-    _, _, weight = dsr._scale_errors(img, pix, 100, 10.0, dsr.DsrParams())
+    _, _, weight = dsr.scale_errors(img, pix, 100, 10.0, dsr.DsrParams())
     for y, x in ((3, 5), (64, 64), (120, 17)):
         assert weight[y, x] == pytest.approx(1 / np.linalg.norm(pix[y, x] - feat[labels[y, x]]))
 
@@ -193,7 +193,7 @@ def test_dsr_finds_the_object_better_than_its_parts() -> None:
         gt = hc.resize_square(np.repeat(inside[..., None].astype(np.uint8) * 255, 3, axis=-1), 128)[..., 0]
         p = dsr.DsrParams()
         pix = dsr.pixel_features(img)
-        parts = [dsr._scale_errors(img, pix, n, c, p) for n, c in p.scales]
+        parts = [dsr.scale_errors(img, pix, n, c, p) for n, c in p.scales]
         total = sum(w for _, _, w in parts)
         for name, k in (("dense", 0), ("sparse", 1)):
             scores[name].append(quality.iou(minmax(sum(part[k] * part[2] for part in parts) / total), gt))
