@@ -33,16 +33,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from pipelines import schema
 from pipelines.processes import fork_context
 from pipelines.shards import ShardReader, image_size
+from preprocess.progress import bar as progress_bar
 from preprocess.write_ffcv import MAX_SIDE, NO_MASK, PAGE_SIZE, check_side, ffcv_fields, temporary_file, warm_up
 
 _IMAGE, _MASK = 0, 1       # what a piece of a page holds
@@ -274,7 +273,7 @@ def copy_to_ffcv(reader: ShardReader, path: Path, *, sizes: np.ndarray | None = 
         pool = fork_context().Pool(min(num_workers, len(spans)), _init_worker, args) if len(spans) > 1 else None
         if pool is None:
             _init_worker(*args)
-        bar = tqdm(total=n, unit="img", desc=path.name, disable=not (progress and sys.stderr.isatty()))
+        bar = progress_bar(n, path.name, progress)
         try:
             done = pool.imap(_write_pages, spans) if pool else map(_write_pages, spans)
             for (_, hi), (count, rows) in zip(spans, done):

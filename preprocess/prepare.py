@@ -256,7 +256,7 @@ def prepare_dataset(dataset: str, out_root: Path, *, src: Path | None = None, fo
         force: rewrite a complete dataset, and start an interrupted image folder over instead of
             resuming it.
         workers: parallel processes (default: all available cores).
-        progress: tqdm bars (only shown when stderr is a terminal).
+        progress: show progress (`preprocess.progress`: a bar on a terminal, a line a minute in a log).
         name: dataset folder name (default: `dataset`).
         shard_size: records per DALI shard (for image folders also files per work unit).
         engine: where an image folder's units run: "local" (processes on this machine), "ray"

@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from tqdm import tqdm
 
 from pipelines import schema
 from pipelines.processes import fork_context
 from preprocess import cifar, imagefolder, synthetic
+from preprocess.progress import bar as progress_bar
 from preprocess.records import ArraySplit, PreparedSplit, mean_std, pixel_sums
 
 _CHUNK = 256                    # records per worker task in the synthetic check pass
@@ -128,7 +127,7 @@ class Source:
             src: the source folder; ignored unless `needs_src`.
             params: source parameters by name (missing ones take their defaults).
             workers: parallel processes (>= 1).
-            progress: tqdm bars (only shown when stderr is a terminal).
+            progress: show progress (`preprocess.progress`: a bar on a terminal, a line a minute in a log).
 
         Raises:
             PreprocessError, CifarError, ImageFolderError (all ValueError): bad input, one-line message.
@@ -159,8 +158,8 @@ def _check_src(dataset: str, src: Path | None, file_ok: bool = False) -> Path:
     return src
 
 
-def _bar(total: int, desc: str, progress: bool) -> tqdm:
-    return tqdm(total=total, desc=desc, unit="img", disable=not (progress and sys.stderr.isatty()))
+def _bar(total: int, desc: str, progress: bool):
+    return progress_bar(total, desc, progress)
 
 
 def _mean_std(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -44,12 +44,12 @@ from typing import Callable, Iterator
 
 import cv2
 import numpy as np
-from tqdm import tqdm
 
 from pipelines import schema
 from pipelines.shards import TABLE_COLUMNS, ShardReader, coverage_ppm, save_record_table
 from pipelines.processes import fork_context
 from preprocess import imagefolder
+from preprocess.progress import bar as progress_bar
 from preprocess.records import Record, mean_std, pixel_sums
 from preprocess.write_dali import ShardWriter, encode_image, record_members, renumber_shard
 
@@ -338,8 +338,7 @@ def write_folder(files: dict[str, list[tuple[str, int]]], staging: Path, plan: d
         if on_split is not None:
             on_split(s, splits[s])
 
-    bar = tqdm(total=sum(len(u.files) for u in todo), unit="img", desc=f"read/decode/write ({engine.name})",
-               disable=not (progress and sys.stderr.isatty()), smoothing=0.1)
+    bar = progress_bar(sum(len(u.files) for u in todo), f"read/decode/write ({engine.name})", progress)
     try:
         for s in files:
             if left[s] == 0:
@@ -365,7 +364,7 @@ def relative(paths: list[str], root: Path) -> list[str]:
     return [p[len(prefix):] if p.startswith(prefix) else os.path.relpath(p, root) for p in paths]
 
 
-def _split_line(split: str, done: list[dict], secs: float, bar: tqdm) -> None:
+def _split_line(split: str, done: list[dict], secs: float, bar) -> None:
     """One line when a split's last unit is in: its images and what became of them."""
     n = sum(len(r["sources"]) for r in done)
     stored = sum(len(r["records"]) for r in done)

@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import io
 import os
-import sys
 import tarfile
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
-from tqdm import tqdm
 
 from pipelines import schema
 from pipelines.processes import fork_context
 from pipelines.shards import coverage_ppm, scan_shards, write_record_table
+from preprocess.progress import bar as progress_bar
 from preprocess.records import PreparedSplit, Record, check_record, encode_mask_png, mask_coverage
 
 
@@ -199,7 +198,7 @@ def write_dali(split: PreparedSplit, out_dir: Path, *, shard_size: int = 1000, n
         out_dir: folder of the split's shards (created if missing).
         shard_size: records per shard (the last shard may be shorter).
         num_workers: encoding processes; each builds whole shards.
-        progress: show a tqdm bar (only when stderr is a TTY).
+        progress: show progress (`preprocess.progress`: a bar on a terminal, a line a minute in a log).
 
     Returns:
         The tar paths, in shard order.
@@ -217,7 +216,7 @@ def write_dali(split: PreparedSplit, out_dir: Path, *, shard_size: int = 1000, n
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = [(s, a, min(a + shard_size, n), str(out_dir)) for s, a in enumerate(range(0, n, shard_size))]
-    bar = tqdm(total=n, unit="img", desc=f"dali {out_dir.name}", disable=not (progress and sys.stderr.isatty()))
+    bar = progress_bar(n, f"dali {out_dir.name}", progress)
     paths: list[Path] = []
     try:
         if num_workers <= 1 or len(jobs) == 1:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import multiprocessing as mp
 import os
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import numpy as np
 from pipelines import schema
 from pipelines.jit import cache_typed_dict_helpers
 from pipelines.processes import before_fork
+from preprocess.progress import bar as progress_bar
 from preprocess.records import PreparedSplit, check_record, encode_mask_png, mask_coverage
 
 # "No mask" is one zero byte, not zero bytes: FFCV 1.0.2 files a zero-size allocation under the same
@@ -163,17 +163,17 @@ def write_ffcv(split: PreparedSplit, path: Path, *, num_workers: int = 1, progre
 
     warm_up()
     import ffcv.writer
-    from tqdm import tqdm
 
     fields = ffcv_fields(split.mode, split.jpeg_quality)
 
     fd, tmp = temporary_file(path)
     os.close(fd)
     err = tmp + ".err"
-    show = progress and sys.stderr.isatty()
+    original_bar = ffcv.writer.tqdm
     try:
-        # FFCV's writer always opens a tqdm bar through its module-level name; silence it unless asked.
-        ffcv.writer.tqdm = functools.partial(tqdm, disable=not show, desc=path.name)
+        # FFCV's writer always opens a tqdm bar through its module-level name: ours instead (a bar on a
+        # terminal, a line a minute in a log, nothing with progress off).
+        ffcv.writer.tqdm = functools.partial(progress_bar, desc=path.name, progress=progress)
         # ... and polls its workers every 0.1 s, a fifth of a small file's write: poll every 5 ms.
         ffcv.writer.sleep = lambda _seconds: time.sleep(0.005)
         before_fork()                            # FFCV forks its writer processes
@@ -192,7 +192,7 @@ def write_ffcv(split: PreparedSplit, path: Path, *, num_workers: int = 1, progre
             raise ValueError(f"could not write {path.name}: {first}")
         os.replace(tmp, path)
     finally:
-        ffcv.writer.tqdm = tqdm
+        ffcv.writer.tqdm = original_bar
         ffcv.writer.sleep = time.sleep
         for leftover in (tmp, err):
             if os.path.exists(leftover):

@@ -25,19 +25,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 from threadpoolctl import threadpool_limits
-from tqdm import tqdm
 
 from pipelines import schema
 from pipelines.shards import ShardReader
 from pipelines.processes import fork_context
 from preprocess.prepare import DatasetLock
+from preprocess.progress import bar as progress_bar
 from preprocess.saliency import handcrafted, quality, refine
 from preprocess.saliency.crf import CrfPool
 from preprocess.saliency.dsr import DsrParams
@@ -103,10 +102,9 @@ def _maps_of(indices: list[int]) -> list[dict[str, np.ndarray]]:
 
 def _drain(batches, total: int, settings: Settings, what: str, how: str, sink) -> float:
     """Hand every map of `batches` ((indices, maps) pairs) to `sink(i, maps)`, with a bar showing
-    images/s and ETA on a terminal and one summary line; returns the seconds taken."""
-    show = settings.progress and sys.stderr.isatty()
+    images/s and ETA on a terminal (a line a minute in a log) and one summary line; returns the seconds taken."""
     t0 = time.perf_counter()
-    with tqdm(total=total, unit="img", desc=what, disable=not show) as bar:
+    with progress_bar(total, what, settings.progress) as bar:
         for part, maps in batches:
             for i, m in zip(part, maps):
                 sink(i, m)
@@ -121,7 +119,8 @@ def map_records(split_dir: Path, count: int, indices: list[int], settings: Setti
     """Compute the maps of `indices` in `settings.workers` processes; `sink(i, maps)` receives each.
 
     Returns:
-        Seconds taken. Shows a bar with images/s and ETA on a terminal, one summary line otherwise.
+        Seconds taken. Shows a bar with images/s and ETA on a terminal (a line a minute in a log), and
+        one summary line.
     """
     chunk = 16
     jobs = [indices[a:a + chunk] for a in range(0, len(indices), chunk)]
