@@ -63,10 +63,10 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def bar(total: int, desc: str, progress: bool = True, unit: str = "img", file=None):
-    """A progress bar for `total` items: tqdm's on a terminal, `LogLines` elsewhere (silent with
-    `progress` off, its `write` lines still printed)."""
+def bar(total: int, desc: str, progress: bool = True, unit: str = "img", file=None, **tqdm_options):
+    """A progress bar for `total` items: tqdm's on a terminal (given `tqdm_options`), `LogLines`
+    elsewhere (silent with `progress` off, its `write` lines still printed)."""
     file = file or sys.stderr
     if progress and file.isatty():
-        return tqdm(total=total, desc=desc, unit=unit, file=file)
+        return tqdm(total=total, desc=desc, unit=unit, file=file, **tqdm_options)
     return LogLines(total, desc, unit, EVERY if progress else math.inf, file)

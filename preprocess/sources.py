@@ -158,10 +158,6 @@ def _check_src(dataset: str, src: Path | None, file_ok: bool = False) -> Path:
     return src
 
 
-def _bar(total: int, desc: str, progress: bool):
-    return progress_bar(total, desc, progress)
-
-
 def _mean_std(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per-channel mean and std in [0, 1] units of (N, H, W, 3) uint8 images."""
     return mean_std(sum(pixel_sums(images[a:a + 1024]) for a in range(0, len(images), 1024)))
@@ -202,7 +198,7 @@ def _generate_synthetic(split: synthetic.SyntheticSplit, workers: int, progress:
     images = np.empty((n, px, px, 3), np.uint8)
     masks = np.empty((n, px, px), np.uint8)
     jobs = [(split, a, min(a + _CHUNK, n)) for a in range(0, n, _CHUNK)]
-    with _bar(n, f"generate {split.split}", progress) as bar:
+    with progress_bar(n, f"generate {split.split}", progress) as bar:
         if workers <= 1 or len(jobs) == 1:
             results = map(_synthetic_chunk, jobs)
             pool = None

@@ -338,7 +338,8 @@ def write_folder(files: dict[str, list[tuple[str, int]]], staging: Path, plan: d
         if on_split is not None:
             on_split(s, splits[s])
 
-    bar = progress_bar(sum(len(u.files) for u in todo), f"read/decode/write ({engine.name})", progress)
+    bar = progress_bar(sum(len(u.files) for u in todo), f"read/decode/write ({engine.name})", progress,
+                       smoothing=0.1)
     try:
         for s in files:
             if left[s] == 0:

@@ -102,7 +102,8 @@ def _maps_of(indices: list[int]) -> list[dict[str, np.ndarray]]:
 
 def _drain(batches, total: int, settings: Settings, what: str, how: str, sink) -> float:
     """Hand every map of `batches` ((indices, maps) pairs) to `sink(i, maps)`, with a bar showing
-    images/s and ETA on a terminal (a line a minute in a log) and one summary line; returns the seconds taken."""
+    images/s and ETA on a terminal (a line a minute in a log) and one summary line; returns the
+    seconds taken."""
     t0 = time.perf_counter()
     with progress_bar(total, what, settings.progress) as bar:
         for part, maps in batches:
