@@ -207,7 +207,7 @@ def copy_to_ffcv(reader: ShardReader, path: Path, *, sizes: np.ndarray | None = 
         has_masks: store each record's mask from the shards (else FFCV's one-zero-byte "no mask").
         jpeg_quality: recorded in the image field's parameters, as the writer records it.
         num_workers: copying processes.
-        progress: a progress bar (only when stderr is a terminal).
+        progress: show progress (`preprocess.progress`: a bar on a terminal, a line a minute in a log).
 
     Raises:
         ValueError: an empty split, a record larger than a page or wider than FFCV's 65,535 px, or a

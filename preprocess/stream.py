@@ -295,8 +295,8 @@ def write_folder(files: dict[str, list[tuple[str, int]]], staging: Path, plan: d
         policy_args: `Policy` fields but `parts` (max_side, side).
         shard_size: files per unit and shard.
         engine: `LocalEngine` or `RayEngine`.
-        progress: a bar with images/s and ETA when stderr is a terminal; a summary line per split
-            in any case.
+        progress: a bar with images/s and ETA on a terminal, a line a minute in a log
+            (`preprocess.progress`); a summary line per split in any case.
         names_root: the folder the records' names (`schema.NAMES_NAME`) are relative to.
         on_split: called with each assembled split while the other splits' units still run (the
             caller starts its FFCV copy there); splits go in `files` order, largest units first.

@@ -144,7 +144,7 @@ def write_ffcv(split: PreparedSplit, path: Path, *, num_workers: int = 1, progre
             `split.jpeg_quality`.
         path: destination `.beton` file; its folder must exist.
         num_workers: writer processes (>= 1).
-        progress: show a progress bar (only when stderr is a terminal).
+        progress: show progress (`preprocess.progress`: a bar on a terminal, a line a minute in a log).
         page_size: FFCV's page (its default, 8 MiB; a power of two >= 2 MiB).
 
     Raises:

@@ -108,7 +108,8 @@ def sparse_residuals(x: np.ndarray, templates: np.ndarray, lam: float = 0.01, rh
     templates, where scikit-learn's exact LARS took 300 ms (a Python loop per superpixel) and its
     coordinate descent had not converged after 1,000 sweeps (the templates are nearly collinear). The
     errors come within 2 % of the largest exact one, and the final maps within 0.002 on average
-    (0.02 at the 99th percentile of pixels) of the maps made with the exact errors.
+    (0.024 at the 99th percentile of pixels) of the maps made with the exact errors (20 synthetic
+    images).
     """
     a = lam / 2
     relax = 1.7
@@ -129,7 +130,8 @@ def sparse_residuals(x: np.ndarray, templates: np.ndarray, lam: float = 0.01, rh
 def sparse_error(feat: np.ndarray, border: np.ndarray, lam: float = 0.01) -> np.ndarray:
     """ε_s(i) = ‖x_i − Bα_i‖², α_i the lasso code of x_i over the border templates B, on unit-length
     features and templates, as in the authors' code."""
-    return (sparse_residuals(_unit(feat), _unit(feat[border]), lam) ** 2).sum(axis=1)
+    x = _unit(feat)
+    return (sparse_residuals(x, x[border], lam) ** 2).sum(axis=1)
 
 
 def clusters(feat: np.ndarray, k: int = 8) -> np.ndarray:

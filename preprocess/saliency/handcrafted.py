@@ -305,10 +305,15 @@ def _per_pixel(work: np.ndarray, methods: tuple[str, ...]) -> dict[str, np.ndarr
     g = build_graph(work, SlicParams(segments=segments_for(work.shape[0])))
     if float(np.ptp(g.lab, axis=0).max()) < 1e-3:      # one colour everywhere: nothing stands out
         return {m: np.zeros(work.shape[:2]) for m in methods}
-    return {m: dsr.dsr(work) if m == "dsr" else _METHOD_MAPS[m](g)[g.labels] for m in methods}
+    return {m: _METHOD_MAPS[m](work, g) for m in methods}
 
 
-_METHOD_MAPS = {"rbd": rbd, "mr": mr, "mc": mc}
+_METHOD_MAPS = {                    # a method's per-pixel map of one pass, from the working image and its graph
+    "rbd": lambda work, g: rbd(g)[g.labels],
+    "mr": lambda work, g: mr(g)[g.labels],
+    "mc": lambda work, g: mc(g)[g.labels],
+    "dsr": lambda work, g: dsr.dsr(work),        # its own eight segmentations
+}
 
 
 def fuse(per_method: dict[str, np.ndarray]) -> np.ndarray:

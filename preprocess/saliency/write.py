@@ -80,7 +80,7 @@ def write_masks(dataset_dir: Path, masks: dict[str, Callable[[int], np.ndarray]]
         masks: split -> (record index -> probability map); every split of the dataset.
         saliency: what made the masks (methods, parameters, scores), recorded in the manifest.
         workers: writer processes.
-        progress: writer progress bars on a terminal.
+        progress: the writers' progress (a bar on a terminal, a line a minute in a log).
 
     Returns:
         The new manifest.
