@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m preprocess.salien
                         f"{','.join(handcrafted.DEFAULT_METHODS)})")
     p.add_argument("--subset", type=int, default=SUBSET, help=f"train images scored and searched (default {SUBSET})")
     p.add_argument("--seed", type=int, default=0, help="seed of the subset")
-    p.add_argument("--work-px", type=int, default=handcrafted.WORK_PX, help="working side of the maps, px")
+    p.add_argument("--work-px", type=int, default=handcrafted.WORK_PX,
+                   help=f"the maps' smallest working side: smaller images are upsampled (default {handcrafted.WORK_PX})")
+    p.add_argument("--max-work-px", type=int, default=handcrafted.MAX_WORK_PX,
+                   help=f"the maps' largest working side: larger images are shrunk (default {handcrafted.MAX_WORK_PX})")
     p.add_argument("--workers", type=int, default=default_workers(), help="processes (default: all cores)")
     p.add_argument("--report", type=Path, default=Path("reports"), help="reports/saliency-<dataset>/ goes here")
     p.add_argument("--rounds", type=int, default=RefineSettings.rounds,
@@ -58,8 +61,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m preprocess.salien
         if bad or not methods:
             raise PreprocessError(f"unknown saliency method {', '.join(bad) or repr(a.methods)}; choose from "
                                   f"{', '.join(handcrafted.METHODS)}")
-        if a.subset < 1 or a.workers < 1 or a.work_px < 32:
-            raise PreprocessError("--subset and --workers must be >= 1 and --work-px >= 32")
+        if a.subset < 1 or a.workers < 1 or a.work_px < 32 or a.max_work_px < a.work_px:
+            raise PreprocessError("--subset and --workers must be >= 1, --work-px >= 32 and --max-work-px >= --work-px")
         if a.rounds < 0 or a.epochs < 1 or a.final_epochs < 1 or a.score_images < 0 or not (a.net_px == 0 or a.net_px >= 32):
             raise PreprocessError("--rounds and --score-images must be >= 0, --epochs and --final-epochs >= 1, "
                                   "--net-px 0 (auto) or >= 32")
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m preprocess.salien
                                     backbone=a.backbone, init=a.init, net_px=a.net_px, seed=a.seed, crf=a.crf)
         if a.crf and a.rounds:
             crf.require()
-        settings = Settings(methods=methods, subset=a.subset, seed=a.seed, work_px=a.work_px, workers=a.workers,
+        settings = Settings(methods=methods, subset=a.subset, seed=a.seed, work_px=a.work_px,
+                            max_work_px=a.max_work_px, workers=a.workers,
                             case_images=a.case_images, score_images=a.score_images, refinement=refinement)
         report = a.report / f"saliency-{a.dataset}"
         # the maps' worker processes, and the dense CRF's beside them

@@ -20,18 +20,18 @@ TILE = 96
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 
 
-def _stage_maps(image: np.ndarray, methods: tuple[str, ...], nets: dict | None, work_px: int = handcrafted.WORK_PX
-                ) -> dict[str, np.ndarray]:
+def _stage_maps(image: np.ndarray, methods: tuple[str, ...], nets: dict | None, work_px: int = handcrafted.WORK_PX,
+                max_work_px: int = handcrafted.MAX_WORK_PX) -> dict[str, np.ndarray]:
     """Every stage's [0, 1] map of one image at its size: the handcrafted methods, their fusion, and
     each refinement network (`refine.NetStage`)."""
-    per = handcrafted.maps_and_fusion(image, methods, work_px=work_px)
+    per = handcrafted.maps_and_fusion(image, methods, work_px=work_px, max_work_px=max_work_px)
     for k, stage in (nets or {}).items():
         per[k] = stage(image)
     return per
 
 
 def case_scores(methods: tuple[str, ...], per_case: int = 16, work_px: int = handcrafted.WORK_PX,
-                nets: dict | None = None) -> dict:
+                max_work_px: int = handcrafted.MAX_WORK_PX, nets: dict | None = None) -> dict:
     """IoU at 0.5 and MAE of every stage (handcrafted and refinement networks) on `cases` images with
     exact masks: three clutter levels and four hard cases, `per_case` images each (one BLAS thread:
     the maps are small)."""
@@ -45,7 +45,7 @@ def case_scores(methods: tuple[str, ...], per_case: int = 16, work_px: int = han
             rows: dict[str, list] = {}
             for i in range(per_case):
                 image, gt = cases.make(case, i)
-                for k, v in _stage_maps(image, methods, nets, work_px).items():
+                for k, v in _stage_maps(image, methods, nets, work_px, max_work_px).items():
                     rows.setdefault(k, []).append((quality.iou(v, gt), quality.mae(v, gt)))
             out[case] = {k: {"iou": float(np.mean([r[0] for r in v])), "mae": float(np.mean([r[1] for r in v]))}
                          for k, v in rows.items()}
@@ -58,7 +58,7 @@ def markdown(name: str, saliency: dict) -> str:
     lines = [f"# Saliency masks of `{name}`", "",
              f"Stage used: **{saliency['stage']}** (of {', '.join(saliency['stages_scored'])}); scored on "
              f"{saliency['scored_on']} (subset of {saliency['subset']}, seed {saliency['seed']}) against "
-             f"{saliency['scored_against']}; handcrafted maps at {saliency['work_px']} px, binarised at "
+             f"{saliency['scored_against']}; handcrafted maps at {saliency['work_px']}-{saliency['max_work_px']} px, binarised at "
              f"{saliency['threshold']} at each image's size. Refinement: {_refinement(saliency)}.", ""]
     head = "| stage | " + ("MAE | F-β (β² 0.3) at 0.5 | max-F | IoU at 0.5 | " if with_gt else "") + \
         "mean coverage | under the 5 % gate | touching ≥ 3 sides |"

@@ -51,7 +51,8 @@ class Settings:
     methods: tuple[str, ...] = handcrafted.DEFAULT_METHODS
     subset: int = SUBSET
     seed: int = 0
-    work_px: int = handcrafted.WORK_PX
+    work_px: int = handcrafted.WORK_PX          # the maps' working side: smaller images are upsampled to it
+    max_work_px: int = handcrafted.MAX_WORK_PX  # and larger ones shrunk to this
     workers: int = 1
     progress: bool = True
     case_images: int = 16          # labelled test images per case in the report
@@ -96,7 +97,8 @@ def _maps_of(indices: list[int]) -> list[dict[str, np.ndarray]]:
     """Every method's map (and the fusion) of records `indices`, at the working size, uint8."""
     s = _SETTINGS
     side = (s.work_px, s.work_px)
-    return [{k: as_uint8(v) for k, v in handcrafted.maps_and_fusion(decode(_READER, i), s.methods, s.work_px, side).items()}
+    return [{k: as_uint8(v) for k, v in handcrafted.maps_and_fusion(decode(_READER, i), s.methods, s.work_px, side,
+                                                                     s.max_work_px).items()}
             for i in indices]
 
 
@@ -236,7 +238,7 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None, crf
     if r.rounds and r.net_px == 0:        # the images' own side, within 64-128 px
         r = replace(r, net_px=int(min(max(m.image_px, 64), 128)))
     print(f"saliency for {dataset_dir.name}: {len(subset)} of {n} train images, methods "
-          f"{', '.join(settings.methods)} at {settings.work_px} px, seed {settings.seed}; "
+          f"{', '.join(settings.methods)} at {settings.work_px}-{settings.max_work_px} px, seed {settings.seed}; "
           + (f"refinement: {r.rounds} rounds of {r.epochs} epochs, final {r.final_epochs} epochs, {r.loss} loss, "
              f"{'backbone from ' + str(r.init) if r.init else r.backbone + ' at random init'}, {r.net_px} px"
              if r.rounds else "no refinement") + f"; scored on {len(held) or len(subset)} "
@@ -305,7 +307,8 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None, crf
                     "scored_against": "ground truth (synthetic)" if gt is not None else "none (label-free statistics)",
                     "scored_on": f"{len(held)} held-out train images" if held else f"the {len(subset)} subset images",
                     "subset": len(subset), "seed": settings.seed, "work_px": settings.work_px,
-                    "slic": {"segments": handcrafted.segments_for(settings.work_px),
+                    "max_work_px": settings.max_work_px,
+                    "slic": {"segments": "side²/600, 150-500, >= 100 working px each",
                              "compactness": SlicParams.compactness, "sigma": SlicParams.sigma},
                     **({"dsr": asdict(DsrParams())} if "dsr" in settings.methods else {}),
                     "threshold": 0.5, "refinement": _describe(r), "backbone": _backbone(r),
@@ -320,7 +323,7 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None, crf
         from preprocess.saliency.report import case_scores, write_report
         t = time.perf_counter()
         saliency["cases"] = case_scores(settings.methods, per_case=settings.case_images, work_px=settings.work_px,
-                                        nets=nets)
+                                        max_work_px=settings.max_work_px, nets=nets)
         saliency["seconds"]["cases"] = round(time.perf_counter() - t, 2)
         write_report(report_dir, dataset_dir, saliency, sub_maps, gt, nets)
     return saliency

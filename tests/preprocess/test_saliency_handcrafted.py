@@ -37,6 +37,26 @@ def test_maps_keep_the_image_shape_of_a_non_square_image() -> None:
         assert quality.iou(sal, gt) >= 0.8
 
 
+def test_a_large_image_is_worked_at_the_capped_side_with_its_own_superpixel_count(monkeypatch) -> None:
+    """An image larger than `max_work_px` is shrunk before SLIC (its cost grows with the pixels), and
+    the superpixel count still follows its own size (H·W/600 of the reference RBD code, capped at
+    500); the maps come back at the image's shape and still find the object."""
+    seen = []
+    build = hc.build_graph
+    monkeypatch.setattr(hc, "build_graph", lambda image, slic: seen.append((image.shape, slic.segments))
+                        or build(image, slic))
+    img, gt = disc_image(300, 400, centre=(150, 240), radius=80)
+    out = hc.maps(img, ("rbd", "mr"), work_px=64, max_work_px=192)
+    assert seen == [((192, 192, 3), round(400 * 400 / 600))] * 2           # the image and its mirror image
+    assert all(v.shape == (300, 400) and quality.iou(v, gt) >= 0.9 for v in out.values())
+    seen.clear()
+    hc.maps(np.tile(img, (4, 4, 1)), ("rbd",), work_px=64, max_work_px=256)  # 1200 x 1600: 4,267 at its own size
+    assert seen == [((256, 256, 3), hc.MAX_SEGMENTS)] * 2
+    seen.clear()
+    hc.maps(img[:100, :100], ("rbd",), work_px=128, max_work_px=192)        # small: upsampled, 150 superpixels
+    assert seen == [((128, 128, 3), 150)] * 2
+
+
 def test_maps_are_deterministic_and_flip_equivariant() -> None:
     from preprocess.synthetic import SyntheticSplit
 
