@@ -204,10 +204,21 @@ def mr(g: Graph, p: MrParams = MrParams()) -> np.ndarray:
 @dataclass(frozen=True)
 class McParams:
     """θ of the edge weights exp(−θ·d̂) + ε (d̂: colour distance min-max normalised over the graph's
-    edges; the authors' demo: θ = 10, ε = 1e-5)."""
+    edges; the authors' demo: θ = 10, ε = 1e-5), and the flatness from which a map is re-weighted
+    by the equilibrium distribution (the authors' code: 2; `None`: never)."""
 
     theta: float = 10.0
     eps: float = 1e-5
+    flat: float | None = 2.0
+
+
+def flatness(y: np.ndarray) -> float:
+    """How far a [0, 1] map's values sit from both ends, the authors' "entropy": the values binned
+    in tenths (1 in the top bin), each bin's share weighted by its distance in bins from the nearer
+    end (1 for the outer bins, 5 for the middle two). A map of background near 0 and a few salient
+    superpixels near 1 scores about 1; one spread over the middle, up to 5."""
+    share = np.bincount(np.minimum((y * 10).astype(int), 9), minlength=10) / len(y)
+    return float(share @ np.minimum(np.arange(1, 11), np.arange(10, 0, -1)))
 
 
 def mc(g: Graph, p: McParams = McParams()) -> np.ndarray:
@@ -219,8 +230,12 @@ def mc(g: Graph, p: McParams = McParams()) -> np.ndarray:
     nodes are virtual copies of the boundary superpixels, each linked to the transient nodes with the
     weights of its original. With the transitions P = D⁻¹[W | W_B] (D the degrees over both blocks),
     Q = D⁻¹W is the transient block, the fundamental matrix N = (I − Q)⁻¹, and the absorbed time
-    y = N·1 min-max normalised is the map. Left out: the paper's refinement by the equilibrium
-    distribution for maps it judges too flat.
+    y = N·1 min-max normalised is the map. Where that map is flat (`flatness` ≥ `p.flat`: long
+    times everywhere, as where the object is large or the background cluttered), the time is
+    re-weighted by the equilibrium distribution π of the chain on W (π_i = d_i / Σ d, d_i = Σ_j W_ij):
+    y = N·u with u_i ∝ 1/π_i, so that well-connected, background-like nodes count less.
+    Left out: the authors' code sets aside superpixels with hardly any link (Σ w < 1.1) before the
+    chain; here they stay in it, joined by their ε-weighted edges.
     """
     n, d = g.n, g.colour_distance()
     if n < 2:
@@ -230,8 +245,12 @@ def mc(g: Graph, p: McParams = McParams()) -> np.ndarray:
     np.fill_diagonal(edges, False)
     w = np.where(edges, np.exp(-p.theta * _edge_scaled(d, edges)) + p.eps, 0.0) + np.eye(n)
     degree = w.sum(axis=1) + w[:, g.boundary].sum(axis=1)           # to transient and absorbing nodes
-    q = w / degree[:, None]
-    return minmax(np.linalg.solve(np.eye(n) - q, np.ones(n)))
+    fundamental_inv = np.eye(n) - w / degree[:, None]               # I − Q
+    y = minmax(np.linalg.solve(fundamental_inv, np.ones(n)))
+    if p.flat is not None and flatness(y) >= p.flat:
+        pi = w.sum(axis=1) / w.sum()
+        y = minmax(np.linalg.solve(fundamental_inv, (1 / pi) / (1 / pi).sum()))
+    return y
 
 
 # ----------------------------------------------------------------------------- images
