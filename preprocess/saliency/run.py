@@ -34,7 +34,7 @@ from threadpoolctl import threadpool_limits
 
 from pipelines import schema
 from pipelines.shards import ShardReader
-from pipelines.processes import fork_context
+from pipelines.processes import LimitError, fork_context
 from preprocess.prepare import DatasetLock
 from preprocess.progress import bar as progress_bar
 from preprocess.saliency import handcrafted, quality, refine
@@ -63,6 +63,39 @@ class Settings:
     def crf_workers(self) -> int:
         """Processes of the dense CRF beside the maps' (none without it or without a refinement)."""
         return self.workers if self.refinement.crf and self.refinement.rounds else 0
+
+
+# ----------------------------------------------------------------------------- disk
+
+# What masks add to a dataset: per record a mask PNG in each format (2-3 KB each at 500 x 375 on four
+# photos, 6-7 % of the bytes of their JPEGs in both formats: counted twice over) and in a DALI shard one
+# more tar member (a 512-byte header and up to 511 bytes of padding).
+MASK_SHARE = 0.15
+MASK_RECORD_BYTES = 1024
+
+
+def disk_needed(m: schema.Manifest, side: int) -> int:
+    """Bytes `make saliency` writes beside a dataset at its peak: the dataset rewritten with masks
+    (staged beside the old one until the swap) and the maps, kept as `side` x `side` uint8 a record."""
+    records = sum(m.counts.values())
+    data = sum(f["bytes"] for f in m.files.values())
+    return int(data * (1 + MASK_SHARE)) + records * (MASK_RECORD_BYTES + side * side)
+
+
+def check_disk(dataset_dir: Path, m: schema.Manifest, side: int) -> None:
+    """Stop in one line, before any map is computed, when the dataset's file system has too little
+    free space for `disk_needed` (the rewrite would otherwise fail at the end of hours of maps).
+
+    Raises:
+        LimitError: naming what is needed, what is free and the fix.
+    """
+    need, free = disk_needed(m, side), shutil.disk_usage(dataset_dir.parent).free
+    if free < need:
+        gib = 2 ** 30
+        raise LimitError(f"make saliency needs about {need / gib:.1f} GiB free beside {dataset_dir} (the dataset "
+                         f"rewritten with masks next to the old one until the swap, and the maps of "
+                         f"{sum(m.counts.values()):,} records), but only {free / gib:.1f} GiB is free; free space "
+                         "there, or write the dataset to a larger disk (make preprocess OUT=...)")
 
 
 # ----------------------------------------------------------------------------- parallel maps
@@ -237,6 +270,7 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None, crf
     r = settings.refinement
     if r.rounds and r.net_px == 0:        # the images' own side, within 64-128 px
         r = replace(r, net_px=int(min(max(m.image_px, 64), 128)))
+    check_disk(dataset_dir, m, max(settings.work_px, r.net_px))
     print(f"saliency for {dataset_dir.name}: {len(subset)} of {n} train images, methods "
           f"{', '.join(settings.methods)} at {settings.work_px}-{settings.max_work_px} px, seed {settings.seed}; "
           + (f"refinement: {r.rounds} rounds of {r.epochs} epochs, final {r.final_epochs} epochs, {r.loss} loss, "

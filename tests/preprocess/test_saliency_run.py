@@ -12,6 +12,7 @@ from pipelines import schema
 from preprocess.prepare import prepare_dataset
 from preprocess.saliency import quality
 from preprocess.saliency.__main__ import main
+from preprocess.saliency.run import disk_needed
 from tests.readers import _Beton, read_masks
 
 
@@ -19,12 +20,16 @@ from tests.readers import _Beton, read_masks
 def test_make_saliency_writes_the_best_stage_into_both_formats_with_a_report(tmp_path, capsys) -> None:
     root = tmp_path / "data"
     ds = prepare_dataset("synthetic", root, workers=1, train_size=24, val_size=8, image_px=32, seed=4)
+    need = disk_needed(schema.read_manifest(ds), 64)       # checked against the free space before any map
     argv = ["--root", str(root), "--subset", "12", "--workers", "2", "--work-px", "64",
             "--report", str(tmp_path / "reports"), "--case-images", "2", "--score-images", "8",
             "--rounds", "1", "--epochs", "1", "--final-epochs", "1", "--methods", "rbd,mr,dsr"]
     assert main(argv) == 0
     m = schema.read_manifest(ds, verify="full")
     sal = m.saliency
+    # The estimate covers what was written beside the old dataset: the new one and the 64-px maps.
+    written = sum(f["bytes"] for f in m.files.values()) + sum(m.counts.values()) * 64 * 64
+    assert written <= need <= 2 * written
     assert m.has_masks and m.mask_source == "saliency" and sal["subset"] == 12
     # Every stage is scored on held-out images: the handcrafted ones, each round's network, the final one.
     assert set(sal["scores"]) == {"rbd", "mr", "dsr", "fusion", "rbd-r1", "mr-r1", "dsr-r1", "final"}
@@ -53,6 +58,26 @@ def test_make_saliency_writes_the_best_stage_into_both_formats_with_a_report(tmp
     assert set(json.loads((report / "report.json").read_text())["cases"]["thin"]) == set(sal["scores"])
     assert (report / "grid.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in root.iterdir() if p.suffix != ".lock") == ["synthetic"]        # no work files left
+
+
+def test_too_little_disk_stops_before_any_map_and_leaves_the_dataset(tmp_path, capsys, monkeypatch) -> None:
+    import shutil
+
+    root = tmp_path / "data"
+    ds = prepare_dataset("synthetic", root, workers=1, train_size=8, val_size=4, image_px=32, seed=1)
+    before = {p.name: p.stat().st_mtime_ns for p in ds.rglob("*")}
+    need = disk_needed(schema.read_manifest(ds), 128)
+    usage = shutil.disk_usage(root)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=need - 1))
+    assert main(["--root", str(root), "--rounds", "0", "--workers", "1", "--report", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "make saliency needs about" in err and "free space" in err
+    assert {p.name: p.stat().st_mtime_ns for p in ds.rglob("*")} == before
+    assert sorted(p.name for p in root.iterdir() if p.suffix != ".lock") == ["synthetic"]
+    assert not (tmp_path / "r").exists()
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=need))
+    assert main(["--root", str(root), "--rounds", "0", "--workers", "1", "--subset", "4", "--score-images", "2",
+                 "--case-images", "1", "--report", str(tmp_path / "r")]) == 0
 
 
 def test_bad_input_is_one_line(tmp_path, capsys) -> None:
