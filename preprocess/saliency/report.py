@@ -102,9 +102,10 @@ def _tile(a: np.ndarray, label: str) -> Image.Image:
     return img
 
 
-def _row(image: np.ndarray, gt: np.ndarray | None, stage: str, methods: tuple[str, ...],
-         truth_column: bool, nets: dict | None) -> list[Image.Image]:
-    per = _stage_maps(image, methods, nets)
+def _row(image: np.ndarray, gt: np.ndarray | None, saliency: dict, truth_column: bool,
+         nets: dict | None) -> list[Image.Image]:
+    stage = saliency["stage"]
+    per = _stage_maps(image, tuple(saliency["methods"]), nets, saliency["work_px"], saliency["max_work_px"])
     mask = per[stage] >= 0.5
     composite = np.where(mask[..., None], image, 128).astype(np.uint8)
     tiles = [_tile(image, "image")]
@@ -133,14 +134,12 @@ def photos() -> list[tuple[str, np.ndarray]]:
 def grid(dataset_dir: Path, saliency: dict, subset: list[int], gt: np.ndarray | None, nets: dict | None = None,
          rows: int = 6) -> Image.Image:
     reader = ShardReader.open(dataset_dir / "train")
-    methods = tuple(saliency["methods"])
     lines = []
     for i in subset[:rows]:
         image = np.asarray(Image.open(io.BytesIO(reader.image(i))).convert("RGB"))
-        lines.append(_row(image, None if gt is None else np.asarray(gt[i]), saliency["stage"], methods,
-                          gt is not None, nets))
+        lines.append(_row(image, None if gt is None else np.asarray(gt[i]), saliency, gt is not None, nets))
     for _, image in photos():
-        lines.append(_row(image, None, saliency["stage"], methods, gt is not None, nets))
+        lines.append(_row(image, None, saliency, gt is not None, nets))
     width = max(len(r) for r in lines)
     out = Image.new("RGB", (width * TILE, len(lines) * TILE), (0, 0, 0))
     for y, r in enumerate(lines):
