@@ -14,8 +14,9 @@ accuracy than no masks, so a mask's quality is measured before it is used):
 4. the best stage by IoU against the ground truth (`synthetic`); without one, the final network when
    its backbone came from a self-supervised run (`--init`), else the handcrafted fusion;
 5. that stage over every record of every split (batched network inference, or the handcrafted maps in
-   parallel), with a progress bar; maps kept as uint8 probabilities in a memory-mapped file beside
-   the dataset, so memory stays bounded;
+   parallel), with a progress bar; maps kept as uint8 probabilities in memory-mapped files beside
+   the dataset (`store.py`), so memory stays bounded and a handcrafted stage's pass, killed or
+   failed, resumes where it stopped;
 6. `write.write_masks`: binarised at 0.5 at each stored image's geometry, into both formats,
    atomically; the manifest's `saliency` records the methods, parameters, rounds, backbone source,
    seed, subset, per-stage scores and the stage used.
@@ -23,8 +24,10 @@ accuracy than no masks, so a mask's quality is measured before it is used):
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -40,6 +43,7 @@ from preprocess.progress import bar as progress_bar
 from preprocess.saliency import handcrafted, quality, refine
 from preprocess.saliency.crf import CrfPool
 from preprocess.saliency.dsr import DsrParams
+from preprocess.saliency.store import MapStore
 from preprocess.saliency.superpixels import SlicParams
 from preprocess.saliency.write import write_masks
 
@@ -82,6 +86,11 @@ def disk_needed(m: schema.Manifest, side: int) -> int:
     return int(data * (1 + MASK_SHARE)) + records * (MASK_RECORD_BYTES + side * side)
 
 
+def work_dir(dataset_dir: Path) -> Path:
+    """Where the maps are kept until they are written (`MapStore`)."""
+    return dataset_dir.with_name(f".{dataset_dir.name}.saliency-maps")
+
+
 def check_disk(dataset_dir: Path, m: schema.Manifest, side: int) -> None:
     """Stop in one line, before any map is computed, when the dataset's file system has too little
     free space for `disk_needed` (the rewrite would otherwise fail at the end of hours of maps).
@@ -89,7 +98,9 @@ def check_disk(dataset_dir: Path, m: schema.Manifest, side: int) -> None:
     Raises:
         LimitError: naming what is needed, what is free and the fix.
     """
-    need, free = disk_needed(m, side), shutil.disk_usage(dataset_dir.parent).free
+    kept = work_dir(dataset_dir)               # an earlier run's maps: reused or replaced
+    reclaimable = sum(f.stat().st_blocks * 512 for f in kept.iterdir()) if kept.is_dir() else 0
+    need, free = disk_needed(m, side), shutil.disk_usage(dataset_dir.parent).free + reclaimable
     if free < need:
         gib = 2 ** 30
         raise LimitError(f"make saliency needs about {need / gib:.1f} GiB free beside {dataset_dir} (the dataset "
@@ -233,6 +244,17 @@ def agreement(maps: dict[int, dict[str, np.ndarray]], methods: tuple[str, ...], 
     return out
 
 
+def map_key(dataset_dir: Path, stage: str, settings: Settings, side: int) -> dict:
+    """What a handcrafted stage's maps depend on: the dataset (its manifest's checksum), the stage,
+    the methods, working sides and every method's parameters; a `MapStore` resumes only under the
+    same key."""
+    manifest = (dataset_dir / schema.MANIFEST_NAME).read_bytes()
+    return {"manifest_sha256": hashlib.sha256(manifest).hexdigest(), "stage": stage, "side": side,
+            "methods": list(settings.methods), "work_px": settings.work_px, "max_work_px": settings.max_work_px,
+            "slic": asdict(SlicParams()), "rbd": asdict(handcrafted.RbdParams()), "mr": asdict(handcrafted.MrParams()),
+            "mc": asdict(handcrafted.McParams()), "dsr": asdict(DsrParams())}
+
+
 def best_stage(scores: dict[str, dict], refined: bool = False) -> str:
     """The stage with the highest IoU against the ground truth. Without one: the final network when
     it was refined from a self-supervised backbone (`INIT=`, the setting DeepUSPS's gains rely on),
@@ -310,31 +332,29 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None, crf
     print("  " + " | ".join(f"{k}: IoU {v['iou']:.3f}" if "iou" in v else f"{k}: coverage {v['coverage_mean']:.2f}"
                             for k, v in scores.items()) + f" → using {stage}", flush=True)
 
-    work = dataset_dir.with_name(f".{dataset_dir.name}.saliency-maps")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
+    side = r.net_px if stage in nets else settings.work_px   # resized to each image when written
+    key = None if stage in nets else map_key(dataset_dir, stage, settings, side)
+    work = work_dir(dataset_dir)
+    store = MapStore(work, m.counts, side, key)
+    if store.resumed:
+        print(f"  resuming: {store.resumed:,} of {sum(m.counts.values()):,} maps kept from an earlier run", flush=True)
+    written = False
     try:
-        stored: dict[str, np.memmap] = {}
-        side = r.net_px if stage in nets else settings.work_px   # resized to each image when written
         for split, count in m.counts.items():
-            arr = np.lib.format.open_memmap(work / f"{split}.npy", mode="w+", dtype=np.uint8, shape=(count, side, side))
-            todo = list(range(count))
             if split == "train" and stage not in nets:   # the subset's handcrafted maps are already computed
                 for i in subset:
-                    arr[i] = sub_maps[i][stage]
-                done = set(subset)
-                todo = [i for i in todo if i not in done]
+                    store.put(split, i, sub_maps[i][stage])
+            todo = store.todo(split)
 
-            def sink(i, maps, arr=arr):
-                arr[i] = maps[stage]
+            def sink(i, maps, split=split):
+                store.put(split, i, maps[stage])
             if stage in nets:
                 seconds[f"maps_{split}"] = net_records(dataset_dir / split, count, todo, nets[stage], stage, settings,
                                                        f"{split} masks", sink)
             else:
                 seconds[f"maps_{split}"] = map_records(dataset_dir / split, count, todo, settings, f"{split} masks",
                                                        sink) if todo else 0.0
-            arr.flush()
-            stored[split] = arr
+        store.flush()
         saliency = {"stage": stage, "methods": list(settings.methods), "stages_scored": sorted(scores),
                     "scores": scores, "label_scores": label_scores,
                     "agreement": agreement(scored, settings.methods, r.rounds),
@@ -348,11 +368,16 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None, crf
                     "threshold": 0.5, "refinement": _describe(r), "backbone": _backbone(r),
                     "seconds": {k: round(v, 2) for k, v in seconds.items()}}
         t = time.perf_counter()
-        write_masks(dataset_dir, {s: (lambda i, a=a: a[i]) for s, a in stored.items()}, saliency,
+        write_masks(dataset_dir, {s: (lambda i, a=a: a[i]) for s, a in store.maps.items()}, saliency,
                     workers=settings.workers, progress=settings.progress)
         saliency["seconds"]["write"] = round(time.perf_counter() - t, 2)
+        written = True
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if written or key is None:
+            store.remove()
+        else:
+            print(f"the maps computed so far are kept in {work}: the same command resumes from them "
+                  "(delete the folder to start afresh)", file=sys.stderr)
     if report_dir is not None:
         from preprocess.saliency.report import case_scores, write_report
         t = time.perf_counter()

@@ -80,6 +80,45 @@ def test_too_little_disk_stops_before_any_map_and_leaves_the_dataset(tmp_path, c
                  "--case-images", "1", "--report", str(tmp_path / "r")]) == 0
 
 
+def test_a_failed_write_keeps_the_maps_and_the_same_command_resumes_from_them(tmp_path, capsys, monkeypatch) -> None:
+    import shutil
+
+    from preprocess.prepare import PreprocessError
+    from preprocess.saliency import run
+
+    def argv(root, *more):
+        return ["--root", str(root), "--rounds", "0", "--workers", "1", "--subset", "6", "--score-images", "4",
+                "--case-images", "1", "--report", str(root / "r"), *more]
+
+    prepare_dataset("synthetic", tmp_path / "a", workers=1, train_size=16, val_size=6, image_px=32, seed=2)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    assert main(argv(tmp_path / "a")) == 0                              # the reference, in one go
+
+    def full_disk(*args, **kwargs):
+        raise PreprocessError("writing masks failed (disk is full); the dataset is unchanged")
+    monkeypatch.setattr(run, "write_masks", full_disk)
+    assert main(argv(tmp_path / "b")) == 2
+    work = run.work_dir(tmp_path / "b" / "synthetic")
+    assert "the maps computed so far are kept in" in capsys.readouterr().err
+    assert json.loads((work / "key.json").read_text())["max_work_px"] == 256
+    assert main(argv(tmp_path / "b", "--max-work-px", "200")) == 2      # other settings: made afresh
+    assert "resuming" not in capsys.readouterr().out
+    assert json.loads((work / "key.json").read_text())["max_work_px"] == 200
+    # As if killed partway through the val split: two of its maps never written.
+    done = np.load(work / "val.done.npy", mmap_mode="r+")
+    maps = np.load(work / "val.npy", mmap_mode="r+")
+    done[[1, 4]], maps[[1, 4]] = 0, 0
+    done.flush(), maps.flush()
+    del done, maps
+    monkeypatch.undo()
+    assert main(argv(tmp_path / "b", "--max-work-px", "200")) == 0
+    out = capsys.readouterr().out
+    assert "resuming: 20 of 22 maps kept from an earlier run" in out and "val masks: 2 images" in out
+    assert "train masks:" not in out                                      # nothing left to do there
+    assert schema.read_manifest(tmp_path / "b" / "synthetic").files == schema.read_manifest(tmp_path / "a" / "synthetic").files
+    assert not work.exists()
+
+
 def test_bad_input_is_one_line(tmp_path, capsys) -> None:
     assert main(["--root", str(tmp_path), "--dataset", "nosuch"]) == 2
     err = capsys.readouterr().err.strip()
