@@ -124,6 +124,39 @@ def test_saliency_killed_while_its_workers_run_leaves_nothing_and_the_rerun_writ
 
 
 @pytest.mark.slow
+def test_saliency_killed_in_its_handcrafted_pass_resumes_from_the_maps_it_kept(tmp_path) -> None:
+    from preprocess.prepare import prepare_dataset
+
+    prepare_dataset("synthetic", tmp_path / "a", workers=1, train_size=240, val_size=8, image_px=32, seed=5)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+
+    def saliency(root: Path):           # no refinement: a handcrafted stage is written, its maps kept
+        return start(["-m", "preprocess.saliency", "--root", str(root), "--subset", "8", "--workers", "2",
+                      "--rounds", "0", "--report", str(root / "reports"), "--case-images", "1", "--score-images",
+                      "4"])
+
+    reference = saliency(tmp_path / "a")
+    assert reference.wait(timeout=300) == 0, reference.stderr.read()
+    run = saliency(tmp_path / "b")
+    flags = tmp_path / "b" / ".synthetic.saliency-maps" / "train.done.npy"
+
+    def some_maps_kept() -> bool:
+        try:
+            return 40 <= int(np.load(flags, mmap_mode="r").sum()) <= 160
+        except (OSError, ValueError):    # not made yet
+            return False
+    wait_for(some_maps_kept, 120, "part of the train maps", run)
+    noted = kill_and_reap(run, group=True)
+    kept = int(np.load(flags).sum())
+    assert left_after(run.mark, GONE_S, noted) == []
+    rerun = saliency(tmp_path / "b")
+    assert rerun.wait(timeout=300) == 0, rerun.stderr.read()
+    assert f"resuming: {kept} of 248 maps kept from an earlier run" in rerun.stdout.read()
+    assert checksums(tmp_path / "b" / "synthetic") == checksums(tmp_path / "a" / "synthetic")
+    assert os.listdir(tmp_path / "b") == os.listdir(tmp_path / "a")          # no work folder left
+
+
+@pytest.mark.slow
 def test_a_local_ray_instance_ends_with_the_run_that_started_it(jpeg_folder, tmp_path) -> None:
     """`--engine ray` without RAY_ADDRESS starts Ray on this machine (GCS, raylet, agents, workers):
     killed on its main process once a unit is done, nothing of it is left within a few seconds (Ray's
