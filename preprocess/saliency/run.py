@@ -299,6 +299,10 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None, crf
              f"{'backbone from ' + str(r.init) if r.init else r.backbone + ' at random init'}, {r.net_px} px"
              if r.rounds else "no refinement") + f"; scored on {len(held) or len(subset)} "
           + ("held-out" if held else "subset") + " images", flush=True)
+    if gt is None and r.rounds and not r.init:
+        print("  no ground truth and no INIT=: the masks written will be the handcrafted fusion (best_stage); the "
+              "networks are trained and scored for the report only (--rounds 0 skips them, INIT=runs/<run> uses them)",
+              flush=True)
     train_dir = dataset_dir / "train"
 
     sub_maps: dict[int, dict[str, np.ndarray]] = {}

@@ -60,6 +60,51 @@ def test_make_saliency_writes_the_best_stage_into_both_formats_with_a_report(tmp
     assert sorted(p.name for p in root.iterdir() if p.suffix != ".lock") == ["synthetic"]        # no work files left
 
 
+@pytest.mark.slow
+def test_an_image_folder_without_ground_truth_gets_the_handcrafted_fusion_at_each_image_geometry(tmp_path, capsys) -> None:
+    """ImageNet's case: JPEGs of several sizes, no exact masks, no INIT=. Every stage is scored by
+    label-free statistics only, the handcrafted fusion is written (maps of the larger images worked at
+    `--max-work-px`), and each mask has its image's geometry and finds the drawn object."""
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    sizes = [(150, 200), (200, 150), (96, 120), (64, 64)]
+    discs = {}
+    for split, n in (("train", 12), ("val", 4)):
+        for k in range(n):
+            h, w = sizes[k % len(sizes)]
+            image = (rng.integers(150, 200, (1, 1, 3)) + rng.normal(0, 6, (h, w, 3))).clip(0, 255)
+            yy, xx = np.mgrid[0:h, 0:w]
+            disc = (yy - h * rng.uniform(0.4, 0.6)) ** 2 + (xx - w * rng.uniform(0.4, 0.6)) ** 2 < (0.25 * min(h, w)) ** 2
+            image[disc] = rng.integers(0, 80, 3)
+            folder = tmp_path / "src" / split / f"c{k % 2}"
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image.astype(np.uint8)).save(folder / f"{k:02d}.jpg", quality=92)
+            discs[f"{split}/c{k % 2}/{k:02d}.jpg"] = disc
+    root = tmp_path / "data"
+    ds = prepare_dataset("imagefolder", root, src=tmp_path / "src", workers=1, max_side=0)
+    argv = ["--root", str(root), "--dataset", "imagefolder", "--workers", "1", "--subset", "8", "--score-images", "4",
+            "--max-work-px", "160", "--rounds", "1", "--epochs", "1", "--final-epochs", "1", "--case-images", "1",
+            "--report", str(tmp_path / "reports")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "no ground truth and no INIT=: the masks written will be the handcrafted fusion" in out
+    m = schema.read_manifest(ds, verify="full")
+    sal = m.saliency
+    assert sal["stage"] == "fusion" and sal["scored_against"] == "none (label-free statistics)"
+    assert all("iou" not in v and "coverage_mean" in v for v in sal["scores"].values())
+    assert sal["max_work_px"] == 160 and "final" in sal["scores"]
+    ious = []
+    for split, count in m.counts.items():
+        masks, _ = read_masks(ds / f"{split}.beton")
+        names = (ds / split / schema.NAMES_NAME).read_text().splitlines()       # record i's source file
+        for i in range(count):
+            disc = discs[names[i]]
+            assert masks[i].shape == disc.shape
+            ious.append(quality.iou(masks[i] / 255.0, disc.astype(np.float32)))
+    assert len(ious) == 16 and min(ious) > 0.6 and np.mean(ious) > 0.8
+
+
 def test_too_little_disk_stops_before_any_map_and_leaves_the_dataset(tmp_path, capsys, monkeypatch) -> None:
     import shutil
 
