@@ -83,6 +83,7 @@ def test_an_image_folder_without_ground_truth_gets_the_handcrafted_fusion_at_eac
             discs[f"{split}/c{k % 2}/{k:02d}.jpg"] = disc
     root = tmp_path / "data"
     ds = prepare_dataset("imagefolder", root, src=tmp_path / "src", workers=1, max_side=0)
+    files = sorted(p.relative_to(ds).as_posix() for p in ds.rglob("*"))
     argv = ["--root", str(root), "--dataset", "imagefolder", "--workers", "1", "--subset", "8", "--score-images", "4",
             "--max-work-px", "160", "--rounds", "1", "--epochs", "1", "--final-epochs", "1", "--case-images", "1",
             "--report", str(tmp_path / "reports")]
@@ -94,6 +95,7 @@ def test_an_image_folder_without_ground_truth_gets_the_handcrafted_fusion_at_eac
     assert sal["stage"] == "fusion" and sal["scored_against"] == "none (label-free statistics)"
     assert all("iou" not in v and "coverage_mean" in v for v in sal["scores"].values())
     assert sal["max_work_px"] == 160 and "final" in sal["scores"]
+    assert sorted(p.relative_to(ds).as_posix() for p in ds.rglob("*")) == files      # nothing dropped
     ious = []
     for split, count in m.counts.items():
         masks, _ = read_masks(ds / f"{split}.beton")
