@@ -300,7 +300,7 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None, crf
              if r.rounds else "no refinement") + f"; scored on {len(held) or len(subset)} "
           + ("held-out" if held else "subset") + " images", flush=True)
     if gt is None and r.rounds and not r.init:
-        print("  no ground truth and no INIT=: the masks written will be the handcrafted fusion (best_stage); the "
+        print("  no ground truth and no INIT=: the masks written will be the handcrafted fusion; the "
               "networks are trained and scored for the report only (--rounds 0 skips them, INIT=runs/<run> uses them)",
               flush=True)
     train_dir = dataset_dir / "train"

@@ -6,9 +6,9 @@ steps as `preprocess/prepare.py`, so an interrupted run leaves the previous data
 valid. Records are read back from the DALI shards: JPEG images are stored again byte for byte
 (`Record.encoded`, never decoded) and the `.beton` copied from the new shards (`preprocess.ffcv_copy`),
 lossless ones decoded and re-encoded losslessly by both writers; labels, indices, the ground-truth
-masks of `synthetic` and the records' file names of image folders are kept. Masks arrive as probability maps (uint8, 0-255) of any
-size per record; each is resized bilinearly to its stored image and binarised at 0.5 (the DeepUSPS
-convention), so the mask has exactly the image's geometry.
+masks of `synthetic` and the records' file names of image folders are kept. Masks arrive as
+probability maps (uint8, 0-255) of any size per record; each is resized bilinearly to its stored
+image and binarised at 0.5 (the DeepUSPS convention), so the mask has exactly the image's geometry.
 """
 
 from __future__ import annotations
@@ -115,8 +115,8 @@ def write_masks(dataset_dir: Path, masks: dict[str, Callable[[int], np.ndarray]]
                     jpeg_quality=quality, num_workers=workers, progress=progress)
             elif with_ffcv:                                 # pixels, which the shards hold as PNG
                 write_ffcv(stored, staging / f"{split}.beton", num_workers=workers, progress=progress)
-        kept = [*old.gt_masks.values(),                    # what the records' rewrite does not make
-                *(f"{split}/{schema.NAMES_NAME}" for split in old.counts if (dataset_dir / split / schema.NAMES_NAME).exists())]
+        names = [f"{split}/{schema.NAMES_NAME}" for split in old.counts]      # image folders' record names
+        kept = [*old.gt_masks.values(), *(rel for rel in names if (dataset_dir / rel).exists())]
         for rel in kept:
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(dataset_dir / rel, staging / rel)
