@@ -220,3 +220,14 @@ def test_agreement_is_the_mean_iou_between_two_stages_masks() -> None:
     maps = {i: {**per, "rbd-r1": per["rbd"], "mr-r1": per["rbd"]} for i, per in maps.items()}
     got = agreement(maps, ("rbd", "mr"), rounds=1)
     assert got["rbd vs rbd-r1"] == 1.0 and got["mr vs mr-r1"] == 0.5 and got["fusion vs final"] == 0.5
+
+
+def test_the_stage_used_is_the_best_by_iou_else_the_networks_only_from_init_else_the_fusion() -> None:
+    from preprocess.saliency.run import best_stage
+
+    scored = {"rbd": {"iou": 0.5}, "fusion": {"iou": 0.55}, "rbd-r1": {"iou": 0.7}, "final": {"iou": 0.65}}
+    assert best_stage(scored) == best_stage(scored, refined=True) == "rbd-r1"
+    label_free = {k: {"coverage_mean": 0.2} for k in scored}            # a dataset without ground truth
+    assert best_stage(label_free, refined=True) == "final"              # networks started from INIT=
+    assert best_stage(label_free) == "fusion"                           # random init: they may drift
+    assert best_stage({"rbd": {}, "mr": {}, "fusion": {}}, refined=True) == "fusion"    # --rounds 0
