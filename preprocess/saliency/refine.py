@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -159,8 +160,35 @@ def train_net(x: Tensor, targets: Tensor, epochs: int, lr: float, s: RefineSetti
     return net
 
 
+def _kept(checkpoints: Path | None, stage: str, s: RefineSettings) -> tuple[SaliencyNet, np.ndarray | None, float] | None:
+    """A stage an earlier run of the same refinement saved in `checkpoints` (network, labels, seconds)."""
+    if checkpoints is None or not (checkpoints / f"{stage}.pt").exists():
+        return None
+    saved = torch.load(checkpoints / f"{stage}.pt", map_location="cpu", weights_only=True)
+    net = build_saliency_net(s.backbone, s.init, s.width)
+    net.load_state_dict(saved["state"])
+    net.eval()
+    labels = np.load(checkpoints / f"{stage}.labels.npy") if (checkpoints / f"{stage}.labels.npy").exists() else None
+    return net, labels, float(saved["seconds"])
+
+
+def _keep(checkpoints: Path | None, stage: str, net: SaliencyNet, labels: np.ndarray | None, seconds: float) -> None:
+    """Save a finished stage into `checkpoints`: its labels first, the network last (its file is what
+    `_kept` looks for), each written whole under a temporary name."""
+    if checkpoints is None:
+        return
+    if labels is not None:
+        tmp = checkpoints / f"{stage}.labels.tmp.npy"
+        np.save(tmp, labels)
+        tmp.replace(checkpoints / f"{stage}.labels.npy")
+    tmp = checkpoints / f"{stage}.pt.tmp"
+    torch.save({"state": net.state_dict(), "seconds": seconds}, tmp)
+    tmp.replace(checkpoints / f"{stage}.pt")
+
+
 def refine(x: Tensor, handcrafted: dict[str, np.ndarray], s: RefineSettings, log=print,
-           images: np.ndarray | None = None, crf: CrfPool | None = None) -> Refinement:
+           images: np.ndarray | None = None, crf: CrfPool | None = None,
+           checkpoints: Path | None = None) -> Refinement:
     """Stage I for every method, then stage II.
 
     Args:
@@ -170,6 +198,9 @@ def refine(x: Tensor, handcrafted: dict[str, np.ndarray], s: RefineSettings, log
         log: receives one line per round.
         images: (N, px, px, 3) uint8, the same images unnormalised (needed with `s.crf`).
         crf: the dense CRF's processes (with `s.crf`; None: in this process).
+        checkpoints: a folder where every finished stage is saved, and from which the stages an
+            earlier run of the same refinement (the caller's to ensure) finished are taken instead
+            of trained again.
 
     Returns:
         The `Refinement`: nets "<method>-r<k>" for each round and "final" (stage II); labels
@@ -185,6 +216,12 @@ def refine(x: Tensor, handcrafted: dict[str, np.ndarray], s: RefineSettings, log
     for mi, (method, maps) in enumerate(handcrafted.items()):
         target = maps >= s.first_threshold
         for r in range(1, s.rounds + 1):
+            stage = f"{method}-r{r}"
+            if (kept := _kept(checkpoints, stage, s)) is not None:
+                out.nets[stage], out.labels[stage], out.seconds[stage] = kept
+                target = out.labels[stage] >= 0.5
+                log(f"  {stage}: kept from an earlier run")
+                continue
             t0 = time.perf_counter()
             state: dict[str, np.ndarray] = {}
 
@@ -198,17 +235,21 @@ def refine(x: Tensor, handcrafted: dict[str, np.ndarray], s: RefineSettings, log
 
             net = train_net(x, torch.from_numpy(target[None].astype(np.float32)), s.epochs, s.lr * 2 ** (r - 1),
                             s, seed=s.seed + 100 * mi + r, beta2=1.0, on_epoch=fold)
-            stage = f"{method}-r{r}"
             out.nets[stage], out.labels[stage] = net, state["mva"].astype(np.float32)
             target = state["mva"] >= 0.5
             out.seconds[stage] = time.perf_counter() - t0
+            _keep(checkpoints, stage, net, out.labels[stage], out.seconds[stage])
             log(f"  {stage}: {s.epochs} epochs on {len(x)} images in {out.seconds[stage]:.1f} s")
-    if s.rounds:
+    if s.rounds and (kept := _kept(checkpoints, "final", s)) is not None:
+        out.nets["final"], _, out.seconds["final"] = kept
+        log("  final: kept from an earlier run")
+    elif s.rounds:
         t0 = time.perf_counter()
         last = [out.labels[f"{m}-r{s.rounds}"] >= 0.5 for m in handcrafted]
         out.nets["final"] = train_net(x, torch.from_numpy(np.stack(last).astype(np.float32)), s.final_epochs, s.lr,
                                       s, seed=s.seed + 99, beta2=4.0)
         out.seconds["final"] = time.perf_counter() - t0
+        _keep(checkpoints, "final", out.nets["final"], None, out.seconds["final"])
         log(f"  final: {s.final_epochs} epochs on {len(x)} images and {len(last)} refined targets in "
             f"{out.seconds['final']:.1f} s")
     return out

@@ -15,8 +15,8 @@ accuracy than no masks, so a mask's quality is measured before it is used):
    its backbone came from a self-supervised run (`--init`), else the handcrafted fusion;
 5. that stage over every record of every split (batched network inference, or the handcrafted maps in
    parallel), with a progress bar; maps kept as uint8 probabilities in memory-mapped files beside
-   the dataset (`store.py`), so memory stays bounded and a handcrafted stage's pass, killed or
-   failed, resumes where it stopped;
+   the dataset (`store.py`), so memory stays bounded and the pass, killed or failed, resumes where
+   it stopped (the refinement too: its finished stages are kept);
 6. `write.write_masks`: binarised at 0.5 at each stored image's geometry, into both formats,
    atomically; the manifest's `saliency` records the methods, parameters, rounds, backbone source,
    seed, subset, per-stage scores and the stage used.
@@ -43,7 +43,7 @@ from preprocess.progress import bar as progress_bar
 from preprocess.saliency import handcrafted, quality, refine
 from preprocess.saliency.crf import CrfPool
 from preprocess.saliency.dsr import DsrParams
-from preprocess.saliency.store import MapStore
+from preprocess.saliency.store import MapStore, checkpoint_folder
 from preprocess.saliency.superpixels import SlicParams
 from preprocess.saliency.write import write_masks
 
@@ -80,7 +80,9 @@ MASK_RECORD_BYTES = 1024
 
 def disk_needed(m: schema.Manifest, side: int) -> int:
     """Bytes `make saliency` writes beside a dataset at its peak: the dataset rewritten with masks
-    (staged beside the old one until the swap) and the maps, kept as `side` x `side` uint8 a record."""
+    (staged beside the old one until the swap) and the maps, kept as `side` x `side` uint8 a record.
+    The refinement's checkpoints (about 1 GB at ImageNet's size: the subset's labels and five
+    networks) fit in the masks' margin."""
     records = sum(m.counts.values())
     data = sum(f["bytes"] for f in m.files.values())
     return int(data * (1 + MASK_SHARE)) + records * (MASK_RECORD_BYTES + side * side)
@@ -91,6 +93,11 @@ def work_dir(dataset_dir: Path) -> Path:
     return dataset_dir.with_name(f".{dataset_dir.name}.saliency-maps")
 
 
+def refine_dir(dataset_dir: Path) -> Path:
+    """Where the refinement's finished stages are kept until the masks are written."""
+    return dataset_dir.with_name(f".{dataset_dir.name}.saliency-refine")
+
+
 def check_disk(dataset_dir: Path, m: schema.Manifest, side: int) -> None:
     """Stop in one line, before any map is computed, when the dataset's file system has too little
     free space for `disk_needed` (the rewrite would otherwise fail at the end of hours of maps).
@@ -98,8 +105,8 @@ def check_disk(dataset_dir: Path, m: schema.Manifest, side: int) -> None:
     Raises:
         LimitError: naming what is needed, what is free and the fix.
     """
-    kept = work_dir(dataset_dir)               # an earlier run's maps: reused or replaced
-    reclaimable = sum(f.stat().st_blocks * 512 for f in kept.iterdir()) if kept.is_dir() else 0
+    kept = [f for d in (work_dir(dataset_dir), refine_dir(dataset_dir)) if d.is_dir() for f in d.iterdir()]
+    reclaimable = sum(f.stat().st_blocks * 512 for f in kept)     # an earlier run's: reused or replaced
     need, free = disk_needed(m, side), shutil.disk_usage(dataset_dir.parent).free + reclaimable
     if free < need:
         gib = 2 ** 30
@@ -255,6 +262,23 @@ def map_key(dataset_dir: Path, stage: str, settings: Settings, side: int) -> dic
             "mc": asdict(handcrafted.McParams()), "dsr": asdict(DsrParams())}
 
 
+def refine_key(dataset_dir: Path, settings: Settings, r: refine.RefineSettings, subset: list[int]) -> dict:
+    """What the refinement depends on: the handcrafted maps it starts from (`map_key`), the subset
+    and its settings; its checkpoints are used only under the same key."""
+    return {**map_key(dataset_dir, "refinement", settings, r.net_px), "refinement": asdict(r),
+            "subset_sha256": hashlib.sha256(np.asarray(subset, np.int64).tobytes()).hexdigest()}
+
+
+def net_digest(net) -> str:
+    """SHA-256 of a network's parameters and buffers, in order: a network's maps are resumed only
+    with the same network."""
+    h = hashlib.sha256()
+    for name, value in net.state_dict().items():
+        h.update(name.encode())
+        h.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def best_stage(scores: dict[str, dict], refined: bool = False) -> str:
     """The stage with the highest IoU against the ground truth. Without one: the final network when
     it was refined from a self-supervised backbone (`INIT=`, the setting DeepUSPS's gains rely on),
@@ -323,7 +347,9 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None, crf
         x = refine.as_input(subset_images, m.mean, m.std)
         targets = {k: np.stack([handcrafted.resize_map(sub_maps[i][k].astype(np.float32) / 255, (r.net_px, r.net_px))
                                 for i in subset]) for k in settings.methods}
-        out = refine.refine(x, targets, r, images=subset_images, crf=crf)
+        if checkpoint_folder(refine_dir(dataset_dir), refine_key(dataset_dir, settings, r, subset)):
+            print("  refinement: resuming from the stages an earlier run finished", flush=True)
+        out = refine.refine(x, targets, r, images=subset_images, crf=crf, checkpoints=refine_dir(dataset_dir))
         seconds.update({f"refine_{k}": round(v, 2) for k, v in out.seconds.items()})
         nets = {k: refine.NetStage(net, r.net_px, m.mean, m.std, crf=crf) for k, net in out.nets.items()}
         images = read_images(train_dir, n, list(scored), r.net_px)
@@ -337,7 +363,9 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None, crf
                             for k, v in scores.items()) + f" → using {stage}", flush=True)
 
     side = r.net_px if stage in nets else settings.work_px   # resized to each image when written
-    key = None if stage in nets else map_key(dataset_dir, stage, settings, side)
+    key = map_key(dataset_dir, stage, settings, side)
+    if stage in nets:                  # and the network itself
+        key |= {"refinement": asdict(r), "net_sha256": net_digest(nets[stage].net)}
     work = work_dir(dataset_dir)
     store = MapStore(work, m.counts, side, key)
     if store.resumed:
@@ -352,12 +380,14 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None, crf
 
             def sink(i, maps, split=split):
                 store.put(split, i, maps[stage])
-            if stage in nets:
+            if not todo:
+                seconds[f"maps_{split}"] = 0.0
+            elif stage in nets:
                 seconds[f"maps_{split}"] = net_records(dataset_dir / split, count, todo, nets[stage], stage, settings,
                                                        f"{split} masks", sink)
             else:
                 seconds[f"maps_{split}"] = map_records(dataset_dir / split, count, todo, settings, f"{split} masks",
-                                                       sink) if todo else 0.0
+                                                       sink)
         store.flush()
         saliency = {"stage": stage, "methods": list(settings.methods), "stages_scored": sorted(scores),
                     "scores": scores, "label_scores": label_scores,
@@ -377,11 +407,13 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None, crf
         saliency["seconds"]["write"] = round(time.perf_counter() - t, 2)
         written = True
     finally:
-        if written or key is None:
+        if written:
             store.remove()
+            shutil.rmtree(refine_dir(dataset_dir), ignore_errors=True)
         else:
-            print(f"the maps computed so far are kept in {work}: the same command resumes from them "
-                  "(delete the folder to start afresh)", file=sys.stderr)
+            print(f"the maps computed so far are kept in {work}" + (f" and the refined networks in "
+                  f"{refine_dir(dataset_dir)}" if r.rounds else "") + ": the same command resumes from them "
+                  "(delete them to start afresh)", file=sys.stderr)
     if report_dir is not None:
         from preprocess.saliency.report import case_scores, write_report
         t = time.perf_counter()

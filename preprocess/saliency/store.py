@@ -4,8 +4,8 @@ stays bounded whatever the record count, and a run killed or failed after part o
 resumes where it stopped.
 
 Only a store with a key resumes, and only when the key it was made with is the same: the dataset's
-manifest, the stage and every setting its maps depend on (`run.py` gives keys to the handcrafted
-stages alone, whose maps depend on nothing else; a network's maps are made afresh).
+manifest, the stage and every setting its maps depend on, and for a network's maps the network
+itself (`run.py`). The refinement's checkpoints are kept the same way (`checkpoint_folder`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,32 @@ from pathlib import Path
 import numpy as np
 
 KEY = "key.json"
+
+
+def stamped(folder: Path, key: dict) -> bool:
+    """Whether `folder` was made under `key` (its stamp, written last, says so)."""
+    try:
+        return json.loads((Path(folder) / KEY).read_text()) == json.loads(json.dumps(key, sort_keys=True))
+    except (OSError, ValueError):
+        return False
+
+
+def stamp(folder: Path, key: dict) -> None:
+    """Write `folder`'s stamp, whole or not at all."""
+    tmp = Path(folder) / f"{KEY}.tmp"
+    tmp.write_text(json.dumps(key, sort_keys=True))
+    tmp.replace(Path(folder) / KEY)
+
+
+def checkpoint_folder(folder: Path, key: dict) -> bool:
+    """`folder` ready for checkpoints made under `key`: kept when an earlier run made it under the
+    same key (returns True), else emptied and stamped (False)."""
+    if stamped(folder, key):
+        return True
+    shutil.rmtree(folder, ignore_errors=True)
+    Path(folder).mkdir()
+    stamp(folder, key)
+    return False
 
 
 class MapStore:
@@ -45,14 +71,12 @@ class MapStore:
                                                   shape=(counts[s],)) for s in counts}
         self.resumed = 0
         if key is not None:                # written last: a store cut short while being made is not trusted
-            tmp = self.work / f"{KEY}.tmp"
-            tmp.write_text(json.dumps(key, sort_keys=True))
-            tmp.replace(self.work / KEY)
+            stamp(self.work, key)
 
     def _made_with(self, key: dict, shape: dict[str, tuple]) -> bool:
+        if not stamped(self.work, key):
+            return False
         try:
-            if json.loads((self.work / KEY).read_text()) != json.loads(json.dumps(key, sort_keys=True)):
-                return False
             for s, want in shape.items():
                 maps = np.load(self.work / f"{s}.npy", mmap_mode="r")
                 done = np.load(self.work / f"{s}.done.npy", mmap_mode="r")

@@ -71,3 +71,33 @@ def test_rounds_train_on_noisy_labels_and_recover_the_objects() -> None:
     # net - label IoU over RefineSettings.seed 0-4 x 1 or 2 threads: 0.235 mean, 0.061 spread, 0.108 least; a bar
     # at 0 sits 3.8 spreads under the mean.
     assert net_iou > label_iou, (net_iou, label_iou)
+
+
+def test_a_refinement_with_checkpoints_takes_the_stages_an_earlier_run_finished(tmp_path, monkeypatch) -> None:
+    """Every finished stage is saved; a second run over the same folder trains nothing and returns the
+    same labels and networks; one with its last stage missing trains that stage alone."""
+    from preprocess.saliency import refine as module
+
+    px, n = 32, 12
+    images = np.stack([cases.make("clutter-low", i, px=px)[0] for i in range(n)])
+    maps = np.stack([cases.make("clutter-low", i, px=px)[1] for i in range(n)]).astype(np.float32) / 255
+    x = as_input(images, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    s = RefineSettings(rounds=2, epochs=2, final_epochs=2, batch_size=4, net_px=px, crf=False)
+    first = refine(x, {"a": maps}, s, log=lambda line: None, checkpoints=tmp_path)
+    trained = []
+    real = module.train_net
+    monkeypatch.setattr(module, "train_net", lambda *a, **k: trained.append(k["seed"]) or real(*a, **k))
+    lines = []
+    again = refine(x, {"a": maps}, s, log=lines.append, checkpoints=tmp_path)
+    assert trained == [] and lines == ["  a-r1: kept from an earlier run", "  a-r2: kept from an earlier run",
+                                       "  final: kept from an earlier run"]
+    for stage in first.nets:
+        assert all(torch.equal(u, v) for u, v in zip(first.nets[stage].state_dict().values(),
+                                                      again.nets[stage].state_dict().values()))
+        np.testing.assert_array_equal(predict(first.nets[stage], x), predict(again.nets[stage], x))
+    for stage in first.labels:
+        np.testing.assert_array_equal(first.labels[stage], again.labels[stage])
+    (tmp_path / "final.pt").unlink()                      # as if killed while training stage II
+    third = refine(x, {"a": maps}, s, log=lambda line: None, checkpoints=tmp_path)
+    assert trained == [s.seed + 99]                        # stage II alone, with its own seed
+    np.testing.assert_allclose(predict(third.nets["final"], x), predict(first.nets["final"], x), atol=1e-5)

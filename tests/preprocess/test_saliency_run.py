@@ -166,6 +166,46 @@ def test_a_failed_write_keeps_the_maps_and_the_same_command_resumes_from_them(tm
     assert not work.exists()
 
 
+@pytest.mark.slow
+def test_a_failed_write_after_the_refinement_resumes_without_training_or_mapping_again(tmp_path, capsys,
+                                                                                       monkeypatch) -> None:
+    """The refinement's finished stages and a network's maps are kept like a handcrafted stage's: the
+    same command takes them (the same masks as an uninterrupted run); other refinement settings make
+    them afresh."""
+    import shutil
+
+    from preprocess.prepare import PreprocessError
+    from preprocess.saliency import run
+
+    def argv(root, *more):
+        return ["--root", str(root), "--rounds", "1", "--epochs", "1", "--final-epochs", "1", "--workers", "1",
+                "--subset", "8", "--score-images", "4", "--work-px", "64", "--case-images", "1",
+                "--report", str(root / "r"), *more]
+
+    monkeypatch.setattr(run, "best_stage", lambda scores, refined=False: "final")    # a network's maps written
+    prepare_dataset("synthetic", tmp_path / "a", workers=1, train_size=16, val_size=6, image_px=32, seed=3)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    assert main(argv(tmp_path / "a")) == 0                              # the reference, in one go
+    capsys.readouterr()
+    def full_disk(*args, **kwargs):
+        raise PreprocessError("writing masks failed (disk is full); the dataset is unchanged")
+    with monkeypatch.context() as patched:
+        patched.setattr(run, "write_masks", full_disk)
+        assert main(argv(tmp_path / "b", "--epochs", "2")) == 2         # other settings: trained, then failed
+        assert "kept from an earlier run" not in capsys.readouterr().out
+        assert main(argv(tmp_path / "b")) == 2
+        out, err = capsys.readouterr()
+        assert "kept from an earlier run" not in out and "resuming" not in out
+        assert "and the refined networks in" in err
+    assert main(argv(tmp_path / "b")) == 0
+    out = capsys.readouterr().out
+    assert "refinement: resuming from the stages an earlier run finished" in out
+    assert "rbd-r1: kept from an earlier run" in out and "final: kept from an earlier run" in out
+    assert "resuming: 22 of 22 maps kept from an earlier run" in out and "images/s, network" not in out
+    assert schema.read_manifest(tmp_path / "b" / "synthetic").files == schema.read_manifest(tmp_path / "a" / "synthetic").files
+    assert sorted(p.name for p in (tmp_path / "b").iterdir() if p.suffix != ".lock") == ["r", "synthetic"]
+
+
 def test_bad_input_is_one_line(tmp_path, capsys) -> None:
     assert main(["--root", str(tmp_path), "--dataset", "nosuch"]) == 2
     err = capsys.readouterr().err.strip()
