@@ -83,6 +83,11 @@ def read_beton(path: str | Path, *, batch_size: int = 32) -> Iterator[Chunk]:
         yield [beton.image(i) for i in range(a, b)], labels[a:b].copy(), indices[a:b].copy()
 
 
+# A stored coverage against the mask's own mean: coverage is stored in parts per million, so rounding
+# moves it by up to half a ppm, and a tie lands a float's error beyond that.
+COVERAGE_ATOL = 5.1e-7
+
+
 def read_masks(path: str | Path) -> tuple[list[np.ndarray | None], np.ndarray]:
     """All masks and coverages of a `.beton` file in index order (None where no mask is stored).
 

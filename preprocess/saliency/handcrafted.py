@@ -244,11 +244,12 @@ def mc(g: Graph, p: McParams = McParams()) -> np.ndarray:
     edges = _two_ring(g.adj) | clique
     np.fill_diagonal(edges, False)
     w = np.where(edges, np.exp(-p.theta * _edge_scaled(d, edges)) + p.eps, 0.0) + np.eye(n)
-    degree = w.sum(axis=1) + w[:, g.boundary].sum(axis=1)           # to transient and absorbing nodes
+    within = w.sum(axis=1)                                           # d_i, the degree on W
+    degree = within + w[:, g.boundary].sum(axis=1)                   # to transient and absorbing nodes
     fundamental_inv = np.eye(n) - w / degree[:, None]               # I − Q
     y = minmax(np.linalg.solve(fundamental_inv, np.ones(n)))
     if p.flat is not None and flatness(y) >= p.flat:
-        pi = w.sum(axis=1) / w.sum()
+        pi = within / within.sum()
         y = minmax(np.linalg.solve(fundamental_inv, (1 / pi) / (1 / pi).sum()))
     return y
 

@@ -160,7 +160,8 @@ def train_net(x: Tensor, targets: Tensor, epochs: int, lr: float, s: RefineSetti
     return net
 
 
-def _kept(checkpoints: Path | None, stage: str, s: RefineSettings) -> tuple[SaliencyNet, np.ndarray | None, float] | None:
+def _kept(checkpoints: Path | None, stage: str,
+          s: RefineSettings) -> tuple[SaliencyNet, np.ndarray | None, float] | None:
     """A stage an earlier run of the same refinement saved in `checkpoints` (network, labels, seconds)."""
     if checkpoints is None or not (checkpoints / f"{stage}.pt").exists():
         return None

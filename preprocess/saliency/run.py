@@ -81,8 +81,9 @@ MASK_RECORD_BYTES = 1024
 def disk_needed(m: schema.Manifest, side: int) -> int:
     """Bytes `make saliency` writes beside a dataset at its peak: the dataset rewritten with masks
     (staged beside the old one until the swap) and the maps, kept as `side` x `side` uint8 a record.
-    The refinement's checkpoints (about 1 GB at ImageNet's size: the subset's labels and five
-    networks) fit in the masks' margin."""
+    The refinement's checkpoints fit in the masks' margin (computed, not measured, at ImageNet's
+    size: 0.7 GB of the subset's float32 labels at 128 px and five networks, about 0.1 GB each for
+    a ResNet-50 from INIT=, against some 20 GB of margin)."""
     records = sum(m.counts.values())
     data = sum(f["bytes"] for f in m.files.values())
     return int(data * (1 + MASK_SHARE)) + records * (MASK_RECORD_BYTES + side * side)
@@ -252,9 +253,9 @@ def agreement(maps: dict[int, dict[str, np.ndarray]], methods: tuple[str, ...], 
 
 
 def map_key(dataset_dir: Path, stage: str, settings: Settings, side: int) -> dict:
-    """What a handcrafted stage's maps depend on: the dataset (its manifest's checksum), the stage,
-    the methods, working sides and every method's parameters; a `MapStore` resumes only under the
-    same key."""
+    """What a stage's maps depend on besides a network's weights: the dataset (its manifest's
+    checksum), the stage, the methods, working sides and every method's parameters; a `MapStore`
+    resumes only under the same key."""
     manifest = (dataset_dir / schema.MANIFEST_NAME).read_bytes()
     return {"manifest_sha256": hashlib.sha256(manifest).hexdigest(), "stage": stage, "side": side,
             "methods": list(settings.methods), "work_px": settings.work_px, "max_work_px": settings.max_work_px,
@@ -385,8 +386,9 @@ def _compute(dataset_dir: Path, settings: Settings, report_dir: Path | None, crf
             elif stage in nets:
                 seconds[f"maps_{split}"] = net_records(dataset_dir / split, count, todo, nets[stage], stage, settings,
                                                        f"{split} masks", sink)
-            else:
-                seconds[f"maps_{split}"] = map_records(dataset_dir / split, count, todo, settings, f"{split} masks",
+            else:                        # only the methods the stage is made of (all of them for the fusion)
+                needs = replace(settings, methods=(stage,) if stage in settings.methods else settings.methods)
+                seconds[f"maps_{split}"] = map_records(dataset_dir / split, count, todo, needs, f"{split} masks",
                                                        sink)
         store.flush()
         saliency = {"stage": stage, "methods": list(settings.methods), "stages_scored": sorted(scores),

@@ -3,7 +3,7 @@ per split one uint8 (count, side, side) array and one flag a record, memory-mapp
 stays bounded whatever the record count, and a run killed or failed after part of the map pass
 resumes where it stopped.
 
-Only a store with a key resumes, and only when the key it was made with is the same: the dataset's
+A store resumes only when the key it was made with is the same: the dataset's
 manifest, the stage and every setting its maps depend on, and for a network's maps the network
 itself (`run.py`). The refinement's checkpoints are kept the same way (`checkpoint_folder`).
 """
@@ -52,13 +52,13 @@ class MapStore:
         work: the store's folder (replaced unless it holds a store made with `key`).
         counts: split -> records.
         side: the maps' side.
-        key: what the maps depend on (JSON-serialisable); `None`: never resumed.
+        key: what the maps depend on (JSON-serialisable).
     """
 
-    def __init__(self, work: Path, counts: dict[str, int], side: int, key: dict | None) -> None:
-        self.work, self.key = Path(work), key
+    def __init__(self, work: Path, counts: dict[str, int], side: int, key: dict) -> None:
+        self.work = Path(work)
         shape = {split: (count, side, side) for split, count in counts.items()}
-        if key is not None and self._made_with(key, shape):
+        if self._made_with(key, shape):
             self.maps = {s: np.load(self.work / f"{s}.npy", mmap_mode="r+") for s in counts}
             self.done = {s: np.load(self.work / f"{s}.done.npy", mmap_mode="r+") for s in counts}
             self.resumed = int(sum(int(d.sum()) for d in self.done.values()))
@@ -70,8 +70,7 @@ class MapStore:
         self.done = {s: np.lib.format.open_memmap(self.work / f"{s}.done.npy", mode="w+", dtype=np.uint8,
                                                   shape=(counts[s],)) for s in counts}
         self.resumed = 0
-        if key is not None:                # written last: a store cut short while being made is not trusted
-            stamp(self.work, key)
+        stamp(self.work, key)              # written last: a store cut short while being made is not trusted
 
     def _made_with(self, key: dict, shape: dict[str, tuple]) -> bool:
         if not stamped(self.work, key):

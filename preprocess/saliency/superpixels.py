@@ -17,9 +17,9 @@ class SaliencyError(ValueError):
 
 @dataclass(frozen=True)
 class SlicParams:
-    """SLIC settings: `segments` is the target count at the working size (the reference RBD code uses
-    H·W/600 at ≥ 224 px; ~80 at 64 px); a result under `min_fraction` of it is an error. Without
-    smoothing (`sigma`) SLIC merges a noisy image into a handful of segments."""
+    """SLIC settings: `segments` is the target count (the graph methods': `handcrafted.segments_for`;
+    DSR's: its scales); a result under `min_fraction` of it is an error. Without smoothing (`sigma`)
+    SLIC merges a noisy image into a handful of segments."""
 
     segments: int = 80
     compactness: float = 20.0

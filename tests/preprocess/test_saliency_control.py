@@ -14,7 +14,7 @@ from pipelines import schema
 from pipelines.shards import ShardReader, scan_shards
 from preprocess.prepare import PreprocessError, prepare_dataset
 from preprocess.saliency.control import centred_rectangle, write_control
-from tests.readers import read_masks
+from tests.readers import COVERAGE_ATOL, read_masks
 
 
 @pytest.mark.parametrize("h,w,coverage", [(64, 64, 0.3), (48, 80, 0.05), (37, 53, 0.9), (20, 20, 0.0), (20, 30, 1.0)])
@@ -43,7 +43,7 @@ def test_the_copy_holds_centred_masks_of_the_same_coverage_in_both_formats(tmp_p
         for i, (a, b, c) in enumerate(zip(original, control, coverage)):
             assert abs((b >= 128).mean() - (a >= 128).mean()) <= 2 * 32 / 32 ** 2
             assert np.array_equal(b, centred_rectangle(32, 32, float((a >= 128).mean())))
-            assert c == pytest.approx((b >= 128).mean(), abs=5.1e-7)                 # stored in ppm: ±0.5 ppm
+            assert c == pytest.approx((b >= 128).mean(), abs=COVERAGE_ATOL)
             dali = np.asarray(Image.open(io.BytesIO(shards.mask(i))))
             assert np.array_equal(dali, b) and shards.coverage[i] == c               # the same in both
 

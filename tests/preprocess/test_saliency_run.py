@@ -13,7 +13,7 @@ from preprocess.prepare import prepare_dataset
 from preprocess.saliency import quality
 from preprocess.saliency.__main__ import main
 from preprocess.saliency.run import disk_needed
-from tests.readers import _Beton, read_masks
+from tests.readers import COVERAGE_ATOL, _Beton, read_masks
 
 
 @pytest.mark.slow
@@ -47,7 +47,7 @@ def test_make_saliency_writes_the_best_stage_into_both_formats_with_a_report(tmp
     ious = []
     for i, mask in enumerate(masks):
         assert mask.shape == beton.image(i).shape[:2] and set(np.unique(mask)) <= {0, 255}
-        assert coverage[i] == pytest.approx(np.mean(mask >= 128), abs=5.1e-7)       # stored in ppm: ±0.5 ppm
+        assert coverage[i] == pytest.approx(np.mean(mask >= 128), abs=COVERAGE_ATOL)
         ious.append(quality.iou(mask / 255.0, gt[i]))
     # Far from perfect on 32-px images, but the masks find the objects (a random mask scores ~0.15).
     assert np.mean(ious) > 0.35

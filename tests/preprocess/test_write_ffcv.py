@@ -11,7 +11,7 @@ import pytest
 from pipelines import schema
 from preprocess.records import Record
 from preprocess.write_ffcv import write_ffcv
-from tests.readers import read_beton, read_masks
+from tests.readers import COVERAGE_ATOL, read_beton, read_masks
 
 # JPEG at quality 90 on smooth images: mean absolute error per image stays below this (uint8 units).
 JPEG_MEAN_ABS_TOL = 3.0
@@ -53,7 +53,7 @@ def test_raw_round_trip_is_bit_exact(tmp_path: Path) -> None:
     masks, coverage = read_masks(path)
     for i, m in enumerate(masks):
         assert np.array_equal(m, split[i].mask)
-        assert coverage[i] == pytest.approx(float(np.mean(split[i].mask >= 128)), abs=5.1e-7)     # in ppm: ±0.5 ppm
+        assert coverage[i] == pytest.approx(float(np.mean(split[i].mask >= 128)), abs=COVERAGE_ATOL)
     assert not [p for p in tmp_path.iterdir() if p.name != "train.beton"]   # no temporary left
 
 
