@@ -58,7 +58,7 @@ from nvidia.dali.plugin.pytorch import feed_ndarray  # noqa: E402
 from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers, normalize
 from pipelines.dali_graph import NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs
-from pipelines.processes import before_fork, end_with_creator, fork_server
+from pipelines.processes import end_with_creator, fork_server, forking_workers, leave_signals_to_creator
 from pipelines.shards import ShardReader, image_size
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import FIELDS
@@ -117,6 +117,7 @@ def _received(state: dict, creator: int) -> "BatchSource":
     that from the at-fork hook). DALI unpickles it with the worker's arguments, before multiprocessing
     knows the worker's parent process: the pid travels with it."""
     end_with_creator(creator)
+    leave_signals_to_creator()     # rule 4 (a forked worker: `forking_workers`), before it reports started
     source = BatchSource.__new__(BatchSource)
     source.__dict__.update(state)
     return source
@@ -337,12 +338,11 @@ class DaliLoader(EpochLoader):
         self._source = BatchSource(s, self.reader, self.masks,
                                    s.device.startswith("cuda") or self.gpu_branches, self._position(), self._iteration)
         method = worker_start_method()
-        if method == "fork":
-            before_fork()                    # the workers follow pipelines.processes' rules
         self._pipe, self._out = define_pipeline(s, self.masks, self.info.mean, self.info.std, device_id, self._source,
                                                 debug=self.debug, checkpoint=ckpt[0] if ckpt else None,
                                                 gpu_branches=self.gpu_branches, start_method=method)
-        self._pipe.build()
+        with forking_workers() if method == "fork" else contextlib.nullcontext():
+            self._pipe.build()               # forks the workers: they follow pipelines.processes' rules
         self._pipe_at = self._position()
         return self._pipe
 

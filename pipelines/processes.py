@@ -40,6 +40,13 @@ two rules, kept here for preprocess, pipelines and train alike:
    take 64 bytes each) the parent waits for each worker's imports in turn. On an H200's 16-core host
    the 16 workers of one torchvision loader, each importing torchvision and timm itself, had not
    started after 110 s.
+4. A loader's worker leaves SLURM's warning to the process it works for. SLURM signals every process
+   of a job step with the `--signal` it was given before preemption or the time limit (SIGUSR2 for
+   submitit), and the training process holds it back until its next checkpoint
+   (`train.dist.HeldSignal`); a worker that died of it meanwhile would fail the loader before the
+   checkpoint. So a worker ignores it (`leave_signals_to_creator`) and ends with that process (rule 2).
+   SIGTERM keeps its default: DALI's pool ends the other workers with it, and waits for them without a
+   timeout, when one dies. Other children (preprocessing's pools) keep both.
 
 `proc_stat`, `running` and `descendants` read /proc for who runs and who started whom (the reaper of
 a local Ray instance, `preprocess.ray_engine`, and the tests that kill runs use them).
@@ -53,6 +60,7 @@ shared memory that worker processes hand batches through (`check_shared_memory`:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -70,8 +78,11 @@ _forking_pid: int | None = None  # the pid of the process that is forking, read 
 _collecting = True               # whether the collector was on when the fork began
 _hooked = False                  # the at-fork hooks are registered in this process (inherited by its children)
 _watched_in: int | None = None   # the pid of the process whose watchdog runs (a forked child's differs)
+_forking_workers = False         # the children forked now are loader workers (rule 4), read by the child
 # What a fork server imports when it starts (rule 3), those not installed skipped: the libraries that
 # the workers of every loader import (through the main module of the process that starts them).
+# The warning SLURM sends every process of a job step before it ends the job, as submitit asks (rule 4)
+SCHEDULER_SIGNALS = (signal.SIGUSR2,)
 SERVER_PRELOAD = ("numpy", "PIL.Image", "torch", "torchvision", "timm", "nvidia.dali", "numba")
 
 
@@ -132,6 +143,21 @@ def _in_forked_child() -> None:
     if _collecting:
         gc.enable()
     end_with_parent(_forking_pid)            # the pid before the fork: a parent dead already ends us now
+    if _forking_workers:
+        leave_signals_to_creator()           # rule 4, from the child's first instant
+
+
+@contextlib.contextmanager
+def forking_workers():
+    """Within, the children this process forks are loader workers (a library's: DALI's pool), which leave
+    the scheduler's warning to it from their first instant (module docstring, 4)."""
+    global _forking_workers
+    before_fork()
+    before, _forking_workers = _forking_workers, True
+    try:
+        yield
+    finally:
+        _forking_workers = before
 
 
 def before_fork() -> None:
@@ -175,9 +201,20 @@ def fork_server(preload: str) -> BaseContext:
 
 def worker_started(worker_id: int = 0) -> None:
     """A DataLoader's `worker_init_fn`: the worker ends with the process that started it, whichever
-    start method made it (rule 2; `end_with_creator`)."""
+    start method made it (rule 2; `end_with_creator`), and leaves it the scheduler's warning (rule 4)."""
     creator = mp.parent_process()
     end_with_creator(os.getppid() if creator is None else creator.pid)
+    leave_signals_to_creator()
+
+
+def leave_signals_to_creator() -> None:
+    """Ignore the warning a job scheduler sends every process of a job (`SCHEDULER_SIGNALS`) in this
+    loader worker (module docstring, 4): a DataLoader's (`worker_started`), DALI's (forked within
+    `forking_workers`, or the fork server's: `dali_backend`); from its main thread, where Python sets
+    handlers."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in SCHEDULER_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def end_with_creator(creator: int) -> None:

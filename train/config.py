@@ -38,6 +38,7 @@ class ConfigError(ValueError):
 BackendChoice = Literal["auto", Backend]        # "auto": dali on CUDA, the fastest on CPU (train.setup)
 OptimName = Literal["lars", "sgd", "momentum", "adamw"]   # timm's: sgd is Nesterov, momentum is plain
 DeviceName = Literal["auto", "cpu", "cuda"]     # no "cuda:N": torchrun's LOCAL_RANK picks the GPU
+SignalName = Literal["", "USR2", "TERM"]   # run.checkpoint_on_signal ("": none; not USR1, which NCCL may take)
 EvalName = Literal["auto", "knn", "probe", "linear", "none"]   # auto: kNN and probe when the data has labels; linear: and
                                                     # the papers' linear evaluation after the last step (train.protocol)
 
@@ -121,6 +122,7 @@ class RunConfig:
     eval: EvalName = "auto"          # labelled evaluations besides the label-free health metrics
     max_eval_samples: int = 0       # records per split for evaluation (evenly spread); 0: all up to a cap
     stop_after_steps: int = 0       # stop with a checkpoint after this step (resumable); 0: run to optim.steps
+    checkpoint_on_signal: SignalName = ""  # this signal waits for a checkpoint at the next log step (dist.HeldSignal)
     wandb: bool = False             # the TensorBoard scalars to Weights & Biases too (rank 0; WANDB_MODE=offline works)
     wandb_project: str = "viewmill"  # the W&B project; the W&B run is named after the run folder
 
@@ -175,8 +177,8 @@ def parse_value(key: str, value: Any, t: Any) -> Any:
     if typing.get_origin(t) is Literal:
         choices = typing.get_args(t)
         if value not in choices:            # compared as written: YAML would read `no`/`on` as bools
-            raise ConfigError(f"config key {key!r}: {value!r} is not a valid choice; "
-                              f"choose one of {', '.join(map(str, choices))}")
+            shown = [str(c) if c != "" else '"" (none)' for c in choices]
+            raise ConfigError(f"config key {key!r}: {value!r} is not a valid choice; choose one of {', '.join(shown)}")
         return value
     try:
         if isinstance(value, str) and t is not str:

@@ -6,7 +6,9 @@ so objectives and the loop run unchanged in tests on one CPU process.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from datetime import timedelta
 
 import torch
@@ -165,3 +167,66 @@ def gather_objects(obj) -> list:
     out = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+class HeldSignal:
+    """A signal held back while the loop trains, so that the run stops at a checkpoint of the step it
+    reached (`run.checkpoint_on_signal`): SLURM's warning before preemption or the time limit (USR2,
+    `train.slurm`), or the TERM a scheduler sends some seconds before it kills.
+
+    Every rank installs it (`HeldSignal("")`: nothing is installed and no rank ever stops). Inside
+    `holding()` the signal is only noted; the loop asks `agreed()` at each log step, on every rank (one
+    collective), and when any rank noted it every rank saves the checkpoint of that step and leaves the
+    loop; `release()`, after the ranks' last barrier, gives it the action it had before: submitit's
+    handler (rank 0 requeues the job and exits) or the default (the process ends by the signal). Outside
+    `holding()` (the evaluations, the export) it acts at once, as it would without this.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.noted = False                  # caught while held, or agreed to have been by some rank
+        self._held = False
+        self._signum = getattr(signal, f"SIG{name}") if name else None
+        self._previous = signal.signal(self._signum, self._catch) if name else None
+
+    def _catch(self, signum: int, frame) -> None:
+        if self._held:
+            self.noted = True
+        else:
+            self._act(frame)
+
+    def _act(self, frame) -> None:
+        if callable(self._previous):
+            self._previous(self._signum, frame)
+        elif self._previous == signal.SIG_DFL:
+            signal.signal(self._signum, signal.SIG_DFL)
+            os.kill(os.getpid(), self._signum)
+
+    @contextlib.contextmanager
+    def holding(self, held: bool = True):
+        """Hold the signal (or, `held=False`, let it act at once: an evaluation inside the loop) within."""
+        before, self._held = self._held, held
+        try:
+            yield self
+        finally:
+            self._held = before
+
+    def agreed(self, device: torch.device) -> bool:
+        """Whether any rank noted the signal; a collective of every rank, at the same steps (a host sync)."""
+        if self._signum is None:
+            return False
+        flag = torch.tensor([int(self.noted)], device=device)
+        if is_distributed():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        agreed = bool(flag.item())          # sync: one flag from every rank
+        # or'ed: a signal caught during the collective counts at the next one (every rank returns `agreed`)
+        self.noted = self.noted or agreed
+        return agreed
+
+    def release(self) -> None:
+        """Put the former handler back and, when the signal was noted, take its action now."""
+        if self._signum is None:
+            return
+        signal.signal(self._signum, signal.SIG_DFL if self._previous is None else self._previous)
+        if self.noted:
+            self._act(None)

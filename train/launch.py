@@ -197,15 +197,19 @@ def train(cfg: Config, run: Run | None = None) -> Path:
     parts = build_parts(cfg, device, backend, init=run.resume.state is None)
     log = Log(run.folder, enabled=dist.is_main(), cfg=cfg)
     run.begin(log)
-    if loop.train(run, parts, log, backend):
-        run.export(dist.unwrap(parts.online).backbone, log)
-        if cfg.run.eval == "linear":         # the papers' figure: the linear protocol on the last checkpoint
-            from train import protocol
+    held = dist.HeldSignal(cfg.run.checkpoint_on_signal)     # the loop holds it back until a checkpoint
+    try:
+        if loop.train(run, parts, log, backend, held):
+            run.export(dist.unwrap(parts.online).backbone, log)
+            if cfg.run.eval == "linear":     # the papers' figure: the linear protocol on the last checkpoint
+                from train import protocol
 
-            dist.barrier()
-            parts.loader.close()
-            protocol.main("linear", [f"ckpt={run.folder / 'checkpoint.pt'}"])
-    dist.barrier()
+                dist.barrier()
+                parts.loader.close()
+                protocol.main("linear", [f"ckpt={run.folder / 'checkpoint.pt'}"])
+        dist.barrier()
+    finally:
+        held.release()                      # a signal the loop held takes its action now (SLURM: requeue)
     return run.folder
 
 

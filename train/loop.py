@@ -31,10 +31,12 @@ class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite."""
 
 
-def train(run: Run, parts: Parts, log: Log, backend: str) -> bool:
+def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal | None = None) -> bool:
     """Train `run.cfg` from where `run` starts to `optim.steps` (or `run.stop_after_steps`) with `parts`,
     logging to `log`, checkpointing into the run folder, evaluating the backbone before the first step,
-    every `run.eval_every_epochs` and after the last.
+    every `run.eval_every_epochs` and after the last. With `held` (`run.checkpoint_on_signal`) the steps
+    hold its signal back: at the first log step after any rank caught it, every rank checkpoints and the
+    loop ends there.
 
     Returns:
         Whether the run reached `optim.steps` (its backbone is then for `Run.export`).
@@ -71,31 +73,43 @@ def train(run: Run, parts: Parts, log: Log, backend: str) -> bool:
         log.print(note)
     meter, rank_batch = Meter(), per_process_batch(cfg.data.batch_size, world)
     stop = cfg.optim.steps if not cfg.run.stop_after_steps else min(cfg.run.stop_after_steps, cfg.optim.steps)
-    for step in range(start_step, stop):
-        s = schedules.at(cfg.optim, step, steps_per_epoch, cfg.data.batch_size)
-        wait_start = time.perf_counter()
-        with phase("data_wait"):
-            batch = next(batches)
-        data_s = time.perf_counter() - wait_start
-        out = train_step(parts, batch, s)
-        meter.tick(batch_size=rank_batch, data_s=data_s)
-        done = step + 1
-        if step == start_step:               # what a start costs before training: imports, loaders, evaluation
-            age = process_age_s()
-            log.started("first_step_s", age, f"first step {format_duration(age or 0)} after this process started")
-        if done % cfg.run.log_every == 0 or done == stop:
-            terms = {"loss": out.loss.detach().float().item()}  # sync: the only host reads of a step
-            terms |= {k: v.float().item() for k, v in out.logs.items()}  # sync: log terms
-            check_finite(parts, cfg.method, done, terms)
-            log.step(done, cfg.optim.steps, terms, s.lr, parts.objective.target_momentum(s), meter.read_and_reset())
-        k = cfg.run.eval_every_epochs * steps_per_epoch
-        if k and done % k == 0 and done < cfg.optim.steps:
-            began = time.perf_counter()
-            result = evaluate_backbone(cfg, online.backbone, backend, device)
-            log.eval(done, done / steps_per_epoch, result, random_init, time.perf_counter() - began)
-        if done % cfg.run.ckpt_every == 0 or done == stop:
-            save_checkpoint(done)
+    held, signalled = held or dist.HeldSignal(""), False
+    with held.holding():
+        for step in range(start_step, stop):
+            s = schedules.at(cfg.optim, step, steps_per_epoch, cfg.data.batch_size)
+            wait_start = time.perf_counter()
+            with phase("data_wait"):
+                batch = next(batches)
+            data_s = time.perf_counter() - wait_start
+            out = train_step(parts, batch, s)
+            meter.tick(batch_size=rank_batch, data_s=data_s)
+            done = step + 1
+            if step == start_step:           # what a start costs before training: imports, loaders, evaluation
+                age = process_age_s()
+                log.started("first_step_s", age, f"first step {format_duration(age or 0)} after this process started")
+            if done % cfg.run.log_every == 0 or done == stop:
+                terms = {"loss": out.loss.detach().float().item()}  # sync: the only host reads of a step
+                terms |= {k: v.float().item() for k, v in out.logs.items()}  # sync: log terms
+                check_finite(parts, cfg.method, done, terms)
+                log.step(done, cfg.optim.steps, terms, s.lr, parts.objective.target_momentum(s),
+                         meter.read_and_reset())
+                signalled = held.agreed(device)       # sync: whether some rank caught the signal
+            k = cfg.run.eval_every_epochs * steps_per_epoch
+            if k and done % k == 0 and done < cfg.optim.steps and not signalled:
+                began = time.perf_counter()
+                with held.holding(False):            # a long evaluation must not hold the signal back
+                    result = evaluate_backbone(cfg, online.backbone, backend, device)
+                log.eval(done, done / steps_per_epoch, result, random_init, time.perf_counter() - began)
+            if done % cfg.run.ckpt_every == 0 or done == stop or signalled:
+                save_checkpoint(done)
+            if signalled:
+                break
     log.print(f"data stall: {100 * log.stall_fraction():.1f}% of the step time waited for batches (after warm-up)")
+    if signalled:
+        log.close()
+        log.print(f"caught SIG{held.name}: saved the checkpoint of step {done} and stopped; the same command with "
+                  f"{run.resume_hint()} continues there (a requeued SLURM job does so itself)")
+        return False
     if stop < cfg.optim.steps:
         log.close()
         log.print(f"stopped after step {stop}; resume with {run.resume_hint()} and a later run.stop_after_steps "

@@ -2,13 +2,14 @@
 N nodes x G tasks through submitit (the library DINO and DINOv2 are launched with) instead of training here.
 
 Every task is one training process: it reads its rank from SLURM's variables (`dist_env`) and runs a
-rank's life (`train.launch.start`) on the job's words, which always hold `run.resume=auto` and a fixed
-`run.name`; a task of a run that an earlier start finished ends at once, with status 0.
-When SLURM signals preemption or the coming time limit (`--signal=USR2@120`), submitit calls
-`Training.checkpoint` on rank 0 and requeues the job (`scontrol requeue`, the same job id); the requeued
-job's tasks continue from the run folder's newest checkpoint, so the steps since the last
-`run.ckpt_every` checkpoint are the only work done twice. A job that reaches the time limit is requeued
-up to `MAX_TIMEOUT_REQUEUES` times; a preempted one always.
+rank's life (`train.launch.start`) on the job's words, which always hold `run.resume=auto`, a fixed
+`run.name` and `run.checkpoint_on_signal=USR2`; a task of a run that an earlier start finished ends at
+once, with status 0. When SLURM signals preemption or the coming time limit (`--signal=USR2@120`), the
+ranks hold the signal until the next log step, save its checkpoint (`train.dist.HeldSignal`), and only
+then let submitit's handler run: on rank 0 it calls `Training.checkpoint` and requeues the job
+(`scontrol requeue`, the same job id); the requeued job's tasks continue from that checkpoint, so no
+step is done twice. A job that reaches the time limit is requeued up to `MAX_TIMEOUT_REQUEUES` times; a
+preempted one always.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
     import submitit
 
 MAX_TIMEOUT_REQUEUES = 30       # a 3-day time limit then covers 90 days of training (DINO's value)
-SIGNAL_DELAY_S = 120            # SLURM's warning before the kill: time for submitit to requeue
+SIGNAL = "USR2"                 # SLURM's warning before preemption or the time limit (submitit's)
+SIGNAL_DELAY_S = 120            # how long before the kill: time for a checkpoint and the requeue
 PORTS = (20_000, 60_000)        # MASTER_PORT range; the port is the job id's, the same in every task
 
 
@@ -45,8 +47,9 @@ def requeueable(cfg: Config, words: list[str]) -> tuple[Config, list[str]]:
                           f"{cfg.run.resume}, drop run.resume and give run.out_dir=<its run folder's parent> "
                           "run.name=<its run folder>")
     name = proposed_name(cfg)
-    run = dataclasses.replace(cfg.run, resume="auto", name=name)
-    return dataclasses.replace(cfg, run=run), [*words, "run.resume=auto", f"run.name={name}"]
+    run = dataclasses.replace(cfg.run, resume="auto", name=name, checkpoint_on_signal=SIGNAL)
+    return dataclasses.replace(cfg, run=run), [*words, "run.resume=auto", f"run.name={name}",
+                                               f"run.checkpoint_on_signal={SIGNAL}"]
 
 
 def dist_env(job: submitit.JobEnvironment) -> dict[str, str]:

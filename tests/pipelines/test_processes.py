@@ -11,13 +11,14 @@ import gc
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from pipelines.processes import POLL_S, fork_context
+from pipelines.processes import POLL_S, fork_context, proc_stat
 from tests.processes import kill_and_reap, left_after, live, start, wait_for
 
 
@@ -267,3 +268,49 @@ def test_a_fork_server_s_workers_find_the_heavy_libraries_already_imported() -> 
     method, found, parent_imported_it = json.loads(out)
     assert method == "forkserver" and not parent_imported_it     # this process never imported torchvision
     assert found == ["torchvision", "timm", "numba"]
+
+
+@pytest.mark.parametrize("backend,server", [("torch", False), pytest.param("torch", True, marks=pytest.mark.slow),
+                                            ("dali", False), pytest.param("dali", True, marks=pytest.mark.slow)])
+def test_loader_workers_leave_the_scheduler_s_warning_to_the_training_process(backend, server, tiny_data_root,
+                                                                               monkeypatch) -> None:
+    """SLURM sends its warning before preemption or the time limit (SIGUSR2) to every process of a job
+    step and the training process holds it back until its next checkpoint (`train.dist.HeldSignal`): a
+    loader's workers, forked or the fork server's (a process holding CUDA), live through it, and the
+    loader goes on with the batches of an undisturbed one (rule 4). This process's own disposition is
+    the default, which ends a process."""
+    pytest.importorskip("nvidia.dali" if backend == "dali" else "torch")
+    from pipelines import dali_backend, processes
+    from pipelines.loader import build_loader
+    from pipelines.processes import descendants
+    from pipelines.spec import LoaderSpec
+    from pipelines.views import load_recipe
+
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+    if server and backend == "torch":
+        monkeypatch.setattr(processes, "cuda_in_use", lambda: True)
+    elif server:
+        monkeypatch.setattr(dali_backend, "worker_start_method",
+                            lambda: (processes.fork_server(dali_backend.__name__), "forkserver")[1])
+    spec = LoaderSpec(root=str(tiny_data_root), dataset="synthetic", recipe=load_recipe("byol", 32, 16),
+                      split="train", batch_size=8, num_workers=2)
+
+    def epoch(disturb: bool) -> tuple[list[torch.Tensor], int]:
+        before = {pid for pid, _ in descendants(os.getpid())}
+        it = iter(build_loader(backend, spec))
+        out = [next(it).index for _ in range(2)]           # a DataLoader's 2 workers have each made a batch
+        def helper(pid: int) -> bool:                       # multiprocessing's resource tracker, the fork server
+            line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            return b"resource_tracker" in line or b"forkserver import main" in line and proc_stat(pid)[2] == os.getpid()
+
+        workers = [pid for pid, _ in descendants(os.getpid()) if pid not in before and not helper(pid)]
+        if disturb:
+            for pid in workers:
+                os.kill(pid, signal.SIGUSR2)
+            time.sleep(0.5)
+            # before the next batch: a DALI loader whose fork-server workers died waits for them for good
+            assert workers and [pid for pid in workers if proc_stat(pid)[0] not in ("", "Z")] == workers
+        return out + [b.index for b in it]
+
+    undisturbed, disturbed = epoch(False), epoch(True)
+    assert len(disturbed) == len(undisturbed) == 8 and all(map(torch.equal, disturbed, undisturbed))

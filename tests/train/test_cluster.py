@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.train.test_train_cli import fails_in_one_line
 from tests.train.two_ranks import ROOT, STEPS, WORDS, assert_same_training, env_here, losses
@@ -101,7 +102,7 @@ def test_slurm_launcher_writes_the_job_and_a_requeueable_callable(tiny_args, cap
 
     job = DelayedSubmission.load(run / "slurm" / "777_submitted.pkl")
     assert isinstance(job.function, Training)
-    assert job.function.words == [*words, "run.resume=auto", f"run.name={run.name}"]
+    assert job.function.words == [*words, "run.resume=auto", f"run.name={run.name}", "run.checkpoint_on_signal=USR2"]
     again = job.function.checkpoint()
     assert isinstance(again.function, Training) and again.function.words == job.function.words
 
@@ -172,40 +173,46 @@ def test_a_slurm_launch_that_cannot_work_is_one_line_and_writes_nothing(tiny_arg
 
 
 def start_task(folder: Path, job_id: int, rank: int, log: Path) -> subprocess.Popen:
-    """Task `rank` of a 2-node x 1-task job, started as the job's srun line starts it."""
+    """Task `rank` of a 2-node x 1-task job, started as the job's srun line starts it (in a session of
+    its own, so that a signal to its process group reaches it and its loader workers alone)."""
     slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": str(job_id), "SLURM_PROCID": str(rank),
              "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": str(rank),
              "SLURM_JOB_NODELIST": "localhost"}
     with log.open("a") as f:
         return subprocess.Popen([sys.executable, "-u", "-m", "submitit.core._submit", str(folder)], cwd=ROOT,
-                                env=env_here(**slurm), stdout=f, stderr=subprocess.STDOUT)
+                                env=env_here(**slurm), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 @pytest.mark.ddp
 @pytest.mark.slow
-def test_a_preempted_slurm_job_is_requeued_and_ends_as_the_uninterrupted_run(two_processes, tiny_args,
-                                                                            tmp_path, monkeypatch) -> None:
-    """The submitted job's two tasks (two "nodes", started here as srun would) train; SLURM's USR2 after
-    the first checkpoint makes rank 0 requeue the job (scontrol requeue <id>) and exit; the requeued
-    job's tasks continue from the newest checkpoint and end bit-identical to the 2-process run."""
+def test_a_preempted_slurm_job_checkpoints_where_it_is_is_requeued_and_ends_as_the_uninterrupted_run(
+        two_processes, tiny_args, tmp_path, monkeypatch) -> None:
+    """The submitted job's two tasks (two "nodes", started here as srun would) train with a checkpoint
+    only at the end. SLURM's USR2 before preemption reaches rank 1's processes (its loader worker too:
+    SLURM signals every process of the step) and not rank 0's: at the next log step both ranks save
+    that step, rank 0 requeues the job (scontrol requeue <id>) and exits; the requeued job's tasks
+    continue from that checkpoint, redo no step, and end bit-identical to the 2-process run."""
     job_id = free_port(20_000, 60_000) - 20_000     # its MASTER_PORT (20000 + id) is free now
     fake = fake_slurm(tmp_path / "bin", job_id)
     monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
     out = tmp_path / "runs"
-    assert main(["launcher=slurm", "nodes=2", "gpus=1", *tiny_args("byol", out, *WORDS)]) == 0
+    assert main(["launcher=slurm", "nodes=2", "gpus=1", *tiny_args("byol", out, *WORDS, "run.ckpt_every=100")]) == 0
     run, log = out / "run", tmp_path / "tasks.log"
 
     tasks = [start_task(run / "slurm", job_id, rank, log) for rank in range(2)]
     deadline = time.monotonic() + 240
-    while not (run / "checkpoint.pt").exists() and tasks[0].poll() is None and time.monotonic() < deadline:
+    while len(losses(run) if (run / "metrics.jsonl").exists() else {}) < 2 and time.monotonic() < deadline:
+        assert tasks[0].poll() is None, log.read_text()
         time.sleep(0.02)
-    tasks[0].send_signal(signal.SIGUSR2)                      # SLURM's warning before preemption
+    os.killpg(tasks[0].pid, signal.SIGSTOP)         # rank 0 stops between steps 2 and STEPS, rank 1 with it
+    os.killpg(tasks[1].pid, signal.SIGUSR2)         # SLURM's warning, to rank 1 and its worker alone
+    os.killpg(tasks[0].pid, signal.SIGCONT)
     assert tasks[0].wait(timeout=120) != 0, log.read_text()
-    tasks[1].kill()                                           # SLURM ends the job's other tasks
-    tasks[1].wait()
+    tasks[1].wait(timeout=60)                       # saved, and ended (a real job's requeue would end it)
     assert (fake / "scontrol.log").read_text() == f"requeue {job_id}\n", log.read_text()
     first = losses(run)
-    assert 2 <= max(first) < STEPS, first
+    saved = torch.load(run / "checkpoint.pt", weights_only=True)["step"]
+    assert 2 <= saved == max(first) < STEPS, (saved, first)     # the step it reached, none after it
 
     tasks = [start_task(run / "slurm", job_id, rank, log) for rank in range(2)]   # the requeued job
     assert [t.wait(timeout=300) for t in tasks] == [0, 0], log.read_text()

@@ -5,8 +5,9 @@ checkpoint, and `run.keep_last` keeps that many."""
 from __future__ import annotations
 
 import json
-
+import os
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -164,3 +165,58 @@ def test_auto_skips_a_damaged_newest_checkpoint_and_keep_last_2_keeps_two(uninte
         assert losses(run)[step] == pytest.approx(uninterrupted[step], rel=1e-5, abs=1e-6), step
     assert sorted(p.name for p in run.glob("checkpoint*.pt")) == ["checkpoint-8.pt", "checkpoint.pt"]
     assert checkpoint.load(newest)["step"] == 10
+
+
+@pytest.mark.slow
+def test_a_held_signal_stops_at_the_next_log_step_s_checkpoint_and_the_same_command_continues(uninterrupted, tiny_args,
+                                                                                            tmp_path, monkeypatch,
+                                                                                            capsys) -> None:
+    """`run.checkpoint_on_signal=USR2` (what launcher=slurm sets): SLURM's warning caught during step 4
+    waits for the next log step (6), where the run saves step 6 and stops; only then does the signal's
+    former handler (submitit's, here a recorder) run, once; the same command continues at step 7 and
+    ends as the uninterrupted run. Caught outside the steps (here in the final evaluation), the signal
+    acts at once, as without the option."""
+    from train import loop
+    from train.launch import train
+
+    words = [*tiny_args("byol", tmp_path), "optim.steps=10", "run.ckpt_every=100", "run.log_every=3",
+             "run.resume=auto", "run.checkpoint_on_signal=USR2"]
+    run = tmp_path / "run"
+    calls: list[tuple[int, list[int]]] = []          # (checkpoint step then, steps logged then)
+
+    def former(signum, frame) -> None:               # submitit's handler: requeues the job, then exits
+        ckpt = run / "checkpoint.pt"
+        calls.append((checkpoint.load(ckpt)["step"] if ckpt.exists() else 0, train_steps(run)))
+
+    def signalled_at(step: int):
+        real = loop.train_step
+
+        def step_then_signal(parts, batch, s):
+            if s.step == step - 1:                   # during step `step` (s.step is 0-based)
+                os.kill(os.getpid(), signal.SIGUSR2)
+            return real(parts, batch, s)
+        return step_then_signal
+
+    previous = signal.signal(signal.SIGUSR2, former)
+    try:
+        monkeypatch.setattr(loop, "train_step", signalled_at(4))
+        train(load_config(words))
+        assert calls == [(6, [3, 6])]                # after the save of step 6, not before, and once
+        assert signal.getsignal(signal.SIGUSR2) is former        # the former handler is back
+        assert "caught SIGUSR2: saved the checkpoint of step 6 and stopped" in capsys.readouterr().out
+        monkeypatch.undo()
+
+        real_eval = loop.evaluate_backbone
+
+        def evaluate_then_signal(*args):
+            os.kill(os.getpid(), signal.SIGUSR2)      # outside the steps: acts at once
+            return real_eval(*args)
+
+        monkeypatch.setattr(loop, "evaluate_backbone", evaluate_then_signal)
+        train(load_config(words))                    # the same command: steps 7-10, the final evaluation
+        assert calls[1:] == [(10, [3, 6, 9, 10])]    # at once, in the evaluation after the last save
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert train_steps(run) == [3, 6, 9, 10]
+    for step in (9, 10):
+        assert losses(run)[step] == pytest.approx(uninterrupted[step], rel=1e-5, abs=1e-6), step
