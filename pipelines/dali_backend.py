@@ -35,8 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
+import threading
+import weakref
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Iterator, NamedTuple
@@ -58,7 +61,8 @@ from nvidia.dali.plugin.pytorch import feed_ndarray  # noqa: E402
 from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers, normalize
 from pipelines.dali_graph import NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs
-from pipelines.processes import end_with_creator, fork_server, forking_workers, leave_signals_to_creator
+from pipelines.processes import (WorkerDiedError, end_with_creator, fork_server, forking_workers,
+                                 leave_signals_to_creator, proc_stat)
 from pipelines.shards import ShardReader, image_size
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import FIELDS
@@ -116,8 +120,9 @@ def _received(state: dict, creator: int) -> "BatchSource":
     the process that built the pipeline (`pipelines.processes`, rule 2; a worker forked from it gets
     that from the at-fork hook). DALI unpickles it with the worker's arguments, before multiprocessing
     knows the worker's parent process: the pid travels with it."""
-    end_with_creator(creator)
-    leave_signals_to_creator()     # rule 4 (a forked worker: `forking_workers`), before it reports started
+    if creator != os.getpid():     # a worker (not a copy made here)
+        end_with_creator(creator)
+        leave_signals_to_creator()  # rule 4 (a forked worker: `forking_workers`), before it reports started
     source = BatchSource.__new__(BatchSource)
     source.__dict__.update(state)
     return source
@@ -266,6 +271,47 @@ class _Ahead(NamedTuple):
     checkpoint: Future | None        # a graph that draws itself: DALI's checkpoint taken before it ran
 
 
+WORKER_POLL_S = 1.0     # how often a loader that waits for a batch looks whether its DALI workers live
+
+
+class Taker:
+    """The thread that takes the pipeline's batches (`DaliLoader._take`): runs what it is given, one at
+    a time, in order, and hands back futures. A daemon thread rather than a ThreadPoolExecutor's, whose
+    threads the interpreter waits for at exit: a taker stuck in DALI's task queue behind a dead worker
+    (`DaliLoader._wait`) must not keep the process from ending with its error. The thread holds its
+    queue alone, so a loader dropped without `close` is collected, and its taker's thread ends."""
+
+    def __init__(self) -> None:
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=_take_from, args=(self._todo,), name="viewmill-dali-taker",
+                                        daemon=True)
+        self._thread.start()
+        weakref.finalize(self, self._todo.put, None)
+
+    def submit(self, fn, *args) -> Future:
+        done: Future = Future()
+        self._todo.put((done, fn, args))
+        return done
+
+    def shutdown(self) -> None:
+        """End the thread once what it was given is done."""
+        self._todo.put(None)
+        self._thread.join()
+
+
+def _take_from(todo: queue.SimpleQueue) -> None:
+    """The taker thread: each (future, function, arguments) of `todo` run, until None."""
+    while (task := todo.get()) is not None:
+        done, fn, args = task
+        task = None                                 # holds no loader between batches
+        if done.set_running_or_notify_cancel():
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:              # noqa: BLE001  (handed to the waiting thread)
+                done.set_exception(e)
+        done = fn = args = None
+
+
 class DaliLoader(EpochLoader):
     """The DALI `Loader` of one rank (see `pipelines.spec.Loader`)."""
 
@@ -283,7 +329,8 @@ class DaliLoader(EpochLoader):
         self._last: tuple[int, int] | None = None    # (epoch, batch number) of the last batch handed out
         self.last_debug: dict[str, np.ndarray] = {}  # debug: the graph's own draws of that batch
         self._ahead: _Ahead | None = None            # the next batch, made by the taker thread
-        self._taker: ThreadPoolExecutor | None = None
+        self._taker: Taker | None = None
+        self._workers: list[tuple[int, str]] = []    # (pid, start time) of the pipeline's worker processes
 
     @property
     def last_draws(self) -> Draws | None:
@@ -343,6 +390,7 @@ class DaliLoader(EpochLoader):
                                                 gpu_branches=self.gpu_branches, start_method=method)
         with forking_workers() if method == "fork" else contextlib.nullcontext():
             self._pipe.build()               # forks the workers: they follow pipelines.processes' rules
+        self._workers = [(pid, proc_stat(pid)[1]) for pid in self._pipe._py_pool.pids()]   # DALI's pool
         self._pipe_at = self._position()
         return self._pipe
 
@@ -358,24 +406,56 @@ class DaliLoader(EpochLoader):
             self._pipe_at = self._position()
             # The next batch, made while this one is used; first, where the graph draws itself, the
             # checkpoint that names this position (one thread: it is taken before that batch is run).
-            self._taker = self._taker or ThreadPoolExecutor(1, thread_name_prefix="viewmill-dali-taker")
+            self._taker = self._taker or Taker()
             ckpt = self._taker.submit(self._checkpoint) if self.draws_in_graph else None
             self._ahead = _Ahead(self._position(), stream, self._taker.submit(self._run, stream), ckpt)
             yield batch
 
     def _take(self, stream) -> tuple[Batch, dict]:
-        """The batch at the loader's position: the taker thread's when it made that one, else made here
-        (the first batch, or after the position jumped: the pipeline is rebuilt)."""
+        """The batch at the loader's position: the one the taker thread made ahead, else one it makes now
+        (the first batch, or after the position jumped: the pipeline is rebuilt).
+
+        Raises:
+            WorkerDiedError: a worker process of the pipeline ended while the loader waited (`_wait`).
+        """
         if self._ahead is not None and self._ahead.position == self._position():
             ahead, self._ahead = self._ahead, None
-            made = ahead.batch.result()
+            made = self._wait(ahead.batch)
             if ahead.stream is not None and ahead.stream != stream:
                 stream.wait_stream(ahead.stream)     # copied on another stream (a consumer that changed it)
             return made
         if self._drop_ahead():
             self._pipe_at = None                     # the pipeline made a batch past the position: rebuild
         self._pipeline()
-        return self._run(stream)
+        self._taker = self._taker or Taker()
+        return self._wait(self._taker.submit(self._run, stream))
+
+    def _wait(self, made: Future) -> tuple[Batch, dict]:
+        """`made`'s batch; while it is not there, every `WORKER_POLL_S`, a look whether the pipeline's worker
+        processes live. Workaround, DALI 2.4.0 (upstream bug): a worker killed while it waited for a task
+        (the OOM killer) leaves DALI's task queue waiting for good for it to wake (its condition's
+        `notify`), so the loader would wait for the batch for good instead of failing.
+
+        Raises:
+            WorkerDiedError: one of them ended; the taker thread, stuck in DALI's queue, is left behind
+                (a daemon thread: the process still ends).
+        """
+        while True:
+            try:
+                return made.result(timeout=WORKER_POLL_S)
+            except (TimeoutError, RuntimeError) as e:       # RuntimeError: DALI saw the death itself
+                gone = [pid for pid, since in self._workers if proc_stat(pid)[0] in ("", "Z")
+                        or proc_stat(pid)[1] != since]       # ended, or its pid is another process's now
+                if not gone and isinstance(e, TimeoutError):
+                    continue
+                if not gone:
+                    raise
+                self._taker = self._ahead = None
+                raise WorkerDiedError(
+                    f"DALI worker process {gone[0]} of this loader ended while the loader waited for its batch "
+                    "(killed: by the OOM killer when memory ran out, see `dmesg`); the same command with "
+                    "run.resume=auto continues from the last checkpoint, and data.num_workers lower or a "
+                    "smaller data.batch_size needs less memory") from None
 
     def close(self) -> None:
         """End the pipeline, its worker processes and shared memory, and the taker thread; the next
@@ -397,8 +477,7 @@ class DaliLoader(EpochLoader):
 
     def _run(self, stream) -> tuple[Batch, dict]:
         """One iteration of the pipeline as a `Batch` on the spec's device (and the debug outputs), its
-        copies on `stream` (the consumer's). Runs on the taker thread, or the consumer's when no batch
-        is ahead; never on both at once."""
+        copies on `stream` (the consumer's). Runs on the taker thread (`_take`)."""
         s, out = self.spec, self._out
         dev = torch.device(s.device)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():

@@ -86,6 +86,10 @@ SCHEDULER_SIGNALS = (signal.SIGUSR2,)
 SERVER_PRELOAD = ("numpy", "PIL.Image", "torch", "torchvision", "timm", "nvidia.dali", "numba")
 
 
+class WorkerDiedError(RuntimeError):
+    """A loader's worker process ended while the loader waited for it; the message is one line."""
+
+
 def end_with_parent(parent: int | None = None) -> None:
     """End this process (SIGKILL) as soon as `parent` is no longer its parent (module docstring, 2);
     once per process (a second call in the same process does nothing).

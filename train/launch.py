@@ -29,7 +29,7 @@ from typing import Callable, Literal, Sequence
 import torch
 
 from pipelines.errors import EXIT_BAD_INPUT, bad_input
-from pipelines.processes import LimitError, end_with_parent, ensure_open_files
+from pipelines.processes import LimitError, WorkerDiedError, end_with_parent, ensure_open_files
 from pipelines.schema import DatasetError
 from pipelines.spec import LoaderError
 from train import dist, loop
@@ -248,8 +248,8 @@ def start(argv: list[str], processes: int = 1, cluster: ClusterConfig = ClusterC
 
 def exit_status(body: Callable[[], int]) -> int:
     """Run `body` (a command) and return its exit status: bad input is one line `error: ...` on stderr
-    (from rank 0 alone) and status 2, a non-finite loss one line and status 1; the process group is left
-    in every case."""
+    (from rank 0 alone) and status 2, a non-finite loss or a loader worker's death one line and status 1;
+    the process group is left in every case."""
     try:
         return body()
     except (ConfigError, DatasetError, LoaderError, LimitError, FileNotFoundError) as e:
@@ -262,7 +262,7 @@ def exit_status(body: Callable[[], int]) -> int:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         return bad_input(f"too many open files ({e.strerror}; this process may open {soft}); raise the limit "
                          f"(ulimit -n {4 * soft}) and run the same command again (run.resume=auto continues a run)")
-    except loop.NonFiniteLossError as e:
+    except (loop.NonFiniteLossError, WorkerDiedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

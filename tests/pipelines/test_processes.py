@@ -11,6 +11,8 @@ import gc
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -314,3 +316,50 @@ def test_loader_workers_leave_the_scheduler_s_warning_to_the_training_process(ba
 
     undisturbed, disturbed = epoch(False), epoch(True)
     assert len(disturbed) == len(undisturbed) == 8 and all(map(torch.equal, disturbed, undisturbed))
+
+
+KILLED_WORKER = """
+import os, signal, sys, time
+from pipelines import dali_backend, processes
+from pipelines.loader import build_loader
+from pipelines.processes import WorkerDiedError, proc_stat
+from pipelines.spec import LoaderSpec
+from pipelines.views import load_recipe
+
+if __name__ == "__main__":
+    if sys.argv[2] == "server":
+        dali_backend.worker_start_method = lambda: (processes.fork_server(dali_backend.__name__), "forkserver")[1]
+    spec = LoaderSpec(root=sys.argv[1], dataset="synthetic", recipe=load_recipe("byol", 32, 16), split="train",
+                      batch_size=8, num_workers=2)
+    for _ in range(3):
+        loader = build_loader("dali", spec)
+        it = iter(loader)
+        next(it)
+        time.sleep(2)                      # the workers have made the batches asked ahead and wait for tasks
+        for pid, _ in loader._workers:
+            os.kill(pid, signal.SIGKILL)
+        began = time.monotonic()
+        try:
+            for _ in it:
+                pass
+        except WorkerDiedError as e:
+            print(f"{time.monotonic() - began:.1f}", str(e).splitlines()[0], flush=True)
+"""
+
+
+@pytest.mark.parametrize("start", ["fork", pytest.param("server", marks=pytest.mark.slow)])
+def test_a_killed_dali_worker_fails_the_loader_in_one_line_instead_of_waiting_for_good(start, tiny_data_root) -> None:
+    """The OOM killer's SIGKILL to a DALI loader's workers: the next batch fails within seconds with one
+    line naming the worker and what to do, three times in a row, and the process ends. Killed while they
+    wait for a task, DALI 2.4's task queue waits for them for good (`DaliLoader._wait`)."""
+    pytest.importorskip("nvidia.dali")
+    from tests.train.two_ranks import ROOT, env_here
+
+    done = subprocess.run([sys.executable, "-c", KILLED_WORKER, str(tiny_data_root), start], cwd=ROOT, env=env_here(),
+                          capture_output=True, text=True, timeout=180)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == 3, done.stderr
+    for line in lines:
+        seconds, message = line.split(" ", 1)
+        assert float(seconds) < 10 and message.startswith("DALI worker process ") and "OOM killer" in message
+        assert "run.resume=auto continues" in message

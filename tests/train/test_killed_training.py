@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.processes import proc_stat
+from pipelines.processes import descendants, proc_stat
 from tests.processes import kill_and_reap, left_after, live, start, tree, wait_for
 from tests.train.two_ranks import STEPS, WORDS, assert_same_training
 
@@ -72,3 +72,32 @@ def test_a_killed_launcher_or_rank_leaves_no_process_and_the_same_command_resume
     assert run.wait(timeout=300) == 0, run.stderr.read()
     assert left_after(run.mark, GONE_S) == []
     assert_same_training(run_dir, two_processes)
+
+
+@pytest.mark.slow
+def test_a_dali_worker_killed_mid_run_ends_the_run_in_one_line(tiny_args, tmp_path) -> None:
+    """The OOM killer takes the DALI loader's workers in the middle of a run: the run ends within seconds
+    with status 1 and one line naming the worker and the command that continues (no traceback, no wait
+    for good), and leaves no process behind."""
+    pytest.importorskip("nvidia.dali")
+    run_dir = tmp_path / "runs" / "run"
+    run = start(["-m", "train", *tiny_args("byol", tmp_path / "runs", "data.backend=dali", "optim.steps=400",
+                                           "run.ckpt_every=1000", "run.resume=auto")])
+    wait_for(lambda: 2 in logged_steps(run_dir), 180, "step 2", run)
+    workers = [pid for pid, _ in descendants(run.pid) if b"resource_tracker" not in cmdline(pid)]
+    assert workers
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    assert run.wait(timeout=60) == 1
+    err = run.stderr.read()
+    assert max(logged_steps(run_dir)) < 400
+    assert err.startswith("error: DALI worker process ") and "run.resume=auto continues" in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert left_after(run.mark, GONE_S) == []
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
