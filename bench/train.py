@@ -28,7 +28,7 @@ from bench.report import header, header_lines
 from bench.timing import sync
 from train import schedules
 from train.config import Config, ConfigError, dump_yaml, to_dict
-from train.launch import train
+from train.launch import train, training_stream
 from train.loop import check_finite, epochs_from, train_step
 from train.objectives import OBJECTIVES
 from train.resolve import load_config
@@ -37,15 +37,18 @@ from train.setup import Parts, build_parts, resolve_backend, select_device
 
 
 def time_steps(cfg: Config, device: torch.device, steps: int, repeats: int, warmup_steps: int = 2,
-               parts: Parts | None = None, batches=None) -> dict:
+               parts: Parts | None = None, batches=None, high_stream: bool = False) -> dict:
     """Median steps/s of the loop's `train_step` with the real loader and with one batch kept on the
     device (no loader at all), after `warmup_steps` untimed steps; on `parts` and its `batches`
     iterator when given (built here otherwise). Timed in `repeats` rounds of one
-    real run then one on-device run, so that a slow spell of the machine falls on both.
+    real run then one on-device run, so that a slow spell of the machine falls on both; with
+    `high_stream`, a third run a round: the real loader with training on a stream of the highest
+    priority (`train.launch.training_stream`, `run.train_stream=high`; the others on `cfg`'s).
 
     Returns:
         medians (`steps_per_s`, `cached_steps_per_s`, `img_per_s`), every run (`*_runs`) and the
-        data-stall fraction `1 - real / on-device`.
+        data-stall fraction `1 - real / on-device`; with `high_stream` also `high_stream_steps_per_s`
+        (and its runs) and `high_stream_stall_fraction`.
 
     Raises:
         NonFiniteLossError: a timed step had a non-finite loss (checked once, after the timing).
@@ -55,26 +58,33 @@ def time_steps(cfg: Config, device: torch.device, steps: int, repeats: int, warm
     cached = next(batches)
     done = 0
 
-    def run(n: int, feed) -> float:
+    def run(n: int, feed, priority: str = cfg.run.train_stream) -> float:
         nonlocal done
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(n):
-            train_step(parts, feed(), schedules.at(cfg.optim, done, len(parts.loader), cfg.data.batch_size))
-            done += 1
-        sync(device)
+        with training_stream(device, priority):
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(n):
+                train_step(parts, feed(), schedules.at(cfg.optim, done, len(parts.loader), cfg.data.batch_size))
+                done += 1
+            sync(device)
         return n / (time.perf_counter() - start)
 
     run(warmup_steps, lambda: next(batches))
-    real, fed = [], []
+    real, fed, high = [], [], []
     for _ in range(repeats):
         real.append(run(steps, lambda: next(batches)))
         fed.append(run(steps, lambda: cached))
+        if high_stream:
+            high.append(run(steps, lambda: next(batches), "high"))
     check_finite(parts, cfg.method, done, {})
     median = statistics.median
-    return {"steps_per_s": median(real), "steps_per_s_runs": real, "img_per_s": median(real) * cfg.data.batch_size,
-            "cached_steps_per_s": median(fed), "cached_steps_per_s_runs": fed,
-            "data_stall_fraction": max(0.0, 1.0 - median(real) / median(fed))}
+    out = {"steps_per_s": median(real), "steps_per_s_runs": real, "img_per_s": median(real) * cfg.data.batch_size,
+           "cached_steps_per_s": median(fed), "cached_steps_per_s_runs": fed,
+           "data_stall_fraction": max(0.0, 1.0 - median(real) / median(fed))}
+    if high_stream:
+        out |= {"high_stream_steps_per_s": median(high), "high_stream_steps_per_s_runs": high,
+                "high_stream_stall_fraction": max(0.0, 1.0 - median(high) / median(fed))}
+    return out
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -397,9 +397,9 @@ class DaliLoader(EpochLoader):
     def __iter__(self) -> Iterator[Batch]:
         o, s = self.order, self.spec
         dev = torch.device(s.device)
-        stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None   # the consumer's
         epoch = o.epoch
         while o.epoch == epoch and len(o):
+            stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None   # the consumer's, now
             batch, self.last_debug = self._take(stream)
             self._last = self._position()
             o.advance()

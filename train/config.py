@@ -38,6 +38,7 @@ class ConfigError(ValueError):
 BackendChoice = Literal["auto", Backend]        # "auto": dali on CUDA, the fastest on CPU (train.setup)
 OptimName = Literal["lars", "sgd", "momentum", "adamw"]   # timm's: sgd is Nesterov, momentum is plain
 DeviceName = Literal["auto", "cpu", "cuda"]     # no "cuda:N": torchrun's LOCAL_RANK picks the GPU
+StreamName = Literal["default", "high"]          # run.train_stream
 SignalName = Literal["", "USR2", "TERM"]   # run.checkpoint_on_signal ("": none; not USR1, which NCCL may take)
 EvalName = Literal["auto", "knn", "probe", "linear", "none"]   # auto: kNN and probe when the data has labels; linear: and
                                                     # the papers' linear evaluation after the last step (train.protocol)
@@ -119,6 +120,7 @@ class RunConfig:
     amp: bool = True                # bf16 autocast (GPU only)
     dist_timeout_min: float = 30.0  # longest wait of one rank for the others in a collective, minutes
     device: DeviceName = "auto"     # "auto": torchrun's device; "cuda": cuda:<LOCAL_RANK>; "cpu"
+    train_stream: StreamName = "default"  # "high": train on a CUDA stream above the DALI graph's (launch.training_stream)
     eval: EvalName = "auto"          # labelled evaluations besides the label-free health metrics
     max_eval_samples: int = 0       # records per split for evaluation (evenly spread); 0: all up to a cap
     stop_after_steps: int = 0       # stop with a checkpoint after this step (resumable); 0: run to optim.steps

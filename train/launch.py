@@ -13,6 +13,7 @@ errors of any of it into the command's exit status and one line.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -199,7 +200,9 @@ def train(cfg: Config, run: Run | None = None) -> Path:
     run.begin(log)
     held = dist.HeldSignal(cfg.run.checkpoint_on_signal)     # the loop holds it back until a checkpoint
     try:
-        if loop.train(run, parts, log, backend, held):
+        with training_stream(device, cfg.run.train_stream):
+            trained = loop.train(run, parts, log, backend, held)
+        if trained:
             run.export(dist.unwrap(parts.online).backbone, log)
             if cfg.run.eval == "linear":     # the papers' figure: the linear protocol on the last checkpoint
                 from train import protocol
@@ -211,6 +214,28 @@ def train(cfg: Config, run: Run | None = None) -> Path:
     finally:
         held.release()                      # a signal the loop held takes its action now (SLURM: requeue)
     return run.folder
+
+
+@contextlib.contextmanager
+def training_stream(device: torch.device, priority: str):
+    """Within, this thread's CUDA work on `device` goes to a stream of the highest priority
+    (`run.train_stream=high`), or stays on the current one ("default", and on a CPU). DALI 2.4's pipelines
+    make their own streams at the default priority (`default_cuda_stream_priority` has no effect there),
+    so training above them is how the graph's kernels come to fill the gaps that training leaves rather
+    than delay it (the GPU check's training section compares the two: `--train-stream both`). The
+    stream starts after the work queued on the current one and the current one waits for it at the end;
+    the loaders copy each batch on the stream current when they hand it out."""
+    if device.type != "cuda" or priority == "default":
+        yield None
+        return
+    before = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[1])   # (lowest, highest)
+    stream.wait_stream(before)
+    try:
+        with torch.cuda.stream(stream):
+            yield stream
+    finally:
+        before.wait_stream(stream)
 
 
 def start(argv: list[str], processes: int = 1, cluster: ClusterConfig = ClusterConfig()) -> int:

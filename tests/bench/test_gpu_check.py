@@ -113,3 +113,23 @@ def test_a_test_run_stopped_at_its_limit_still_reports_the_tests_that_finished(t
     assert [c["test"].rsplit("::", 1)[1] for c in ran["cases"] if c["outcome"] == "failure"] == ["test_fails"]
     report = {"tests": {"which": "gpu", **ran}}
     assert targets(report) == ["gpu tests 2 passed, 1 failed before the run was stopped: missed"]
+
+
+@pytest.mark.slow
+def test_the_training_section_times_the_high_priority_stream_beside_the_default_one(tmp_path, capsys) -> None:
+    """`--sections train --train-stream both` (what the next GPU run asks for), tried on the CPU with
+    tiny sizes: each round times the loader, the batch on the device and the loader with training on
+    the high-priority stream (on a CPU, the same stream), and the report and the targets give both
+    stalls."""
+    import json
+
+    from bench.gpu_check import main
+
+    assert main(["--device", "cpu", "--quick", "--sections", "train", "--train-stream", "both", "--repeats", "2",
+                 "--out", str(tmp_path / "report"), "--work", str(tmp_path / "work")]) == 0
+    t = json.loads((tmp_path / "report" / "gpu_check.json").read_text())["train"]
+    assert "error" not in t, t.get("traceback")
+    assert [len(t[k]) for k in ("steps_per_s_runs", "cached_steps_per_s_runs", "high_stream_steps_per_s_runs")] == [2] * 3
+    assert 0 <= t["high_stream_stall_fraction"] < 1 and t["config"]["run"]["train_stream"] == "default"
+    printed = capsys.readouterr().out
+    assert "training on a stream of the highest priority:" in printed and "training on a high-priority stream" in printed
