@@ -61,8 +61,8 @@ from nvidia.dali.plugin.pytorch import feed_ndarray  # noqa: E402
 from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers, normalize
 from pipelines.dali_graph import NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs
-from pipelines.processes import (WorkerDiedError, end_with_creator, fork_server, forking_workers,
-                                 leave_signals_to_creator, proc_stat)
+from pipelines.processes import (end_with_creator, fork_server, forking_workers, leave_signals_to_creator,
+                                 proc_stat, worker_died)
 from pipelines.shards import ShardReader, image_size
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import FIELDS
@@ -451,11 +451,7 @@ class DaliLoader(EpochLoader):
                 if not gone:
                     raise
                 self._taker = self._ahead = None
-                raise WorkerDiedError(
-                    f"DALI worker process {gone[0]} of this loader ended while the loader waited for its batch "
-                    "(killed: by the OOM killer when memory ran out, see `dmesg`); the same command with "
-                    "run.resume=auto continues from the last checkpoint, and data.num_workers lower or a "
-                    "smaller data.batch_size needs less memory") from None
+                raise worker_died(f"DALI worker process {gone[0]} of this loader ended") from None
 
     def close(self) -> None:
         """End the pipeline, its worker processes and shared memory, and the taker thread; the next

@@ -72,6 +72,7 @@ import threading
 import time
 from multiprocessing.context import BaseContext
 from pathlib import Path
+from typing import Iterator
 
 POLL_S = 0.2                     # how often a child looks at its parent's pid: a dead parent's children end within it
 _forking_pid: int | None = None  # the pid of the process that is forking, read by the child it forks
@@ -87,7 +88,30 @@ SERVER_PRELOAD = ("numpy", "PIL.Image", "torch", "torchvision", "timm", "nvidia.
 
 
 class WorkerDiedError(RuntimeError):
-    """A loader's worker process ended while the loader waited for it; the message is one line."""
+    """A loader's worker process ended while the loader waited for it; the message is one line
+    (`worker_died`)."""
+
+
+def worker_died(what: str) -> WorkerDiedError:
+    """The one-line error of a loader whose worker ended; `what` names the worker and how it ended."""
+    return WorkerDiedError(f"{what} while the loader waited for its batch (killed: by the OOM killer when memory "
+                           "ran out, see `dmesg`); the same command with run.resume=auto continues from the last "
+                           "checkpoint, and data.num_workers lower or a smaller data.batch_size needs less memory")
+
+
+def watched(batches: Iterator) -> Iterator:
+    """The batches of a DataLoader's iterator, a worker's death (torch's "DataLoader worker (pid N) is
+    killed by signal: ..." or "... exited unexpectedly") raised as `worker_died`'s one line."""
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except RuntimeError as e:
+            if not str(e).startswith("DataLoader worker (pid"):
+                raise
+            raise worker_died(str(e).strip().rstrip(".")) from None
+        yield batch
 
 
 def end_with_parent(parent: int | None = None) -> None:

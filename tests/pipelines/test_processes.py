@@ -363,3 +363,28 @@ def test_a_killed_dali_worker_fails_the_loader_in_one_line_instead_of_waiting_fo
         seconds, message = line.split(" ", 1)
         assert float(seconds) < 10 and message.startswith("DALI worker process ") and "OOM killer" in message
         assert "run.resume=auto continues" in message
+
+
+@pytest.mark.parametrize("backend", ["torch", "torchvision"])
+def test_a_killed_dataloader_worker_fails_the_loader_in_one_line(backend, tiny_data_root) -> None:
+    """The OOM killer's SIGKILL to a torch-based loader's DataLoader worker: the next batches fail with
+    the same one line as DALI's (the worker, the OOM killer, run.resume=auto), not torch's traceback."""
+    from pipelines.loader import build_loader
+    from pipelines.processes import WorkerDiedError, descendants
+    from pipelines.spec import LoaderSpec
+    from pipelines.views import load_recipe
+
+    spec = LoaderSpec(root=str(tiny_data_root), dataset="synthetic", recipe=load_recipe("byol", 32, 16),
+                      split="train", batch_size=8, num_workers=2)
+    before = {pid for pid, _ in descendants(os.getpid())}
+    it = iter(build_loader(backend, spec))
+    next(it)
+    for pid, _ in descendants(os.getpid()):
+        if pid not in before and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerDiedError) as e:
+        for _ in it:
+            pass
+    message = str(e.value)
+    assert message.startswith("DataLoader worker (pid") and "\n" not in message
+    assert "OOM killer" in message and "run.resume=auto continues" in message
