@@ -321,9 +321,15 @@ def for_world(cfg: Config, world_size: int, train_size: int) -> Config:
     values, and training stops at its dataset check anyway.
 
     Raises:
-        ConfigError: a per-process batch above the preset's `data.max_batch_per_gpu`.
+        ConfigError: a per-process batch above the preset's `data.max_batch_per_gpu`; SIGTERM held with
+            several processes.
     """
     d, o = cfg.data, cfg.optim
+    if cfg.run.checkpoint_on_signal == "TERM" and world_size > 1:
+        raise ConfigError("run.checkpoint_on_signal=TERM holds SIGTERM in a run of one process only: with several, "
+                          "the launcher (torchrun's, ours, SLURM at preemption) sends SIGTERM to every process of a "
+                          "rank, its loader workers too, which end at once; use launcher=slurm (USR2) or "
+                          "run.stop_after_steps")
     batch = global_batch(d.batch_size, world_size)
     per_process = batch // max(world_size, 1)
     if d.max_batch_per_gpu and per_process > d.max_batch_per_gpu:

@@ -172,7 +172,7 @@ def gather_objects(obj) -> list:
 class HeldSignal:
     """A signal held back while the loop trains, so that the run stops at a checkpoint of the step it
     reached (`run.checkpoint_on_signal`): SLURM's warning before preemption or the time limit (USR2,
-    `train.slurm`), or the TERM a scheduler sends some seconds before it kills.
+    `train.slurm`), or the TERM a scheduler sends a run of one process some seconds before it kills.
 
     Every rank installs it (`HeldSignal("")`: nothing is installed and no rank ever stops). Inside
     `holding()` the signal is only noted; the loop asks `agreed()` at each log step, on every rank (one

@@ -147,6 +147,7 @@ def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterCon
     `cluster.nodes` > 1, in `processes` processes on each node, joined at `cluster.rdzv` (torchrun
     --nnodes --rdzv-backend=c10d); the exit status is the first failed process's, and each process
     prints its own error line."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -170,6 +171,10 @@ def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterCon
             print(f"error: process {first.local_rank} failed with exit status {first.exitcode}; "
                   "its output is above", file=sys.stderr)
         return first.exitcode if first.exitcode > 0 else 1
+    except SignalException as e:            # this launcher stopped (kill, a scheduler): its ranks with it
+        print(f"error: stopped by signal {int(e.sigval)} ({signal.strsignal(e.sigval)}) and so were the processes; "
+              "the same command with run.resume=auto continues from the last checkpoint", file=sys.stderr)
+        return 128 + int(e.sigval)
     return 0
 
 

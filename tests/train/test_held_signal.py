@@ -74,3 +74,12 @@ def test_a_held_signal_without_a_former_handler_ends_the_process_at_release() ->
 def test_an_unknown_signal_is_one_line_naming_the_choices() -> None:
     with pytest.raises(ConfigError, match="run.checkpoint_on_signal.*USR2.*TERM"):
         load_config(["run.checkpoint_on_signal=USR1"])
+
+
+def test_sigterm_is_held_in_a_run_of_one_process_only() -> None:
+    """With several processes a launcher sends SIGTERM to each rank's whole process group (its loader
+    workers end at once), so TERM cannot be held there: one line naming what to use instead."""
+    assert load_config(["run.checkpoint_on_signal=TERM"], world_size=1).run.checkpoint_on_signal == "TERM"
+    with pytest.raises(ConfigError, match="one process only.*launcher=slurm"):
+        load_config(["run.checkpoint_on_signal=TERM"], world_size=2)
+    assert load_config(["run.checkpoint_on_signal=USR2"], world_size=8).run.checkpoint_on_signal == "USR2"

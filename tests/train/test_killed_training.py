@@ -74,6 +74,25 @@ def test_a_killed_launcher_or_rank_leaves_no_process_and_the_same_command_resume
     assert_same_training(run_dir, two_processes)
 
 
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_a_terminated_launcher_ends_with_its_ranks_in_one_line(tiny_args, tmp_path) -> None:
+    """SIGTERM to `python -m train gpus=2` (a scheduler, `kill`): torch's launcher stops the ranks, and the
+    command ends with status 143 and one line naming the signal and the command that continues (it was
+    torch's traceback), leaving no process behind."""
+    run_dir = tmp_path / "runs" / "run"
+    run = start(["-m", "train", "gpus=2", *tiny_args("byol", tmp_path / "runs", "optim.steps=400",
+                                                      "run.resume=auto")])
+    wait_for(lambda: 2 in logged_steps(run_dir) and len(live(run.mark)) >= 5, 180, "step 2 with 2 ranks", run)
+    noted = tree(run.pid)
+    os.kill(run.pid, signal.SIGTERM)
+    assert run.wait(timeout=60) == 128 + signal.SIGTERM
+    last = run.stderr.read().strip().splitlines()[-1]
+    assert last.startswith("error: stopped by signal 15") and "run.resume=auto continues" in last
+    assert "Traceback" not in last
+    assert left_after(run.mark, GONE_S, noted) == []
+
+
 @pytest.mark.slow
 def test_a_dali_worker_killed_mid_run_ends_the_run_in_one_line(tiny_args, tmp_path) -> None:
     """The OOM killer takes the DALI loader's workers in the middle of a run: the run ends within seconds
