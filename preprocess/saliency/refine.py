@@ -127,19 +127,33 @@ def predict(net: SaliencyNet, x: Tensor, batch_size: int = 128) -> np.ndarray:
 
 
 def train_net(x: Tensor, targets: Tensor, epochs: int, lr: float, s: RefineSettings, seed: int,
-              beta2: float = 1.0, on_epoch=None) -> SaliencyNet:
+              beta2: float = 1.0, on_epoch=None, partial: Path | None = None, kept: dict | None = None) -> SaliencyNet:
     """Train a fresh network on `targets` (T, N, H, W) {0, 1} for inputs `x` (N, 3, H, W), with
     random horizontal flips, Adam and a poly-decayed learning rate; `on_epoch(net, epoch)` after
-    each epoch."""
+    each epoch.
+
+    With `partial`, where the training is after each epoch (network, optimiser, random states and the
+    arrays of `kept`, the state `on_epoch` builds) is saved, and a training killed between two epochs
+    continues from there when it starts again (`kept` filled in place); the file is the caller's to
+    remove once the stage is saved."""
     torch.manual_seed(seed)
     net = build_saliency_net(s.backbone, s.init, s.width)
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     steps_per_epoch = max(1, math.ceil(len(x) / s.batch_size))
     total = epochs * steps_per_epoch
-    step = 0
+    step = first = 0
+    if partial is not None and partial.exists():
+        saved = torch.load(partial, map_location="cpu", weights_only=True)
+        net.load_state_dict(saved["net"])
+        opt.load_state_dict(saved["opt"])
+        gen.set_state(saved["gen"])
+        torch.set_rng_state(saved["rng"])
+        step, first = saved["step"], saved["epoch"] + 1
+        if kept is not None:
+            kept.update({k: v.numpy() for k, v in saved["kept"].items()})
     net.train()
-    for epoch in range(epochs):
+    for epoch in range(first, epochs):
         order = torch.randperm(len(x), generator=gen)
         for a in range(0, len(x), s.batch_size):
             idx = order[a:a + s.batch_size]
@@ -156,6 +170,12 @@ def train_net(x: Tensor, targets: Tensor, epochs: int, lr: float, s: RefineSetti
             step += 1
         if on_epoch is not None:
             on_epoch(net, epoch)
+        if partial is not None:
+            tmp = partial.with_suffix(".tmp")
+            torch.save({"net": net.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                        "rng": torch.get_rng_state(), "step": step, "epoch": epoch,
+                        "kept": {k: torch.from_numpy(v) for k, v in (kept or {}).items()}}, tmp)
+            tmp.replace(partial)
     net.eval()
     return net
 
@@ -185,6 +205,12 @@ def _keep(checkpoints: Path | None, stage: str, net: SaliencyNet, labels: np.nda
     tmp = checkpoints / f"{stage}.pt.tmp"
     torch.save({"state": net.state_dict(), "seconds": seconds}, tmp)
     tmp.replace(checkpoints / f"{stage}.pt")
+    _partial(checkpoints, stage).unlink(missing_ok=True)
+
+
+def _partial(checkpoints: Path | None, stage: str) -> Path | None:
+    """Where a stage's training is saved after each epoch (`train_net`), until the stage is kept."""
+    return None if checkpoints is None else checkpoints / f"{stage}.partial.pt"
 
 
 def refine(x: Tensor, handcrafted: dict[str, np.ndarray], s: RefineSettings, log=print,
@@ -201,7 +227,8 @@ def refine(x: Tensor, handcrafted: dict[str, np.ndarray], s: RefineSettings, log
         crf: the dense CRF's processes (with `s.crf`; None: in this process).
         checkpoints: a folder where every finished stage is saved, and from which the stages an
             earlier run of the same refinement (the caller's to ensure) finished are taken instead
-            of trained again.
+            of trained again; a stage's training is saved there after each epoch too, and a stage
+            killed while it trained continues from its last epoch.
 
     Returns:
         The `Refinement`: nets "<method>-r<k>" for each round and "final" (stage II); labels
@@ -235,7 +262,8 @@ def refine(x: Tensor, handcrafted: dict[str, np.ndarray], s: RefineSettings, log
                 state["mva"] = p if "mva" not in state else s.keep * state["mva"] + (1 - s.keep) * p
 
             net = train_net(x, torch.from_numpy(target[None].astype(np.float32)), s.epochs, s.lr * 2 ** (r - 1),
-                            s, seed=s.seed + 100 * mi + r, beta2=1.0, on_epoch=fold)
+                            s, seed=s.seed + 100 * mi + r, beta2=1.0, on_epoch=fold,
+                            partial=_partial(checkpoints, stage), kept=state)
             out.nets[stage], out.labels[stage] = net, state["mva"].astype(np.float32)
             target = state["mva"] >= 0.5
             out.seconds[stage] = time.perf_counter() - t0
@@ -248,7 +276,7 @@ def refine(x: Tensor, handcrafted: dict[str, np.ndarray], s: RefineSettings, log
         t0 = time.perf_counter()
         last = [out.labels[f"{m}-r{s.rounds}"] >= 0.5 for m in handcrafted]
         out.nets["final"] = train_net(x, torch.from_numpy(np.stack(last).astype(np.float32)), s.final_epochs, s.lr,
-                                      s, seed=s.seed + 99, beta2=4.0)
+                                      s, seed=s.seed + 99, beta2=4.0, partial=_partial(checkpoints, "final"))
         out.seconds["final"] = time.perf_counter() - t0
         _keep(checkpoints, "final", out.nets["final"], None, out.seconds["final"])
         log(f"  final: {s.final_epochs} epochs on {len(x)} images and {len(last)} refined targets in "

@@ -101,3 +101,46 @@ def test_a_refinement_with_checkpoints_takes_the_stages_an_earlier_run_finished(
     third = refine(x, {"a": maps}, s, log=lambda line: None, checkpoints=tmp_path)
     assert trained == [s.seed + 99]                        # stage II alone, with its own seed
     np.testing.assert_allclose(predict(third.nets["final"], x), predict(first.nets["final"], x), atol=1e-5)
+
+
+def test_a_stage_killed_while_it_trains_continues_from_its_last_epoch(tmp_path, monkeypatch) -> None:
+    """A refinement killed in the middle of a stage's training (in its third epoch of 4) continues that
+    stage from the end of its second when it runs again, instead of training it from the start, and ends as an
+    uninterrupted refinement (its networks' maps and the stage's labels); the per-epoch file is gone once
+    the stage is kept."""
+    from preprocess.saliency import refine as module
+
+    px, n = 32, 12
+    images = np.stack([cases.make("clutter-low", i, px=px)[0] for i in range(n)])
+    maps = np.stack([cases.make("clutter-low", i, px=px)[1] for i in range(n)]).astype(np.float32) / 255
+    x = as_input(images, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    s = RefineSettings(rounds=1, epochs=4, final_epochs=2, batch_size=4, net_px=px, crf=False)
+    (tmp_path / "whole").mkdir()
+    whole = refine(x, {"a": maps}, s, log=lambda line: None, checkpoints=tmp_path / "whole")
+
+    class Killed(Exception):
+        pass
+
+    epochs: list[int] = []
+    real_predict = module.predict
+
+    def predict_then_kill(net, xs, *args):
+        epochs.append(len(epochs))
+        if len(epochs) == 2 and not (tmp_path / "cut" / "a-r1.pt").exists():
+            raise Killed                                   # in the fold of epoch 2 (0-based; epoch 0 folds nothing)
+        return real_predict(net, xs, *args)
+
+    (tmp_path / "cut").mkdir()
+    monkeypatch.setattr(module, "predict", predict_then_kill)
+    with pytest.raises(Killed):
+        refine(x, {"a": maps}, s, log=lambda line: None, checkpoints=tmp_path / "cut")
+    assert (tmp_path / "cut" / "a-r1.partial.pt").exists() and not (tmp_path / "cut" / "a-r1.pt").exists()
+    folds: list[int] = []
+    monkeypatch.setattr(module, "predict", lambda *a: folds.append(1) or real_predict(*a))
+    again = refine(x, {"a": maps}, s, log=lambda line: None, checkpoints=tmp_path / "cut")
+    assert len(folds) == 2                                 # epochs 2 and 3 of a-r1 (from the start: 1, 2, 3)
+    monkeypatch.setattr(module, "predict", real_predict)
+    np.testing.assert_allclose(again.labels["a-r1"], whole.labels["a-r1"], atol=1e-5)
+    for stage in whole.nets:
+        np.testing.assert_allclose(predict(again.nets[stage], x), predict(whole.nets[stage], x), atol=1e-5)
+    assert not list((tmp_path / "cut").glob("*.partial.pt"))
