@@ -347,7 +347,8 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("start", ["fork", pytest.param("server", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("start", ["fork", "server"])
 def test_a_killed_dali_worker_fails_the_loader_in_one_line_instead_of_waiting_for_good(start, tiny_data_root) -> None:
     """The OOM killer's SIGKILL to a DALI loader's workers: the next batch fails within seconds with one
     line naming the worker and what to do, three times in a row, and the process ends. Killed while they
