@@ -82,9 +82,9 @@ _watched_in: int | None = None   # the pid of the process whose watchdog runs (a
 _forking_workers = False         # the children forked now are loader workers (rule 4), read by the child
 # What a fork server imports when it starts (rule 3), those not installed skipped: the libraries that
 # the workers of every loader import (through the main module of the process that starts them).
-# The warning SLURM sends every process of a job step before it ends the job, as submitit asks (rule 4)
-SCHEDULER_SIGNALS = (signal.SIGUSR2,)
 SERVER_PRELOAD = ("numpy", "PIL.Image", "torch", "torchvision", "timm", "nvidia.dali", "numba")
+# The warning SLURM sends every process of a job step before it ends the job, as submitit asks (rule 4).
+SCHEDULER_SIGNALS = (signal.SIGUSR2,)
 
 
 class WorkerDiedError(RuntimeError):
