@@ -9,9 +9,11 @@ pixels. What is counted per record or per shard is at full size; only the images
    train shards), timed, every process watched.
 3. `train`: `python -m train gpus=<ranks> run.device=cpu` on the `imagenet` preset with a tiny network
    and 8-px views past one epoch (its boundary crossed), the DALI graph on the CPU: after `--kill-rank-at`
-   steps one rank is killed with SIGKILL, the same command resumes (`run.resume=auto`), after
-   `--kill-run-at` steps (past the boundary) the whole process group is killed, and the same command
-   runs to the end and evaluates with 1,000 classes. For each start: the time to its first step, the
+   steps one rank is killed with SIGKILL, the same command resumes (`run.resume=auto`); halfway to the
+   next kill every rank and its loader workers get SLURM's warning (SIGUSR2, held by
+   `run.checkpoint_on_signal=USR2` until the ranks save the step they reached), and the same command
+   resumes; past the boundary the whole process group is killed, and the same command runs to the end
+   and evaluates with 1,000 classes. For each start: the time to its first step, the
    random-init evaluation; for each process: its peak open files, RSS and PSS, rank by rank and for each
    loader worker; the ranks' PSS over the steps (memory that grows with the epoch would show).
 4. `backends`: 20 steps on every backend (ffcv, dali, torch, torchvision) on the same 1,282 shards.
@@ -268,6 +270,7 @@ class KillPlan:
     ckpt_every: int
     log_every: int
     kill_rank_at: int
+    warn_at: int                # every rank gets SLURM's warning
     kill_run_at: int
 
 
@@ -281,7 +284,7 @@ def kill_plan(per_epoch: int, past_epoch: int, ckpt_every: int, log_every: int, 
     log = max(1, min(log_every, ckpt // 2))
     kill_run_at = per_epoch + past_epoch // 2
     kill_rank_at = min(max(ckpt + log, int(kill_share * per_epoch)), kill_run_at - ckpt - log)
-    return KillPlan(steps, ckpt, log, kill_rank_at, kill_run_at)
+    return KillPlan(steps, ckpt, log, kill_rank_at, (kill_rank_at + kill_run_at) // 2, kill_run_at)
 
 
 def train_words(a: argparse.Namespace, root: Path, runs: Path, steps: int, backend: str, name: str,
@@ -292,6 +295,14 @@ def train_words(a: argparse.Namespace, root: Path, runs: Path, steps: int, backe
                   f"views.global_px={a.view_px}", f"views.local_px={a.view_px}", f"optim.steps={steps}",
                   "optim.warmup_steps=10", f"run.ckpt_every={a.ckpt_every}", f"run.log_every={a.log_every}",
                   f"run.out_dir={runs}", f"run.name={name}", "run.resume=auto", *extra)
+
+
+def checkpoint_step(run: Path) -> int | None:
+    """The step of the run folder's newest checkpoint, or None."""
+    import torch
+
+    path = run / "checkpoint.pt"
+    return int(torch.load(path, map_location="cpu", weights_only=True)["step"]) if path.is_file() else None
 
 
 def metrics(run: Path) -> list[dict]:
@@ -305,7 +316,7 @@ def train_stage(a: argparse.Namespace, root: Path, runs: Path, train_records: in
     plan = kill_plan(per_epoch, a.past_epoch, a.ckpt_every, a.log_every, a.kill_rank_at)
     steps, kill_rank_at, kill_run_at = plan.steps, plan.kill_rank_at, plan.kill_run_at
     words = train_words(argparse.Namespace(**{**vars(a), "ckpt_every": plan.ckpt_every, "log_every": plan.log_every}),
-                        root, runs, steps, "dali", "rehearsal", a.ranks)
+                        root, runs, steps, "dali", "rehearsal", a.ranks, "run.checkpoint_on_signal=USR2")
     run = runs / "rehearsal"
     starts = []
 
@@ -314,10 +325,15 @@ def train_stage(a: argparse.Namespace, root: Path, runs: Path, train_records: in
         if victim is not None:
             os.kill(victim, signal.SIGKILL)
 
+    def warn(proc, w: Watched) -> None:         # as SLURM: every process of every rank (here not the launcher)
+        for rank in ranks_of(proc.pid).values():
+            os.killpg(rank, signal.SIGUSR2)        # a rank leads its process group (torch's launcher)
+
     def kill_group(proc, w: Watched) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
-    for label, at, kill in (("start", kill_rank_at, kill_rank), ("after a rank was killed", kill_run_at, kill_group),
+    for label, at, kill in (("start", kill_rank_at, kill_rank), ("after a rank was killed", plan.warn_at, warn),
+                            ("after SLURM's warning", kill_run_at, kill_group),
                             ("after the whole run was killed", None, None)):
         stop = None if at is None else (lambda w, at=at: w.step >= at)
         before = len(metrics(run))
@@ -325,6 +341,7 @@ def train_stage(a: argparse.Namespace, root: Path, runs: Path, train_records: in
         w = watch(words, stop_when=stop, kill=kill)
         left = descendants(os.getpid())
         new = metrics(run)[before:]
+        saved = checkpoint_step(run)
         first = next((r["first_step_s"] for r in new if r.get("kind") == "start" and "first_step_s" in r), None)
         steps_run = [r["step"] for r in new if r.get("kind") == "train"]
         starts.append({"label": label, "returncode": w.returncode, "seconds": round(w.seconds, 1),
@@ -332,6 +349,7 @@ def train_stage(a: argparse.Namespace, root: Path, runs: Path, train_records: in
                                                                             max(steps_run, default=None)],
                        "random_init_eval_s": next((round(r["random_init_eval_s"], 1) for r in new
                                                    if "random_init_eval_s" in r), None),
+                       "checkpoint_step": saved,
                        "last_line": next((line for _, line in reversed(w.lines) if line.strip()), ""),
                        "processes_left": len(left), "processes": by_role(w.peaks),
                        "rank_pss_mib": [(s, round(p, 1)) for s, p in w.rank_pss[:: max(1, len(w.rank_pss) // 40)]]})
@@ -341,7 +359,12 @@ def train_stage(a: argparse.Namespace, root: Path, runs: Path, train_records: in
             raise RehearsalError(f"the {label!r} start ended on its own before its kill at step {at}: "
                                  f"{starts[-1]['last_line']}")
     evals = [r for r in metrics(run) if r.get("kind") == "eval"]
-    return {"steps": steps, "steps_per_epoch": per_epoch, "kill_rank_at": kill_rank_at, "kill_run_at": kill_run_at,
+    warned = starts[1]
+    if warned["checkpoint_step"] != warned["steps"][1]:
+        raise RehearsalError(f"after SLURM's warning the checkpoint is of step {warned['checkpoint_step']}, the last "
+                             f"step trained {warned['steps'][1]}: {warned['last_line']}")
+    return {"steps": steps, "steps_per_epoch": per_epoch, "kill_rank_at": kill_rank_at, "warn_at": plan.warn_at,
+            "kill_run_at": kill_run_at,
             "ckpt_every": plan.ckpt_every, "log_every": plan.log_every,
             "starts": starts, "final_eval": evals[-1] if evals else None, "command": " ".join(words[1:])}
 
@@ -453,7 +476,8 @@ def markdown(report: dict) -> str:
         t = report["train"]
         lines += [f"- training: {t['steps']} steps, {t['steps_per_epoch']} an epoch; `{t['command']}`"]
         for s in t["starts"]:
-            lines += [f"  - {s['label']}: exit {s['returncode']} after {s['seconds']:.0f} s, steps {s['steps']}, first step "
+            lines += [f"  - {s['label']}: exit {s['returncode']} after {s['seconds']:.0f} s, steps {s['steps']}, "
+                      f"newest checkpoint then of step {s.get('checkpoint_step')}, first step "
                       f"{s['first_step_s']} s after its start (random-init evaluation {s['random_init_eval_s']} s); "
                       f"processes left after it: {s['processes_left']}; last line: {s['last_line'][:160]}",
                       *procs("    - processes", s["processes"])]

@@ -16,7 +16,9 @@ def test_both_kills_happen_between_a_checkpoint_and_the_run_s_end(scale: float, 
     first_ckpt = p.ckpt_every
     assert first_ckpt + p.log_every <= p.kill_rank_at                  # the next start has a checkpoint to resume
     assert p.kill_rank_at + p.ckpt_every <= p.kill_run_at                # it saves again before the run dies
+    assert p.kill_rank_at + p.log_every <= p.warn_at <= p.kill_run_at - p.log_every   # the warning between them
     assert per_epoch < p.kill_run_at < p.steps                          # past the boundary, before the end
     if scale == 1.0:   # docs/benchmarks.md's rehearsal: killed at steps 130 and 330 (the first logged at or
         # past 124 and 324), ended at 336, with a checkpoint every 50 steps and a line every 10
         assert (per_epoch, p.ckpt_every, p.log_every, p.kill_rank_at, p.kill_run_at, p.steps) == (312, 50, 10, 124, 324, 336)
+        assert p.warn_at == 224
