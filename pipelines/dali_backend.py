@@ -62,7 +62,7 @@ from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers, normalize
 from pipelines.dali_graph import NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs
 from pipelines.processes import (end_with_creator, fork_server, forking_workers, leave_signals_to_creator,
-                                 proc_stat, worker_died)
+                                 proc_stat, running, worker_died)
 from pipelines.shards import ShardReader, image_size
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import FIELDS
@@ -444,11 +444,10 @@ class DaliLoader(EpochLoader):
             try:
                 return made.result(timeout=WORKER_POLL_S)
             except (TimeoutError, RuntimeError) as e:       # RuntimeError: DALI saw the death itself
-                gone = [pid for pid, since in self._workers if proc_stat(pid)[0] in ("", "Z")
-                        or proc_stat(pid)[1] != since]       # ended, or its pid is another process's now
-                if not gone and isinstance(e, TimeoutError):
-                    continue
+                gone = [pid for pid, since in self._workers if not running(pid, since)]   # or its pid reused
                 if not gone:
+                    if isinstance(e, TimeoutError):
+                        continue
                     raise
                 self._taker = self._ahead = None
                 raise worker_died(f"DALI worker process {gone[0]} of this loader ended") from None

@@ -100,3 +100,17 @@ def imported(queue, names: list[str]) -> None:
     """A worker's target: put on `queue` which of the modules `names` its process has imported (this
     module imports none of the heavy ones)."""
     queue.put([n for n in names if n in sys.modules])
+
+
+def workers_of(root: int, before: set[int] = frozenset()) -> list[int]:
+    """The pids of `root`'s running descendants not in `before` that are loader workers: not
+    multiprocessing's resource tracker, nor a fork server (the child of `root` that serves the forks;
+    its workers share its command line)."""
+    def helper(pid: int) -> bool:
+        try:
+            line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            return True                                  # gone meanwhile
+        return b"resource_tracker" in line or b"forkserver import main" in line and proc_stat(pid)[2] == root
+
+    return sorted(pid for pid, _ in descendants(root) if pid not in before and not helper(pid))

@@ -83,7 +83,8 @@ def disk_needed(m: schema.Manifest, side: int) -> int:
     (staged beside the old one until the swap) and the maps, kept as `side` x `side` uint8 a record.
     The refinement's checkpoints fit in the masks' margin (computed, not measured, at ImageNet's
     size: 0.7 GB of the subset's float32 labels at 128 px and five networks, about 0.1 GB each for
-    a ResNet-50 from INIT=, against some 20 GB of margin)."""
+    a ResNet-50 from INIT=, and the training stage's last epoch, its network with Adam's two moments
+    and its labels, about 0.5 GB; against some 20 GB of margin)."""
     records = sum(m.counts.values())
     data = sum(f["bytes"] for f in m.files.values())
     return int(data * (1 + MASK_SHARE)) + records * (MASK_RECORD_BYTES + side * side)

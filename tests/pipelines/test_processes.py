@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.processes import POLL_S, fork_context, proc_stat
-from tests.processes import kill_and_reap, left_after, live, start, wait_for
+from pipelines.processes import POLL_S, fork_context, proc_stat, running
+from tests.processes import kill_and_reap, left_after, live, start, wait_for, workers_of
 
 
 def _collect() -> None:
@@ -301,17 +301,13 @@ def test_loader_workers_leave_the_scheduler_s_warning_to_the_training_process(ba
         before = {pid for pid, _ in descendants(os.getpid())}
         it = iter(build_loader(backend, spec))
         out = [next(it).index for _ in range(2)]           # a DataLoader's 2 workers have each made a batch
-        def helper(pid: int) -> bool:                       # multiprocessing's resource tracker, the fork server
-            line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-            return b"resource_tracker" in line or b"forkserver import main" in line and proc_stat(pid)[2] == os.getpid()
-
-        workers = [pid for pid, _ in descendants(os.getpid()) if pid not in before and not helper(pid)]
+        workers = workers_of(os.getpid(), before)
         if disturb:
             for pid in workers:
                 os.kill(pid, signal.SIGUSR2)
             time.sleep(0.5)
             # before the next batch: a DALI loader whose fork-server workers died waits for them for good
-            assert workers and [pid for pid in workers if proc_stat(pid)[0] not in ("", "Z")] == workers
+            assert workers and all(running(pid) for pid in workers)
         return out + [b.index for b in it]
 
     undisturbed, disturbed = epoch(False), epoch(True)
@@ -322,7 +318,7 @@ KILLED_WORKER = """
 import os, signal, sys, time
 from pipelines import dali_backend, processes
 from pipelines.loader import build_loader
-from pipelines.processes import WorkerDiedError, proc_stat
+from pipelines.processes import WorkerDiedError
 from pipelines.spec import LoaderSpec
 from pipelines.views import load_recipe
 
@@ -380,9 +376,8 @@ def test_a_killed_dataloader_worker_fails_the_loader_in_one_line(backend, tiny_d
     before = {pid for pid, _ in descendants(os.getpid())}
     it = iter(build_loader(backend, spec))
     next(it)
-    for pid, _ in descendants(os.getpid()):
-        if pid not in before and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-            os.kill(pid, signal.SIGKILL)
+    for pid in workers_of(os.getpid(), before):
+        os.kill(pid, signal.SIGKILL)
     with pytest.raises(WorkerDiedError) as e:
         for _ in it:
             pass

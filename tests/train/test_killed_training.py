@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.processes import descendants, proc_stat
-from tests.processes import kill_and_reap, left_after, live, start, tree, wait_for
+from pipelines.processes import proc_stat
+from tests.processes import kill_and_reap, left_after, live, start, tree, wait_for, workers_of
 from tests.train.two_ranks import STEPS, WORDS, assert_same_training
 
 GONE_S = 3.0                     # "within a few seconds": a child polls its parent every 0.2 s
@@ -103,7 +103,7 @@ def test_a_dali_worker_killed_mid_run_ends_the_run_in_one_line(tiny_args, tmp_pa
     run = start(["-m", "train", *tiny_args("byol", tmp_path / "runs", "data.backend=dali", "optim.steps=400",
                                            "run.ckpt_every=1000", "run.resume=auto")])
     wait_for(lambda: 2 in logged_steps(run_dir), 180, "step 2", run)
-    workers = [pid for pid, _ in descendants(run.pid) if b"resource_tracker" not in cmdline(pid)]
+    workers = workers_of(run.pid)
     assert workers
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
@@ -114,9 +114,3 @@ def test_a_dali_worker_killed_mid_run_ends_the_run_in_one_line(tiny_args, tmp_pa
     assert len(err.strip().splitlines()) == 1, err
     assert left_after(run.mark, GONE_S) == []
 
-
-def cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
