@@ -99,19 +99,61 @@ def worker_died(what: str) -> WorkerDiedError:
                            "checkpoint, and data.num_workers lower or a smaller data.batch_size needs less memory")
 
 
+def worker_death(e: BaseException) -> WorkerDiedError | None:
+    """`e` as `worker_died`'s one line if it tells a loader worker's death (torch's "DataLoader worker
+    (pid N) is killed by signal: ..." or "... exited unexpectedly", which torch's SIGCHLD handler may
+    also raise outside the loader, in whatever the main thread runs then), else None."""
+    if isinstance(e, WorkerDiedError):
+        return e
+    if isinstance(e, RuntimeError) and str(e).startswith("DataLoader worker (pid"):
+        return worker_died(str(e).strip().rstrip("."))
+    return None
+
+
 def watched(batches: Iterator) -> Iterator:
-    """The batches of a DataLoader's iterator, a worker's death (torch's "DataLoader worker (pid N) is
-    killed by signal: ..." or "... exited unexpectedly") raised as `worker_died`'s one line."""
+    """The batches of a DataLoader's iterator, a worker's death raised as `worker_died`'s one line.
+
+    A worker killed just after it queued a batch fails the batch's transfer instead (its tensors'
+    file descriptors are fetched from the worker: a connection reset, an EOF), sometimes before torch
+    sees the worker gone (2 of 40 tries with the workers killed one batch in); that is the same death,
+    told once the worker has ended (`_ended_worker`).
+    """
     while True:
         try:
             batch = next(batches)
         except StopIteration:
             return
         except RuntimeError as e:
-            if not str(e).startswith("DataLoader worker (pid"):
+            if (died := worker_death(e)) is None:
                 raise
-            raise worker_died(str(e).strip().rstrip(".")) from None
+            raise died from None
+        except (OSError, EOFError) as e:
+            workers = getattr(batches, "_workers", ())      # torch's iterator keeps its processes there
+            if (died := _ended_worker(workers)) is None:
+                raise
+            raise died from e
         yield batch
+
+
+def _ended_worker(workers, wait_s: float = 5.0) -> WorkerDiedError | None:
+    """`worker_died`'s error for the first of a DataLoader iterator's `workers` (its processes) that has
+    ended or ends within `wait_s` (a killed process closes its files a moment before it ends); None if
+    all still run then."""
+    deadline = time.monotonic() + wait_s
+    while workers:
+        for w in workers:
+            if (code := w.exitcode) is not None:
+                how = f"is killed by signal: {signal.strsignal(-code)}" if code < 0 else f"exited with status {code}"
+                return worker_died(f"DataLoader worker (pid {w.pid}) {how}")
+        if time.monotonic() > deadline:
+            break
+        try:
+            time.sleep(0.05)
+        except RuntimeError as e:           # torch's SIGCHLD handler told it first
+            if (died := worker_death(e)) is None:
+                raise
+            return died
+    return None
 
 
 def end_with_parent(parent: int | None = None) -> None:

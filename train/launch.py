@@ -30,7 +30,7 @@ from typing import Callable, Literal, Sequence
 import torch
 
 from pipelines.errors import EXIT_BAD_INPUT, bad_input
-from pipelines.processes import LimitError, WorkerDiedError, end_with_parent, ensure_open_files
+from pipelines.processes import LimitError, WorkerDiedError, end_with_parent, ensure_open_files, worker_death
 from pipelines.schema import DatasetError
 from pipelines.spec import LoaderError
 from train import dist, loop
@@ -294,6 +294,11 @@ def exit_status(body: Callable[[], int]) -> int:
                          f"(ulimit -n {4 * soft}) and run the same command again (run.resume=auto continues a run)")
     except (loop.NonFiniteLossError, WorkerDiedError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        if (died := worker_death(e)) is None:      # torch's SIGCHLD handler, raised during a step
+            raise
+        print(f"error: {died}", file=sys.stderr)
         return 1
     finally:
         dist.cleanup()

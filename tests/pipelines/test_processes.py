@@ -364,23 +364,51 @@ def test_a_killed_dali_worker_fails_the_loader_in_one_line_instead_of_waiting_fo
 
 @pytest.mark.parametrize("backend", ["torch", "torchvision"])
 def test_a_killed_dataloader_worker_fails_the_loader_in_one_line(backend, tiny_data_root) -> None:
-    """The OOM killer's SIGKILL to a torch-based loader's DataLoader worker: the next batches fail with
-    the same one line as DALI's (the worker, the OOM killer, run.resume=auto), not torch's traceback."""
+    """The OOM killer's SIGKILL to a torch-based loader's DataLoader workers: the next batches fail with
+    the same one line as DALI's (the worker, the OOM killer, run.resume=auto), not torch's traceback.
+    Torch's SIGCHLD handler may raise its own error in whatever this process runs then, inside the
+    loader or not; `worker_death` tells that one as the same line (the launcher's exit status does)."""
     from pipelines.loader import build_loader
-    from pipelines.processes import WorkerDiedError, descendants
+    from pipelines.processes import descendants, worker_death
     from pipelines.spec import LoaderSpec
     from pipelines.views import load_recipe
 
     spec = LoaderSpec(root=str(tiny_data_root), dataset="synthetic", recipe=load_recipe("byol", 32, 16),
                       split="train", batch_size=8, num_workers=2)
-    before = {pid for pid, _ in descendants(os.getpid())}
-    it = iter(build_loader(backend, spec))
-    next(it)
-    for pid in workers_of(os.getpid(), before):
-        os.kill(pid, signal.SIGKILL)
+    for _ in range(5):            # where the kill lands differs: in a batch's transfer, between batches
+        before = {pid for pid, _ in descendants(os.getpid())}
+        it = iter(build_loader(backend, spec))
+        next(it)
+        for pid in workers_of(os.getpid(), before):
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError) as e:
+            for _ in it:
+                pass
+        died = worker_death(e.value)
+        assert died is not None, repr(e.value)
+        message = str(died)
+        assert message.startswith("DataLoader worker (pid") and "\n" not in message
+        assert "OOM killer" in message and "run.resume=auto continues" in message
+
+
+def test_a_batch_transfer_cut_by_its_worker_s_death_is_that_death() -> None:
+    """A DataLoader worker killed just after it queued a batch: fetching the batch's tensors from it
+    fails (a connection reset) before torch has seen the worker gone, and `watched` tells it as the
+    worker's death in one line; such an error with no worker ended is left as it is."""
+    from pipelines.processes import WorkerDiedError, fork_context, watched
+
+    class Cut:                                   # a DataLoader iterator whose batch's transfer fails
+        def __init__(self, workers) -> None:
+            self._workers = workers
+
+        def __next__(self):
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+    worker = fork_context().Process(target=time.sleep, args=(60,))
+    worker.start()
+    os.kill(worker.pid, signal.SIGKILL)
     with pytest.raises(WorkerDiedError) as e:
-        for _ in it:
-            pass
-    message = str(e.value)
-    assert message.startswith("DataLoader worker (pid") and "\n" not in message
-    assert "OOM killer" in message and "run.resume=auto continues" in message
+        next(watched(Cut([worker])))
+    assert str(e.value).startswith(f"DataLoader worker (pid {worker.pid}) is killed by signal: Killed while")
+    with pytest.raises(ConnectionResetError):
+        next(watched(Cut([])))
