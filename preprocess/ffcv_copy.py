@@ -1,5 +1,5 @@
-"""The `.beton` file of a split whose JPEG shards are written, copied from the shards by several
-processes at once, byte for byte the file FFCV's own writer makes from the same records.
+"""The `.beton` file of a split whose shards are written, copied from the shards by several processes
+at once, byte for byte the file FFCV's own writer makes from the same records with one process.
 
 FFCV's writer (`preprocess/write_ffcv.py`) runs each record through its field encoders in worker
 processes that take the file's pages in turn and wait for each other to write them in order. For
@@ -25,8 +25,11 @@ The layout of a `.beton` (FFCV 1.0.2: ffcv/writer.py, ffcv/memory_allocator.py, 
               stray copy"), which this copy reproduces so that the files are equal.
     the allocation table (ALLOC_TABLE_TYPE: record, pointer, size of every allocation kept)
 
-Only mode "jpg" is copied: a "raw" split's `.beton` stores pixels where its shards hold PNG, so those
-splits go through FFCV's writer.
+A "jpg" split's images are copied as they are. A "raw" split's `.beton` stores pixels (H x W x 3 bytes
+each) where its shards hold lossless PNGs: its images are decoded on the way, its sizes read first. FFCV's
+writer with several processes places each 64-record chunk of a split where its process happened to be
+when it asked for a page: the same records read back, but not the same bytes (3 different files in 3
+runs of a 50,000-record split with 2 processes); the copy's are the same in every run.
 """
 
 from __future__ import annotations
@@ -125,8 +128,18 @@ def plan(image_sizes: np.ndarray, mask_sizes: np.ndarray, data_start: int, page_
 _WORKER: dict = {}
 
 
-def _init_worker(reader: ShardReader, layout: Layout, has_masks: bool, path: str, read_sizes: bool) -> None:
-    _WORKER.update(reader=reader, layout=layout, has_masks=has_masks, path=path, read_sizes=read_sizes)
+def _init_worker(reader: ShardReader, layout: Layout, has_masks: bool, path: str, read_sizes: bool,
+                 pixels: bool) -> None:
+    _WORKER.update(reader=reader, layout=layout, has_masks=has_masks, path=path, read_sizes=read_sizes,
+                   pixels=pixels)
+
+
+def _pixels(png: bytes) -> bytes:
+    """A "raw" record's image as FFCV's writer stores it: its (H, W, 3) uint8 RGB pixels, row by row
+    (OpenCV, which FFCV needs: 36 µs a 32-px PNG where PIL took 61-73)."""
+    import cv2
+
+    return cv2.cvtColor(cv2.imdecode(np.frombuffer(png, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB).tobytes()
 
 
 def _write_run(fd: int, buffers: list[bytes], offset: int) -> None:
@@ -157,7 +170,7 @@ def _write_pages(span: tuple[int, int]) -> tuple[int, np.ndarray]:
         run: list[bytes] = []
         for j, (rec, kind, ptr, length) in enumerate(zip(records, kinds, ptrs, lengths)):
             if kind == _IMAGE:
-                data = reader.image(rec)
+                data = _pixels(reader.image(rec)) if _WORKER["pixels"] else reader.image(rec)
                 if ptr == int(layout.image_ptr[rec]):                 # not a stray copy
                     images += 1
                     if _WORKER["read_sizes"]:
@@ -192,9 +205,9 @@ def _spans(layout: Layout, parts: int) -> list[tuple[int, int]]:
 
 
 def copy_to_ffcv(reader: ShardReader, path: Path, *, sizes: np.ndarray | None = None, has_masks: bool = False,
-                 jpeg_quality: int = schema.JPEG_QUALITY, num_workers: int = 1, progress: bool = False,
-                 page_size: int = PAGE_SIZE) -> dict:
-    """Write the FFCV file `path` of the records `reader` reads (mode "jpg"), equal byte for byte to
+                 mode: str = "jpg", jpeg_quality: int = schema.JPEG_QUALITY, num_workers: int = 1,
+                 progress: bool = False, page_size: int = PAGE_SIZE) -> dict:
+    """Write the FFCV file `path` of the records `reader` reads, equal byte for byte to
     `write_ffcv(split, path, num_workers=1, page_size=page_size)` of the same records; under a
     temporary name, renamed into place when whole. Returns the file's checksum as the manifest records
     it, {"sha256", "bytes"}: with `sizes` given, each run of pages is hashed as soon as it is written, while the processes
@@ -203,32 +216,40 @@ def copy_to_ffcv(reader: ShardReader, path: Path, *, sizes: np.ndarray | None = 
     Args:
         reader: the split's shards (records in index order).
         path: destination `.beton`; its folder must exist.
-        sizes: (N, 2) H, W of each image when known; None reads them from the images' headers.
+        sizes: (N, 2) H, W of each image when known; None reads them from the images' headers (as the
+            pages are written; for mode "raw" first, since they size the pixels' allocations).
         has_masks: store each record's mask from the shards (else FFCV's one-zero-byte "no mask").
+        mode: the split's image mode: "jpg" (JPEGs copied as they are) or "raw" (PNGs stored as pixels).
         jpeg_quality: recorded in the image field's parameters, as the writer records it.
         num_workers: copying processes.
         progress: show progress (`preprocess.progress`: a bar on a terminal, a line a minute in a log).
 
     Raises:
-        ValueError: an empty split, a record larger than a page or wider than FFCV's 65,535 px, or a
-            shard shorter than its record table says.
+        ValueError: an empty split, an unknown mode, a record larger than a page or wider than FFCV's
+            65,535 px, or a shard shorter than its record table says.
         FileNotFoundError: the destination folder does not exist.
     """
+    warm_up()            # before any import of FFCV: its compiled helpers then come from the cache (5 s otherwise)
+    from ffcv.fields.rgb_image import IMAGE_MODES
     from ffcv.types import CURRENT_VERSION, FieldDescType, HeaderType, TYPE_ID_HANDLER, get_metadata_type
 
     path = Path(path)
     n = len(reader)
     if n == 0:
         raise ValueError(f"split for {path.name} is empty; an FFCV file needs at least one record")
+    if mode not in schema.IMAGE_MODES:
+        raise ValueError(f"unknown image mode {mode!r}; use one of {', '.join(schema.IMAGE_MODES)}")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"output folder {path.parent} does not exist; create it first")
+    pixels = mode == "raw"
+    if pixels and sizes is None:
+        sizes = np.array([image_size(reader.image(i)) for i in range(n)], np.int64).reshape(-1, 2)
     if sizes is not None:
-        sizes = np.asarray(sizes)
+        sizes = np.asarray(sizes, np.int64)
         too_wide = np.flatnonzero(sizes.max(axis=1) > MAX_SIDE)
         if len(too_wide):
             check_side(int(too_wide[0]), *(int(v) for v in sizes[too_wide[0]]))
-    warm_up()
-    fields = ffcv_fields("jpg", jpeg_quality)
+    fields = ffcv_fields(mode, jpeg_quality)
     handlers = list(fields.values())
     meta = np.zeros(n, get_metadata_type(handlers))
     image, label, index, mask, coverage = (meta[name] for name in meta.dtype.names)
@@ -239,9 +260,10 @@ def copy_to_ffcv(reader: ShardReader, path: Path, *, sizes: np.ndarray | None = 
         raise ValueError(f"record {int(np.argmax(cols[:, 3] < 0))} has no mask in the shards but the split "
                          "declares masks; write the masks first")
     metadata_start = HeaderType.itemsize + len(fields) * FieldDescType.itemsize
-    layout = plan(cols[:, 2], mask_sizes, metadata_start + meta.nbytes, page_size)
+    image_sizes = sizes[:, 0] * sizes[:, 1] * 3 if pixels else cols[:, 2]
+    layout = plan(image_sizes, mask_sizes, metadata_start + meta.nbytes, page_size)
 
-    image["mode"] = 0                                   # FFCV's IMAGE_MODES["jpg"]
+    image["mode"] = IMAGE_MODES[mode]
     image["data_ptr"] = layout.image_ptr
     label[:], index[:] = reader.labels, reader.indices
     mask["ptr"], mask["size"] = layout.mask_ptr, mask_sizes
@@ -267,7 +289,7 @@ def copy_to_ffcv(reader: ShardReader, path: Path, *, sizes: np.ndarray | None = 
         if sizes is not None:                              # the metadata is whole: written and hashed first
             os.pwrite(fd, header.tobytes() + descriptors.tobytes() + meta.tobytes(), 0)
         spans = _spans(layout, 4 * num_workers)
-        args = (reader, layout, has_masks, tmp, sizes is None)
+        args = (reader, layout, has_masks, tmp, sizes is None, pixels)
         # Processes even for one worker: this one hashes what they wrote meanwhile (30,000 records of 41 KB
         # copied and hashed in 1.09 s instead of 1.44 s, one worker on 2 cores).
         pool = fork_context().Pool(min(num_workers, len(spans)), _init_worker, args) if len(spans) > 1 else None

@@ -1,8 +1,8 @@
 """Turn a source (synthetic, CIFAR, image folder) into a complete dataset folder, atomically.
 
     OUT/.<name>.staging/            everything is written here first
-        <split>.beton               FFCV file          (preprocess/write_ffcv.py; an image folder's
-                                                        copied from its shards, preprocess/ffcv_copy.py)
+        <split>.beton               FFCV file          (copied from the split's shards,
+                                                        preprocess/ffcv_copy.py)
         <split>/shard-*.tar|.idx    DALI shards        (preprocess/write_dali.py)
         gt_masks/<split>.npy        synthetic only: exact foreground masks
         .verified.json              checksum stamp (see pipelines/schema.py, verification policy)
@@ -10,10 +10,10 @@
     OUT/<name>/                     the staging folder renamed into place
 
 A source held in memory (synthetic, CIFAR) is made or read and checked first (`preprocess/sources.py`,
-before anything is written under OUT), then the two writers run per split. An image folder is
-listed, then written in one streamed, resumable pass (`preprocess/stream.py`: each image decoded
-once, straight into its DALI shard, on all cores or on Ray) and its `.beton` copied from the shards
-(by several processes, nothing decoded). Where FFCV is not installed (a GPU machine
+before anything is written under OUT), then written into its DALI shards and its `.beton` copied from
+them, split by split. An image folder is listed, then written in one streamed, resumable pass
+(`preprocess/stream.py`: each image decoded once, straight into its DALI shard, on all cores or on
+Ray) and its `.beton` copied from the shards (by several processes, its JPEGs as they are). Where FFCV is not installed (a GPU machine
 that reads with DALI only) the `.beton` files are left out, said on stderr and in the manifest's
 `formats`; the ffcv backend then refuses the dataset with that fix. Nothing under OUT/<name> changes until
 the new dataset is complete: with --force the old folder is moved aside (its manifest removed
@@ -44,12 +44,12 @@ import numpy as np
 from pipelines import schema
 from pipelines.schema import DatasetError, Manifest
 from pipelines.processes import descriptors_needed, ensure_open_files, fork_context
-from pipelines.shards import scan_shards, write_record_table
+from pipelines.shards import ShardReader, scan_shards, write_record_table
 from preprocess import stream
 from preprocess.ffcv_copy import copy_to_ffcv
 from preprocess.sources import SOURCES, ListedSource, PreparedSource, PreprocessError, Source
 from preprocess.write_dali import write_dali
-from preprocess.write_ffcv import warm_up as warm_up_ffcv, write_ffcv
+from preprocess.write_ffcv import warm_up as warm_up_ffcv
 
 SHARD_SIZE = 1000               # records per DALI shard (--shard-size)
 ENGINES = ("local", "ray")      # where an image folder's units run (--engine)
@@ -425,9 +425,11 @@ def _make_room(job: Job, lock: DatasetLock, plan: dict | None) -> None:
 
 
 def _write_in_memory(prepared: PreparedSource, staging: Path, job: Job, with_ffcv: bool) -> Written:
-    """A source held in memory: its DALI shards, its `.beton` files (`with_ffcv`) and its ground-truth
-    masks, split by split."""
+    """A source held in memory: its DALI shards, its `.beton` files (`with_ffcv`: copied from the
+    shards, the same bytes in every run, `preprocess.ffcv_copy`) and its ground-truth masks, split by
+    split."""
     seconds = {"dali_write": 0.0, "ffcv_write": 0.0}
+    known = {}                                   # the .beton files, hashed as they were copied
     for split_name, split in prepared.splits.items():
         t = time.perf_counter()
         write_dali(split, staging / split_name, shard_size=job.shard_size, num_workers=job.workers,
@@ -436,12 +438,15 @@ def _write_in_memory(prepared: PreparedSource, staging: Path, job: Job, with_ffc
     t = time.perf_counter()
     if with_ffcv:
         for split_name, split in prepared.splits.items():
-            write_ffcv(split, staging / f"{split_name}.beton", num_workers=job.workers, progress=job.progress)
+            known[f"{split_name}.beton"] = copy_to_ffcv(
+                ShardReader.open(staging / split_name, len(split)), staging / f"{split_name}.beton",
+                has_masks=split.has_masks, mode=split.mode, jpeg_quality=split.jpeg_quality,
+                num_workers=job.workers, progress=job.progress)
     seconds["ffcv_write"] = time.perf_counter() - t
     for split_name, masks in prepared.gt_masks.items():
         (staging / "gt_masks").mkdir(exist_ok=True)
         np.save(staging / "gt_masks" / f"{split_name}.npy", masks)
-    return Written(prepared, seconds)
+    return Written(prepared, seconds, known=known)
 
 
 def _timed(fn: Callable[[], None]) -> float:

@@ -1,4 +1,12 @@
-"""FFCV writer: one split → one `.beton` file with the fields of `pipelines.schema.FFCV_FIELDS`.
+"""FFCV's fields and its own writer: one split → one `.beton` file with the fields of
+`pipelines.schema.FFCV_FIELDS`.
+
+Datasets are not written by `write_ffcv`: every split's `.beton` is copied from its DALI shards
+(`preprocess.ffcv_copy`), byte for byte what `write_ffcv` makes of the same records with one
+process, and the same bytes in every run, which `write_ffcv` with several processes does not give
+(each takes 64-record chunks, and where a chunk lands depends on which process asked for a page
+first). `write_ffcv` is the reference the copy is tested against, and writes the tests' `.beton`
+files from records held in memory.
 
 Fields, in storage order: image (`RGBImageField`, raw bytes for mode "raw" so that pixels are
 bit-exact, JPEG at `split.jpeg_quality` for mode "jpg", a record's `encoded` JPEG byte for byte;

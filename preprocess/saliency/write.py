@@ -32,7 +32,6 @@ from preprocess.prepare import Hashed, Known, PreprocessError, ffcv_installed, r
 from preprocess.records import Record
 from preprocess.saliency.handcrafted import resize_map
 from preprocess.write_dali import write_dali
-from preprocess.write_ffcv import write_ffcv
 
 
 def binarise(prob: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -109,12 +108,10 @@ def write_masks(dataset_dir: Path, masks: dict[str, Callable[[int], np.ndarray]]
             stored = StoredSplit(dataset_dir / split, count, old.image_mode, masks[split], jpeg_quality=quality)
             write_dali(stored, staging / split, shard_size=old.shard_size or count, num_workers=workers,
                        progress=progress)
-            if with_ffcv and old.image_mode == "jpg":      # the new shards copied: no mask made twice
+            if with_ffcv:                                   # the new shards copied: no mask made twice
                 copied.known[f"{split}.beton"] = copy_to_ffcv(
                     ShardReader.open(staging / split, count), staging / f"{split}.beton", has_masks=True,
-                    jpeg_quality=quality, num_workers=workers, progress=progress)
-            elif with_ffcv:                                 # pixels, which the shards hold as PNG
-                write_ffcv(stored, staging / f"{split}.beton", num_workers=workers, progress=progress)
+                    mode=old.image_mode, jpeg_quality=quality, num_workers=workers, progress=progress)
         names = [f"{split}/{schema.NAMES_NAME}" for split in old.counts]      # image folders' record names
         kept = [*old.gt_masks.values(), *(rel for rel in names if (dataset_dir / rel).exists())]
         for rel in kept:

@@ -1,6 +1,7 @@
 """The `.beton` copied from the shards by several processes is the file FFCV's own writer makes from
-the same records, byte for byte: pages, the records a full page pushes onto the next, the image bytes
-FFCV's retry leaves behind, metadata, allocation table."""
+the same records with one process, byte for byte: pages, the records a full page pushes onto the next,
+the image bytes FFCV's retry leaves behind, metadata, allocation table; for JPEGs stored as they are
+and for pixels (a "raw" split, whose shards hold PNGs)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ PAGE = 1 << 21               # FFCV's smallest page: the 200 records below fill 
 @dataclass
 class NoiseJpegs:
     """A `PreparedSplit` of JPEGs of noise (40-300 px a side, up to ~250 KB each) stored as they are,
-    with noise masks (PNGs of up to ~20 KB) when `has_masks`: sizes that end pages at every kind of place."""
+    with noise masks (PNGs of up to ~20 KB) when `has_masks`: sizes that end pages at every kind of place.
+    Mode "raw": the same images as pixels (up to 270 KB each), which the shards store as PNGs."""
 
     n: int = 200
     has_masks: bool = True
@@ -46,13 +48,16 @@ class NoiseJpegs:
         pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
         jpeg = cv2.imencode(".jpg", pixels, [cv2.IMWRITE_JPEG_QUALITY, 95])[1].tobytes()
         mask = (rng.random((h, w)) < 0.5).astype(np.uint8) * 255 if self.has_masks else None
+        if self.mode == "raw":
+            return Record(pixels, i % 7, i, mask)
         return Record(None, i % 7, i, mask, encoded=jpeg, size=(h, w))
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["masks", "no-masks"])
+@pytest.fixture(scope="module", params=[("jpg", True), ("jpg", False), ("raw", True), ("raw", False)],
+                ids=["jpg-masks", "jpg-no-masks", "raw-masks", "raw-no-masks"])
 def written(request, tmp_path_factory) -> tuple[NoiseJpegs, ShardReader, bytes]:
     """The split's shards and the reference file FFCV's writer makes of it in one process."""
-    split = NoiseJpegs(has_masks=request.param)
+    split = NoiseJpegs(mode=request.param[0], has_masks=request.param[1])
     root = tmp_path_factory.mktemp("copy")
     write_dali(split, root / "train", shard_size=50)
     write_ffcv(split, root / "reference.beton", num_workers=1, page_size=PAGE)
@@ -63,9 +68,9 @@ def written(request, tmp_path_factory) -> tuple[NoiseJpegs, ShardReader, bytes]:
 @pytest.mark.parametrize("sizes_known", [True, False], ids=["sizes-given", "sizes-from-headers"])
 def test_the_copy_is_byte_for_byte_the_file_ffcvs_writer_writes(written, workers, sizes_known, tmp_path) -> None:
     split, reader, reference = written
-    sizes = np.array([split[i].size for i in range(split.n)]) if sizes_known else None
+    sizes = np.array([split[i].shape for i in range(split.n)]) if sizes_known else None
     checksum = copy_to_ffcv(reader, tmp_path / "train.beton", sizes=sizes, has_masks=split.has_masks,
-                            jpeg_quality=90, num_workers=workers, page_size=PAGE)
+                            mode=split.mode, jpeg_quality=90, num_workers=workers, page_size=PAGE)
     assert (tmp_path / "train.beton").read_bytes() == reference
     # hashed run by run as the pages were written
     assert checksum == {"sha256": hashlib.sha256(reference).hexdigest(), "bytes": len(reference)}
@@ -75,7 +80,8 @@ def test_the_copy_is_byte_for_byte_the_file_ffcvs_writer_writes(written, workers
     assert (tmp_path / "train.beton").stat().st_mode & 0o777 == 0o666 & ~umask        # not the temporary's 0600
     # The case is what it should be: several pages, and (with masks) records FFCV retried on a new page.
     cols = np.asarray(reader.cols)
-    layout = plan(cols[:, 2], cols[:, 4] if split.has_masks else np.ones(split.n, np.int64), 0, PAGE)
+    image_sizes = [np.prod(split[i].shape) * 3 for i in range(split.n)] if split.mode == "raw" else cols[:, 2]
+    layout = plan(image_sizes, cols[:, 4] if split.has_masks else np.ones(split.n, np.int64), 0, PAGE)
     strays = len(layout.piece_ptr) - 2 * split.n
     assert layout.pages >= 4 and (strays >= 1) == split.has_masks
 
@@ -93,10 +99,14 @@ def test_a_page_of_thousands_of_small_records_is_copied_whole(tmp_path) -> None:
 
 def test_ffcv_reads_each_record_back_from_the_copy(written, tmp_path) -> None:
     split, reader, _ = written
-    copy_to_ffcv(reader, tmp_path / "train.beton", has_masks=split.has_masks, num_workers=2, page_size=PAGE)
+    copy_to_ffcv(reader, tmp_path / "train.beton", has_masks=split.has_masks, mode=split.mode, num_workers=2,
+                 page_size=PAGE)
     images, labels, indices = read_beton(tmp_path / "train.beton", batch_size=split.n).__next__()
     assert indices.tolist() == list(range(split.n)) and labels.tolist() == [i % 7 for i in range(split.n)]
     for i in (0, 57, split.n - 1):
+        if split.mode == "raw":
+            assert np.array_equal(images[i], split[i].image)                 # the pixels, bit-exact
+            continue
         expect = cv2.cvtColor(cv2.imdecode(np.frombuffer(split[i].encoded, np.uint8), cv2.IMREAD_COLOR),
                               cv2.COLOR_BGR2RGB)
         assert np.abs(images[i].astype(int) - expect).mean() < 2.0          # the same JPEG, decoded
@@ -114,10 +124,11 @@ def test_a_record_larger_than_a_page_is_refused_in_one_line_and_nothing_is_writt
 
 def test_an_image_wider_than_ffcv_stores_is_refused_before_anything_is_written(written, tmp_path) -> None:
     split, reader, _ = written
-    sizes = np.array([split[i].size for i in range(split.n)])
+    sizes = np.array([split[i].shape for i in range(split.n)])
     sizes[7] = (100, 70_000)
     with pytest.raises(ValueError, match="record 7: image side 70000 px exceeds FFCV's 65535 px"):
-        copy_to_ffcv(reader, tmp_path / "train.beton", sizes=sizes, has_masks=split.has_masks, page_size=PAGE)
+        copy_to_ffcv(reader, tmp_path / "train.beton", sizes=sizes, has_masks=split.has_masks, mode=split.mode,
+                     page_size=PAGE)
     assert not list(tmp_path.iterdir())
 
 

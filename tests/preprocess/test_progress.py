@@ -47,13 +47,13 @@ def test_a_terminal_gets_tqdms_bar_and_progress_off_prints_only_notes() -> None:
 
 
 def test_preprocessing_into_a_log_shows_every_writer_progressing(tmp_path, capsys, monkeypatch) -> None:
-    """A run whose output is a file, as in a batch job: the render, the DALI shards and FFCV's own
-    writer each print progress lines (here every update), where before a log showed nothing until a
-    split was done."""
+    """A run whose output is a file, as in a batch job: the render, the DALI shards and the `.beton`'s
+    copy each print progress lines (here every update), where before a log showed nothing until a
+    split was done. (96-px images: the `.beton` takes 3 pages, which the copy writes in 3 runs.)"""
     from preprocess.prepare import prepare_dataset
 
     monkeypatch.setattr(progress, "EVERY", 0.0)
-    prepare_dataset("synthetic", tmp_path / "data", workers=1, train_size=600, val_size=40, image_px=16, seed=1,
+    prepare_dataset("synthetic", tmp_path / "data", workers=1, train_size=600, val_size=40, image_px=96, seed=1,
                     shard_size=100, progress=True)
     err = capsys.readouterr().err
     for desc in ("dali train", "train.beton"):
