@@ -114,6 +114,7 @@ class RunConfig:
     seed: int = 0                   # global seed (each rank adds its rank)
     log_every: int = 10             # steps between log lines (the only host syncs)
     ckpt_every: int = 500           # steps between checkpoints (and one at the end)
+    ckpt_every_min: float = 30.0    # a checkpoint at the first log step this many minutes after the last; 0: off
     eval_every_epochs: int = 0      # kNN + linear probe every K epochs; 0: only at start and end
     resume: str = ""                # checkpoint file to resume from; "auto": the run folder's newest readable one, if any; "": fresh run
     keep_last: int = 1              # checkpoints kept in the run folder: checkpoint.pt and the N-1 before it
@@ -129,6 +130,9 @@ class RunConfig:
     wandb_project: str = "viewmill"  # the W&B project; the W&B run is named after the run folder
 
     def __post_init__(self) -> None:
+        if self.ckpt_every_min < 0:
+            raise ConfigError(f"run.ckpt_every_min={self.ckpt_every_min} is negative; use minutes > 0, or 0 for "
+                              "checkpoints every run.ckpt_every steps only")
         if self.keep_last < 1:
             raise ConfigError(f"run.keep_last={self.keep_last} keeps no checkpoint; use run.keep_last=1 (the newest "
                               "alone) or more")

@@ -169,15 +169,25 @@ def gather_objects(obj) -> list:
     return out
 
 
+def any_rank(device: torch.device, *flags: bool) -> tuple[bool, ...]:
+    """Each of `flags` or'ed over every rank: one all-reduce, which every rank calls at the same point
+    (a host sync); the flags themselves without a process group."""
+    if not is_distributed():
+        return tuple(bool(f) for f in flags)
+    t = torch.tensor([int(f) for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return tuple(bool(v) for v in t.tolist())         # sync: the flags of every rank
+
+
 class HeldSignal:
     """A signal held back while the loop trains, so that the run stops at a checkpoint of the step it
     reached (`run.checkpoint_on_signal`): SLURM's warning before preemption or the time limit (USR2,
     `train.slurm`), or the TERM a scheduler sends a run of one process some seconds before it kills.
 
     Every rank installs it (`HeldSignal("")`: nothing is installed and no rank ever stops). Inside
-    `holding()` the signal is only noted; the loop asks `agreed()` at each log step, on every rank (one
-    collective), and when any rank noted it every rank saves the checkpoint of that step and leaves the
-    loop; `release()`, after the ranks' last barrier, gives it the action it had before: submitit's
+    `holding()` the signal is only noted; at each log step the loop or's `noted` over the ranks
+    (`any_rank`, the collective it makes there anyway) and tells `agree` the result, and when any rank
+    noted it every rank saves the checkpoint of that step and leaves the loop; `release()`, after the ranks' last barrier, gives it the action it had before: submitit's
     handler (rank 0 requeues the job and exits) or the default (the process ends by the signal). Outside
     `holding()` (the evaluations, the export) it acts at once, as it would without this.
     """
@@ -211,17 +221,12 @@ class HeldSignal:
         finally:
             self._held = before
 
-    def agreed(self, device: torch.device) -> bool:
-        """Whether any rank noted the signal; a collective of every rank, at the same steps (a host sync)."""
-        if self._signum is None:
-            return False
-        flag = torch.tensor([int(self.noted)], device=device)
-        if is_distributed():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        agreed = bool(flag.item())          # sync: one flag from every rank
-        # or'ed: a signal caught during the collective counts at the next one (every rank returns `agreed`)
-        self.noted = self.noted or agreed
-        return agreed
+    def agree(self, some_rank_noted: bool) -> bool:
+        """Take `noted` or'ed over every rank (`any_rank`) and return it: every rank then acts at
+        `release`. A signal caught after `noted` was read counts at the next log step (or'ed here, not
+        replaced)."""
+        self.noted = self.noted or some_rank_noted
+        return some_rank_noted
 
     def release(self) -> None:
         """Put the former handler back and, when the signal was noted, take its action now."""

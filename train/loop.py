@@ -33,10 +33,11 @@ class NonFiniteLossError(RuntimeError):
 
 def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal | None = None) -> bool:
     """Train `run.cfg` from where `run` starts to `optim.steps` (or `run.stop_after_steps`) with `parts`,
-    logging to `log`, checkpointing into the run folder, evaluating the backbone before the first step,
-    every `run.eval_every_epochs` and after the last. With `held` (`run.checkpoint_on_signal`) the steps
-    hold its signal back: at the first log step after any rank caught it, every rank checkpoints and the
-    loop ends there.
+    logging to `log`, checkpointing into the run folder (every `run.ckpt_every` steps, and at the first
+    log step `run.ckpt_every_min` minutes after the last checkpoint by any rank's clock), evaluating the
+    backbone before the first step, every `run.eval_every_epochs` and after the last. With `held`
+    (`run.checkpoint_on_signal`) the steps hold its signal back: at the first log step after any rank
+    caught it, every rank checkpoints and the loop ends there.
 
     Returns:
         Whether the run reached `optim.steps` (its backbone is then for `Run.export`).
@@ -73,7 +74,8 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
         log.print(note)
     meter, rank_batch = Meter(), per_process_batch(cfg.data.batch_size, world)
     stop = cfg.optim.steps if not cfg.run.stop_after_steps else min(cfg.run.stop_after_steps, cfg.optim.steps)
-    held, signalled = held or dist.HeldSignal(""), False
+    held, signalled, due = held or dist.HeldSignal(""), False, False
+    saved_at = time.monotonic()              # the run's last checkpoint (run.ckpt_every_min), or its start
     with held.holding():
         for step in range(start_step, stop):
             s = schedules.at(cfg.optim, step, steps_per_epoch, cfg.data.batch_size)
@@ -93,15 +95,19 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
                 check_finite(parts, cfg.method, done, terms)
                 log.step(done, cfg.optim.steps, terms, s.lr, parts.objective.target_momentum(s),
                          meter.read_and_reset())
-                signalled = held.agreed(device)       # sync: whether some rank caught the signal
+                due = 0 < 60 * cfg.run.ckpt_every_min <= time.monotonic() - saved_at
+                # sync: whether some rank caught the signal, or some rank's clock says a checkpoint is due
+                signalled, due = dist.any_rank(device, held.noted, due)
+                held.agree(signalled)
             k = cfg.run.eval_every_epochs * steps_per_epoch
             if k and done % k == 0 and done < cfg.optim.steps and not signalled:
                 began = time.perf_counter()
                 with held.holding(False):            # a long evaluation must not hold the signal back
                     result = evaluate_backbone(cfg, online.backbone, backend, device)
                 log.eval(done, done / steps_per_epoch, result, random_init, time.perf_counter() - began)
-            if done % cfg.run.ckpt_every == 0 or done == stop or signalled:
+            if done % cfg.run.ckpt_every == 0 or done == stop or signalled or due:
                 save_checkpoint(done)
+                saved_at, due = time.monotonic(), False
             if signalled:
                 break
     log.print(f"data stall: {100 * log.stall_fraction():.1f}% of the step time waited for batches (after warm-up)")

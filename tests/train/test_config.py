@@ -89,6 +89,15 @@ def test_exponent_without_dot_reads_as_float() -> None:
     assert cfg.optim.weight_decay == 1e-4 and cfg.optim.lr == 0.05
 
 
+def test_checkpoint_intervals_that_keep_nothing_are_one_line_errors_naming_the_fix() -> None:
+    assert load_config(["method=rsa", "data=synthetic"]).run.ckpt_every_min == 30.0
+    assert load_config(["method=rsa", "data=synthetic", "run.ckpt_every_min=0"]).run.ckpt_every_min == 0.0
+    with pytest.raises(ConfigError, match=r"run.ckpt_every_min=-5.0 is negative; use minutes > 0, or 0"):
+        load_config(["method=rsa", "data=synthetic", "run.ckpt_every_min=-5"])
+    with pytest.raises(ConfigError, match="run.keep_last=0 keeps no checkpoint; use run.keep_last=1"):
+        load_config(["method=rsa", "data=synthetic", "run.keep_last=0"])
+
+
 def test_bad_type_is_an_error() -> None:
     with pytest.raises(ConfigError, match=r"optim\.steps.*int"):
         load_config(["method=rsa", "data=synthetic", "optim.steps=1.5"])

@@ -26,6 +26,7 @@ from models.multicrop import build_model
 from pipelines.batch import Batch
 from tests.once import made_once
 from tests.train.test_objectives_modules import DIM, SMALL, step_values
+from train.dist import any_rank
 from train.objectives import OBJECTIVES
 from train.objectives.base import StepValues
 
@@ -176,6 +177,8 @@ def rank_worker(rank: int, world: int, port: int, eval_words: list[str], out_dir
                            os.path.join(out_dir, f"{name}-{len(variant)}.pt"))
         torch.save(eval_result(eval_words), os.path.join(out_dir, f"eval-rank{rank}.pt"))
         torch.save(protocol_steps(rank, world), os.path.join(out_dir, f"protocol-rank{rank}.pt"))
+        flags = any_rank(torch.device("cpu"), rank == 0, rank == 1, False)
+        torch.save(flags, os.path.join(out_dir, f"any-rank{rank}.pt"))
     finally:
         tdist.destroy_process_group()
 
@@ -307,6 +310,14 @@ def test_evaluation_on_two_ranks_equals_one_process(two_ranks) -> None:
         assert r["feature_std"] == pytest.approx(single["feature_std"], rel=1e-5)
         # Alignment is a mean over random views, drawn per batch: other batches, other views.
         assert 0 < r["alignment"] < 4 and r["alignment"] == ranks[0]["alignment"]
+
+
+@pytest.mark.ddp
+def test_a_flag_of_one_rank_is_every_rank_s(two_ranks) -> None:
+    """`any_rank` at a log step: a flag that one rank raised (a caught signal on rank 0, a checkpoint due
+    by rank 1's clock) comes back raised on both, so that both save together; one none raised, on none."""
+    out, _ = two_ranks
+    assert [torch.load(out / f"any-rank{r}.pt") for r in range(2)] == [(True, True, False)] * 2
 
 
 def test_the_gpu_is_set_before_the_process_group_that_names_it_with_the_run_s_timeout(monkeypatch) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from train.config import ConfigError
-from train.dist import HeldSignal
+from train.dist import HeldSignal, any_rank
 from train.resolve import load_config
 from tests.train.two_ranks import ROOT, env_here
 
@@ -31,7 +31,7 @@ def test_held_the_signal_waits_for_release_and_then_runs_the_former_handler_once
             with held.holding(False):                     # an evaluation inside the loop: at once
                 os.kill(os.getpid(), signal.SIGUSR2)
             os.kill(os.getpid(), signal.SIGUSR2)          # twice held: one action
-            assert calls == ["former", "former"] and held.agreed(torch.device("cpu"))
+            assert calls == ["former", "former"] and held.agree(*any_rank(torch.device("cpu"), held.noted))
         assert calls == ["former", "former"]
         former = signal.getsignal(signal.SIGUSR2)
         held.release()
@@ -46,18 +46,18 @@ def test_without_a_signal_nothing_is_installed_and_no_rank_stops() -> None:
     before = signal.getsignal(signal.SIGUSR2)
     held = HeldSignal("")
     with held.holding():
-        assert not held.agreed(torch.device("cpu"))
+        assert not held.agree(*any_rank(torch.device("cpu"), held.noted))
     held.release()
     assert signal.getsignal(signal.SIGUSR2) is before
 
 
 HELD_TERM = """
 import os, signal, torch
-from train.dist import HeldSignal
+from train.dist import HeldSignal, any_rank
 held = HeldSignal("TERM")
 with held.holding():
     os.kill(os.getpid(), signal.SIGTERM)
-    print("held", held.agreed(torch.device("cpu")), flush=True)
+    print("held", held.agree(*any_rank(torch.device("cpu"), held.noted)), flush=True)
 held.release()
 print("not reached", flush=True)
 """

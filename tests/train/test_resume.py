@@ -8,6 +8,7 @@ import json
 import os
 import random
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -219,4 +220,33 @@ def test_a_held_signal_stops_at_the_next_log_step_s_checkpoint_and_the_same_comm
         signal.signal(signal.SIGUSR2, previous)
     assert train_steps(run) == [3, 6, 9, 10]
     for step in (9, 10):
+        assert losses(run)[step] == pytest.approx(uninterrupted[step], rel=1e-5, abs=1e-6), step
+
+
+@pytest.mark.slow
+def test_a_checkpoint_is_due_by_the_clock_at_the_first_log_step_after_ckpt_every_min(uninterrupted, tiny_args, tmp_path,
+                                                                                 monkeypatch) -> None:
+    """`run.ckpt_every_min=5` with steps of a minute (the loop's clock advanced by each step) and a line
+    every 2 steps: a checkpoint at step 6, the first log step 5 minutes after the start, then none until
+    the last step (10, 4 minutes after step 6), however far `run.ckpt_every`; the saves change nothing
+    of the training."""
+    from types import SimpleNamespace
+
+    from train import loop
+    from train.launch import train
+
+    now = [0.0]
+    real = loop.train_step
+
+    def a_minute_a_step(parts, batch, s):
+        now[0] += 60.0
+        return real(parts, batch, s)
+
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=time.perf_counter, monotonic=lambda: now[0]))
+    monkeypatch.setattr(loop, "train_step", a_minute_a_step)
+    run = train(load_config([*tiny_args("byol", tmp_path), "optim.steps=10", "run.ckpt_every=1000",
+                             "run.log_every=2", "run.ckpt_every_min=5", "run.keep_last=5"]))
+    kept = {p.name: checkpoint.load(p)["step"] for p in run.glob("checkpoint*.pt")}
+    assert kept == {"checkpoint-6.pt": 6, "checkpoint.pt": 10}
+    for step in (2, 4, 6, 8, 10):
         assert losses(run)[step] == pytest.approx(uninterrupted[step], rel=1e-5, abs=1e-6), step
