@@ -13,13 +13,14 @@ A source held in memory (synthetic, CIFAR) is made or read and checked first (`p
 before anything is written under OUT), then written into its DALI shards and its `.beton` copied from
 them, split by split. An image folder is listed, then written in one streamed, resumable pass
 (`preprocess/stream.py`: each image decoded once, straight into its DALI shard, on all cores or on
-Ray) and its `.beton` copied from the shards (by several processes, its JPEGs as they are). Where FFCV is not installed (a GPU machine
-that reads with DALI only) the `.beton` files are left out, said on stderr and in the manifest's
-`formats`; the ffcv backend then refuses the dataset with that fix. Nothing under OUT/<name> changes until
-the new dataset is complete: with --force the old folder is moved aside (its manifest removed
-first, so a reader never accepts a half-swapped folder), the staging folder renamed in, and the old
-one deleted. An interrupted run leaves only the staging folder: the next run resumes an image folder's
-finished shards from it (same arguments, no --force), or deletes it.
+Ray) and its `.beton` copied from the shards (by several processes, its JPEGs as they are). Where
+FFCV is not installed (a GPU machine that reads with DALI only) the `.beton` files are left out, said
+on stderr and in the manifest's `formats`; the ffcv backend then refuses the dataset with that fix.
+Nothing under OUT/<name> changes until the new dataset is complete: with --force the old folder is
+moved aside (its manifest removed first, so a reader never accepts a half-swapped folder), the staging
+folder renamed in, and the old one deleted. An interrupted run leaves only the staging folder: the
+next run resumes an image folder's finished shards from it (same arguments, no --force), or deletes
+it.
 """
 
 from __future__ import annotations

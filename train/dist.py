@@ -187,9 +187,10 @@ class HeldSignal:
     Every rank installs it (`HeldSignal("")`: nothing is installed and no rank ever stops). Inside
     `holding()` the signal is only noted; at each log step the loop or's `noted` over the ranks
     (`any_rank`, the collective it makes there anyway) and tells `agree` the result, and when any rank
-    noted it every rank saves the checkpoint of that step and leaves the loop; `release()`, after the ranks' last barrier, gives it the action it had before: submitit's
-    handler (rank 0 requeues the job and exits) or the default (the process ends by the signal). Outside
-    `holding()` (the evaluations, the export) it acts at once, as it would without this.
+    noted it every rank saves the checkpoint of that step and leaves the loop; `release()`, after the
+    ranks' last barrier, gives it the action it had before: submitit's handler (rank 0 requeues the job
+    and exits) or the default (the process ends by the signal). Outside `holding()` (the evaluations,
+    the export) it acts at once, as it would without this.
     """
 
     def __init__(self, name: str) -> None:
