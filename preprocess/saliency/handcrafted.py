@@ -205,11 +205,15 @@ def mr(g: Graph, p: MrParams = MrParams()) -> np.ndarray:
 class McParams:
     """θ of the edge weights exp(−θ·d̂) + ε (d̂: colour distance min-max normalised over the graph's
     edges; the authors' demo: θ = 10, ε = 1e-5), and the flatness from which a map is re-weighted
-    by the equilibrium distribution (the authors' code: 2; `None`: never)."""
+    by the equilibrium distribution (the authors' code: 2; `None`: never); a superpixel whose links
+    sum to less than `isolated` (its self-loop's 1 included) is set aside, and salient when a neighbour
+    scores above `salient_near` (the authors' code: 1.1 and 0.3; `isolated=0`: none set aside)."""
 
     theta: float = 10.0
     eps: float = 1e-5
     flat: float | None = 2.0
+    isolated: float = 1.1
+    salient_near: float = 0.3
 
 
 def flatness(y: np.ndarray) -> float:
@@ -234,8 +238,12 @@ def mc(g: Graph, p: McParams = McParams()) -> np.ndarray:
     times everywhere, as where the object is large or the background cluttered), the time is
     re-weighted by the equilibrium distribution π of the chain on W (π_i = d_i / Σ d, d_i = Σ_j W_ij):
     y = N·u with u_i ∝ 1/π_i, so that well-connected, background-like nodes count less.
-    Left out: the authors' code sets aside superpixels with hardly any link (Σ w < 1.1) before the
-    chain; here they stay in it, joined by their ε-weighted edges.
+
+    As the authors' code does, a superpixel with hardly any link (Σ_j w_ij < `p.isolated`, the
+    self-loop's 1 included: a colour unlike all around it) is set aside before the chain, where its
+    walk would hardly move and its time dwarf every other; it is then salient (1) if a neighbour
+    scores above `p.salient_near`, else 0. Nothing is set aside when that would leave fewer than two
+    superpixels or none on the boundary.
     """
     n, d = g.n, g.colour_distance()
     if n < 2:
@@ -244,11 +252,24 @@ def mc(g: Graph, p: McParams = McParams()) -> np.ndarray:
     edges = _two_ring(g.adj) | clique
     np.fill_diagonal(edges, False)
     w = np.where(edges, np.exp(-p.theta * _edge_scaled(d, edges)) + p.eps, 0.0) + np.eye(n)
+    keep = w.sum(axis=1) >= p.isolated
+    if keep.sum() < 2 or not g.boundary[keep].any():
+        keep[:] = True
+    y = np.zeros(n)
+    y[keep] = _absorbed_time(w[np.ix_(keep, keep)], g.boundary[keep], p.flat)
+    near_salient = (g.adj[~keep][:, keep] & (y[keep] > p.salient_near)).any(axis=1)
+    y[~keep] = near_salient.astype(float)
+    return y
+
+
+def _absorbed_time(w: np.ndarray, boundary: np.ndarray, flat: float | None) -> np.ndarray:
+    """`mc`'s min-max normalised absorbed time on the transient graph `w` (self-loops included), the
+    `boundary` nodes copied as absorbing ones; re-weighted by the equilibrium distribution where flat."""
     within = w.sum(axis=1)                                           # d_i, the degree on W
-    degree = within + w[:, g.boundary].sum(axis=1)                   # to transient and absorbing nodes
-    fundamental_inv = np.eye(n) - w / degree[:, None]               # I − Q
-    y = minmax(np.linalg.solve(fundamental_inv, np.ones(n)))
-    if p.flat is not None and flatness(y) >= p.flat:
+    degree = within + w[:, boundary].sum(axis=1)                     # to transient and absorbing nodes
+    fundamental_inv = np.eye(len(w)) - w / degree[:, None]          # I − Q
+    y = minmax(np.linalg.solve(fundamental_inv, np.ones(len(w))))
+    if flat is not None and flatness(y) >= flat:
         pi = within / within.sum()
         y = minmax(np.linalg.solve(fundamental_inv, (1 / pi) / (1 / pi).sum()))
     return y

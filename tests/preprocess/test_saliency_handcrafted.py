@@ -95,13 +95,15 @@ def test_the_graph_records_neighbours_and_image_sides() -> None:
 
 
 def absorbed_time_by_the_paper(g: hc.Graph, theta: float = 10.0, eps: float = 1e-5) -> np.ndarray:
-    """Jiang et al. (ICCV 2013), transcribed node by node: transient nodes 0..n-1 (every superpixel),
-    absorbing nodes n.. (a virtual copy of each boundary superpixel); an edge between superpixels that
-    are neighbours, neighbours of neighbours, or both on the boundary, weighted exp(-theta * d / range)
-    + eps on the colour distance d normalised over the edges; a self-loop of 1; each copy linked to
-    the transient nodes as its original. P in canonical form [[Q, R], [0, I]]; N = (I - Q)^-1;
-    the absorbed time y = N c, c = 1, min-max normalised; and where it is flat, the same chain's time
-    re-weighted by the equilibrium distribution (the paper's refinement; the flatness test of the authors' code)."""
+    """Jiang et al. (ICCV 2013), transcribed node by node: an edge between superpixels that are
+    neighbours, neighbours of neighbours, or both on the boundary, weighted exp(-theta * d / range) +
+    eps on the colour distance d normalised over the edges, and a self-loop of 1. A superpixel whose
+    weights sum to less than 1.1 is set aside (the authors' code). Over the others: transient nodes
+    (every superpixel kept), absorbing nodes (a virtual copy of each kept boundary superpixel, linked
+    to the transient nodes as its original); P in canonical form [[Q, R], [0, I]]; N = (I - Q)^-1; the
+    absorbed time y = N c, c = 1, min-max normalised; where it is flat, the same chain's time
+    re-weighted by the equilibrium distribution (the paper's refinement; the flatness test of the
+    authors' code). A superpixel set aside is then 1 if a neighbour's time is above 0.3, else 0."""
     n = g.n
     lab = g.lab
     near = {i: set(np.flatnonzero(g.adj[i])) for i in range(n)}
@@ -112,49 +114,64 @@ def absorbed_time_by_the_paper(g: hc.Graph, theta: float = 10.0, eps: float = 1e
             linked[i, j] = i != j and (two_ring or (g.boundary[i] and g.boundary[j]))
     dist = {(i, j): float(np.sqrt(((lab[i] - lab[j]) ** 2).sum())) for i in range(n) for j in range(n) if linked[i, j]}
     lo, hi = min(dist.values()), max(dist.values())
-    copies = list(np.flatnonzero(g.boundary))
-    size = n + len(copies)
-    weight = np.zeros((size, size))
+    full = np.zeros((n, n))
     for (i, j), d in dist.items():
-        weight[i, j] = np.exp(-theta * (d - lo) / (hi - lo)) + eps
+        full[i, j] = np.exp(-theta * (d - lo) / (hi - lo)) + eps
     for i in range(n):
-        weight[i, i] = 1.0
+        full[i, i] = 1.0
+    kept = [i for i in range(n) if full[i].sum() >= 1.1]
+    if len(kept) < 2 or not any(g.boundary[i] for i in kept):
+        kept = list(range(n))
+    m = len(kept)
+    copies = [k for k, i in enumerate(kept) if g.boundary[i]]
+    size = m + len(copies)
+    weight = np.zeros((size, size))
+    for a, i in enumerate(kept):
+        for b, j in enumerate(kept):
+            weight[a, b] = full[i, j]
     for k, b in enumerate(copies):
-        weight[:n, n + k] = weight[:n, b]
+        weight[:m, m + k] = weight[:m, b]
     p = np.zeros((size, size))
-    for i in range(n):
+    for i in range(m):
         p[i] = weight[i] / weight[i].sum()
     for k in range(len(copies)):
-        p[n + k, n + k] = 1.0                                    # absorbing
-    q = p[:n, :n]
-    fundamental = np.linalg.inv(np.eye(n) - q)
-    y = fundamental @ np.ones(n)
+        p[m + k, m + k] = 1.0                                    # absorbing
+    q = p[:m, :m]
+    fundamental = np.linalg.inv(np.eye(m) - q)
+    y = fundamental @ np.ones(m)
     y = (y - y.min()) / (y.max() - y.min())
     # A flat map (the authors' "entropy" >= 2: the share of each tenth of [0, 1], 1.0 in the tenth,
     # times the tenth's distance from the nearer end, 1 to 5) is re-weighted by the equilibrium
     # distribution of the chain on the transient graph: y = N u, u_i = 1 / pi_i, normalised to sum 1.
     entropy = 0.0
     for tenth in range(1, 11):
-        share = sum(1 for v in y if min(int(np.floor(v * 10)) + 1, 10) == tenth) / n
+        share = sum(1 for v in y if min(int(np.floor(v * 10)) + 1, 10) == tenth) / m
         entropy += share * min(tenth, 11 - tenth)
     if entropy >= 2:
-        degree = [sum(weight[i, j] for j in range(n)) for i in range(n)]
+        degree = [sum(weight[i, j] for j in range(m)) for i in range(m)]
         pi = [d / sum(degree) for d in degree]
         u = np.array([1 / x for x in pi])
         y = fundamental @ (u / u.sum())
         y = (y - y.min()) / (y.max() - y.min())
-    return y
+    out = np.zeros(n)
+    for a, i in enumerate(kept):
+        out[i] = y[a]
+    for i in set(range(n)) - set(kept):
+        out[i] = 1.0 if any(j in kept and out[j] > 0.3 for j in near[i]) else 0.0
+    return out
 
 
 def test_mc_is_the_absorbed_time_of_the_papers_chain() -> None:
     from preprocess.synthetic import SyntheticSplit
 
-    flatness = []
+    flatness, set_aside = [], []
     for img in (disc_image()[0], SyntheticSplit(4, seed=3)[2].image, SyntheticSplit(8, seed=3)[5].image):
         g = hc.build_graph(img, hc.SlicParams(segments=60))
         np.testing.assert_allclose(hc.mc(g), absorbed_time_by_the_paper(g), atol=1e-9)
         flatness.append(hc.flatness(hc.mc(g, hc.McParams(flat=None))))
+        set_aside.append(not np.allclose(hc.mc(g), hc.mc(g, hc.McParams(isolated=0))))
     assert min(flatness) < 2 <= max(flatness)           # both branches: the plain time and the re-weighted one
+    assert set_aside == [False, True, False]            # and a graph with superpixels set aside
     assert not np.allclose(hc.mc(g), hc.mc(g, hc.McParams(flat=None)), atol=0.05)
     img, gt = disc_image()
     g = hc.build_graph(img, hc.SlicParams(segments=60))
