@@ -409,6 +409,7 @@ def test_a_batch_transfer_cut_by_its_worker_s_death_is_that_death() -> None:
     os.kill(worker.pid, signal.SIGKILL)
     with pytest.raises(WorkerDiedError) as e:
         next(watched(Cut([worker])))
+    worker.join()
     assert str(e.value).startswith(f"DataLoader worker (pid {worker.pid}) is killed by signal: Killed while")
     with pytest.raises(ConnectionResetError):
         next(watched(Cut([])))

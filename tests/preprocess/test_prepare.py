@@ -273,7 +273,6 @@ def test_a_second_run_on_the_same_dataset_refuses_in_one_line(tmp_path: Path) ->
     prepare_dataset("synthetic", tmp_path, workers=1, force=True, train_size=8, val_size=4, image_px=16)
 
 
-
 def test_a_dataset_made_in_memory_is_the_same_bytes_in_every_run(tmp_path: Path) -> None:
     """The same synthetic dataset written twice with 2 workers: every file has the same bytes, its
     `.beton` files included (FFCV's own writer, used before, put each 64-record chunk where the process

@@ -94,8 +94,8 @@ def test_a_terminated_launcher_ends_with_its_ranks_in_one_line(tiny_args, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, says", [("dali", "DALI worker process "), ("torch", "DataLoader worker (pid "),
-                                           ("torchvision", "DataLoader worker (pid ")],
+@pytest.mark.parametrize("backend, says", [("dali", "DALI worker process "), ("torch", "DataLoader worker (pid"),
+                                           ("torchvision", "DataLoader worker (pid")],
                          ids=["dali", "torch", "torchvision"])
 def test_a_loader_worker_killed_mid_run_ends_the_run_in_one_line(backend, says, tiny_args, tmp_path) -> None:
     """The OOM killer takes the loader's workers in the middle of a run: the run ends within seconds
