@@ -30,7 +30,7 @@ from typing import Callable, Literal, Sequence
 import torch
 
 from pipelines.errors import EXIT_BAD_INPUT, bad_input
-from pipelines.processes import LimitError, WorkerDiedError, end_with_parent, ensure_open_files, worker_death
+from pipelines.processes import LimitError, end_with_parent, ensure_open_files, worker_death
 from pipelines.schema import DatasetError
 from pipelines.spec import LoaderError
 from train import dist, loop
@@ -292,11 +292,13 @@ def exit_status(body: Callable[[], int]) -> int:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         return bad_input(f"too many open files ({e.strerror}; this process may open {soft}); raise the limit "
                          f"(ulimit -n {4 * soft}) and run the same command again (run.resume=auto continues a run)")
-    except (loop.NonFiniteLossError, WorkerDiedError) as e:
+    except loop.NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except RuntimeError as e:
-        if (died := worker_death(e)) is None:      # torch's SIGCHLD handler, raised during a step
+        # A loader's WorkerDiedError, or torch's own error for a dead DataLoader worker (its SIGCHLD
+        # handler raises it in whatever runs then, a training step included).
+        if (died := worker_death(e)) is None:
             raise
         print(f"error: {died}", file=sys.stderr)
         return 1

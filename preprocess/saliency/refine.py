@@ -171,11 +171,9 @@ def train_net(x: Tensor, targets: Tensor, epochs: int, lr: float, s: RefineSetti
         if on_epoch is not None:
             on_epoch(net, epoch)
         if partial is not None:
-            tmp = partial.with_suffix(".tmp")
-            torch.save({"net": net.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                        "rng": torch.get_rng_state(), "step": step, "epoch": epoch,
-                        "kept": {k: torch.from_numpy(v) for k, v in (kept or {}).items()}}, tmp)
-            tmp.replace(partial)
+            _save_whole({"net": net.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                         "rng": torch.get_rng_state(), "step": step, "epoch": epoch,
+                         "kept": {k: torch.from_numpy(v) for k, v in (kept or {}).items()}}, partial)
     net.eval()
     return net
 
@@ -202,10 +200,15 @@ def _keep(checkpoints: Path | None, stage: str, net: SaliencyNet, labels: np.nda
         tmp = checkpoints / f"{stage}.labels.tmp.npy"
         np.save(tmp, labels)
         tmp.replace(checkpoints / f"{stage}.labels.npy")
-    tmp = checkpoints / f"{stage}.pt.tmp"
-    torch.save({"state": net.state_dict(), "seconds": seconds}, tmp)
-    tmp.replace(checkpoints / f"{stage}.pt")
+    _save_whole({"state": net.state_dict(), "seconds": seconds}, checkpoints / f"{stage}.pt")
     _partial(checkpoints, stage).unlink(missing_ok=True)
+
+
+def _save_whole(obj: dict, path: Path) -> None:
+    """`torch.save` under a temporary name, then renamed: a kill leaves the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
 
 
 def _partial(checkpoints: Path | None, stage: str) -> Path | None:
