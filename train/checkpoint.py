@@ -9,7 +9,8 @@ In a run folder the newest checkpoint is always `checkpoint.pt`; with `run.keep_
 before it stay as `checkpoint-<step>.pt` (`save_latest`). A write reaches the disk (fsync) before the
 rename that publishes it, so neither a killed process nor a lost machine leaves a half-written
 checkpoint under a checkpoint's name. `latest` lists a folder's checkpoints newest first, for
-`run.resume=auto`.
+`run.resume=auto`. `Cadence` says when a training loop saves: both loops, pretraining's and the
+protocols', keep to it.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ import platform
 import random
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from train import dist
 
 
 LATEST = "checkpoint.pt"                         # the newest checkpoint of a run folder
@@ -227,3 +231,34 @@ def load_training(path: str | os.PathLike) -> dict:
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
         raise CheckpointError(f"{path} is not a training checkpoint (no saved config); pass <run dir>/checkpoint.pt")
     return state
+
+
+class Cadence:
+    """When a training loop saves its checkpoint: after every `every` steps and after its last; at the
+    first log step `every_min` minutes (0: never) after its last save, by any rank's clock; and at the
+    first log step after any rank caught the held signal (`dist.HeldSignal`, `run.checkpoint_on_signal`),
+    where the loop then stops. The loop calls `at_log_step` at each log step (every rank, one collective),
+    asks `due(done, last)` after each step and calls `saved()` after it saved.
+    """
+
+    def __init__(self, every: int, every_min: float, held: dist.HeldSignal | None = None) -> None:
+        self.every, self.every_min = every, every_min
+        self.held = held or dist.HeldSignal("")
+        self.signalled = False               # some rank caught the held signal: save, then stop
+        self._clock = False                  # some rank's clock says a save is due
+        self._saved_at = time.monotonic()    # the loop's last save, or its start
+
+    def at_log_step(self, device: torch.device) -> None:
+        """Agree over the ranks whether the signal was caught and whether the clock calls for a save."""
+        clock = 0 < 60 * self.every_min <= time.monotonic() - self._saved_at
+        # sync: whether some rank caught the signal, or some rank's clock says a checkpoint is due
+        self.signalled, self._clock = dist.any_rank(device, self.held.noted, clock)
+        self.held.agree(self.signalled)
+
+    def due(self, done: int, last: int) -> bool:
+        """Whether the loop saves after step `done` (1-based) of a loop that ends after step `last`."""
+        return done % self.every == 0 or done == last or self.signalled or self._clock
+
+    def saved(self) -> None:
+        """The loop saved: the clock starts again."""
+        self._saved_at, self._clock = time.monotonic(), False

@@ -315,6 +315,19 @@ def per_process_batch(batch_size: int, processes: int, key: str = "data.batch_si
     return batch_size // processes
 
 
+def check_held_signal(name: SignalName, world_size: int) -> None:
+    """Refuse `run.checkpoint_on_signal=TERM` in a run of several processes (pretraining's or a protocol's).
+
+    Raises:
+        ConfigError: naming what to use instead.
+    """
+    if name == "TERM" and world_size > 1:
+        raise ConfigError("run.checkpoint_on_signal=TERM holds SIGTERM in a run of one process only: with several, "
+                          "the launcher (torchrun's, ours, SLURM at preemption) sends SIGTERM to every process of a "
+                          "rank, its loader workers too, which end at once; use launcher=slurm (USR2) or "
+                          "run.stop_after_steps")
+
+
 def for_world(cfg: Config, world_size: int, train_size: int) -> Config:
     """`cfg` as `world_size` processes run it: `data.batch_size` becomes the global batch (`global_batch`;
     the learning rate scales with it, `schedules.scaled_lr`); with `optim.epochs` /
@@ -329,11 +342,7 @@ def for_world(cfg: Config, world_size: int, train_size: int) -> Config:
             several processes.
     """
     d, o = cfg.data, cfg.optim
-    if cfg.run.checkpoint_on_signal == "TERM" and world_size > 1:
-        raise ConfigError("run.checkpoint_on_signal=TERM holds SIGTERM in a run of one process only: with several, "
-                          "the launcher (torchrun's, ours, SLURM at preemption) sends SIGTERM to every process of a "
-                          "rank, its loader workers too, which end at once; use launcher=slurm (USR2) or "
-                          "run.stop_after_steps")
+    check_held_signal(cfg.run.checkpoint_on_signal, world_size)
     batch = global_batch(d.batch_size, world_size)
     per_process = batch // max(world_size, 1)
     if d.max_batch_per_gpu and per_process > d.max_batch_per_gpu:

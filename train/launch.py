@@ -33,7 +33,7 @@ from pipelines.errors import EXIT_BAD_INPUT, bad_input
 from pipelines.processes import LimitError, end_with_parent, ensure_open_files, worker_death
 from pipelines.schema import DatasetError
 from pipelines.spec import LoaderError
-from train import dist, loop
+from train import checkpoint, dist, loop
 from train.config import Config, ConfigError, parse_value, per_process_batch
 from train.evaluate import eval_kinds
 from train.log import Log, check_wandb
@@ -184,8 +184,9 @@ def train(cfg: Config, run: Run | None = None) -> Path:
 
     Every rank takes the same way, and makes the same collectives: it joins the process group and opens the
     run (checked before any write); a run finished by an earlier start ends here with one line. Otherwise
-    the parts are built (the views and `model.init` checked before any write), the run's start files are
-    written, the loop trains, and a run that reached `optim.steps` exports its backbone.
+    it pretrains (`pretrain`; not a run an earlier start trained) and, with `run.eval=linear`, runs the
+    linear protocol on the last checkpoint (continuing where an earlier start left it). Both hold
+    `run.checkpoint_on_signal` while they train.
 
     Raises:
         ConfigError, DatasetError, LoaderError, CheckpointError: bad input, before any write.
@@ -200,25 +201,33 @@ def train(cfg: Config, run: Run | None = None) -> Path:
             print(run.finished_line(), flush=True)
         return run.folder
     backend = resolve_backend(cfg, device)
+    held = dist.HeldSignal(cfg.run.checkpoint_on_signal)     # the loops hold it back until a checkpoint
+    try:
+        if (run.trained or pretrain(run, device, backend, held)) and cfg.run.eval == "linear":
+            from train import protocol      # the papers' figure: the linear protocol on the last checkpoint
+
+            dist.barrier()
+            protocol.main("linear", [f"ckpt={run.folder / checkpoint.LATEST}"], held)
+        dist.barrier()
+    finally:
+        held.release()                      # a signal the loops held takes its action now (SLURM: requeue)
+    return run.folder
+
+
+def pretrain(run: Run, device: torch.device, backend: str, held: dist.HeldSignal) -> bool:
+    """Build the parts (the views and `model.init` checked before any write), write the run's start
+    files, train (`loop.train`) and export the backbone of a run that reached `optim.steps`; returns
+    whether it did."""
+    cfg = run.cfg
     parts = build_parts(cfg, device, backend, init=run.resume.state is None)
     log = Log(run.folder, enabled=dist.is_main(), cfg=cfg)
     run.begin(log)
-    held = dist.HeldSignal(cfg.run.checkpoint_on_signal)     # the loop holds it back until a checkpoint
-    try:
-        with training_stream(device, cfg.run.train_stream):
-            trained = loop.train(run, parts, log, backend, held)
-        if trained:
-            run.export(dist.unwrap(parts.online).backbone, log)
-            if cfg.run.eval == "linear":     # the papers' figure: the linear protocol on the last checkpoint
-                from train import protocol
-
-                dist.barrier()
-                parts.loader.close()
-                protocol.main("linear", [f"ckpt={run.folder / 'checkpoint.pt'}"])
-        dist.barrier()
-    finally:
-        held.release()                      # a signal the loop held takes its action now (SLURM: requeue)
-    return run.folder
+    with training_stream(device, cfg.run.train_stream):
+        trained = loop.train(run, parts, log, backend, held)
+    if trained:
+        run.export(dist.unwrap(parts.online).backbone, log)
+    parts.loader.close()
+    return trained
 
 
 @contextlib.contextmanager

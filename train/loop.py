@@ -74,9 +74,8 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
         log.print(note)
     meter, rank_batch = Meter(), per_process_batch(cfg.data.batch_size, world)
     stop = cfg.optim.steps if not cfg.run.stop_after_steps else min(cfg.run.stop_after_steps, cfg.optim.steps)
-    held, signalled, due = held or dist.HeldSignal(""), False, False
-    saved_at = time.monotonic()              # the run's last checkpoint (run.ckpt_every_min), or its start
-    with held.holding():
+    cadence = checkpoint.Cadence(cfg.run.ckpt_every, cfg.run.ckpt_every_min, held)
+    with cadence.held.holding():
         for step in range(start_step, stop):
             s = schedules.at(cfg.optim, step, steps_per_epoch, cfg.data.batch_size)
             wait_start = time.perf_counter()
@@ -95,25 +94,22 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
                 check_finite(parts, cfg.method, done, terms)
                 log.step(done, cfg.optim.steps, terms, s.lr, parts.objective.target_momentum(s),
                          meter.read_and_reset())
-                due = 0 < 60 * cfg.run.ckpt_every_min <= time.monotonic() - saved_at
-                # sync: whether some rank caught the signal, or some rank's clock says a checkpoint is due
-                signalled, due = dist.any_rank(device, held.noted, due)
-                held.agree(signalled)
+                cadence.at_log_step(device)          # sync: the signal and the clocks of every rank
             k = cfg.run.eval_every_epochs * steps_per_epoch
-            if k and done % k == 0 and done < cfg.optim.steps and not signalled:
+            if k and done % k == 0 and done < cfg.optim.steps and not cadence.signalled:
                 began = time.perf_counter()
-                with held.holding(False):            # a long evaluation must not hold the signal back
+                with cadence.held.holding(False):    # a long evaluation must not hold the signal back
                     result = evaluate_backbone(cfg, online.backbone, backend, device)
                 log.eval(done, done / steps_per_epoch, result, random_init, time.perf_counter() - began)
-            if done % cfg.run.ckpt_every == 0 or done == stop or signalled or due:
+            if cadence.due(done, stop):
                 save_checkpoint(done)
-                saved_at, due = time.monotonic(), False
-            if signalled:
+                cadence.saved()
+            if cadence.signalled:
                 break
     log.print(f"data stall: {100 * log.stall_fraction():.1f}% of the step time waited for batches (after warm-up)")
-    if signalled:
+    if cadence.signalled:
         log.close()
-        log.print(f"caught SIG{held.name}: saved the checkpoint of step {done} and stopped; the same command with "
+        log.print(f"caught SIG{cadence.held.name}: saved the checkpoint of step {done} and stopped; the same command with "
                   f"{run.resume_hint()} continues there (a requeued SLURM job does so itself)")
         return False
     if stop < cfg.optim.steps:

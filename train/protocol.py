@@ -59,10 +59,10 @@ from pipelines.schema import NO_LABEL
 from pipelines.spec import DatasetInfo, LoaderSpec
 from pipelines.views import Recipe, ViewGroup
 from train import checkpoint, dist
-from train.config import Config, ConfigError, parse_value, per_process_batch, to_dict
+from train.config import Config, ConfigError, check_held_signal, parse_value, per_process_batch, to_dict
 from train.log import Log, Meter
 from train.resolve import CONFIG_DIR, config_from_dict
-from train.run import check_same_network
+from train.run import LINEAR_EVAL, check_same_network
 from train.setup import (build_online, channels_last, check_dataset, decoder_hints, loader_workers, open_files_needed,
                          resolve_backend, select_device)
 
@@ -369,8 +369,10 @@ class Protocol:
     folder: Path
     weights: dict | None             # the online network's state dict; None: the network at its initialisation
 
-    def run(self, backend: str, device: torch.device) -> dict:
-        """Train and score (resuming from the folder's checkpoint), returning {"top1", "top5", ...}."""
+    def run(self, backend: str, device: torch.device, held: dist.HeldSignal | None = None) -> dict | None:
+        """Train and score (resuming from the folder's checkpoint), returning {"top1", "top5", ...}; saving
+        as pretraining does (`checkpoint.Cadence`: every `ckpt_every` steps, `run.ckpt_every_min`, and at
+        the first log step after any rank caught `held`'s signal, where it returns None instead)."""
         cfg, p, world, rank = self.cfg, self.p, dist.world_size(), dist.rank()
         per_process_batch(p.batch_size, world, "batch_size")          # an uneven split stops here
         info = DatasetInfo.read(cfg.data.root, cfg.data.name, "train")
@@ -439,22 +441,32 @@ class Protocol:
 
         model.train()
         meter, batches = Meter(), _forever(loader)
-        for step in range(start, total):
-            lr = lr_at(p, step, steps_per_epoch) * p.batch_size / 256
-            for g in optimizer.param_groups:
-                g["lr"] = lr * g["lr_scale"]
-            began = time.perf_counter()
-            batch = next(batches)
-            data_s = time.perf_counter() - began
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and cfg.run.amp):
-                loss = train_step(model, trained, optimizer, batch.global_views[0], batch.label)
-            meter.tick(batch_size=spec.batch_size, data_s=data_s)
-            done = step + 1
-            if done % p.log_every == 0 or done == total:
-                log.step(done, total, {"loss": loss.item()}, lr, None, meter.read_and_reset())  # sync: log step
-            if done % p.ckpt_every == 0 or done == total:
-                save(done)
+        cadence = checkpoint.Cadence(p.ckpt_every, cfg.run.ckpt_every_min, held)
+        with cadence.held.holding():
+            for step in range(start, total):
+                lr = lr_at(p, step, steps_per_epoch) * p.batch_size / 256
+                for g in optimizer.param_groups:
+                    g["lr"] = lr * g["lr_scale"]
+                began = time.perf_counter()
+                batch = next(batches)
+                data_s = time.perf_counter() - began
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and cfg.run.amp):
+                    loss = train_step(model, trained, optimizer, batch.global_views[0], batch.label)
+                meter.tick(batch_size=spec.batch_size, data_s=data_s)
+                done = step + 1
+                if done % p.log_every == 0 or done == total:
+                    log.step(done, total, {"loss": loss.item()}, lr, None, meter.read_and_reset())  # sync: log step
+                    cadence.at_log_step(device)  # sync: the signal and the clocks of every rank
+                if cadence.due(done, total):
+                    save(done)
+                    cadence.saved()
+                if cadence.signalled:
+                    break
         loader.close()
+        if cadence.signalled:
+            log.print(f"caught SIG{cadence.held.name}: saved the checkpoint of step {done} in {self.folder} and "
+                      "stopped; the same command continues there (a requeued SLURM job does so itself)")
+            return None
         return self.score(backend, device, model, log)
 
     def score(self, backend: str, device: torch.device, model: nn.Module, log: Log) -> dict:
@@ -478,10 +490,14 @@ def _forever(loader):
         loader.set_epoch(loader.state_dict()["epoch"])
 
 
-def main(kind: Kind, args: list[str]) -> dict:
+def main(kind: Kind, args: list[str], held: dist.HeldSignal | None = None) -> dict | None:
     """`python -m train linear|finetune ckpt=... [preset=] [compare=random_init] [key=value ...]` in this
     process (one rank of a `gpus=N` run or the whole run): the protocol on the checkpoint's backbone (and
     the random-init one), the results file written by rank 0, printed, and returned.
+
+    The steps hold `run.checkpoint_on_signal` (the pretraining config's, or a `run.` word's; `held`: the
+    one pretraining installed, for `run.eval=linear`): caught, the protocol saves the step it reached and
+    returns None, and the signal then takes its action (SLURM: the requeue; the same command continues).
 
     Raises:
         ConfigError, CheckpointError, DatasetError: bad input, one line, before anything is written.
@@ -516,9 +532,10 @@ def main(kind: Kind, args: list[str]) -> dict:
             raise ConfigError(f"dataset {cfg.data.name} has unlabelled train records; fine-tuning needs labels")
         labelled_records(p.labels, train, cfg.data.num_classes, p.seed)   # a class left empty, a bad list: stop now
     name = f"{kind}-{preset}" + (f"-{labels_tag(p.labels)}" if kind == "finetune" else "")
-    results_path = ckpt.parent / (f"{kind}_eval.json" if kind == "linear" else f"finetune_{labels_tag(p.labels)}_eval.json")
-    ensure_open_files(open_files_needed(cfg, dist.local_world_size(), int(os.environ.get("WORLD_SIZE", "1"))),
-                      f"the {kind} evaluation")
+    results_path = ckpt.parent / (LINEAR_EVAL if kind == "linear" else f"finetune_{labels_tag(p.labels)}_eval.json")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_held_signal(cfg.run.checkpoint_on_signal, world)
+    ensure_open_files(open_files_needed(cfg, dist.local_world_size(), world), f"the {kind} evaluation")
     device = select_device(cfg.run.device, cfg.run.dist_timeout_min)
     backend = resolve_backend(cfg, device)
     runs = {"checkpoint": Protocol(kind, preset, p, cfg, ckpt.parent / name, state["online"])}
@@ -526,15 +543,25 @@ def main(kind: Kind, args: list[str]) -> dict:
         runs["random_init"] = Protocol(kind, preset, p, cfg, ckpt.parent / f"{name}-random_init", None)
     began = time.perf_counter()
     results = {}
-    for label, protocol in runs.items():
-        done = protocol.folder / "result.json"
-        if done.is_file():
-            results[label] = json.loads(done.read_text())
-            continue
-        results[label] = protocol.run(backend, device)
-        if dist.is_main():
-            done.write_text(json.dumps(results[label], indent=1) + "\n")
-        dist.barrier()
+    installs = held is None                     # standalone: this call holds the signal and lets it go
+    held = held or dist.HeldSignal(cfg.run.checkpoint_on_signal)
+    try:
+        for label, protocol in runs.items():
+            done = protocol.folder / "result.json"
+            if done.is_file():
+                results[label] = json.loads(done.read_text())
+                continue
+            result = protocol.run(backend, device, held)
+            if result is None:                  # the held signal stopped it at a checkpoint,
+                dist.barrier()                  # which rank 0 has written before any rank lets the signal act
+                return None
+            results[label] = result
+            if dist.is_main():
+                done.write_text(json.dumps(result, indent=1) + "\n")
+            dist.barrier()
+    finally:
+        if installs:
+            held.release()                      # a signal held takes its action now (SLURM: requeue)
     out = {"kind": kind, "preset": preset, "source": p.source, "epochs": p.epochs,
            "batch_size": results["checkpoint"].get("batch_size", p.batch_size),
            "labels": p.labels or None, "checkpoint": str(ckpt), "checkpoint_step": int(state.get("step", 0)),

@@ -30,6 +30,7 @@ from train.config import Config, ConfigError, dump_yaml, to_dict
 from train.log import Log
 
 FINISHED = "backbone.safetensors"       # written last, by rank 0: the run reached optim.steps
+LINEAR_EVAL = "linear_eval.json"        # `run.eval=linear`'s result (train.protocol), written after the export
 
 # The parts of a saved config that fix the network's layout: a checkpoint only loads into a network
 # built with the same values (views.global_px decides the small-image stem).
@@ -158,10 +159,15 @@ class Run:
         return cls(cfg, folder, resume_state(cfg, folder))
 
     @property
-    def finished(self) -> bool:
-        """Whether an earlier start reached `optim.steps` and exported its results (a requeued job, the
-        same command twice): nothing is left to do."""
+    def trained(self) -> bool:
+        """Whether an earlier start reached `optim.steps` and exported the backbone."""
         return self.resume.step >= self.cfg.optim.steps and (self.folder / FINISHED).is_file()
+
+    @property
+    def finished(self) -> bool:
+        """Whether an earlier start did all this run asks (a requeued job, the same command twice): trained
+        and, with `run.eval=linear`, the linear evaluation's result written. Nothing is left to do."""
+        return self.trained and (self.cfg.run.eval != "linear" or (self.folder / LINEAR_EVAL).is_file())
 
     def finished_line(self) -> str:
         """The one line a finished run prints when started again."""

@@ -1,7 +1,8 @@
 """The papers' protocols (`train/protocol.py`): linear evaluation leaves the backbone as it was to the
 bit and separates what is separable; fine-tuning trains the whole network on a class-balanced, seeded
 share of the labels or on the images a file lists by name; two gloo ranks take the one-process steps; a killed evaluation resumes to the
-uninterrupted result; bad input is one line and writes nothing."""
+uninterrupted result, and one warned by SLURM's signal saves the step it reached first (standalone and
+after pretraining, `run.eval=linear`); bad input is one line and writes nothing."""
 
 from __future__ import annotations
 
@@ -190,6 +191,75 @@ def test_a_killed_evaluation_resumes_to_the_uninterrupted_result(tiny_args, tmp_
     assert all(torch.equal(v, reference[k]) for k, v in checkpoint.load(folder / "checkpoint.pt")["model"].items())
     third = run_cli(*words)                                                # finished: printed again, nothing trained
     assert third.returncode == 0 and "step " not in third.stdout and "top-1" in third.stdout
+
+
+def signal_during_step(step: int, monkeypatch) -> None:
+    """SIGUSR2 to this process during the protocol's step `step` (1-based), as SLURM warns a job."""
+    real, calls = protocol.train_step, [0]
+
+    def step_then_signal(*args):
+        calls[0] += 1
+        if calls[0] == step:
+            os.kill(os.getpid(), signal.SIGUSR2)
+        return real(*args)
+
+    monkeypatch.setattr(protocol, "train_step", step_then_signal)
+
+
+@pytest.fixture
+def former_handler():
+    """A recorder in the place of submitit's USR2 handler (which requeues the job and exits): the
+    calls' arguments, put back afterwards."""
+    calls: list[str] = []
+    previous = signal.signal(signal.SIGUSR2, lambda *_: calls.append("requeue"))
+    yield calls
+    signal.signal(signal.SIGUSR2, previous)
+
+
+def test_a_held_signal_stops_the_evaluation_at_the_next_log_step_s_checkpoint(tiny_args, tmp_path, monkeypatch,
+                                                                              former_handler, capsys) -> None:
+    """`run.checkpoint_on_signal=USR2` (what launcher=slurm sets) caught during step 4 of 24: the steps go
+    on to the next log step (6), save it and stop without a result; then the former handler runs, once;
+    the same command continues at step 7 and ends with the uninterrupted evaluation's result."""
+    ckpt = pretrained(tiny_args, tmp_path)
+    other = checkpoint.save(tmp_path / "other" / "checkpoint.pt", checkpoint.load(ckpt))
+    words = ["preset=small", "epochs=6", "batch_size=16", "ckpt_every=100", "log_every=3", "run.device=cpu",
+             "run.checkpoint_on_signal=USR2"]
+    expected = protocol.main("linear", [f"ckpt={other}", *words])
+    signal_during_step(4, monkeypatch)
+    assert protocol.main("linear", [f"ckpt={ckpt}", *words]) is None and former_handler == ["requeue"]
+    folder = ckpt.parent / "linear-small"
+    assert checkpoint.load(folder / "checkpoint.pt")["step"] == 6 and not (ckpt.parent / "linear_eval.json").exists()
+    assert f"caught SIGUSR2: saved the checkpoint of step 6 in {folder} and stopped" in capsys.readouterr().out
+    monkeypatch.undo()
+    got = protocol.main("linear", [f"ckpt={ckpt}", *words])
+    assert f"resuming {folder} from step 6" in capsys.readouterr().out
+    assert (got["top1"], got["top5"]) == (expected["top1"], expected["top5"]) and former_handler == ["requeue"]
+
+
+def test_a_run_warned_in_its_linear_evaluation_continues_there_when_requeued(tiny_args, tmp_path, monkeypatch,
+                                                                             former_handler, capsys) -> None:
+    """`run.eval=linear` under SLURM (`run.resume=auto`, USR2): the warning during the linear protocol that
+    follows pretraining saves the protocol's step and requeues; the requeued job's start finds the run
+    trained but not evaluated, so it goes straight to the protocol's checkpoint (no pretraining step again)
+    and writes the uninterrupted run's result; a third start has nothing to do."""
+    from train.launch import train
+
+    words = ["run.eval=linear", "run.resume=auto", "run.checkpoint_on_signal=USR2"]
+    whole = json.loads((train(load_config(tiny_args("simclr", tmp_path / "a", *words))) / "linear_eval.json").read_text())
+    cfg = load_config(tiny_args("simclr", tmp_path / "b", *words))
+    signal_during_step(2, monkeypatch)
+    run_dir = train(cfg)
+    assert former_handler == ["requeue"] and not (run_dir / "linear_eval.json").exists()
+    assert "caught SIGUSR2: saved the checkpoint of step 10" in capsys.readouterr().out     # its one log step
+    monkeypatch.undo()
+    train(cfg)
+    out = capsys.readouterr().out
+    assert "training simclr" not in out and f"resuming {run_dir / 'linear-small'} from step 10" in out
+    got = json.loads((run_dir / "linear_eval.json").read_text())
+    assert (got["top1"], got["top5"]) == (whole["top1"], whole["top5"])
+    train(cfg)
+    assert "nothing to do" in capsys.readouterr().out and former_handler == ["requeue"]
 
 
 def test_a_dataset_written_from_an_image_folder_names_each_record_by_its_source_file(colours) -> None:

@@ -226,7 +226,7 @@ def test_a_held_signal_stops_at_the_next_log_step_s_checkpoint_and_the_same_comm
 @pytest.mark.slow
 def test_a_checkpoint_is_due_by_the_clock_at_the_first_log_step_after_ckpt_every_min(uninterrupted, tiny_args, tmp_path,
                                                                                  monkeypatch) -> None:
-    """`run.ckpt_every_min=5` with steps of a minute (the loop's clock advanced by each step) and a line
+    """`run.ckpt_every_min=5` with steps of a minute (the cadence's clock advanced by each step) and a line
     every 2 steps: a checkpoint at step 6, the first log step 5 minutes after the start, then none until
     the last step (10, 4 minutes after step 6), however far `run.ckpt_every`; the saves change nothing
     of the training."""
@@ -242,7 +242,7 @@ def test_a_checkpoint_is_due_by_the_clock_at_the_first_log_step_after_ckpt_every
         now[0] += 60.0
         return real(parts, batch, s)
 
-    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=time.perf_counter, monotonic=lambda: now[0]))
+    monkeypatch.setattr(checkpoint, "time", SimpleNamespace(monotonic=lambda: now[0]))   # the cadence's clock
     monkeypatch.setattr(loop, "train_step", a_minute_a_step)
     run = train(load_config([*tiny_args("byol", tmp_path), "optim.steps=10", "run.ckpt_every=1000",
                              "run.log_every=2", "run.ckpt_every_min=5", "run.keep_last=5"]))
