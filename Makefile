@@ -101,11 +101,11 @@ saliency-check: install  ## after make saliency: relicv2 with p_m 0, 0.1 on the 
 eval: install  ## kNN + linear probe of CKPT's backbone against random init
 	$(PY) -m train eval ckpt=$(CKPT) $(ARGS)
 
-linear: install  ## the papers' linear evaluation of CKPT (top-1/top-5; ARGS: preset=, compare=random_init, epochs=, ...)
-	$(PY) -m train gpus=$(GPUS) linear ckpt=$(CKPT) $(ARGS)
+linear: install  ## the papers' linear evaluation of CKPT (top-1/top-5; GPUS, NODES, LAUNCHER=slurm; ARGS: preset=, compare=random_init, epochs=, ...)
+	$(PY) -m train gpus=$(GPUS) nodes=$(NODES) $(if $(RDZV),rdzv=$(RDZV)) launcher=$(LAUNCHER) linear ckpt=$(CKPT) $(ARGS)
 
 finetune: install  ## semi-supervised fine-tuning of CKPT on LABELS (1%, 10%, or a file listing the labelled images) (ARGS: preset=, ...)
-	$(PY) -m train gpus=$(GPUS) finetune ckpt=$(CKPT) labels=$(LABELS) $(ARGS)
+	$(PY) -m train gpus=$(GPUS) nodes=$(NODES) $(if $(RDZV),rdzv=$(RDZV)) launcher=$(LAUNCHER) finetune ckpt=$(CKPT) labels=$(LABELS) $(ARGS)
 
 compare: install  ## METHOD beside the baseline its paper compares it with, all else equal, over seeds (ARGS: seeds=, steps=, against=, key=value)
 	$(PY) -m bench.compare method=$(METHOD) data=$(DATASET) $(if $(PRESET),preset=$(PRESET)) data.root=$(OUT) $(ARGS)

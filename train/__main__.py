@@ -7,9 +7,10 @@ random-init one (kNN and the probe where the data has labels, the health metrics
 `--standalone`), after the checks below passed here, once; `torchrun ... -m train ...` still works.
 `nodes=M rdzv=HOST:PORT`, the same command on each of M machines, starts `gpus` processes on each and
 joins them over torchrun's c10d rendezvous at HOST:PORT; `launcher=slurm` submits the run as a SLURM
-job instead (`train/slurm.py`). Launcher words: `train.launch.ClusterConfig`. This module only reads the
-words and dispatches: to `train.evaluate.evaluate_checkpoint`, `train.slurm.submit_run` or
-`train.launch.start` (the launch, a rank's life).
+job instead (`train/slurm.py`). Launcher words: `train.launch.ClusterConfig`; the protocols
+(`linear`, `finetune`) take them too, `eval` none. This module only reads the words and dispatches: to
+`train.evaluate.evaluate_checkpoint`, `train.protocol.main` (or `train.slurm.submit_protocol`),
+`train.slurm.submit_run` or `train.launch.start` (the launch, a rank's life).
 
 Bad input ends in one line `error: ...` on stderr and exit status 2, before any file is written and
 without a launcher traceback: the config (method, dataset, preset, key, value), the dataset's
@@ -74,12 +75,17 @@ def usage(prog: str = "python -m train") -> str:
 
 
 def dispatch(argv: list[str]) -> int:
-    """The command of `argv` after the launcher words: eval, a SLURM job, or a run on this machine."""
-    from train.launch import start, take_cluster, take_processes
+    """The command of `argv` after the launcher words: eval, a protocol, a SLURM job, or a run on this
+    machine."""
+    from train.config import ConfigError
+    from train.launch import ClusterConfig, start, take_cluster, take_processes
 
     processes, argv = take_processes(argv)
     cluster, argv = take_cluster(argv)
     if argv[:1] == ["eval"]:
+        if processes > 1 or cluster != ClusterConfig():
+            raise ConfigError("eval runs in this one process: drop gpus=, nodes= and launcher= (linear and finetune "
+                              "take them)")
         from train.evaluate import evaluate_checkpoint
 
         evaluate_checkpoint(argv[1:])
@@ -90,6 +96,10 @@ def dispatch(argv: list[str]) -> int:
         from train import protocol
         from train.launch import elastic
 
+        if cluster.launcher == "slurm":
+            from train.slurm import submit_protocol
+
+            return submit_protocol(argv[0], argv[1:], processes, cluster)
         if processes > 1 and "LOCAL_RANK" not in os.environ:     # the launching process: start the ranks
             return elastic(processes, argv, cluster)
         protocol.main(argv[0], argv[1:])

@@ -490,17 +490,31 @@ def _forever(loader):
         loader.set_epoch(loader.state_dict()["epoch"])
 
 
-def main(kind: Kind, args: list[str], held: dist.HeldSignal | None = None) -> dict | None:
-    """`python -m train linear|finetune ckpt=... [preset=] [compare=random_init] [key=value ...]` in this
-    process (one rank of a `gpus=N` run or the whole run): the protocol on the checkpoint's backbone (and
-    the random-init one), the results file written by rank 0, printed, and returned.
+@dataclass(frozen=True)
+class Plan:
+    """A protocol command, read and checked: what `main` runs and `train.slurm` submits."""
 
-    The steps hold `run.checkpoint_on_signal` (the pretraining config's, or a `run.` word's; `held`: the
-    one pretraining installed, for `run.eval=linear`): caught, the protocol saves the step it reached and
-    returns None, and the signal then takes its action (SLURM: the requeue; the same command continues).
+    kind: Kind
+    preset: str
+    p: ProtocolConfig
+    ckpt: Path                      # the pretraining checkpoint
+    step: int                       # its step
+    cfg: Config                     # its config, with the command's dotted words
+    runs: dict[str, Protocol]       # "checkpoint" and, with compare=random_init, "random_init"
+    results: Path                   # the results file, beside the checkpoint
+
+    @property
+    def done(self) -> bool:
+        """Whether every run of the command has its result (an earlier start finished it)."""
+        return all((r.folder / "result.json").is_file() for r in self.runs.values())
+
+
+def prepare(kind: Kind, args: list[str], world: int) -> Plan:
+    """Read and check `linear|finetune ckpt=... [preset=] [compare=random_init] [key=value ...]` for a run
+    of `world` processes; nothing is written.
 
     Raises:
-        ConfigError, CheckpointError, DatasetError: bad input, one line, before anything is written.
+        ConfigError, CheckpointError, DatasetError: bad input, one line.
     """
     words = [a.split("=", 1) if "=" in a else (a, "") for a in args]
     for word, value in words:
@@ -517,36 +531,53 @@ def main(kind: Kind, args: list[str], held: dist.HeldSignal | None = None) -> di
     state = checkpoint.load_training(ckpt)
     cfg = config_from_dict(state["config"], overrides=overrides)
     check_same_network(cfg, state["config"], str(ckpt), f"{kind} evaluation rebuilds that network: drop the override")
+    check_held_signal(cfg.run.checkpoint_on_signal, world)
     check_dataset(cfg)
     if cfg.data.num_classes <= 0:
         raise ConfigError(f"dataset {cfg.data.name} has no labels, so there is nothing to classify; {kind} evaluation "
                           "needs a labelled dataset (train/<class>/ folders)")
     train = DatasetInfo.read(cfg.data.root, cfg.data.name, "train")
-    train_records = train.count
     base = getattr(cfg.objective, "base", None)              # an objective on a base method (UOTA on MoCo-v2*)
     preset, p = load_protocol(kind, picks.get("preset", "auto"), f"{cfg.method}:{base}" if base else cfg.method,
-                              train_records, own)
+                              train.count, own)
+    per_process_batch(p.batch_size, world, "batch_size")      # an uneven split
     if kind == "finetune":
         labels = train.labels()
         if (labels == NO_LABEL).any():
             raise ConfigError(f"dataset {cfg.data.name} has unlabelled train records; fine-tuning needs labels")
-        labelled_records(p.labels, train, cfg.data.num_classes, p.seed)   # a class left empty, a bad list: stop now
+        labelled_records(p.labels, train, cfg.data.num_classes, p.seed)   # a class left empty, a bad list
     name = f"{kind}-{preset}" + (f"-{labels_tag(p.labels)}" if kind == "finetune" else "")
-    results_path = ckpt.parent / (LINEAR_EVAL if kind == "linear" else f"finetune_{labels_tag(p.labels)}_eval.json")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_held_signal(cfg.run.checkpoint_on_signal, world)
-    ensure_open_files(open_files_needed(cfg, dist.local_world_size(), world), f"the {kind} evaluation")
-    device = select_device(cfg.run.device, cfg.run.dist_timeout_min)
-    backend = resolve_backend(cfg, device)
     runs = {"checkpoint": Protocol(kind, preset, p, cfg, ckpt.parent / name, state["online"])}
     if "compare" in picks:
         runs["random_init"] = Protocol(kind, preset, p, cfg, ckpt.parent / f"{name}-random_init", None)
+    results = ckpt.parent / (LINEAR_EVAL if kind == "linear" else f"finetune_{labels_tag(p.labels)}_eval.json")
+    return Plan(kind, preset, p, ckpt, int(state.get("step", 0)), cfg, runs, results)
+
+
+def main(kind: Kind, args: list[str], held: dist.HeldSignal | None = None) -> dict | None:
+    """`python -m train linear|finetune ckpt=... [preset=] [compare=random_init] [key=value ...]` in this
+    process (one rank of a `gpus=N` run or the whole run, a SLURM task): the protocol on the checkpoint's
+    backbone (and the random-init one), the results file written by rank 0, printed, and returned.
+
+    The steps hold `run.checkpoint_on_signal` (the pretraining config's, or a `run.` word's; `held`: the
+    one pretraining installed, for `run.eval=linear`): caught, the protocol saves the step it reached and
+    returns None, and the signal then takes its action (SLURM: the requeue; the same command continues).
+
+    Raises:
+        ConfigError, CheckpointError, DatasetError: bad input, one line, before anything is written.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    plan = prepare(kind, args, world)
+    cfg, p = plan.cfg, plan.p
+    ensure_open_files(open_files_needed(cfg, dist.local_world_size(), world), f"the {kind} evaluation")
+    device = select_device(cfg.run.device, cfg.run.dist_timeout_min)
+    backend = resolve_backend(cfg, device)
     began = time.perf_counter()
     results = {}
     installs = held is None                     # standalone: this call holds the signal and lets it go
     held = held or dist.HeldSignal(cfg.run.checkpoint_on_signal)
     try:
-        for label, protocol in runs.items():
+        for label, protocol in plan.runs.items():
             done = protocol.folder / "result.json"
             if done.is_file():
                 results[label] = json.loads(done.read_text())
@@ -562,20 +593,20 @@ def main(kind: Kind, args: list[str], held: dist.HeldSignal | None = None) -> di
     finally:
         if installs:
             held.release()                      # a signal held takes its action now (SLURM: requeue)
-    out = {"kind": kind, "preset": preset, "source": p.source, "epochs": p.epochs,
+    out = {"kind": kind, "preset": plan.preset, "source": p.source, "epochs": p.epochs,
            "batch_size": results["checkpoint"].get("batch_size", p.batch_size),
-           "labels": p.labels or None, "checkpoint": str(ckpt), "checkpoint_step": int(state.get("step", 0)),
+           "labels": p.labels or None, "checkpoint": str(plan.ckpt), "checkpoint_step": plan.step,
            "top1": results["checkpoint"]["top1"], "top5": results["checkpoint"]["top5"],
            "val_samples": results["checkpoint"]["val_samples"], "protocol": to_dict(p),
            "seconds": round(time.perf_counter() - began, 1)}
     if "random_init" in results:
         out["random_init"] = {k: results["random_init"][k] for k in ("top1", "top5")}
     if dist.is_main():
-        tmp = results_path.with_name(f".{results_path.name}.tmp")
+        tmp = plan.results.with_name(f".{plan.results.name}.tmp")
         tmp.write_text(json.dumps(out, indent=1) + "\n")
-        os.replace(tmp, results_path)
+        os.replace(tmp, plan.results)
         ref = out.get("random_init")
-        print(f"{kind} evaluation ({preset}) of {ckpt}: top-1 {out['top1']:.1%}, top-5 {out['top5']:.1%}"
+        print(f"{kind} evaluation ({plan.preset}) of {plan.ckpt}: top-1 {out['top1']:.1%}, top-5 {out['top5']:.1%}"
               + (f" (random init {ref['top1']:.1%} / {ref['top5']:.1%}: {100 * (out['top1'] - ref['top1']):+.1f} "
-                 "points)" if ref else "") + f"; {results_path}", flush=True)
+                 "points)" if ref else "") + f"; {plan.results}", flush=True)
     return out

@@ -10,6 +10,10 @@ then let submitit's handler run: on rank 0 it calls `Training.checkpoint` and re
 (`scontrol requeue`, the same job id); the requeued job's tasks continue from that checkpoint, so no
 step is done twice. A job that reaches the time limit is requeued up to `MAX_TIMEOUT_REQUEUES` times; a
 preempted one always.
+
+The papers' protocols go the same way (`python -m train launcher=slurm gpus=G linear|finetune ckpt=...`,
+`submit_protocol`): each task is one rank of the protocol, whose steps hold the same signal and save the
+step they reached (`train.protocol`); the requeued job continues from the protocol's checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import dataclasses
 import io
 import os
 import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from train.config import Config, ConfigError
@@ -91,9 +96,17 @@ class Training:
         job = submitit.JobEnvironment()
         clear_stale_result(job)
         os.environ.update(dist_env(job))
-        status = exit_status(lambda: start(self.words))
+        status = exit_status(self._body)
         if status:
             raise RuntimeError(f"training ended with exit status {status}; its error is above in this task's log")
+
+    def _body(self) -> int:
+        if self.words[:1] in (["linear"], ["finetune"]):     # a protocol's rank (`submit_protocol`)
+            from train import protocol
+
+            protocol.main(self.words[0], self.words[1:])
+            return 0
+        return start(self.words)
 
     def checkpoint(self) -> submitit.helpers.DelayedSubmission:
         """What submitit requeues on preemption or time-out (rank 0): the same training, which continues
@@ -117,18 +130,40 @@ def submit_run(words: list[str], gpus: int, cluster: ClusterConfig) -> int:
     if run.finished:                                # nothing for a job to do
         print(run.finished_line(), flush=True)
         return 0
-    return submit(cfg, words, gpus, cluster)
+    return submit(words, gpus, cluster, cfg.run.name, folder_of(cfg), "run folder")
 
 
-def submit(cfg: Config, words: list[str], gpus: int, cluster: ClusterConfig) -> int:
+def submit_protocol(kind: str, args: list[str], gpus: int, cluster: ClusterConfig) -> int:
+    """`python -m train launcher=slurm ... linear|finetune ckpt=... [key=value ...]`: the protocol checked
+    for `cluster.nodes` x `gpus` processes (`protocol.prepare`) and submitted, its tasks holding SLURM's
+    warning (`run.checkpoint_on_signal=USR2`); not one an earlier start finished (the line that says so).
+
+    Raises:
+        ConfigError, DatasetError, CheckpointError: see `protocol.prepare` and `submit`.
+    """
+    from train import protocol
+
+    words = [kind, *args, f"run.checkpoint_on_signal={SIGNAL}"]
+    plan = protocol.prepare(kind, words[1:], gpus * cluster.nodes)
+    if plan.done:
+        print(f"{kind} evaluation ({plan.preset}) of {plan.ckpt} finished: {plan.results}; nothing to submit",
+              flush=True)
+        return 0
+    folder = plan.runs["checkpoint"].folder
+    return submit(words, gpus, cluster, f"{folder.name}-{plan.ckpt.parent.name}", folder, "protocol folder")
+
+
+def submit(words: list[str], gpus: int, cluster: ClusterConfig, name: str, run_dir: Path, what: str) -> int:
     """Submit `Training(words)` as one SLURM job of `cluster.nodes` x `gpus` tasks, one GPU each; print
-    the job id and where its logs go (`<run folder>/slurm/<job id>_<task>_log.out`).
+    the job id and where its logs go (`<run_dir>/slurm/<job id>_<task>_log.out`).
 
     Args:
-        cfg: the resolved config of `words` (after `requeueable`), already checked (`preflight`).
-        words: the CLI words every task runs, without the launcher words.
+        words: the CLI words every task runs, without the launcher words, already checked.
         gpus: GPUs (tasks) per node.
         cluster: nodes and the SLURM options.
+        name: the job's name.
+        run_dir: the folder the tasks write (a run's, a protocol's), where `slurm/` goes.
+        what: what `run_dir` is, for the line printed.
 
     Returns:
         0 once SLURM accepted the job.
@@ -143,14 +178,13 @@ def submit(cfg: Config, words: list[str], gpus: int, cluster: ClusterConfig) -> 
     if not (shutil.which("sbatch") and shutil.which("srun")):
         raise ConfigError("launcher=slurm: no sbatch/srun here; submit from a SLURM login node, or start "
                           "torchrun on each node (docs/scale.md, Clusters)")
-    run_dir = folder_of(cfg)
     folder = (run_dir / "slurm").absolute()
     created = next((d for d in (*reversed(folder.parents), folder) if not d.exists()), None)   # removed if refused
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=MAX_TIMEOUT_REQUEUES)
     optional = {"slurm_partition": cluster.partition, "slurm_account": cluster.account, "slurm_qos": cluster.qos,
                 "slurm_constraint": cluster.constraint, "mem_gb": cluster.mem_gb}
     executor.update_parameters(
-        name=cfg.run.name, nodes=cluster.nodes, tasks_per_node=gpus, gpus_per_node=gpus,
+        name=name, nodes=cluster.nodes, tasks_per_node=gpus, gpus_per_node=gpus,
         cpus_per_task=cluster.cpus_per_task, timeout_min=cluster.time_min, slurm_signal_delay_s=SIGNAL_DELAY_S,
         slurm_additional_parameters={"requeue": True}, **{k: v for k, v in optional.items() if v})
     try:
@@ -161,6 +195,6 @@ def submit(cfg: Config, words: list[str], gpus: int, cluster: ClusterConfig) -> 
             shutil.rmtree(created, ignore_errors=True)
         detail = " ".join(str(e).split())
         raise ConfigError(f"sbatch refused the job: {detail}; check partition=, account=, qos=, time_min=") from None
-    print(f"submitted SLURM job {job.job_id}: {cluster.nodes} node(s) x {gpus} GPU(s), run folder {run_dir} "
+    print(f"submitted SLURM job {job.job_id}: {cluster.nodes} node(s) x {gpus} GPU(s), {what} {run_dir} "
           f"(resumed from its newest checkpoint when requeued), logs {folder}/{job.job_id}_<task>_log.out")
     return 0

@@ -1,11 +1,12 @@
 """Many machines: 2 "nodes" x 1 process over torchrun's c10d rendezvous on 127.0.0.1 equal one node of 2
 processes; the SLURM launcher writes the job it says (a stand-in `sbatch` records it), its tasks map
 SLURM's variables to torch.distributed's, and the job, preempted and requeued, ends where the 2-process
-run ends; `nodes=` without a rendezvous address and a SLURM launch that cannot work are one line each.
+run ends, as a linear protocol's job ends with the result of one never stopped; `nodes=` without a rendezvous address and a SLURM launch that cannot work are one line each.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -21,6 +22,7 @@ import torch
 from tests.train.test_train_cli import fails_in_one_line
 from tests.train.two_ranks import ROOT, STEPS, WORDS, assert_same_training, env_here, losses
 from train.__main__ import main
+from train.config import to_dict
 
 
 def free_port(low: int = 1024, high: int = 65536) -> int:
@@ -61,6 +63,9 @@ def test_nodes_without_a_rendezvous_or_an_unused_launcher_word_is_one_line(tiny_
     fails_in_one_line(capsys, ["partition=gpu", *tiny_args("byol", out)], "partition= is an option of the SLURM",
                       "LAUNCHER=slurm")
     fails_in_one_line(capsys, ["rdzv=node01:29500", *tiny_args("byol", out)], "NODES=<n> > 1", "or drop it")
+    fails_in_one_line(capsys, ["gpus=2", "eval", f"ckpt={out}/run/checkpoint.pt"], "eval runs in this one process",
+                      "drop gpus=")
+    fails_in_one_line(capsys, ["launcher=slurm", "linear", f"ckpt={out}/run/checkpoint.pt"], "not found")
     assert not out.exists()
 
 
@@ -172,12 +177,12 @@ def test_a_slurm_launch_that_cannot_work_is_one_line_and_writes_nothing(tiny_arg
     assert not out.exists()
 
 
-def start_task(folder: Path, job_id: int, rank: int, log: Path) -> subprocess.Popen:
-    """Task `rank` of a 2-node x 1-task job, started as the job's srun line starts it (in a session of
-    its own, so that a signal to its process group reaches it and its loader workers alone)."""
+def start_task(folder: Path, job_id: int, rank: int, log: Path, nodes: int = 2) -> subprocess.Popen:
+    """Task `rank` of a `nodes`-node x 1-task job, started as the job's srun line starts it (in a session
+    of its own, so that a signal to its process group reaches it and its loader workers alone)."""
     slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": str(job_id), "SLURM_PROCID": str(rank),
-             "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": str(rank),
-             "SLURM_JOB_NODELIST": "localhost"}
+             "SLURM_LOCALID": "0", "SLURM_NTASKS": str(nodes), "SLURM_JOB_NUM_NODES": str(nodes),
+             "SLURM_NODEID": str(rank), "SLURM_JOB_NODELIST": "localhost"}
     with log.open("a") as f:
         return subprocess.Popen([sys.executable, "-u", "-m", "submitit.core._submit", str(folder)], cwd=ROOT,
                                 env=env_here(**slurm), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -218,3 +223,68 @@ def test_a_preempted_slurm_job_checkpoints_where_it_is_is_requeued_and_ends_as_t
     assert [t.wait(timeout=300) for t in tasks] == [0, 0], log.read_text()
     assert f"resuming from {run / 'checkpoint.pt'}" in log.read_text()
     assert_same_training(run, two_processes)
+
+
+@pytest.mark.slow
+def test_a_protocol_submitted_to_slurm_saves_where_it_is_warned_and_the_requeued_job_ends_it(tiny_args, tmp_path,
+                                                                                            monkeypatch) -> None:
+    """`launcher=slurm gpus=1 linear ckpt=...`: one job whose task runs the linear protocol with SLURM's
+    warning held. The warning mid-protocol saves the step the protocol reached, and the task requeues
+    the job (scontrol requeue <id>); the requeued task continues at that step and writes the result of
+    the protocol run without a stop."""
+    from submitit.core.utils import DelayedSubmission
+
+    from train import checkpoint
+    from train.resolve import load_config
+    from train.setup import build_online
+    from train.slurm import Training
+
+    cfg = load_config(tiny_args("byol", tmp_path / "runs"))
+    online = build_online(cfg, torch.device("cpu"))
+    ckpt = checkpoint.save(tmp_path / "runs" / "run" / "checkpoint.pt",
+                           {"config": to_dict(cfg), "online": online.state_dict(), "step": 3})
+    reference = checkpoint.save(tmp_path / "reference" / "checkpoint.pt", checkpoint.load(ckpt))
+    words = ["preset=small", "epochs=20", "batch_size=16", "ckpt_every=1000", "log_every=1", "run.device=cpu"]
+    whole = subprocess.run([sys.executable, "-m", "train", "linear", f"ckpt={reference}", *words], cwd=ROOT,
+                           env=env_here(), capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    expected = json.loads((reference.parent / "linear_eval.json").read_text())
+
+    job_id = free_port(20_000, 60_000) - 20_000
+    fake = fake_slurm(tmp_path / "bin", job_id)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    assert main(["launcher=slurm", "gpus=1", "linear", f"ckpt={ckpt}", *words]) == 0
+    folder = ckpt.parent / "linear-small"
+    assert "--job-name=linear-small-run" in (fake / "sbatch.sh").read_text()
+    job = DelayedSubmission.load(folder / "slurm" / f"{job_id}_submitted.pkl")
+    assert isinstance(job.function, Training)
+    assert job.function.words == ["linear", f"ckpt={ckpt}", *words, "run.checkpoint_on_signal=USR2"]
+
+    log = tmp_path / "task.log"
+    task = start_task(folder / "slurm", job_id, 0, log, nodes=1)
+    deadline = time.monotonic() + 240
+    while len(protocol_steps(folder)) < 2 and time.monotonic() < deadline:
+        assert task.poll() is None, log.read_text()
+        time.sleep(0.02)
+    os.killpg(task.pid, signal.SIGSTOP)
+    os.killpg(task.pid, signal.SIGUSR2)             # SLURM's warning, to the task and its loader worker
+    os.killpg(task.pid, signal.SIGCONT)
+    assert task.wait(timeout=120) != 0, log.read_text()
+    assert (fake / "scontrol.log").read_text() == f"requeue {job_id}\n", log.read_text()
+    saved = checkpoint.load(folder / "checkpoint.pt")["step"]
+    assert 2 <= saved == max(protocol_steps(folder)) < 80 and not (ckpt.parent / "linear_eval.json").exists()
+
+    task = start_task(folder / "slurm", job_id, 0, log, nodes=1)       # the requeued job
+    assert task.wait(timeout=300) == 0, log.read_text()
+    assert f"resuming {folder} from step {saved}" in log.read_text()
+    got = json.loads((ckpt.parent / "linear_eval.json").read_text())
+    assert (got["top1"], got["top5"]) == (expected["top1"], expected["top5"])
+
+
+def protocol_steps(folder: Path) -> list[int]:
+    """The steps a protocol's metrics.jsonl logged so far."""
+    if not (folder / "metrics.jsonl").is_file():
+        return []
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    return [r["step"] for r in map(json.loads, lines[:-1] if lines and not lines[-1].endswith("}") else lines)
+            if r.get("kind") == "train"]
