@@ -16,8 +16,14 @@ pixels. What is counted per record or per shard is at full size; only the images
    and evaluates with 1,000 classes. For each start: the time to its first step, the
    random-init evaluation; for each process: its peak open files, RSS and PSS, rank by rank and for each
    loader worker; the ranks' PSS over the steps (memory that grows with the epoch would show).
-4. `backends`: 20 steps on every backend (ffcv, dali, torch, torchvision) on the same 1,282 shards.
-5. `saliency`: `python -m preprocess.saliency` on a slice of the folder (its first 10 classes, 10
+4. `protocols`: the papers' protocols (`python -m train gpus=<ranks> linear|finetune`) on the training
+   stage's checkpoint, the DALI graph on the CPU: the linear evaluation with the method's preset for
+   a share of an epoch, warned by SLURM's signal midway (every rank and its workers; the protocol must
+   hold the checkpoint of the step it reached) and resumed by the same command, then scored on the
+   50,000 val records; fine-tuning on 1 % of the labels drawn per class, and on a file listing 1 % of
+   the train images by name (as SimCLR's `1percent.txt`), each to its end.
+5. `backends`: 20 steps on every backend (ffcv, dali, torch, torchvision) on the same 1,282 shards.
+6. `saliency`: `python -m preprocess.saliency` on a slice of the folder (its first 10 classes, 10
    records a shard: 1,282 shards of the slice's 12,810 train records).
 
 Every command runs under `ulimit -n 1024` (soft and hard, Ubuntu's default and many clusters'), as a
@@ -33,6 +39,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,7 +59,7 @@ from pipelines.processes import descendants, fork_context
 
 IMAGENET = {"classes": 1000, "train": 1_281_167, "val": 50_000}
 IMAGENET_RECORDS = IMAGENET["train"] + IMAGENET["val"]
-STAGES = ("folder", "preprocess", "train", "backends", "saliency")
+STAGES = ("folder", "preprocess", "train", "protocols", "backends", "saliency")
 NOFILE = 1024                   # the open-file limit every command runs under (soft and hard)
 NAME = "imagenet-rehearsal"
 SLICE_CLASSES, SLICE_SHARD = 10, 10
@@ -121,7 +128,8 @@ class Watched:
     lines: list[tuple[float, str]] = field(default_factory=list)
     peaks: dict[int, Peak] = field(default_factory=dict)
     rank_pss: list[tuple[int, float]] = field(default_factory=list)    # (last step logged, sum of the ranks' PSS MiB)
-    step: int = 0
+    step: int = 0                       # the last step logged
+    total: int = 0                      # of how many
 
     def text(self) -> str:
         return "\n".join(line for _, line in self.lines)
@@ -171,8 +179,8 @@ def watch(cmd: list[str], *, stop_when=None, kill=None, timeout_s: float = 7200,
         for line in proc.stdout:
             line = line.rstrip("\n")
             w.lines.append((time.perf_counter() - began, line))
-            if m := re.match(r"step (\d+)/\d+ \|", line):
-                w.step = int(m.group(1))
+            if m := re.match(r"step (\d+)/(\d+) \|", line):
+                w.step, w.total = int(m.group(1)), int(m.group(2))
             print(f"  | {line}", flush=True)
 
     reader = threading.Thread(target=read, daemon=True)
@@ -230,6 +238,13 @@ def ranks_of(proc_pid: int) -> dict[int, int]:
         if local is not None and parent == proc_pid:
             out[int(local)] = pid
     return out
+
+
+def warn_ranks(proc: subprocess.Popen, w: Watched) -> None:
+    """SLURM's warning (SIGUSR2) as SLURM sends it: to every process of every rank (here not the
+    launcher); a rank leads its process group (torch's launcher), its loader workers in it."""
+    for rank in ranks_of(proc.pid).values():
+        os.killpg(rank, signal.SIGUSR2)
 
 
 # ----------------------------------------------------------------------------- stages
@@ -325,14 +340,10 @@ def train_stage(a: argparse.Namespace, root: Path, runs: Path, train_records: in
         if victim is not None:
             os.kill(victim, signal.SIGKILL)
 
-    def warn(proc, w: Watched) -> None:         # as SLURM: every process of every rank (here not the launcher)
-        for rank in ranks_of(proc.pid).values():
-            os.killpg(rank, signal.SIGUSR2)        # a rank leads its process group (torch's launcher)
-
     def kill_group(proc, w: Watched) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
-    for label, at, kill in (("start", kill_rank_at, kill_rank), ("after a rank was killed", plan.warn_at, warn),
+    for label, at, kill in (("start", kill_rank_at, kill_rank), ("after a rank was killed", plan.warn_at, warn_ranks),
                             ("after SLURM's warning", kill_run_at, kill_group),
                             ("after the whole run was killed", None, None)):
         stop = None if at is None else (lambda w, at=at: w.step >= at)
@@ -369,8 +380,62 @@ def train_stage(a: argparse.Namespace, root: Path, runs: Path, train_records: in
             "starts": starts, "final_eval": evals[-1] if evals else None, "command": " ".join(words[1:])}
 
 
+def protocols_stage(a: argparse.Namespace, src: Path, runs: Path, work: Path) -> dict:
+    """Stage 4 (module docstring): three protocol commands on the training stage's checkpoint, each from
+    scratch (what an earlier rehearsal's protocols wrote beside it is removed first)."""
+    run = runs / "rehearsal"
+    ckpt = run / "checkpoint.pt"
+    if not ckpt.is_file():
+        raise RehearsalError(f"stage protocols needs the training stage's checkpoint {ckpt}; run --stages train first")
+    for old in [*run.glob("linear-*"), *run.glob("finetune-*"), *run.glob("*_eval.json")]:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    per_epoch = a.train_n / (a.ranks * a.batch)
+    epochs = round(max(10.0, 0.2 * per_epoch) / per_epoch, 4)              # about 62 steps at full size
+    names = work / "1percent.txt"                                           # 1 % of each class, by file name
+    names.write_text("".join(f"n{c:08d}_{i}.JPEG\n" for c, n in enumerate(class_counts(a.train_n, a.classes))
+                             for i in range(max(1, round(n / 100)))))
+    share = "1%" if min(class_counts(a.train_n, a.classes)) >= 50 else "10%"   # a share leaving a class empty is refused
+    common = [f"ckpt={ckpt}", "data.backend=dali", "run.device=cpu", f"batch_size={a.ranks * a.batch}"]
+    commands = {"linear": ["linear", "preset=auto", f"epochs={epochs}", "log_every=5", *common],
+                f"finetune {share}": ["finetune", f"labels={share}", "epochs=2", "log_every=1", *common],
+                "finetune list": ["finetune", f"labels={names}", "epochs=2", "log_every=1", *common]}
+
+    out = {}
+    for label, words in commands.items():
+        cmd = python("-m", "train", f"gpus={a.ranks}", *words)
+        starts = []
+        for start in ("warned", "resumed") if label == "linear" else ("start",):
+            print(f"protocols: {label}, {start}: {' '.join(cmd[1:])}", flush=True)
+            stop = (lambda w: w.step >= max(5, w.total // 2)) if start == "warned" else None
+            w = watch(cmd, stop_when=stop, kill=warn_ranks)
+            text = w.text()
+            steps = [int(m.group(1)) for m in re.finditer(r"^step (\d+)/\d+ \|", text, re.M)]
+            resumed = re.search(r"resuming \S+ from step (\d+)", text)
+            starts.append({"start": start, "returncode": w.returncode, "seconds": round(w.seconds, 1),
+                           "first_step_s": next((round(t, 1) for t, line in w.lines if line.startswith("step ")), None),
+                           "steps": [min(steps, default=None), max(steps, default=None)],
+                           "resumed_from": int(resumed.group(1)) if resumed else None,
+                           "last_line": next((line for _, line in reversed(w.lines) if line.strip()), ""),
+                           "processes_left": len(descendants(os.getpid())), "processes": by_role(w.peaks)})
+            if start == "warned" and "caught SIGUSR2: saved the checkpoint of step" not in text:
+                raise RehearsalError(f"protocols: the warned {label} did not save the step it reached: "
+                                     f"{starts[-1]['last_line']}")
+            if start != "warned" and w.returncode != 0:
+                raise RehearsalError(f"protocols: {label} ended with exit status {w.returncode}: "
+                                     f"{starts[-1]['last_line']}")
+        if label == "linear" and starts[1]["resumed_from"] != starts[0]["steps"][1]:
+            raise RehearsalError(f"protocols: the warned linear evaluation trained to step {starts[0]['steps'][1]} "
+                                 f"but the next start resumed from {starts[1]['resumed_from']}")
+        written = re.search(r"; (\S+_eval\.json)$", starts[-1]["last_line"])
+        facts = json.loads(Path(written.group(1)).read_text()) if written else {}
+        out[label] = {"command": " ".join(cmd[1:]), "starts": starts,
+                      "result": {k: facts.get(k) for k in ("preset", "epochs", "batch_size", "top1", "top5",
+                                                          "val_samples", "seconds")}}
+    return out
+
+
 def backends_stage(a: argparse.Namespace, root: Path, runs: Path) -> dict:
-    """Stage 4: 20 steps on each backend, one process, on the same shards."""
+    """Stage 5: 20 steps on each backend, one process, on the same shards."""
     out = {}
     for backend in ("ffcv", "dali", "torch", "torchvision"):
         words = train_words(a, root, runs, 20, backend, f"backend-{backend}", 1, "run.max_eval_samples=2000",
@@ -381,7 +446,7 @@ def backends_stage(a: argparse.Namespace, root: Path, runs: Path) -> dict:
 
 
 def saliency_stage(a: argparse.Namespace, src: Path, root: Path, work: Path) -> dict:
-    """Stage 5: the slice written at `SLICE_SHARD` records a shard, then the saliency stage on it."""
+    """Stage 6: the slice written at `SLICE_SHARD` records a shard, then the saliency stage on it."""
     classes = work / "slice-classes.txt"
     classes.write_text("".join(f"n{c:08d}\n" for c in range(min(SLICE_CLASSES, a.classes))))
     name = f"{NAME}-slice"
@@ -490,6 +555,16 @@ def markdown(report: dict) -> str:
                       f"{e.get('eval_val_samples', 0):,.0f} val records): {e.get('eval_s', 0):.0f} s; kNN "
                       f"{e.get('knn_top1', 0):.1%} (random init {e.get('random_init/knn_top1', 0):.1%}), linear "
                       f"{e.get('linear_top1', 0):.1%} (random init {e.get('random_init/linear_top1', 0):.1%})"]
+    for label, r in report.get("protocols", {}).items():
+        res = r["result"]
+        lines += [f"- {label} (`{r['command']}`): preset {res['preset']}, {res['epochs']} epochs at batch "
+                  f"{res['batch_size']}, top-1 {res['top1'] or 0:.1%} / top-5 {res['top5'] or 0:.1%} on "
+                  f"{res['val_samples'] or 0:,.0f} val records"]
+        for s in r["starts"]:
+            lines += [f"  - {s['start']}: exit {s['returncode']} after {s['seconds']:.0f} s, steps {s['steps']}"
+                      + (f" (resumed from step {s['resumed_from']})" if s["resumed_from"] is not None else "")
+                      + f", first step {s['first_step_s']} s after its start; processes left after it: "
+                      f"{s['processes_left']}; last line: {s['last_line'][:160]}", *procs("    - processes", s["processes"])]
     for backend, b in report.get("backends", {}).items():
         lines += [f"- {backend}: 20 steps and an evaluation in {b['seconds']:.0f} s", *procs("  - processes", b["processes"])]
     if "saliency" in report:
@@ -543,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
             report["preprocess"] = {**run_stage("preprocess", w), "dataset": dataset_facts(root)}
         if "train" in stages:
             report["train"] = train_stage(a, root, runs, schema.read_manifest(root / NAME, verify="size").counts["train"])
+        if "protocols" in stages:
+            report["protocols"] = protocols_stage(argparse.Namespace(**vars(a), train_n=train_n), src, runs, work)
         if "backends" in stages:
             report["backends"] = backends_stage(a, root, runs)
         if "saliency" in stages:

@@ -159,21 +159,23 @@ def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterCon
     config = LaunchConfig(min_nodes=cluster.nodes, max_nodes=cluster.nodes, nproc_per_node=processes,
                           run_id=f"viewmill-{cluster.rdzv}" if many else uuid.uuid4().hex, rdzv_backend="c10d",
                           rdzv_endpoint=cluster.rdzv if many else "localhost:0", max_restarts=0)
+    # a protocol (linear, finetune) continues from its folder's checkpoint by itself; a run needs the word
+    again = "the same command" + ("" if argv[:1] in (["linear"], ["finetune"]) else " with run.resume=auto")
     try:
         elastic_launch(config, sys.executable)("-m", "train", *argv)
     except ChildFailedError as e:
         first = min(e.failures.values(), key=lambda f: f.timestamp)
         if first.exitcode < 0:              # a signal: the OOM killer, kill -9, a node's shutdown
             print(f"error: process {first.local_rank} was killed by signal {-first.exitcode} "
-                  f"({signal.strsignal(-first.exitcode)}) and the others stopped; the same command with "
-                  "run.resume=auto continues from the last checkpoint", file=sys.stderr)
+                  f"({signal.strsignal(-first.exitcode)}) and the others stopped; {again} continues from the "
+                  "last checkpoint", file=sys.stderr)
         elif first.exitcode != EXIT_BAD_INPUT:
             print(f"error: process {first.local_rank} failed with exit status {first.exitcode}; "
                   "its output is above", file=sys.stderr)
         return first.exitcode if first.exitcode > 0 else 1
     except SignalException as e:            # this launcher stopped (kill, a scheduler): its ranks with it
         print(f"error: stopped by signal {int(e.sigval)} ({signal.strsignal(e.sigval)}) and so were the processes; "
-              "the same command with run.resume=auto continues from the last checkpoint", file=sys.stderr)
+              f"{again} continues from the last checkpoint", file=sys.stderr)
         return 128 + int(e.sigval)
     return 0
 
