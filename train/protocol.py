@@ -63,8 +63,8 @@ from train.config import Config, ConfigError, check_held_signal, parse_value, pe
 from train.log import Log, Meter
 from train.resolve import CONFIG_DIR, config_from_dict
 from train.run import LINEAR_EVAL, check_same_network
-from train.setup import (build_online, channels_last, check_dataset, decoder_hints, loader_workers, open_files_needed,
-                         resolve_backend, select_device)
+from train.setup import (build_checked_loader, build_online, channels_last, check_dataset, check_processes, decoder_hints,
+                         loader_workers, open_files_needed, resolve_backend, select_device)
 
 Kind = Literal["linear", "finetune"]
 PROTOCOL_DIR = CONFIG_DIR / "protocol"
@@ -392,7 +392,7 @@ class Protocol:
                           rank=rank, world_size=world, seed=p.seed, device=str(device),
                           num_workers=loader_workers(cfg, backend, device), channels_last=channels_last(cfg, device),
                           decoder=decoder_hints(cfg), subset=subset)
-        loader = build_loader(backend, spec)
+        loader = build_checked_loader(backend, spec, f"batch_size={p.batch_size}", "batch_size")
         steps_per_epoch = len(loader)
         total = max(1, round(p.epochs * steps_per_epoch))
 
@@ -552,6 +552,19 @@ def prepare(kind: Kind, args: list[str], world: int) -> Plan:
         runs["random_init"] = Protocol(kind, preset, p, cfg, ckpt.parent / f"{name}-random_init", None)
     results = ckpt.parent / (LINEAR_EVAL if kind == "linear" else f"finetune_{labels_tag(p.labels)}_eval.json")
     return Plan(kind, preset, p, ckpt, int(state.get("step", 0)), cfg, runs, results)
+
+
+def preflight(kind: Kind, args: list[str], processes: int, nodes: int = 1, here: bool = True) -> Plan:
+    """`prepare` in the process that starts the protocol's processes (`gpus=N`) or submits its job: bad
+    input is one line there, before any process starts (`here`: this machine's devices counted too).
+
+    Raises:
+        ConfigError, CheckpointError, DatasetError: see `prepare`; `gpus=N` beyond this machine.
+    """
+    plan = prepare(kind, args, processes * nodes)
+    if here:
+        check_processes(processes, plan.cfg.run.device)
+    return plan
 
 
 def main(kind: Kind, args: list[str], held: dist.HeldSignal | None = None) -> dict | None:

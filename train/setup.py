@@ -108,12 +108,26 @@ def build_train_loader(cfg: Config, recipe: Recipe, backend: str, device: torch.
         seed=cfg.run.seed, device=str(device), num_workers=loader_workers(cfg, backend, device),
         channels_last=channels_last(cfg, device), decoder=decoder_hints(cfg), gpu_blur=cfg.data.gpu_blur,
         graph_dtype=cfg.data.graph_dtype)
-    # Every process on this machine: its training loader and, at times, an evaluation loader of the same
-    # batch (the same encoded files in DALI's chunks; fewer views elsewhere).
+    return build_checked_loader(backend, spec, f"data.batch_size={cfg.data.batch_size}", "data.batch_size")
+
+
+def build_checked_loader(backend: str, spec: LoaderSpec, batch: str, batch_key: str) -> Loader:
+    """`build_loader(backend, spec)` for a training loop (pretraining's, a protocol's) once /dev/shm has
+    room for what the loaders of every process on this machine put there: each process's training loader
+    and, at times, an evaluation loader of the same batch (the same encoded files in DALI's chunks; fewer
+    views elsewhere).
+
+    Args:
+        batch: the batch setting as the user gave it, for the message (`data.batch_size=256`).
+        batch_key: the key that lowers it.
+
+    Raises:
+        LimitError: too little free shared memory, naming the size and `batch_key` / `data.num_workers`.
+    """
     local = dist.local_world_size()
     check_shared_memory(2 * local * shared_memory_bytes(backend, spec),
-                        f"the {backend} loaders of {local} process(es) (data.batch_size={cfg.data.batch_size}, "
-                        f"{spec.num_workers} workers each)", "lower data.batch_size or data.num_workers")
+                        f"the {backend} loaders of {local} process(es) ({batch}, {spec.num_workers} workers each)",
+                        f"lower {batch_key} or data.num_workers")
     return build_loader(backend, spec)
 
 

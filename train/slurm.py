@@ -135,16 +135,16 @@ def submit_run(words: list[str], gpus: int, cluster: ClusterConfig) -> int:
 
 def submit_protocol(kind: str, args: list[str], gpus: int, cluster: ClusterConfig) -> int:
     """`python -m train launcher=slurm ... linear|finetune ckpt=... [key=value ...]`: the protocol checked
-    for `cluster.nodes` x `gpus` processes (`protocol.prepare`) and submitted, its tasks holding SLURM's
+    for `cluster.nodes` x `gpus` processes (`protocol.preflight`) and submitted, its tasks holding SLURM's
     warning (`run.checkpoint_on_signal=USR2`); not one an earlier start finished (the line that says so).
 
     Raises:
-        ConfigError, DatasetError, CheckpointError: see `protocol.prepare` and `submit`.
+        ConfigError, DatasetError, CheckpointError: see `protocol.preflight` and `submit`.
     """
     from train import protocol
 
     words = [kind, *args, f"run.checkpoint_on_signal={SIGNAL}"]
-    plan = protocol.prepare(kind, words[1:], gpus * cluster.nodes)
+    plan = protocol.preflight(kind, words[1:], gpus, cluster.nodes, here=False)
     if plan.done:
         print(f"{kind} evaluation ({plan.preset}) of {plan.ckpt} finished: {plan.results}; nothing to submit",
               flush=True)

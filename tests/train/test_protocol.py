@@ -36,6 +36,18 @@ def pretrained(tiny_args, tmp_path: Path, *extra: str) -> Path:
                            {"config": to_dict(cfg), "online": online.state_dict(), "step": 3})
 
 
+@pytest.fixture
+def built_specs(monkeypatch) -> list:
+    """The `LoaderSpec` of every loader the protocol builds, in order: the train loader (through
+    `train.setup`'s shared-memory check), then the val loader."""
+    from train import setup
+
+    seen, real = [], protocol.build_loader
+    for module in (setup, protocol):
+        monkeypatch.setattr(module, "build_loader", lambda backend, spec: seen.append(spec) or real(backend, spec))
+    return seen
+
+
 @pytest.fixture(scope="module")
 def colours(tmp_path_factory) -> Path:
     """A data root holding `colours/`: 10 classes of 24 x 18 images, each class its own colour and pixel
@@ -124,7 +136,7 @@ def test_the_head_separates_classes_the_features_separate(colours, tmp_path) -> 
     assert result["top1"] >= 0.95 and result["val_samples"] == 80, result
 
 
-def test_fine_tuning_trains_the_whole_network_on_its_labelled_share(tiny_args, tmp_path) -> None:
+def test_fine_tuning_trains_the_whole_network_on_its_labelled_share(tiny_args, tmp_path, built_specs) -> None:
     ckpt = pretrained(tiny_args, tmp_path)
     state = checkpoint.load(ckpt)
     from train.resolve import config_from_dict
@@ -132,13 +144,8 @@ def test_fine_tuning_trains_the_whole_network_on_its_labelled_share(tiny_args, t
     cfg = config_from_dict(state["config"])
     _, p = load_protocol("finetune", "small-finetune", cfg.method, 64, [("labels", "10%"), ("epochs", "2"),
                                                                          ("batch_size", "4")])
-    seen = []
-    real = protocol.build_loader
-    protocol.build_loader = lambda backend, spec: seen.append(spec) or real(backend, spec)
-    try:
-        Protocol("finetune", "small-finetune", p, cfg, tmp_path / "ft", state["online"]).run("torch", torch.device("cpu"))
-    finally:
-        protocol.build_loader = real
+    Protocol("finetune", "small-finetune", p, cfg, tmp_path / "ft", state["online"]).run("torch", torch.device("cpu"))
+    seen = built_specs
     from pipelines.spec import DatasetInfo
 
     labels = torch.from_numpy(DatasetInfo.read(cfg.data.root, cfg.data.name, "train").labels())
@@ -280,7 +287,7 @@ def test_a_dataset_written_from_an_image_folder_names_each_record_by_its_source_
             assert classes[int(reader.labels[i])] == Path(names[i]).parent.name
 
 
-def test_a_list_of_file_names_picks_the_records_it_names_for_fine_tuning(colours, tmp_path) -> None:
+def test_a_list_of_file_names_picks_the_records_it_names_for_fine_tuning(colours, tmp_path, built_specs) -> None:
     """SimCLR's published lists name images by their base name (`n01440764_10026.JPEG`); a path as the
     dataset stored it works too; the fine-tuning loader reads exactly the listed records."""
     from pipelines.spec import DatasetInfo
@@ -307,17 +314,14 @@ def test_a_list_of_file_names_picks_the_records_it_names_for_fine_tuning(colours
                                                                   ("batch_size", "4")])
     assert name == "small-finetune" and protocol.labels_tag(p.labels) == "list-subset"
     assert protocol.share_of(str(listing), 1_281_167) == "1pct" and protocol.share_of(str(listing), 100) == "10pct"
-    seen = []
-    real = protocol.build_loader
-    protocol.build_loader = lambda backend, spec: seen.append(spec) or real(backend, spec)
-    try:
-        Protocol("finetune", name, p, cfg, tmp_path / "ft", None).run("torch", torch.device("cpu"))
-    finally:
-        protocol.build_loader = real
-    assert seen[0].subset == tuple(chosen) and seen[1].subset is None
+    Protocol("finetune", name, p, cfg, tmp_path / "ft", None).run("torch", torch.device("cpu"))
+    assert built_specs[0].subset == tuple(chosen) and built_specs[1].subset is None
 
 
-def test_bad_input_is_one_line_and_writes_nothing(tiny_args, tmp_path, capsys) -> None:
+def test_bad_input_is_one_line_and_writes_nothing(tiny_args, tmp_path, capsys, monkeypatch) -> None:
+    import shutil
+
+    from pipelines import processes
     from train.__main__ import main
 
     ckpt = pretrained(tiny_args, tmp_path)
@@ -340,6 +344,13 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_args, tmp_path, capsys) -
     fails(["finetune", f"ckpt={ckpt}", f"labels={listing}"], "records no file names", "ARGS=--force")
     fails(["linear", f"ckpt={ckpt}", "epoch=3"], "unknown linear key 'epoch'")
     fails(["linear", f"ckpt={ckpt}", "compare=best"], "compare=random_init")
+    fails(["linear", f"ckpt={ckpt}", "run.checkpoint_on_signal=TERM", "gpus=2", "run.device=cpu"],
+          "TERM holds SIGTERM in a run of one process only")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")                 # a small /dev/shm for 4 processes' loaders
+    monkeypatch.setattr(processes.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**30, 2**30, 2**20))
+    fails(["linear", f"ckpt={ckpt}", "preset=small", "batch_size=16", "data.num_workers=2", "run.device=cpu"],
+          "the torch loaders of 4 process(es) (batch_size=16, 2 workers each) need about", "in /dev/shm, which has 1 MiB",
+          "--shm-size=", "lower batch_size or data.num_workers")
     assert sorted(p.name for p in ckpt.parent.iterdir()) == before
 
 
