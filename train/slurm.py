@@ -38,6 +38,10 @@ MAX_TIMEOUT_REQUEUES = 30       # a 3-day time limit then covers 90 days of trai
 SIGNAL = "USR2"                 # SLURM's warning before preemption or the time limit (submitit's)
 SIGNAL_DELAY_S = 120            # how long before the kill: time for a checkpoint and the requeue
 PORTS = (20_000, 60_000)        # MASTER_PORT range; the port is the job id's, the same in every task
+# A task that fails (its error one line in its log) ends the job's other tasks at once, instead of leaving
+# them waiting in a collective for the process group's timeout (`run.dist_timeout_min`, 30 minutes of
+# every GPU of the job) as srun does by default; a requeue ends them all anyway.
+SRUN_ARGS = ("--kill-on-bad-exit=1",)
 
 
 def requeueable(cfg: Config, words: list[str]) -> tuple[Config, list[str]]:
@@ -186,7 +190,8 @@ def submit(words: list[str], gpus: int, cluster: ClusterConfig, name: str, run_d
     executor.update_parameters(
         name=name, nodes=cluster.nodes, tasks_per_node=gpus, gpus_per_node=gpus,
         cpus_per_task=cluster.cpus_per_task, timeout_min=cluster.time_min, slurm_signal_delay_s=SIGNAL_DELAY_S,
-        slurm_additional_parameters={"requeue": True}, **{k: v for k, v in optional.items() if v})
+        slurm_additional_parameters={"requeue": True}, slurm_srun_args=list(SRUN_ARGS),
+        **{k: v for k, v in optional.items() if v})
     try:
         with contextlib.redirect_stderr(io.StringIO()):     # submitit prints sbatch's error too
             job = executor.submit(Training(words))

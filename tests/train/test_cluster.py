@@ -83,7 +83,7 @@ def fake_slurm(bin_dir: Path, job_id: int, sbatch_error: str = "") -> Path:
 
 def test_slurm_launcher_writes_the_job_and_a_requeueable_callable(tiny_args, capsys, tmp_path, monkeypatch) -> None:
     """`launcher=slurm nodes=2 gpus=4 partition=...`: one sbatch script of 2 nodes x 4 tasks with a GPU
-    each, the USR2 warning and --requeue; the pickled callable runs the training words with
+    each, the USR2 warning and --requeue, its srun ending every task when one fails; the pickled callable runs the training words with
     run.resume=auto in a run folder named at submission (none was given), without the launcher words,
     and requeues itself unchanged."""
     from submitit.core.utils import DelayedSubmission
@@ -103,7 +103,9 @@ def test_slurm_launcher_writes_the_job_and_a_requeueable_callable(tiny_args, cap
     for line in ("--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=10", "--partition=gpu",
                  "--account=ssl", "--time=600", "--signal=USR2@120", "--requeue", "--job-name=" + run.name):
         assert f"#SBATCH {line}\n" in script, line
-    assert f"-m submitit.core._submit {shlex.quote(str(run / 'slurm'))}" in script.splitlines()[-1]
+    srun = script.splitlines()[-1]
+    assert srun.startswith("srun ") and f"-m submitit.core._submit {shlex.quote(str(run / 'slurm'))}" in srun
+    assert " --kill-on-bad-exit=1 " in srun            # a failed task ends the others, not the NCCL timeout
 
     job = DelayedSubmission.load(run / "slurm" / "777_submitted.pkl")
     assert isinstance(job.function, Training)
