@@ -246,7 +246,7 @@ def test_a_protocol_submitted_to_slurm_saves_where_it_is_warned_and_the_requeued
     ckpt = checkpoint.save(tmp_path / "runs" / "run" / "checkpoint.pt",
                            {"config": to_dict(cfg), "online": online.state_dict(), "step": 3})
     reference = checkpoint.save(tmp_path / "reference" / "checkpoint.pt", checkpoint.load(ckpt))
-    words = ["preset=small", "epochs=20", "batch_size=16", "ckpt_every=1000", "log_every=1", "run.device=cpu"]
+    words = ["preset=small", "epochs=40", "batch_size=16", "ckpt_every=1000", "log_every=1", "run.device=cpu"]
     whole = subprocess.run([sys.executable, "-m", "train", "linear", f"ckpt={reference}", *words], cwd=ROOT,
                            env=env_here(), capture_output=True, text=True, timeout=300)
     assert whole.returncode == 0, whole.stderr[-2000:]
@@ -265,7 +265,7 @@ def test_a_protocol_submitted_to_slurm_saves_where_it_is_warned_and_the_requeued
     log = tmp_path / "task.log"
     task = start_task(folder / "slurm", job_id, 0, log, nodes=1)
     deadline = time.monotonic() + 240
-    while len(protocol_steps(folder)) < 2 and time.monotonic() < deadline:
+    while len(protocol_steps(folder)) < 2 and time.monotonic() < deadline:      # of 160 steps
         assert task.poll() is None, log.read_text()
         time.sleep(0.02)
     os.killpg(task.pid, signal.SIGSTOP)
@@ -274,7 +274,7 @@ def test_a_protocol_submitted_to_slurm_saves_where_it_is_warned_and_the_requeued
     assert task.wait(timeout=120) != 0, log.read_text()
     assert (fake / "scontrol.log").read_text() == f"requeue {job_id}\n", log.read_text()
     saved = checkpoint.load(folder / "checkpoint.pt")["step"]
-    assert 2 <= saved == max(protocol_steps(folder)) < 80 and not (ckpt.parent / "linear_eval.json").exists()
+    assert 2 <= saved == max(protocol_steps(folder)) < 160 and not (ckpt.parent / "linear_eval.json").exists()
 
     task = start_task(folder / "slurm", job_id, 0, log, nodes=1)       # the requeued job
     assert task.wait(timeout=300) == 0, log.read_text()
