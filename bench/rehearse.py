@@ -564,7 +564,8 @@ def markdown(report: dict) -> str:
             lines += [f"  - {s['start']}: exit {s['returncode']} after {s['seconds']:.0f} s, steps {s['steps']}"
                       + (f" (resumed from step {s['resumed_from']})" if s["resumed_from"] is not None else "")
                       + f", first step {s['first_step_s']} s after its start; processes left after it: "
-                      f"{s['processes_left']}; last line: {s['last_line'][:160]}", *procs("    - processes", s["processes"])]
+                      f"{s['processes_left']}; last line: {s['last_line'][:160]}",
+                      *procs("    - processes", s["processes"])]
     for backend, b in report.get("backends", {}).items():
         lines += [f"- {backend}: 20 steps and an evaluation in {b['seconds']:.0f} s", *procs("  - processes", b["processes"])]
     if "saliency" in report:
