@@ -37,7 +37,9 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
     log step `run.ckpt_every_min` minutes after the last checkpoint by any rank's clock), evaluating the
     backbone before the first step, every `run.eval_every_epochs` and after the last. With `held`
     (`run.checkpoint_on_signal`) the steps hold its signal back: at the first log step after any rank
-    caught it, every rank checkpoints and the loop ends there.
+    caught it, every rank checkpoints and the loop ends there. An evaluation does not hold it (it may
+    last longer than the warning), so with `held` a checkpoint comes before each periodic evaluation: the
+    signal caught in it requeues from that step, and the next start evaluates first.
 
     Returns:
         Whether the run reached `optim.steps` (its backbone is then for `Run.export`).
@@ -61,12 +63,21 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
         seconds = time.perf_counter() - began
         log.started("random_init_eval_s", seconds, f"random-init evaluation: {format_duration(seconds)}")
 
-    def save_checkpoint(step: int) -> None:
+    def evaluate(step: int) -> None:
+        began = time.perf_counter()
+        result = evaluate_backbone(cfg, online.backbone, backend, device)
+        log.eval(step, step / steps_per_epoch, result, random_init, time.perf_counter() - began)
+
+    def save_checkpoint(step: int, evaluate_first: bool = False) -> None:
         rng, position = dist.gather_objects(checkpoint.rng_state()), dist.gather_objects(parts.loader.state_dict())
         if dist.is_main():
             run.save({**parts.state_dict(), "step": step, "loader": position, "rng": rng, "config": to_dict(cfg),
-                      "random_init": random_init, "git_commit": checkpoint.git_commit(),
-                      "versions": checkpoint.library_versions()})
+                      "random_init": random_init, "evaluate_first": evaluate_first,
+                      "git_commit": checkpoint.git_commit(), "versions": checkpoint.library_versions()})
+
+    if state is not None and state.get("evaluate_first"):   # the evaluation a warning cut short, first
+        log.print(f"a signal stopped the evaluation of step {start_step}: it runs again first")
+        evaluate(start_step)
 
     log.print(f"training {cfg.method} on {cfg.data.name} ({backend} backend, {world} rank(s), {device}) "
               f"from step {start_step} to {cfg.optim.steps}, {steps_per_epoch} steps/epoch")
@@ -97,10 +108,11 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
                 cadence.at_log_step(device)          # sync: the signal and the clocks of every rank
             k = cfg.run.eval_every_epochs * steps_per_epoch
             if k and done % k == 0 and done < cfg.optim.steps and not cadence.signalled:
-                began = time.perf_counter()
+                if cadence.held.name:                # a warning in the evaluation requeues from this step,
+                    save_checkpoint(done, evaluate_first=True)      # and the next start evaluates first
+                    cadence.saved()
                 with cadence.held.holding(False):    # a long evaluation must not hold the signal back
-                    result = evaluate_backbone(cfg, online.backbone, backend, device)
-                log.eval(done, done / steps_per_epoch, result, random_init, time.perf_counter() - began)
+                    evaluate(done)
             if cadence.due(done, stop):
                 save_checkpoint(done)
                 cadence.saved()
@@ -117,9 +129,7 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
         log.print(f"stopped after step {stop}; resume with {run.resume_hint()} and a later run.stop_after_steps "
                   "(or none)")
         return False
-    began = time.perf_counter()
-    result = evaluate_backbone(cfg, online.backbone, backend, device)
-    log.eval(cfg.optim.steps, cfg.optim.steps / steps_per_epoch, result, random_init, time.perf_counter() - began)
+    evaluate(cfg.optim.steps)
     log.close()
     return True
 

@@ -224,6 +224,55 @@ def test_a_held_signal_stops_at_the_next_log_step_s_checkpoint_and_the_same_comm
 
 
 @pytest.mark.slow
+def test_a_signal_in_a_periodic_evaluation_requeues_from_its_step_and_the_next_start_evaluates_first(
+        tiny_args, tmp_path, monkeypatch, capsys) -> None:
+    """With a held signal (`run.checkpoint_on_signal=USR2`), an evaluation every epoch (4 steps) and
+    checkpoints otherwise every 100 steps: SLURM's warning during the evaluation of step 4 acts at once
+    (an evaluation may outlast the warning), and the job is requeued from a checkpoint of step 4, saved
+    just before that evaluation, not from step 0. The next start evaluates step 4 first, then trains on
+    as the run that was never stopped, evaluations included."""
+    from train import loop
+    from train.launch import train
+
+    def words(out) -> list[str]:
+        return [*tiny_args("byol", out), "optim.steps=10", "run.ckpt_every=100", "run.eval_every_epochs=1",
+                "run.resume=auto", "run.checkpoint_on_signal=USR2"]
+
+    def evals(run_dir) -> list[tuple[int, float]]:
+        records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        return [(r["step"], r["alignment"]) for r in records if r["kind"] == "eval"]
+
+    whole = train(load_config(words(tmp_path / "whole")))
+    run = tmp_path / "run"
+
+    def requeue(signum, frame) -> None:             # submitit's handler: requeues the job, then exits
+        raise Preempted(checkpoint.load(run / "checkpoint.pt")["step"])
+
+    real, calls = loop.evaluate_backbone, []
+
+    def evaluate_then_signal(*args):
+        calls.append(1)
+        if len(calls) == 2:                         # the random-init evaluation, then step 4's
+            os.kill(os.getpid(), signal.SIGUSR2)
+        return real(*args)
+
+    previous = signal.signal(signal.SIGUSR2, requeue)
+    try:
+        monkeypatch.setattr(loop, "evaluate_backbone", evaluate_then_signal)
+        with pytest.raises(Preempted) as stopped:
+            train(load_config(words(tmp_path)))
+        assert stopped.value.args == (4,) and train_steps(run) == [1, 2, 3, 4] and evals(run) == []
+        monkeypatch.undo()
+        capsys.readouterr()
+        train(load_config(words(tmp_path)))
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert "a signal stopped the evaluation of step 4: it runs again first" in capsys.readouterr().out
+    assert losses(run) == losses(whole)
+    assert [s for s, _ in evals(run)] == [4, 8, 10] and evals(run) == evals(whole)
+
+
+@pytest.mark.slow
 def test_a_checkpoint_is_due_by_the_clock_at_the_first_log_step_after_ckpt_every_min(uninterrupted, tiny_args, tmp_path,
                                                                                  monkeypatch) -> None:
     """`run.ckpt_every_min=5` with steps of a minute (the cadence's clock advanced by each step) and a line
