@@ -2,7 +2,8 @@
 
 A checkpoint holds only tensors and primitive containers: `online`, `target` and `objective` state
 dicts, `optimizer`, `scaler`, `step`, the loader position, the RNG states, the resolved config (as
-plain dicts), the random-init evaluation, the git commit and the library versions (`library_versions`,
+plain dicts), the random-init evaluation, whether the evaluation of its step is still to run
+(`evaluate_first`: a signal stopped it), the git commit and the library versions (`library_versions`,
 also the run folder's `versions.json`).
 
 In a run folder the newest checkpoint is always `checkpoint.pt`; with `run.keep_last=N` the N - 1
