@@ -380,7 +380,7 @@ def train_stage(a: argparse.Namespace, root: Path, runs: Path, train_records: in
             "starts": starts, "final_eval": evals[-1] if evals else None, "command": " ".join(words[1:])}
 
 
-def protocols_stage(a: argparse.Namespace, src: Path, runs: Path, work: Path) -> dict:
+def protocols_stage(a: argparse.Namespace, runs: Path, work: Path) -> dict:
     """Stage 4 (module docstring): three protocol commands on the training stage's checkpoint, each from
     scratch (what an earlier rehearsal's protocols wrote beside it is removed first)."""
     run = runs / "rehearsal"
@@ -388,13 +388,17 @@ def protocols_stage(a: argparse.Namespace, src: Path, runs: Path, work: Path) ->
     if not ckpt.is_file():
         raise RehearsalError(f"stage protocols needs the training stage's checkpoint {ckpt}; run --stages train first")
     for old in [*run.glob("linear-*"), *run.glob("finetune-*"), *run.glob("*_eval.json")]:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
     per_epoch = a.train_n / (a.ranks * a.batch)
     epochs = round(max(10.0, 0.2 * per_epoch) / per_epoch, 4)              # about 62 steps at full size
     names = work / "1percent.txt"                                           # 1 % of each class, by file name
     names.write_text("".join(f"n{c:08d}_{i}.JPEG\n" for c, n in enumerate(class_counts(a.train_n, a.classes))
                              for i in range(max(1, round(n / 100)))))
-    share = "1%" if min(class_counts(a.train_n, a.classes)) >= 50 else "10%"   # a share leaving a class empty is refused
+    # 1 % at ImageNet's counts; 10 % where 1 % would leave a class without an image (refused)
+    share = "1%" if min(class_counts(a.train_n, a.classes)) >= 50 else "10%"
     common = [f"ckpt={ckpt}", "data.backend=dali", "run.device=cpu", f"batch_size={a.ranks * a.batch}"]
     commands = {"linear": ["linear", "preset=auto", f"epochs={epochs}", "log_every=5", *common],
                 f"finetune {share}": ["finetune", f"labels={share}", "epochs=2", "log_every=1", *common],
@@ -620,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
         if "train" in stages:
             report["train"] = train_stage(a, root, runs, schema.read_manifest(root / NAME, verify="size").counts["train"])
         if "protocols" in stages:
-            report["protocols"] = protocols_stage(argparse.Namespace(**vars(a), train_n=train_n), src, runs, work)
+            report["protocols"] = protocols_stage(argparse.Namespace(**vars(a), train_n=train_n), runs, work)
         if "backends" in stages:
             report["backends"] = backends_stage(a, root, runs)
         if "saliency" in stages:
