@@ -215,8 +215,8 @@ def signal_during_step(step: int, monkeypatch) -> None:
 
 @pytest.fixture
 def former_handler():
-    """A recorder in the place of submitit's USR2 handler (which requeues the job and exits): the
-    calls' arguments, put back afterwards."""
+    """A recorder in the place of submitit's USR2 handler (which requeues the job and exits): "requeue"
+    for each call; the handler before it is put back afterwards."""
     calls: list[str] = []
     previous = signal.signal(signal.SIGUSR2, lambda *_: calls.append("requeue"))
     yield calls
