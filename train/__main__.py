@@ -60,7 +60,8 @@ def usage(prog: str = "python -m train") -> str:
         "",
         "  gpus=N            processes (DDP) on each machine, 1 by default",
         "  nodes=M rdzv=HOST:PORT  M machines joined at HOST:PORT: the same command on each (docs/scale.md)",
-        "  launcher=slurm    submit a SLURM job instead: nodes=M gpus=N partition=P [time_min=, account=, ...]",
+        "  launcher=slurm    submit a SLURM job instead (a run, linear, finetune): nodes=M gpus=N partition=P "
+        "[time_min=, account=, ...]",
         f"  method=METHOD     {', '.join(sorted(OBJECTIVES))} (default {Config.method})",
         "  data=DATASET      a dataset folder under data.root that preprocess wrote (its manifest sets the",
         f"                    classes, view sizes, batch and length), or a data preset: {presets}",
