@@ -476,7 +476,7 @@ def targets(report: dict) -> list[str]:
                    + ("met" if t["data_stall_fraction"] <= MAX_STALL else "missed"))
     if "high_stream_stall_fraction" in t:
         out.append(f"stall {100 * t['high_stream_stall_fraction']:.1f} % training on a high-priority stream "
-                   "(lower: make run.train_stream=high the default)")
+                   "(run.train_stream=high, the default since 29 Nov 2026: it was lower there)")
     runs = [report[k] for k in ("known", "tests") if "count" in report.get(k, {})]
     if runs:
         passed = sum(r["count"]["passed"] for r in runs)

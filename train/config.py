@@ -121,7 +121,7 @@ class RunConfig:
     amp: bool = True                # bf16 autocast (GPU only)
     dist_timeout_min: float = 30.0  # longest wait of one rank for the others in a collective, minutes
     device: DeviceName = "auto"     # "auto": torchrun's device; "cuda": cuda:<LOCAL_RANK>; "cpu"
-    train_stream: StreamName = "default"  # "high": train on a CUDA stream above the DALI graph's (launch.training_stream)
+    train_stream: StreamName = "high"  # a CUDA stream above the DALI graph's (launch.training_stream), or "default"
     eval: EvalName = "auto"          # labelled evaluations besides the label-free health metrics
     max_eval_samples: int = 0       # records per split for evaluation (evenly spread); 0: all up to a cap
     stop_after_steps: int = 0       # stop with a checkpoint after this step (resumable); 0: run to optim.steps

@@ -63,7 +63,7 @@ def test_objective_trains_and_resumes_on_cuda(method: str, tiny_args, tmp_path, 
 
 def test_training_on_a_high_priority_stream_trains_as_on_the_default_one(tiny_args, tmp_path, deterministic,
                                                                          monkeypatch) -> None:
-    """`run.train_stream=high`: the steps run on a stream of a higher priority than the default one, the
+    """`run.train_stream=high` (the default): the steps run on a stream of a higher priority than the default one, the
     DALI loader's batches reach it ready (the same losses as a run on the default stream, which they
     would not be if a step read a batch still being copied), and the default stream is current again
     afterwards; on a CPU the option does nothing."""
@@ -78,7 +78,7 @@ def test_training_on_a_high_priority_stream_trains_as_on_the_default_one(tiny_ar
         return real(parts, batch, s)
 
     words = ["data.backend=dali", "run.device=cuda", "run.amp=true", "optim.steps=6"]
-    default = _losses(train(load_config([*tiny_args("byol", tmp_path / "a"), *words])))
+    default = _losses(train(load_config([*tiny_args("byol", tmp_path / "a"), *words, "run.train_stream=default"])))
     monkeypatch.setattr(loop, "train_step", noted)
     high = _losses(train(load_config([*tiny_args("byol", tmp_path / "b"), *words, "run.train_stream=high"])))
     assert len(streams) == 6 and len(set(streams)) == 1 and streams[0] < torch.cuda.default_stream().priority
