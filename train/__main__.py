@@ -91,10 +91,11 @@ def dispatch(argv: list[str]) -> int:
 
         evaluate_checkpoint(argv[1:])
         return 0
-    if argv[:1] in (["linear"], ["finetune"]):
+    from train import protocol
+
+    if protocol.is_protocol(argv):
         import os
 
-        from train import protocol
         from train.launch import elastic
 
         if cluster.launcher == "slurm":

@@ -160,7 +160,9 @@ def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterCon
                           run_id=f"viewmill-{cluster.rdzv}" if many else uuid.uuid4().hex, rdzv_backend="c10d",
                           rdzv_endpoint=cluster.rdzv if many else "localhost:0", max_restarts=0)
     # a protocol (linear, finetune) continues from its folder's checkpoint by itself; a run needs the word
-    again = "the same command" + ("" if argv[:1] in (["linear"], ["finetune"]) else " with run.resume=auto")
+    from train.protocol import is_protocol
+
+    again = "the same command" + ("" if is_protocol(argv) else " with run.resume=auto")
     try:
         elastic_launch(config, sys.executable)("-m", "train", *argv)
     except ChildFailedError as e:

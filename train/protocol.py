@@ -67,6 +67,7 @@ from train.setup import (build_checked_loader, build_online, channels_last, chec
                          loader_workers, open_files_needed, resolve_backend, select_device)
 
 Kind = Literal["linear", "finetune"]
+KINDS: tuple[str, ...] = typing.get_args(Kind)
 PROTOCOL_DIR = CONFIG_DIR / "protocol"
 CENTRE_CROP = 224 / 256          # evaluation: resize the shorter side to 256/224 of the view, crop the view
 SMALL_TRAIN = 100_000            # `preset=auto` below this many train records: the short `small` presets
@@ -374,7 +375,6 @@ class Protocol:
         as pretraining does (`checkpoint.Cadence`: every `ckpt_every` steps, `run.ckpt_every_min`, and at
         the first log step after any rank caught `held`'s signal, where it returns None instead)."""
         cfg, p, world, rank = self.cfg, self.p, dist.world_size(), dist.rank()
-        per_process_batch(p.batch_size, world, "batch_size")          # an uneven split stops here
         info = DatasetInfo.read(cfg.data.root, cfg.data.name, "train")
         subset = None
         if self.kind == "finetune":
@@ -552,6 +552,11 @@ def prepare(kind: Kind, args: list[str], world: int) -> Plan:
         runs["random_init"] = Protocol(kind, preset, p, cfg, ckpt.parent / f"{name}-random_init", None)
     results = ckpt.parent / (LINEAR_EVAL if kind == "linear" else f"finetune_{labels_tag(p.labels)}_eval.json")
     return Plan(kind, preset, p, ckpt, int(state.get("step", 0)), cfg, runs, results)
+
+
+def is_protocol(words: list[str]) -> bool:
+    """Whether command words (after the launcher words) run a protocol: `linear ...`, `finetune ...`."""
+    return bool(words) and words[0] in KINDS
 
 
 def preflight(kind: Kind, args: list[str], processes: int, nodes: int = 1, here: bool = True) -> Plan:

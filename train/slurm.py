@@ -105,9 +105,9 @@ class Training:
             raise RuntimeError(f"training ended with exit status {status}; its error is above in this task's log")
 
     def _body(self) -> int:
-        if self.words[:1] in (["linear"], ["finetune"]):     # a protocol's rank (`submit_protocol`)
-            from train import protocol
+        from train import protocol
 
+        if protocol.is_protocol(self.words):                 # a protocol's rank (`submit_protocol`)
             protocol.main(self.words[0], self.words[1:])
             return 0
         return start(self.words)
