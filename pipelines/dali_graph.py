@@ -281,7 +281,7 @@ def dali_type(dtype: np.dtype):
 # ------------------------------------------------------------------------------------------------
 
 
-def colour_ops(x, inputs: dict, tag: str, gpu_branches: bool = False):
+def colour_ops(x, inputs: dict, tag: str, gpu_branches: bool = False, contrast_on: str = "device"):
     """Jitter + grayscale (one fused affine pass), blur, solarize on uint8 HWC views `x`, as view `tag`'s
     inputs say.
 
@@ -292,24 +292,32 @@ def colour_ops(x, inputs: dict, tag: str, gpu_branches: bool = False):
     operators with no-op parameters (a blur window of 1; solarize as min(x, x XOR mask) with a
     per-sample mask of 255 or 0: two uint8 operators, as each arithmetic node is one operator in DALI):
     no conditional, whose splits and merges of the views and their arguments cost more operators there
-    than the work they skip.
+    than the work they skip. With `contrast_on="host"` (`LoaderSpec.gpu_contrast`) the GPU graph copies
+    each view's mean RGB (3 values a sample) to the host instead, where the offset is made as the CPU
+    graph makes it, and the colour pass takes it as its argument and rounds to uint8 itself: one
+    operator on the device where the float pass, the add and the cast were three, at the price of a
+    copy back that the pass waits for (DALI's dynamic executor, its default, allows it).
 
     Args:
         inputs: the graph's inputs; blur and solarize take the GPU graph's form where `draw_inputs`
             made its inputs (`gpu=True`).
         gpu_branches: take the GPU graph's branch on the CPU too (tests compare the two there).
+        contrast_on: where the GPU graph's branch makes the contrast offset, "device" or "host".
     """
     if f"{tag}/colour" in inputs:
         m = inputs[f"{tag}/colour"]
         if f"{tag}/contrast" in inputs:
+            on_device = (x.device == "gpu" or gpu_branches) and contrast_on == "device"
             mean_rgb = fn.reductions.mean(x, axes=[0, 1], keep_dims=True)         # (1, 1, 3) float
+            if contrast_on == "host":
+                mean_rgb = mean_rgb.cpu()                    # copied back on a GPU, as it is on the CPU
             t = fn.coord_transform(mean_rgb, M=inputs[f"{tag}/contrast"])       # b·(1-c)·mean gray
-            # GPU: (1, 1, 3) offset broadcast over the view, then rounded. The cast stays: an argument
-            # must come from the CPU, and CoordTransform's output is its input's type or float, so
-            # neither the pass nor an add before it can round to uint8 itself.
-            if x.device == "gpu" or gpu_branches:
+            if on_device:
+                # The offset broadcast over the view, then rounded. The cast stays: an argument must
+                # come from the CPU, and CoordTransform's output is its input's type or float, so
+                # neither the pass nor an add before it can round to uint8 itself.
                 x = fn.cast(fn.coord_transform(x, M=m, dtype=types.FLOAT) + t, dtype=types.UINT8)
-            else:
+            else:                                           # the offset the pass's argument, made on the CPU
                 x = fn.coord_transform(x, M=m, T=fn.reshape(t, shape=[3]), dtype=types.UINT8)
         else:
             x = fn.coord_transform(x, M=m, dtype=types.UINT8)
@@ -494,10 +502,11 @@ def graph(spec: LoaderSpec, inputs: dict, masks: bool, mean, std, *, channels_la
             if f"{tag}/saliency" in inputs:
                 if inputs[f"{tag}/saliency"]:                # conditional: only the samples that drew it
                     x = saliency(x, mask, start, end, g.size_px, inputs[f"{tag}/level"])
-            views[tag] = colour_ops(x, inputs, tag, gpu_branches)
+            views[tag] = colour_ops(x, inputs, tag, gpu_branches, spec.gpu_contrast)
     for g in recipe.by_role("staged"):
         for v in range(g.count):
-            views[f"{g.name}/{v}"] = colour_ops(views[f"{g.parent}/{v}"], inputs, f"{g.name}/{v}", gpu_branches)
+            views[f"{g.name}/{v}"] = colour_ops(views[f"{g.parent}/{v}"], inputs, f"{g.name}/{v}", gpu_branches,
+                                                spec.gpu_contrast)
 
     def normalized(x):
         # `batch.normalize` ((x/255 - mean)/std, float32) inside the graph, in DALI's threads and

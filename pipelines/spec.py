@@ -47,6 +47,7 @@ class DecoderHints:
 
 GpuBlur = Literal["gaussian", "filter"]           # the DALI GPU graph's blur (`dali_graph.colour_ops`)
 GraphDtype = Literal["float32", "uint8"]          # the DALI graph's view outputs (`dali_graph.graph`)
+GpuContrast = Literal["device", "host"]           # where the DALI GPU graph makes the contrast offset (`colour_ops`)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class LoaderSpec:
     gpu_blur: GpuBlur = "gaussian"     # the DALI GPU graph's blur: "gaussian" (DALI's, every sample) | "filter" (`dali_graph`)
     graph_dtype: GraphDtype = "float32"  # the DALI graph's views: "float32" (normalised in the graph) | "uint8"
                                        # (normalised on the device by `batch.normalize`: a quarter of the bytes)
+    gpu_contrast: GpuContrast = "device"  # the DALI GPU graph's contrast offset: made on the device and added after a
+                                       # float pass | "host": each view's mean copied back, one uint8 pass
     decoder: DecoderHints = field(default_factory=DecoderHints)
 
 
@@ -312,7 +315,8 @@ def check_spec(spec: LoaderSpec, info: DatasetInfo) -> None:
                           "batch size")
     if spec.mix.kind != "none" and not spec.drop_last:
         raise LoaderError("intra-batch mixes need full batches; use drop_last=True")
-    for key, value, t in (("gpu_blur", spec.gpu_blur, GpuBlur), ("graph_dtype", spec.graph_dtype, GraphDtype)):
+    for key, value, t in (("gpu_blur", spec.gpu_blur, GpuBlur), ("graph_dtype", spec.graph_dtype, GraphDtype),
+                          ("gpu_contrast", spec.gpu_contrast, GpuContrast)):
         if value not in typing.get_args(t):
             raise LoaderError(f"{key}={value!r} is not one of {', '.join(typing.get_args(t))}; pick one")
     try:

@@ -28,7 +28,7 @@ import yaml
 
 from pipelines.loader import Backend
 from pipelines.mixing import MixSpec
-from pipelines.spec import DecoderHints, GpuBlur, GraphDtype
+from pipelines.spec import DecoderHints, GpuBlur, GpuContrast, GraphDtype
 
 
 class ConfigError(ValueError):
@@ -56,6 +56,8 @@ class DataConfig:
     gpu_blur: GpuBlur = "gaussian"  # DALI on a GPU: "gaussian" (DALI's blur, every sample) | "filter" (one pass of
                                     # per-sample kernels made on the host, 1 x 1 where none was drawn)
     graph_dtype: GraphDtype = "float32"   # DALI: views normalised in the graph, or "uint8" normalised on the device
+    gpu_contrast: GpuContrast = "device"  # DALI on a GPU: the contrast offset made on the device (a float pass, an
+                                    # add, a cast) | "host": each view's mean copied back, one uint8 colour pass
     num_workers: int | str = "auto"  # reader workers per process; "auto": its share of the cores, capped where measured (`train.setup.loader_workers`)
     num_classes: int = 10           # classes, for kNN / linear-probe evaluation; 0: an unlabelled dataset
     mix: MixSpec = field(default_factory=MixSpec)   # intra-batch mixes: pipelines.mixing.MixSpec's fields

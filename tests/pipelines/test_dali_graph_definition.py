@@ -30,29 +30,38 @@ REGISTRY = {"cpu": set(dali_registry.RegisteredCPUOps()), "gpu": set(dali_regist
 # grouped input taken out of its group, and the packed encoded files cut back to their bytes (one Slice
 # for the images, one for the masks: `dali_backend.source_outputs`).
 HOST_ROUTING = {"ExternalSource", "_conditional__Split", "_TensorSubscript", "Slice"}
+# With `gpu_contrast="host"`, also each view's contrast offset made from its mean RGB copied back (3 values).
+HOST_OFFSET = {"CoordTransform", "Reshape"}
 # CPU operators per iteration of the GPU graph at most (GPU-readiness issue: the former in-graph
 # draws were 972 for relicv2 and 453 for byol+sdmp).
 CPU_BUDGET = {("relicv2", "none"): 150, ("byol", "sdmp"): 100}
 
 
-def gpu_graph(preset: str, mix: MixSpec, masks: bool):
+def gpu_graph(preset: str, mix: MixSpec, masks: bool, contrast: str = "device"):
     recipe = with_mix_source(load_recipe(preset, 224, 96), mix)
-    spec = LoaderSpec(root="", dataset="", split="train", recipe=recipe, batch_size=256, mix=mix, device="cuda")
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=recipe, batch_size=256, mix=mix, device="cuda",
+                      gpu_contrast=contrast)
     pipe, out = define_pipeline(spec, masks, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), device_id=None)
     return recipe, graph_operators(pipe), out
 
 
+@pytest.mark.parametrize("contrast", ["device", "host"])
 @pytest.mark.parametrize("masks", [False, True], ids=["no-masks", "masks"])
 @pytest.mark.parametrize("mix", sorted(MIXES))
 @pytest.mark.parametrize("preset", PRESETS)
-def test_gpu_graph_places_every_operator_where_dali_implements_it(preset: str, mix: str, masks: bool) -> None:
-    recipe, (ops, outputs), out = gpu_graph(preset, MIXES[mix], masks)
+def test_gpu_graph_places_every_operator_where_dali_implements_it(preset: str, mix: str, masks: bool,
+                                                                  contrast: str) -> None:
+    recipe, (ops, outputs), out = gpu_graph(preset, MIXES[mix], masks, contrast)
     unregistered = [(o.schema, o.device) for o in ops if o.schema not in REGISTRY[o.device]]
     assert not unregistered, f"operators without an implementation on their device: {unregistered}"
     gpu_args = [o.schema for o in ops for dev, is_arg in o.inputs if is_arg and dev != "cpu"]
     assert not gpu_args, f"argument inputs must come from the CPU: {gpu_args}"
     on_cpu = collections.Counter(o.schema for o in ops if o.device == "cpu")
+    offsets = {op: on_cpu.pop(op, 0) for op in HOST_OFFSET}
     assert set(on_cpu) <= HOST_ROUTING, f"CPU work in the GPU graph: {sorted(set(on_cpu) - HOST_ROUTING)}"
+    # host offsets: one (3-value) offset and its reshape a view that has contrast, each from that view's mean
+    means = sum(o.schema == "reductions__Mean" for o in ops)
+    assert offsets == ({op: means for op in HOST_OFFSET} if contrast == "host" else dict.fromkeys(HOST_OFFSET, 0))
     # One image decode on the device, and one mask decode per batch where a view composites saliency,
     # outside every conditional (DALI 2.4 leaves a decoder's output in a branch no sample takes
     # without shape or layout); the source's pass-through outputs copied to the device.
@@ -78,7 +87,7 @@ def test_gpu_graph_places_every_operator_where_dali_implements_it(preset: str, m
     assert not any(o.schema == "LookupTable" for o in ops)
     budget = CPU_BUDGET.get((preset, mix))
     if budget is not None:
-        assert sum(on_cpu.values()) <= budget, f"{sum(on_cpu.values())} CPU operators per iteration"
+        assert sum(on_cpu.values()) + sum(offsets.values()) <= budget, f"{sum(on_cpu.values())} CPU operators"
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +95,8 @@ def root(tmp_path_factory):
     from preprocess.prepare import prepare_dataset
 
     root = tmp_path_factory.mktemp("graph")
-    prepare_dataset("synthetic", root, workers=1, train_size=16, val_size=8, image_px=32, seed=0)
+    prepare_dataset("synthetic", root, workers=1, train_size=16, val_size=8, image_px=32, seed=0,
+                    gt_masks_as_mask=True)
     return root
 
 
@@ -97,7 +107,7 @@ def test_the_loader_reports_its_graphs_operators_for_the_benches(root) -> None:
     spec = LoaderSpec(root=str(root), dataset="synthetic", split="train", recipe=load_recipe("relicv2", 32, 16),
                       batch_size=8)
     counts = DaliLoader(spec, info).operator_counts()
-    _, (ops, _), _ = gpu_graph("relicv2", MixSpec(), False)
+    _, (ops, _), _ = gpu_graph("relicv2", MixSpec(), info.reads_masks)
     assert counts["gpu_graph"] == dict(collections.Counter(o.device for o in ops))
     assert set(counts["cpu_graph"]) == {"cpu"} and counts["cpu_graph"]["cpu"] > counts["gpu_graph"]["cpu"]
     (line,) = operator_lines([{"backend": "dali", "recipe": "relicv2", "operators": counts}])[1:]
@@ -121,6 +131,52 @@ def test_the_gpu_branch_equals_the_cpu_branch_on_the_cpu_graph(root, gpu_blur: s
     for a, b in zip(cpu, gpu_branch):
         assert torch.equal(a.index, b.index)
         assert float(((a.global_views - b.global_views) * std * 255).abs().max()) <= 1.0 + 1e-3
+
+
+HOST_CONTRAST_CASES = {"relicv2+masks": ("relicv2", MixSpec()), "rsa": ("rsa", MixSpec()),
+                       "multicrop8+sdmp": ("multicrop8", MixSpec("sdmp")), "byol+dacl+": ("byol", MIXES["dacl+"])}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", sorted(HOST_CONTRAST_CASES))
+def test_the_contrast_offset_made_on_the_host_gives_the_views_of_the_device_s(root, case: str, device: str) -> None:
+    """`gpu_contrast="host"` (each view's mean copied back, the offset the colour pass's argument, one
+    uint8 pass) hands out the batches of the default GPU graph (the offset added on the device after a
+    float pass, then a cast): on the CPU graph with the GPU's branches bit for bit; on a GPU within
+    one level. Saliency composited before the pass (relicv2), staged views (RSA), the mixes of views
+    and of the whole image (SDMP, DACL+)."""
+    info = DatasetInfo.read(root, "synthetic", "train")
+    preset, mix = HOST_CONTRAST_CASES[case]
+    assert info.reads_masks
+    spec = LoaderSpec(root=str(root), dataset="synthetic", split="train", recipe=with_mix_source(
+        load_recipe(preset, 32, 16), mix), batch_size=8, seed=3, mix=mix, device=device)
+    on_cpu = device == "cpu"
+    on_device = list(DaliLoader(spec, info, gpu_branches=on_cpu))
+    on_host = list(DaliLoader(replace(spec, gpu_contrast="host"), info, gpu_branches=on_cpu))
+    assert len(on_device) == len(on_host) == 2
+    level = 1.0 / 255 / min(info.std) + 1e-4
+    for a, b in zip(on_device, on_host):
+        assert torch.equal(a.index.cpu(), b.index.cpu())
+        for name in ("global_views", "local_views", "weak_views", "mixed"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None) == (y is None), name
+            if x is not None:
+                diff = float((x - y).abs().max())
+                assert x.shape == y.shape and (diff == 0.0 if on_cpu else diff <= level), (name, diff)
+
+
+def test_the_contrast_offset_made_on_the_host_leaves_one_colour_operator_a_view_on_the_device() -> None:
+    """relicv2's GPU graph with `gpu_contrast="host"`: per view one colour pass on the device (uint8 out,
+    the offset its argument from the CPU) where the default graph has a float pass, an add and a cast:
+    54 GPU operators become 36."""
+    def gpu_ops(contrast: str) -> collections.Counter:
+        _, (ops, _), _ = gpu_graph("relicv2", MixSpec(), False, contrast)
+        return collections.Counter(o.schema for o in ops if o.device == "gpu")
+
+    device, host = gpu_ops("device"), gpu_ops("host")
+    assert device["CoordTransform"] == 12 and device["Cast"] == 6 and device["_ArithmeticGenericOp"] == 12
+    assert host["CoordTransform"] == 6 and host["Cast"] == 0 and host["_ArithmeticGenericOp"] == 6   # solarize's 2 x 3
+    assert sum(device.values()) - sum(host.values()) == 3 * 6
 
 
 def test_the_filter_blur_takes_host_kernels_and_replaces_every_gaussian_blur() -> None:

@@ -104,7 +104,8 @@ def test_bad_specs_are_one_loader_error(tmp_path):
                         (replace(good, split="test"), "no split 'test'"),
                         (replace(good, mix=MixSpec("sdmp"), drop_last=False), "full batches"),
                         (replace(good, mix=MixSpec("dacl", alpha=1.0)), "alpha"),
-                        (replace(good, mix=MixSpec("sdmp", sdmp_mixers=("cutup",))), "cutup")):
+                        (replace(good, mix=MixSpec("sdmp", sdmp_mixers=("cutup",))), "cutup"),
+                        (replace(good, gpu_contrast="cpu"), "gpu_contrast='cpu' is not one of device, host")):
         with pytest.raises(LoaderError, match=needle) as e:
             build_loader("torch", bad)
         assert "\n" not in str(e.value)
