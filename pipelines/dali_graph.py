@@ -343,11 +343,14 @@ def colour_ops(x, inputs: dict, tag: str, gpu_branches: bool = False, contrast_o
 
 
 def saliency(x, mask, start, end, size_px: int, level):
-    """Background (mask < 0.5 on the same, possibly mirrored, window) replaced by gray `level`."""
+    """Background (mask < 0.5 on the same, possibly mirrored, window) replaced by gray `level`.
+
+    As level + (x - level)·keep in uint8, whose wrap-around is arithmetic modulo 256: x where kept,
+    level elsewhere, in four arithmetic operators (each is one in DALI) and no cast, where
+    keep·x + (1 - keep)·level, cast back from int32, took seven."""
     m = fn.resize(mask, size=[size_px, size_px], roi_start=start, roi_end=end,
                   interp_type=types.INTERP_LINEAR, antialias=True)
-    keep = fn.cast(m >= 128, dtype=types.UINT8)                           # (S, S, 1)
-    return fn.cast(keep * x + (1 - keep) * level, dtype=types.UINT8)
+    return level + (x - level) * (m >= 128)                               # (S, S, 1) bool broadcast over RGB
 
 
 def _blend(x, xp, lam, lam_other):
