@@ -392,8 +392,8 @@ def _sdmp(mixers: tuple[str, ...], x, xp, inputs: dict, size: int):
 
 
 def _dacl_noise(n: str, x, xp, v: int, inputs: dict, keep, shift):
-    if n == "binary":                                                         # Eq. (6)
-        return fn.cast(keep * x + (1 - keep) * xp, dtype=types.UINT8)
+    if n == "binary":                  # Eq. (6): m·x + (1 - m)·x', exact in uint8 (modulo 256, as `saliency`)
+        return xp + (x - xp) * keep
     if n == "gaussian":                                                       # the baseline: x + alpha delta
         return fn.cast(dmath.clamp(x + shift, 0.0, 255.0), dtype=types.UINT8)
     lam, lam_other = inputs[f"mix/{v}/lam"], inputs[f"mix/{v}/lam_other"]
