@@ -48,8 +48,8 @@ ends in a drain (docs/benchmarks.md, "The GPU check's own figures"). So the base
   loader's first batch and the CPU per batch of the thread that takes the batches apart;
 - **decoder** (when named) — the 6 views and 1 view with each share of the JPEGs sent to the hardware
   decoder in `HW_LOADS` (the rest on nvJPEG's hybrid path: the CPU's threads and CUDA cores);
-- **profile** (when named) — the device's work per steady-state batch of the GPU graph, 6 views and
-  1 view (`bench.timing.profile_kernels`: every kernel and copy the process launched, DALI's included):
+- **profile** (when named) — the device's work per steady-state batch of the GPU graph, 6 views (the
+  contrast offset made on the device and on the host) and 1 view (`bench.timing.profile_kernels`: every kernel and copy the process launched, DALI's included):
   the device busy against the batch's wall time, launches per batch, the kernels that take the most;
 - **known** (when named) — the 7 `gpu` tests that failed on the first GPU run (docs/benchmarks.md;
   they have passed since): ResizeMix and CutMix on the GPU graph, relicv2 with saliency masks, SDMP's
@@ -109,7 +109,7 @@ KNOWN_FAILURES = (
 # Seconds each section takes on one H100 with 16 cores, for the budget and the sections' time limits:
 # measured on a GPU where the section ran as it is, computed from those runs where it changed since
 # (docs/benchmarks.md, "The GPU check's own figures").
-ESTIMATE_S = {"known": 75, "loader": 150, "views": 90, "cores": 60, "decoder": 55, "profile": 20, "train": 100,
+ESTIMATE_S = {"known": 75, "loader": 150, "views": 90, "cores": 60, "decoder": 55, "profile": 30, "train": 100,
               "tests": 160}
 TEST_PROCESSES = 4     # the gpu tests' processes: 4 ran them fastest on one GPU (docs/benchmarks.md)
 # The default sections' estimates add up to 560 s (views 90, cores 60, train 100, tests 160, loader 150):
@@ -325,13 +325,16 @@ def run_decoder(a: argparse.Namespace) -> dict:
 
 
 def run_profile(a: argparse.Namespace) -> dict:
-    """The device's work per steady-state batch of the GPU graph: relicv2's 6 views and 1 view
-    (`profile_kernels`; the Chrome traces, gzipped, beside the report)."""
+    """The device's work per steady-state batch of the GPU graph: relicv2's 6 views (the contrast offset
+    made on the device and on the host) and 1 view (`profile_kernels`; the Chrome traces, gzipped,
+    beside the report)."""
     six, one = _view_recipes(a)
     out: dict = {"batch_size": a.batch_size}
-    for name, recipe in (("relicv2", six), (one.name, one)):
-        out[name] = profile_kernels(lambda: _make_gpu_loader(a, recipe, 0), max(4, a.batches // 2),
-                                    LOADER_WARMUP, a.device, trace=Path(a.out) / f"trace-{name}.json.gz")
+    for name, recipe, contrast in (("relicv2", six, "device"), ("relicv2-hostcontrast", six, "host"),
+                                   (one.name, one, "device")):
+        out[name] = profile_kernels(lambda r=recipe, c=contrast: _make_gpu_loader(a, r, 0, gpu_contrast=c),
+                                    max(4, a.batches // 2), LOADER_WARMUP, a.device,
+                                    trace=Path(a.out) / f"trace-{name}.json.gz")
     return out
 
 
