@@ -134,17 +134,23 @@ def test_the_gpu_branch_equals_the_cpu_branch_on_the_cpu_graph(root, gpu_blur: s
 
 
 HOST_CONTRAST_CASES = {"relicv2+masks": ("relicv2", MixSpec()), "rsa": ("rsa", MixSpec()),
-                       "multicrop8+sdmp": ("multicrop8", MixSpec("sdmp")), "byol+dacl+": ("byol", MIXES["dacl+"])}
+                       "multicrop8+sdmp": ("multicrop8", MixSpec("sdmp")), "byol+dacl+": ("byol", MIXES["dacl+"]),
+                       "byol+dacl-linear-binary": ("byol", replace(MIXES["dacl+"], dacl_noises=("linear", "binary")))}
+# On a GPU a level may round the other way (the offset added inside the pass or after it), which the
+# geometric noise x^λ·x'^(1-λ) turns into many near 0 (its slope is unbounded there): DACL+ is compared
+# on the CPU, its other noises on both.
+HOST_CONTRAST_RUNS = ([(case, "cpu") for case in sorted(HOST_CONTRAST_CASES)]
+                      + [pytest.param(case, "cuda", marks=pytest.mark.gpu) for case in sorted(HOST_CONTRAST_CASES)
+                         if case != "byol+dacl+"])
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("case", sorted(HOST_CONTRAST_CASES))
+@pytest.mark.parametrize(("case", "device"), HOST_CONTRAST_RUNS)
 def test_the_contrast_offset_made_on_the_host_gives_the_views_of_the_device_s(root, case: str, device: str) -> None:
     """`gpu_contrast="host"` (each view's mean copied back, the offset the colour pass's argument, one
     uint8 pass) hands out the batches of the default GPU graph (the offset added on the device after a
     float pass, then a cast): on the CPU graph with the GPU's branches bit for bit; on a GPU within
     one level. Saliency composited before the pass (relicv2), staged views (RSA), the mixes of views
-    and of the whole image (SDMP, DACL+)."""
+    and of the whole image (SDMP, DACL)."""
     info = DatasetInfo.read(root, "synthetic", "train")
     preset, mix = HOST_CONTRAST_CASES[case]
     assert info.reads_masks
