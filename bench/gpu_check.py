@@ -29,7 +29,8 @@ ends in a drain (docs/benchmarks.md, "The GPU check's own figures"). So the base
   timed here on 29 Nov 2026, 0.74× and 0.94×, and left the section.);
 - **cores** — the 6 views with the process pinned to 2, 4, 8 and all cores and as many reader workers
   (`data.num_workers=auto` takes 4 on a GPU: the best of the last such measurement), the contrast
-  offset where `--gpu-contrast` says (default: the faster of the views section's two);
+  offset where `--gpu-contrast` says (default: the faster of the views section's two; so too in the
+  training and loader sections);
 - **train** — ResNet-50 `relicv2` at 224/96, bf16, channels-last: `bench.train.time_steps` with the
   DALI GPU loader against the same steps fed one batch already on the device (the data stall), 40
   timed steps a round, the median of 3 rounds (fewer could not tell a 1 % stall from noise);
@@ -209,14 +210,15 @@ def run_pytest(args: list[str], xml: Path, timeout_s: float) -> dict:
             "tail": (output or "")[-6000:]}
 
 
-def run_loader(a: argparse.Namespace) -> dict:
-    """`bench.data` on the ImageNet-like JPEGs: the GPU graph (or, on the CPU, the CPU graph) against
-    torchvision, with the CPU's decode ceilings."""
-    return loader_bench.run(loader_bench.Settings(
+def run_loader(a: argparse.Namespace, contrast: str = "device") -> dict:
+    """`bench.data` on the ImageNet-like JPEGs: the GPU graph (or, on the CPU, the CPU graph; the contrast
+    offset made on `contrast`) against torchvision, with the CPU's decode ceilings."""
+    out = loader_bench.run(loader_bench.Settings(
         recipes=("relicv2",), datasets=("imagenet-like",), backends=("dali", "torchvision", "dali-plain"), n=a.n,
         repeats=a.repeats, batch_size=a.batch_size, worker_batch_size=a.baseline_batch, batches=a.batches,
-        warmup_batches=LOADER_WARMUP, cores=a.cores,
-        device=a.device, stages=False, quick=a.quick, out=Path(a.work) / f"pipelines-b{a.batch_size}.json"))
+        warmup_batches=LOADER_WARMUP, cores=a.cores, device=a.device, stages=False, quick=a.quick,
+        gpu_contrast=contrast, out=Path(a.work) / f"pipelines-b{a.batch_size}.json"))
+    return {**out, "gpu_contrast": contrast}
 
 
 def _view_recipes(a: argparse.Namespace) -> tuple[Recipe, Recipe]:
@@ -375,8 +377,9 @@ def table(report: dict) -> str:
     lines = []
     rep = report.get("loader")
     if rep and "error" not in rep:
-        lines += [f"loader at batch {rep['settings']['batch_size']} (`dali`: the DALI graph on the run's device; "
-                  "ceilings on the CPU):", loader_bench.format_table(rep), ""]
+        lines += [f"loader at batch {rep['settings']['batch_size']} (`dali`: the DALI graph on the run's device, "
+                  f"the contrast offset made on the {rep.get('gpu_contrast', 'device')}; ceilings on the CPU):",
+                  loader_bench.format_table(rep), ""]
     v = report.get("views")
     if v and "error" not in v:
         lines += [f"GPU graph, batch {v['batch_size']}: 6 views (relicv2) {v['relicv2']['img_per_s']:,.0f} img/s, "
@@ -591,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     run = {"known": lambda: run_tests("known", out, timeout_s=a.tests_timeout),
-           "loader": lambda: run_loader(a),
+           "loader": lambda: run_loader(a, gpu_contrast(a, report)),
            "views": lambda: run_views(a),
            "cores": lambda: run_cores(a, gpu_contrast(a, report)),
            "decoder": lambda: run_decoder(a),

@@ -136,11 +136,11 @@ def test_the_training_section_times_the_high_priority_stream_beside_the_default_
 
 
 @pytest.mark.slow
-def test_the_cores_and_training_sections_make_the_contrast_offset_where_the_views_section_found_it_faster(
+def test_the_later_sections_make_the_contrast_offset_where_the_views_section_found_it_faster(
         tmp_path) -> None:
     """`--gpu-contrast faster` (the default): the views section times the contrast offset made on the
-    host beside the default's, and the cores and training sections then run the faster of the two; a
-    named place is taken as it is. Tried on the CPU with tiny sizes."""
+    host beside the default's, and the cores, training and loader sections then run the faster of the
+    two; a named place is taken as it is. Tried on the CPU with tiny sizes."""
     import json
 
     from bench.gpu_check import main
@@ -150,11 +150,12 @@ def test_the_cores_and_training_sections_make_the_contrast_offset_where_the_view
         assert main(["--device", "cpu", "--quick", "--out", str(out), "--work", str(tmp_path / "work"), *extra]) == 0
         return json.loads((out / "gpu_check.json").read_text())
 
-    r = report("--sections", "views,cores,train")
+    r = report("--sections", "views,cores,train,loader")
     v = r["views"]
     assert "error" not in v, v.get("traceback")
     assert v["hostcontrast_vs_device"] == v["relicv2-hostcontrast"]["img_per_s"] / v["relicv2"]["img_per_s"]
     faster = "host" if v["hostcontrast_vs_device"] > 1 else "device"
     assert r["cores"]["gpu_contrast"] == r["train"]["config"]["data"]["gpu_contrast"] == faster
+    assert r["loader"]["gpu_contrast"] == r["loader"]["settings"]["gpu_contrast"] == faster
     named = report("--sections", "cores", "--gpu-contrast", "host")
     assert named["cores"]["gpu_contrast"] == "host" and named["cores"]["rows"][0]["img_per_s"] > 0
