@@ -24,18 +24,19 @@ ends in a drain (docs/benchmarks.md, "The GPU check's own figures"). So the base
   ablations of the 6 views (crops only: no colour, blur, solarize; without blur), and the 6 views with
   each view's contrast offset made on the host (`gpu_contrast="host"`: the view's mean copied back,
   one uint8 colour pass where the default has a float pass, an add and a cast; 36 GPU operators
-  instead of 54) against the default (until this measures it faster). (The blur as per-sample host
-  kernels, `gpu_blur="filter"`, and uint8 views normalised on the device, `graph_dtype="uint8"`, were
-  timed here on 29 Nov 2026, 0.74× and 0.94×, and left the section.);
+  instead of 54) and with the blur in a conditional (`gpu_blur="conditional"`: the samples of the
+  views of blur p 0.1 that drew none skip it) against the default (until this measures them faster).
+  (The blur as per-sample host kernels, `gpu_blur="filter"`, and uint8 views normalised on the device,
+  `graph_dtype="uint8"`, were timed here on 29 Nov 2026, 0.74× and 0.94×, and left the section.);
 - **cores** — the 6 views with the process pinned to 2, 4, 8 and all cores and as many reader workers
   (`data.num_workers=auto` takes 4 on a GPU: the best of the last such measurement), the contrast
-  offset where `--gpu-contrast` says (default: the faster of the views section's two; so too in the
-  training and loader sections);
+  offset and the blur as `--gpu-contrast` and `--gpu-blur` say (default, each: the faster of the views
+  section's two; so too in the training and loader sections);
 - **train** — ResNet-50 `relicv2` at 224/96, bf16, channels-last: `bench.train.time_steps` with the
   DALI GPU loader against the same steps fed one batch already on the device (the data stall), 40
   timed steps a round, the median of 3 rounds (fewer could not tell a 1 % stall from noise);
   `--graph-dtype uint8` feeds it uint8 views normalised on the device (`data.graph_dtype`); the
-  contrast offset as in the cores section;
+  contrast offset and the blur as in the cores section;
   `--train-stream both` adds a run a round training on a CUDA stream of the highest priority, above the
   graph's (`run.train_stream=high`), and its stall;
 - **tests** — the `gpu` tests (but those of **known** when it runs too; `--tests all`: the whole
@@ -85,7 +86,7 @@ from bench.timing import (crops_only, in_rounds, profile_kernels, steady_batches
                           without_blur)
 from pipelines.errors import bad_input
 from pipelines.loader import build_loader
-from pipelines.spec import DecoderHints, GpuContrast, GraphDtype, LoaderSpec
+from pipelines.spec import DecoderHints, GpuBlur, GpuContrast, GraphDtype, LoaderSpec
 from pipelines.views import Recipe, load_recipe
 
 # The GPU issue's targets on one H100 (steady state, batch 256, generated ImageNet-like JPEGs).
@@ -210,15 +211,16 @@ def run_pytest(args: list[str], xml: Path, timeout_s: float) -> dict:
             "tail": (output or "")[-6000:]}
 
 
-def run_loader(a: argparse.Namespace, contrast: str = "device") -> dict:
-    """`bench.data` on the ImageNet-like JPEGs: the GPU graph (or, on the CPU, the CPU graph; the contrast
-    offset made on `contrast`) against torchvision, with the CPU's decode ceilings."""
+def run_loader(a: argparse.Namespace, graph: dict[str, str] | None = None) -> dict:
+    """`bench.data` on the ImageNet-like JPEGs: the GPU graph (or, on the CPU, the CPU graph; with the
+    `graph` options, `faster_graph`) against torchvision, with the CPU's decode ceilings."""
+    graph = graph or dict(DEFAULT_GRAPH)
     out = loader_bench.run(loader_bench.Settings(
         recipes=("relicv2",), datasets=("imagenet-like",), backends=("dali", "torchvision", "dali-plain"), n=a.n,
         repeats=a.repeats, batch_size=a.batch_size, worker_batch_size=a.baseline_batch, batches=a.batches,
         warmup_batches=LOADER_WARMUP, cores=a.cores, device=a.device, stages=False, quick=a.quick,
-        gpu_contrast=contrast, out=Path(a.work) / f"pipelines-b{a.batch_size}.json"))
-    return {**out, "gpu_contrast": contrast}
+        out=Path(a.work) / f"pipelines-b{a.batch_size}.json", **graph))
+    return {**out, "graph": graph}
 
 
 def _view_recipes(a: argparse.Namespace) -> tuple[Recipe, Recipe]:
@@ -228,29 +230,27 @@ def _view_recipes(a: argparse.Namespace) -> tuple[Recipe, Recipe]:
 
 
 def _make_gpu_loader(a: argparse.Namespace, recipe: Recipe, epoch: int, hw_load: float = DecoderHints.hw_load,
-                     gpu_contrast: str = "device", cores: int | None = None, graph_dtype: str = "float32"):
+                     cores: int | None = None, **graph: str):
     """The DALI loader of `recipe` on the bench's ImageNet-like JPEGs (the loader section's data), its
     decoder sending `hw_load` of the JPEGs to the hardware decoder, with `cores` workers (default
-    `--cores`)."""
+    `--cores`) and the `graph` options (`LoaderSpec`'s gpu_contrast, gpu_blur, graph_dtype)."""
     root, name = prepare("imagenet-like", Path(a.work) / "bench-data", a.n, a.quick, a.cores)
     loader = build_loader("dali", LoaderSpec(root=str(root), dataset=name, split="train", recipe=recipe,
                                              batch_size=a.batch_size, device=a.device, num_workers=cores or a.cores,
-                                             decoder=DecoderHints(hw_load=hw_load), gpu_contrast=gpu_contrast,
-                                             graph_dtype=graph_dtype))
+                                             decoder=DecoderHints(hw_load=hw_load), **graph))
     loader.set_epoch(epoch)
     return loader
 
 
 def _gpu_cell(a: argparse.Namespace, recipe: Recipe, hw_load: float = DecoderHints.hw_load,
-              gpu_contrast: str = "device", cores: int | None = None, graph_dtype: str = "float32"):
+              cores: int | None = None, **graph: str):
     """An `in_rounds` cell: one steady-state run of the GPU graph of `recipe` (`_make_gpu_loader`); with
     `cores`, the process pinned to that many cores while it runs (DALI's threads and workers, made at the
     pipeline's build, inherit it)."""
     def cell(rnd: int) -> dict:
         pinned = contextlib.nullcontext() if cores is None else pinned_to(cores)
         with pinned:
-            make = lambda e: _make_gpu_loader(a, recipe, rnd + e, hw_load, gpu_contrast, cores,  # noqa: E731
-                                              graph_dtype)
+            make = lambda e: _make_gpu_loader(a, recipe, rnd + e, hw_load, cores, **graph)  # noqa: E731
             return {"img_per_s": list(time_loader(make, a.batches, LOADER_WARMUP, 1, a.device).img_per_s)}
     return cell
 
@@ -270,12 +270,13 @@ def pinned_to(cores: int):
 def run_views(a: argparse.Namespace) -> dict:
     """Steady-state images/s of the GPU graph with relicv2's 6 views, with its first large crop alone,
     with the 6 views' crops only and without blur, and the 6 views with the contrast offset made on the
-    host, timed in rounds."""
+    host and with the blur in a conditional, timed in rounds."""
     six, one = _view_recipes(a)
     cells = {r.name: r for r in (six, one, crops_only(six), without_blur(six))}
     timed = in_rounds(a.repeats, {**{name: _gpu_cell(a, r) for name, r in cells.items()},
-                                  "relicv2-hostcontrast": _gpu_cell(a, six, gpu_contrast="host")})
-    cells["relicv2-hostcontrast"] = six
+                                  "relicv2-hostcontrast": _gpu_cell(a, six, gpu_contrast="host"),
+                                  "relicv2-condblur": _gpu_cell(a, six, gpu_blur="conditional")})
+    cells["relicv2-hostcontrast"] = cells["relicv2-condblur"] = six
     out: dict = {"batch_size": a.batch_size}
     for name, recipe in cells.items():
         cell_ = timed[name]
@@ -287,24 +288,35 @@ def run_views(a: argparse.Namespace) -> dict:
                      "views_per_s": rate * views_per_sample(recipe)}
     out["cost_6_vs_1"] = out["relicv2-1view"]["img_per_s"] / out["relicv2"]["img_per_s"]
     out["hostcontrast_vs_device"] = out["relicv2-hostcontrast"]["img_per_s"] / out["relicv2"]["img_per_s"]
+    out["condblur_vs_every_sample"] = out["relicv2-condblur"]["img_per_s"] / out["relicv2"]["img_per_s"]
     return out
 
 
-def gpu_contrast(a: argparse.Namespace, report: dict) -> str:
-    """Where the cores and training sections make the contrast offset: `--gpu-contrast`, or with
-    "faster" the faster of the views section's two (the default's where that section did not run)."""
-    if a.gpu_contrast != "faster":
-        return a.gpu_contrast
-    return "host" if report.get("views", {}).get("hostcontrast_vs_device", 0.0) > 1.0 else "device"
+DEFAULT_GRAPH = {"gpu_contrast": "device", "gpu_blur": "gaussian"}
+# the views section's cell of each option's alternative, by option: (its ratio to the default, the alternative)
+ALTERNATIVES = {"gpu_contrast": ("hostcontrast_vs_device", "host"), "gpu_blur": ("condblur_vs_every_sample", "conditional")}
 
 
-def run_cores(a: argparse.Namespace, contrast: str = "device") -> dict:
-    """Steady-state images/s of the GPU graph's 6 views (the contrast offset made on `contrast`) pinned
-    to 2, 4, 8 and all cores with as many workers, timed in rounds."""
+def faster_graph(a: argparse.Namespace, report: dict) -> dict[str, str]:
+    """The graph options of the cores, training and loader sections: `--gpu-contrast` and `--gpu-blur`,
+    or for each one left at "faster" the alternative the views section timed where it was faster than
+    the default (the default where that section did not run)."""
+    views = report.get("views", {})
+    out = {}
+    for key, (ratio, alternative) in ALTERNATIVES.items():
+        chosen = getattr(a, key)
+        out[key] = chosen if chosen != "faster" else alternative if views.get(ratio, 0.0) > 1.0 else DEFAULT_GRAPH[key]
+    return out
+
+
+def run_cores(a: argparse.Namespace, graph: dict[str, str] | None = None) -> dict:
+    """Steady-state images/s of the GPU graph's 6 views (with the `graph` options) pinned to 2, 4, 8 and
+    all cores with as many workers, timed in rounds."""
+    graph = graph or dict(DEFAULT_GRAPH)
     six, _ = _view_recipes(a)
     counts = sorted({c for c in CORE_COUNTS if c < a.cores} | {a.cores})
-    timed = in_rounds(a.repeats, {c: _gpu_cell(a, six, gpu_contrast=contrast, cores=c) for c in counts})
-    out: dict = {"batch_size": a.batch_size, "gpu_contrast": contrast, "rows": []}
+    timed = in_rounds(a.repeats, {c: _gpu_cell(a, six, cores=c, **graph) for c in counts})
+    out: dict = {"batch_size": a.batch_size, "graph": graph, "rows": []}
     for c, cell_ in timed.items():
         runs = cell_.runs.get("img_per_s", [])
         out["rows"].append({"cores": c, "runs": runs, "error": cell_.error,
@@ -340,9 +352,10 @@ def run_profile(a: argparse.Namespace) -> dict:
     return out
 
 
-def run_train(a: argparse.Namespace, contrast: str = "device") -> dict:
-    """ResNet-50 relicv2 steps with the DALI loader (the contrast offset made on `contrast`) against one
-    batch kept on the device."""
+def run_train(a: argparse.Namespace, graph: dict[str, str] | None = None) -> dict:
+    """ResNet-50 relicv2 steps with the DALI loader (with the `graph` options) against one batch kept on
+    the device."""
+    graph = graph or dict(DEFAULT_GRAPH)
     from bench.train import time_steps
     from train.config import to_dict
     from train.resolve import load_config
@@ -354,7 +367,7 @@ def run_train(a: argparse.Namespace, contrast: str = "device") -> dict:
                        f"data.num_classes={CLASSES}", f"views.global_px={gpx}", f"views.local_px={lpx}",
                        f"model.backbone={'test_resnet' if a.quick else 'resnet50'}", f"run.amp={a.device == 'cuda'}",
                        f"model.channels_last={a.device == 'cuda'}", f"run.device={a.device}",
-                       f"data.graph_dtype={a.graph_dtype}", f"data.gpu_contrast={contrast}",
+                       f"data.graph_dtype={a.graph_dtype}", *(f"data.{k}={v}" for k, v in graph.items()),
                        f"run.train_stream={'high' if a.train_stream == 'high' else 'default'}"])
     torch.backends.cudnn.benchmark = True
     if a.device == "cuda":
@@ -378,7 +391,7 @@ def table(report: dict) -> str:
     rep = report.get("loader")
     if rep and "error" not in rep:
         lines += [f"loader at batch {rep['settings']['batch_size']} (`dali`: the DALI graph on the run's device, "
-                  f"the contrast offset made on the {rep.get('gpu_contrast', 'device')}; ceilings on the CPU):",
+                  f"{_options(rep.get('graph', DEFAULT_GRAPH))}; ceilings on the CPU):",
                   loader_bench.format_table(rep), ""]
     v = report.get("views")
     if v and "error" not in v:
@@ -387,11 +400,13 @@ def table(report: dict) -> str:
                   f"6 views cost {v['cost_6_vs_1']:.2f}× one view; 6 views, crops only "
                   f"{v['relicv2-crops']['img_per_s']:,.0f} img/s, "
                   f"without blur {v['relicv2-noblur']['img_per_s']:,.0f}; the contrast offset made on the host "
-                  f"{v['relicv2-hostcontrast']['img_per_s']:,.0f} img/s ({v['hostcontrast_vs_device']:.2f}×)"]
+                  f"{v['relicv2-hostcontrast']['img_per_s']:,.0f} img/s ({v['hostcontrast_vs_device']:.2f}×); the "
+                  f"blur in a conditional {v['relicv2-condblur']['img_per_s']:,.0f} img/s "
+                  f"({v['condblur_vs_every_sample']:.2f}×)"]
     c = report.get("cores")
     if c and "error" not in c:
-        lines += ["", f"GPU graph, 6 views, batch {c['batch_size']}, contrast offset on the "
-                  f"{c.get('gpu_contrast', 'device')}, pinned to N cores with N workers: "
+        lines += ["", f"GPU graph, 6 views, batch {c['batch_size']}, {_options(c.get('graph', DEFAULT_GRAPH))}, "
+                  "pinned to N cores with N workers: "
                   + ", ".join(f"{r['cores']}: " + (f"{r['img_per_s']:,.0f} img/s" if r["img_per_s"] else "failed")
                               for r in c["rows"])]
     d = report.get("decoder")
@@ -421,7 +436,7 @@ def table(report: dict) -> str:
                   f"{t['img_per_s']:,.0f} img/s with the DALI loader, "
                   f"{t['cached_steps_per_s'] * c['data']['batch_size']:,.0f} img/s on one batch on the device, "
                   f"data stall {100 * t['data_stall_fraction']:.1f} %, peak {t['peak_mem_mib']:,.0f} MiB, "
-                  f"contrast offset on the {c['data'].get('gpu_contrast', 'device')}"
+                  f"{_options({k: c['data'].get(k, v) for k, v in DEFAULT_GRAPH.items()})}"
                   + (f" (training on stream priority {c['run']['train_stream']})" if c["run"]["train_stream"] != "default"
                      else "")]
         if "high_stream_stall_fraction" in t:
@@ -444,6 +459,10 @@ def table(report: dict) -> str:
     lines += [f"skipped: {name} ({why})" for name, why in report.get("skipped", {}).items()]
     lines += ["", "targets: " + "; ".join(targets(report))]
     return "\n".join(lines)
+
+
+def _options(graph: dict[str, str]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in graph.items())
 
 
 def targets(report: dict) -> list[str]:
@@ -482,6 +501,9 @@ def targets(report: dict) -> list[str]:
     if "hostcontrast_vs_device" in v:
         out.append(f"contrast offset made on the host {v['hostcontrast_vs_device']:.2f}× on the device "
                    "(> 1: make data.gpu_contrast=host the default)")
+    if "condblur_vs_every_sample" in v:
+        out.append(f"blur in a conditional {v['condblur_vs_every_sample']:.2f}× on every sample "
+                   "(> 1: make data.gpu_blur=conditional the default)")
     if "cost_6_vs_1" in v:
         out.append(f"6 views cost {v['cost_6_vs_1']:.2f}× 1 view (≤ {MAX_VIEW_COST}): "
                    + ("met" if v["cost_6_vs_1"] <= MAX_VIEW_COST else "missed"))
@@ -529,8 +551,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graph-dtype", default="float32", choices=typing.get_args(GraphDtype),
                    help="the training section's DALI views: normalised in the graph, or uint8 normalised on the device")
     p.add_argument("--gpu-contrast", default="faster", choices=("faster", *typing.get_args(GpuContrast)),
-                   help="where the cores and training sections make the contrast offset (data.gpu_contrast); "
-                        "faster: the faster of the views section's two")
+                   help="where the cores, training and loader sections make the contrast offset "
+                        "(data.gpu_contrast); faster: the faster of the views section's two")
+    p.add_argument("--gpu-blur", default="faster", choices=("faster", *typing.get_args(GpuBlur)),
+                   help="the blur of the cores, training and loader sections (data.gpu_blur); faster: the faster "
+                        "of the views section's two (on every sample, in a conditional)")
     p.add_argument("--train-stream", default="default", choices=("default", "high", "both"),
                    help="the training section's CUDA stream (run.train_stream); both: a third run a round, "
                         "training on the high-priority stream, beside the default one")
@@ -594,12 +619,12 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     run = {"known": lambda: run_tests("known", out, timeout_s=a.tests_timeout),
-           "loader": lambda: run_loader(a, gpu_contrast(a, report)),
+           "loader": lambda: run_loader(a, faster_graph(a, report)),
            "views": lambda: run_views(a),
-           "cores": lambda: run_cores(a, gpu_contrast(a, report)),
+           "cores": lambda: run_cores(a, faster_graph(a, report)),
            "decoder": lambda: run_decoder(a),
            "profile": lambda: run_profile(a),
-           "train": lambda: run_train(a, gpu_contrast(a, report)),
+           "train": lambda: run_train(a, faster_graph(a, report)),
            "tests": lambda: run_tests(a.tests, out, timeout_s=a.tests_timeout,
                                       exclude=KNOWN_FAILURES if "known" in sections else ())}
     unknown = [n for n in sections if n not in run]

@@ -200,10 +200,10 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
             elif g.blur_p > 0:
                 sigma = p.sigma[rows].numpy().astype(np.float32)
                 inputs[f"{tag}/sigma"] = sigma
-                if g.blur_p < 1 and gpu:       # a no-op window of 1 where not drawn (DALI's own where drawn)
+                if g.blur_p < 1 and gpu and spec.gpu_blur == "gaussian":   # a no-op window of 1 where not drawn
                     inputs[f"{tag}/blur_window"] = np.where(p.blur[rows].numpy(), 2 * np.ceil(3 * sigma) + 1,
                                                             1).astype(np.int32)
-                elif g.blur_p < 1:             # the conditional's predicate
+                elif g.blur_p < 1:             # the conditional's predicate (the CPU graph's, gpu_blur="conditional")
                     inputs[f"{tag}/blur"] = p.blur[rows].numpy()
             if g.solarize_p > 0 and gpu:       # min(x, x ^ mask): 255 inverts the upper levels, 0 nothing
                 inputs[f"{tag}/solarize_mask"] = np.where(p.solarize[rows].numpy(), 255, 0).astype(np.uint8)
@@ -292,7 +292,8 @@ def colour_ops(x, inputs: dict, tag: str, gpu_branches: bool = False, contrast_o
     operators with no-op parameters (a blur window of 1; solarize as min(x, x XOR mask) with a
     per-sample mask of 255 or 0: two uint8 operators, as each arithmetic node is one operator in DALI):
     no conditional, whose splits and merges of the views and their arguments cost more operators there
-    than the work they skip. With `contrast_on="host"` (`LoaderSpec.gpu_contrast`) the GPU graph copies
+    than the work they skip (`gpu_blur="conditional"` keeps the CPU graph's conditional blur, to time the
+    two on a GPU). With `contrast_on="host"` (`LoaderSpec.gpu_contrast`) the GPU graph copies
     each view's mean RGB (3 values a sample) to the host instead, where the offset is made as the CPU
     graph makes it, and the colour pass takes it as its argument and rounds to uint8 itself: one
     operator on the device where the float pass, the add and the cast were three, at the price of a
@@ -330,7 +331,8 @@ def colour_ops(x, inputs: dict, tag: str, gpu_branches: bool = False, contrast_o
         if f"{tag}/blur_window" in inputs:                  # GPU: every sample, no-op windows
             x = fn.gaussian_blur(x, sigma=sigma, window_size=inputs[f"{tag}/blur_window"])
         elif f"{tag}/blur" in inputs:
-            if inputs[f"{tag}/blur"]:                       # conditional: only the samples that drew it
+            if inputs[f"{tag}/blur"]:                       # conditional: only the samples that drew it (CPU,
+                # or the GPU's gpu_blur="conditional")
                 x = fn.gaussian_blur(x, sigma=sigma)
         else:
             x = fn.gaussian_blur(x, sigma=sigma)

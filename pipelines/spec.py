@@ -45,7 +45,7 @@ class DecoderHints:
     size_hint_px: int = 0              # image side the decoder preallocates its buffers for (the dataset's max); 0: none
 
 
-GpuBlur = Literal["gaussian", "filter"]           # the DALI GPU graph's blur (`dali_graph.colour_ops`)
+GpuBlur = Literal["gaussian", "filter", "conditional"]   # the DALI GPU graph's blur (`dali_graph.colour_ops`)
 GraphDtype = Literal["float32", "uint8"]          # the DALI graph's view outputs (`dali_graph.graph`)
 GpuContrast = Literal["device", "host"]           # where the DALI GPU graph makes the contrast offset (`colour_ops`)
 
@@ -71,6 +71,7 @@ class LoaderSpec:
     subset: tuple[int, ...] | None = None  # only these records of the split (sorted dataset indices), e.g. labelled ones
     channels_last: bool = False        # views in a channels-last network's memory layout (DALI; others: NCHW)
     gpu_blur: GpuBlur = "gaussian"     # the DALI GPU graph's blur: "gaussian" (DALI's, every sample) | "filter" (`dali_graph`)
+                                       # | "conditional" (DALI's, only the samples that drew it, as the CPU graph)
     graph_dtype: GraphDtype = "float32"  # the DALI graph's views: "float32" (normalised in the graph) | "uint8"
                                        # (normalised on the device by `batch.normalize`: a quarter of the bytes)
     gpu_contrast: GpuContrast = "device"  # the DALI GPU graph's contrast offset: made on the device and added after a

@@ -54,7 +54,8 @@ class DataConfig:
     hw_decoder_load: float = DecoderHints.hw_load   # DALI on a GPU: share of the JPEGs for the hardware decoder
     decode_size_hint_px: int = 0    # DALI on a GPU: image side the decoder preallocates for; 0: none
     gpu_blur: GpuBlur = "gaussian"  # DALI on a GPU: "gaussian" (DALI's blur, every sample) | "filter" (one pass of
-                                    # per-sample kernels made on the host, 1 x 1 where none was drawn)
+                                    # per-sample kernels made on the host, 1 x 1 where none was drawn) | "conditional"
+                                    # (DALI's blur on the samples that drew it only, as the CPU graph)
     graph_dtype: GraphDtype = "float32"   # DALI: views normalised in the graph, or "uint8" normalised on the device
     gpu_contrast: GpuContrast = "device"  # DALI on a GPU: the contrast offset made on the device (a float pass, an
                                     # add, a cast) | "host": each view's mean copied back, one uint8 colour pass

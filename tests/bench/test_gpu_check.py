@@ -138,9 +138,10 @@ def test_the_training_section_times_the_high_priority_stream_beside_the_default_
 @pytest.mark.slow
 def test_the_later_sections_make_the_contrast_offset_where_the_views_section_found_it_faster(
         tmp_path) -> None:
-    """`--gpu-contrast faster` (the default): the views section times the contrast offset made on the
-    host beside the default's, and the cores, training and loader sections then run the faster of the
-    two; a named place is taken as it is. Tried on the CPU with tiny sizes."""
+    """`--gpu-contrast faster` and `--gpu-blur faster` (the defaults): the views section times the
+    contrast offset made on the host and the blur in a conditional beside the default graph, and the
+    cores, training and loader sections then run, for each, the faster; a named one is taken as it is.
+    Tried on the CPU with tiny sizes."""
     import json
 
     from bench.gpu_check import main
@@ -154,8 +155,12 @@ def test_the_later_sections_make_the_contrast_offset_where_the_views_section_fou
     v = r["views"]
     assert "error" not in v, v.get("traceback")
     assert v["hostcontrast_vs_device"] == v["relicv2-hostcontrast"]["img_per_s"] / v["relicv2"]["img_per_s"]
-    faster = "host" if v["hostcontrast_vs_device"] > 1 else "device"
-    assert r["cores"]["gpu_contrast"] == r["train"]["config"]["data"]["gpu_contrast"] == faster
-    assert r["loader"]["gpu_contrast"] == r["loader"]["settings"]["gpu_contrast"] == faster
-    named = report("--sections", "cores", "--gpu-contrast", "host")
-    assert named["cores"]["gpu_contrast"] == "host" and named["cores"]["rows"][0]["img_per_s"] > 0
+    assert v["condblur_vs_every_sample"] == v["relicv2-condblur"]["img_per_s"] / v["relicv2"]["img_per_s"]
+    faster = {"gpu_contrast": "host" if v["hostcontrast_vs_device"] > 1 else "device",
+              "gpu_blur": "conditional" if v["condblur_vs_every_sample"] > 1 else "gaussian"}
+    assert r["cores"]["graph"] == r["loader"]["graph"] == faster
+    assert {k: r["train"]["config"]["data"][k] for k in faster} == faster
+    assert {k: r["loader"]["settings"][k] for k in faster} == faster
+    named = report("--sections", "cores", "--gpu-contrast", "host", "--gpu-blur", "filter")
+    assert named["cores"]["graph"] == {"gpu_contrast": "host", "gpu_blur": "filter"}
+    assert named["cores"]["rows"][0]["img_per_s"] > 0

@@ -297,11 +297,13 @@ def test_a_box_of_side_zero_is_given_to_the_gpu_paste_where_it_pastes_nothing(mi
         assert np.array_equal(got, want), (i, anchors[i], shapes[i])
 
 
-@pytest.mark.parametrize("target", ["cpu", "cpu+gpu-branches", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("target", ["cpu", "cpu+gpu-branches", pytest.param("cuda", marks=pytest.mark.gpu),
+                                    pytest.param("cuda+conditional-blur", marks=pytest.mark.gpu)])
 def test_a_batch_where_no_sample_takes_a_branch_gives_the_views_without_it(shards, target: str) -> None:
     """Blur, solarize and the saliency composite drawn so rarely (p = 1e-6) that no sample of any
     view takes them: the views are those of the recipe without them, bit for bit (on the GPU, DALI 2.4
-    left an operator in a branch that no sample takes without shape or layout)."""
+    left an operator in a branch that no sample takes without shape or layout; `gpu_blur="conditional"`
+    puts the blur in such a branch)."""
     on = ViewGroup("v", 2, 16, area=(0.3, 1.0), jitter_p=0.8, brightness=0.4, contrast=0.4, blur_p=1e-6,
                    solarize_p=1e-6, saliency_p=1e-6)
     off = replace(on, blur_p=0.0, solarize_p=0.0, saliency_p=0.0)
@@ -309,9 +311,9 @@ def test_a_batch_where_no_sample_takes_a_branch_gives_the_views_without_it(shard
     views = []
     for g in (on, off):
         spec = LoaderSpec(root="", dataset="", split="train", recipe=Recipe("rare", (g,)), batch_size=8,
-                          device=device, seed=2)
-        views.append([b.global_views for b in on_host(dali_backend.DaliLoader(spec, shards,
-                                                                              gpu_branches=bool(branches)), device)])
+                          device=device, seed=2, gpu_blur="conditional" if branches == "conditional-blur" else "gaussian")
+        views.append([b.global_views for b in on_host(dali_backend.DaliLoader(
+            spec, shards, gpu_branches=branches == "gpu-branches"), device)])
     assert len(views[0]) == N // 8
     assert all(torch.equal(a, b) for a, b in zip(*views))
 

@@ -114,12 +114,12 @@ def test_the_loader_reports_its_graphs_operators_for_the_benches(root) -> None:
     assert line.startswith(f"dali operators per iteration, relicv2: GPU graph {counts['gpu_graph']['cpu']} cpu / ")
 
 
-@pytest.mark.parametrize("gpu_blur", ["gaussian", "filter"])
+@pytest.mark.parametrize("gpu_blur", ["gaussian", "filter", "conditional"])
 def test_the_gpu_branch_equals_the_cpu_branch_on_the_cpu_graph(root, gpu_blur: str) -> None:
     """The colour pass of the GPU graph (the contrast offset added on the device, then rounded) and its
-    blur (DALI's on every sample with a window of 1 where none was drawn, or one pass of per-sample
-    kernels made on the host, 1 x 1 where none was drawn) give the CPU graph's views (the offset as the
-    pass's argument, the blur in a conditional) to within one level."""
+    blur (DALI's on every sample with a window of 1 where none was drawn, one pass of per-sample
+    kernels made on the host, 1 x 1 where none was drawn, or DALI's in a conditional) give the CPU
+    graph's views (the offset as the pass's argument, the blur in a conditional) to within one level."""
     info = DatasetInfo.read(root, "synthetic", "train")
     recipe = load_recipe("byol", 32, 16)
     recipe = replace(recipe, groups=tuple(replace(g, jitter_p=1.0, blur_p=0.5) for g in recipe.groups))
@@ -183,6 +183,20 @@ def test_the_contrast_offset_made_on_the_host_leaves_one_colour_operator_a_view_
     assert device["CoordTransform"] == 12 and device["Cast"] == 6 and device["_ArithmeticGenericOp"] == 12
     assert host["CoordTransform"] == 6 and host["Cast"] == 0 and host["_ArithmeticGenericOp"] == 6   # solarize's 2 x 3
     assert sum(device.values()) - sum(host.values()) == 3 * 6
+
+
+def test_the_conditional_blur_blurs_only_the_views_that_may_skip_it_in_a_branch() -> None:
+    """`gpu_blur="conditional"`: relicv2's GPU graph blurs its 3 views of blur p 0.1 in a conditional (a
+    merge each, the samples that drew no blur skip the operator) and its 3 of p 1 on every sample, each
+    operator where DALI implements it, its arguments from the CPU."""
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=load_recipe("relicv2", 224, 96), batch_size=256,
+                      device="cuda", gpu_blur="conditional")
+    ops, _ = graph_operators(define_pipeline(spec, False, (0.5,) * 3, (0.25,) * 3, device_id=None)[0])
+    assert all(o.schema in REGISTRY[o.device] for o in ops)
+    assert not [o.schema for o in ops for dev, is_arg in o.inputs if is_arg and dev != "cpu"]
+    some = sum(0 < g.blur_p < 1 for g in spec.recipe.groups)
+    assert some == 3 and sum(o.schema == "_conditional__Merge" for o in ops) == some
+    assert sum(o.schema == "GaussianBlur" and o.device == "gpu" for o in ops) == 6
 
 
 def test_the_filter_blur_takes_host_kernels_and_replaces_every_gaussian_blur() -> None:
