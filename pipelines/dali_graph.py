@@ -330,9 +330,8 @@ def colour_ops(x, inputs: dict, tag: str, gpu_branches: bool = False, contrast_o
         sigma = inputs[f"{tag}/sigma"]
         if f"{tag}/blur_window" in inputs:                  # GPU: every sample, no-op windows
             x = fn.gaussian_blur(x, sigma=sigma, window_size=inputs[f"{tag}/blur_window"])
-        elif f"{tag}/blur" in inputs:
-            if inputs[f"{tag}/blur"]:                       # conditional: only the samples that drew it (CPU,
-                # or the GPU's gpu_blur="conditional")
+        elif f"{tag}/blur" in inputs:                       # the CPU graph's, and gpu_blur="conditional"
+            if inputs[f"{tag}/blur"]:                       # conditional: only the samples that drew it
                 x = fn.gaussian_blur(x, sigma=sigma)
         else:
             x = fn.gaussian_blur(x, sigma=sigma)
