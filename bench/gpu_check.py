@@ -25,8 +25,10 @@ ends in a drain (docs/benchmarks.md, "The GPU check's own figures"). So the base
   each view's contrast offset made on the host (`gpu_contrast="host"`: the view's mean copied back,
   one uint8 colour pass where the default has a float pass, an add and a cast; 36 GPU operators
   instead of 54) and with the blur in a conditional (`gpu_blur="conditional"`: the samples of the
-  views of blur p 0.1 that drew none skip it) against the default (until this measures them faster).
-  (The blur as per-sample host kernels, `gpu_blur="filter"`, and uint8 views normalised on the device,
+  views of blur p 0.1 that drew none skip it) against the default (until this measures them faster),
+  and the 6 views at twice `--batch-size` (as many images timed): whether the operators' set-up is a
+  fixed cost a batch, which a graph batch of several training batches would spread. (The blur as
+  per-sample host kernels, `gpu_blur="filter"`, and uint8 views normalised on the device,
   `graph_dtype="uint8"`, were timed here on 29 Nov 2026, 0.74× and 0.94×, and left the section.);
 - **cores** — the 6 views with the process pinned to 2, 4, 8 and all cores and as many reader workers
   (`data.num_workers=auto` takes 4 on a GPU: the best of the last such measurement), the contrast
@@ -111,12 +113,13 @@ KNOWN_FAILURES = (
 # Seconds each section takes on one H100 with 16 cores, for the budget and the sections' time limits:
 # measured on a GPU where the section ran as it is, computed from those runs where it changed since
 # (docs/benchmarks.md, "The GPU check's own figures").
-ESTIMATE_S = {"known": 75, "loader": 150, "views": 90, "cores": 60, "decoder": 55, "profile": 30, "train": 100,
+ESTIMATE_S = {"known": 75, "loader": 150, "views": 100, "cores": 60, "decoder": 55, "profile": 30, "train": 100,
               "tests": 160}
 TEST_PROCESSES = 4     # the gpu tests' processes: 4 ran them fastest on one GPU (docs/benchmarks.md)
-# The default sections' estimates add up to 560 s (views 90, cores 60, train 100, tests 160, loader 150):
-# the budget lets all five run in one call of the GPU machine (10 minutes at most).
-DEFAULT_BUDGET_S = 560.0
+# The default sections' estimates add up to 570 s (views 100, cores 60, train 100, tests 160, loader 150):
+# the budget lets all five run in one call of the GPU machine (10 minutes at most; they took 500 s on 29 Nov
+# with a views section of one cell fewer).
+DEFAULT_BUDGET_S = 570.0
 STOP_GRACE_S = 30      # seconds a test run stopped at its time limit has to write its report
 LOADER_WARMUP = 3      # untimed batches a loader run starts with (more for DataLoaders: `steady_batches`)
 LIMIT_X = 2            # a section still running at LIMIT_X times its estimate is stopped (`time_limit`)
@@ -230,28 +233,32 @@ def _view_recipes(a: argparse.Namespace) -> tuple[Recipe, Recipe]:
 
 
 def _make_gpu_loader(a: argparse.Namespace, recipe: Recipe, epoch: int, hw_load: float = DecoderHints.hw_load,
-                     cores: int | None = None, **graph: str):
+                     cores: int | None = None, batch_size: int | None = None, **graph: str):
     """The DALI loader of `recipe` on the bench's ImageNet-like JPEGs (the loader section's data), its
     decoder sending `hw_load` of the JPEGs to the hardware decoder, with `cores` workers (default
-    `--cores`) and the `graph` options (`LoaderSpec`'s gpu_contrast, gpu_blur, graph_dtype)."""
+    `--cores`), `batch_size` (default `--batch-size`) and the `graph` options (`LoaderSpec`'s
+    gpu_contrast, gpu_blur, graph_dtype)."""
     root, name = prepare("imagenet-like", Path(a.work) / "bench-data", a.n, a.quick, a.cores)
     loader = build_loader("dali", LoaderSpec(root=str(root), dataset=name, split="train", recipe=recipe,
-                                             batch_size=a.batch_size, device=a.device, num_workers=cores or a.cores,
+                                             batch_size=batch_size or a.batch_size, device=a.device,
+                                             num_workers=cores or a.cores,
                                              decoder=DecoderHints(hw_load=hw_load), **graph))
     loader.set_epoch(epoch)
     return loader
 
 
 def _gpu_cell(a: argparse.Namespace, recipe: Recipe, hw_load: float = DecoderHints.hw_load,
-              cores: int | None = None, **graph: str):
+              cores: int | None = None, batch_size: int | None = None, **graph: str):
     """An `in_rounds` cell: one steady-state run of the GPU graph of `recipe` (`_make_gpu_loader`); with
     `cores`, the process pinned to that many cores while it runs (DALI's threads and workers, made at the
-    pipeline's build, inherit it)."""
+    pipeline's build, inherit it); with `batch_size`, as many images timed as at `--batch-size`."""
+    batches = max(1, a.batches * a.batch_size // (batch_size or a.batch_size))
+
     def cell(rnd: int) -> dict:
         pinned = contextlib.nullcontext() if cores is None else pinned_to(cores)
         with pinned:
-            make = lambda e: _make_gpu_loader(a, recipe, rnd + e, hw_load, cores, **graph)  # noqa: E731
-            return {"img_per_s": list(time_loader(make, a.batches, LOADER_WARMUP, 1, a.device).img_per_s)}
+            make = lambda e: _make_gpu_loader(a, recipe, rnd + e, hw_load, cores, batch_size, **graph)  # noqa: E731
+            return {"img_per_s": list(time_loader(make, batches, LOADER_WARMUP, 1, a.device).img_per_s)}
     return cell
 
 
@@ -270,13 +277,14 @@ def pinned_to(cores: int):
 def run_views(a: argparse.Namespace) -> dict:
     """Steady-state images/s of the GPU graph with relicv2's 6 views, with its first large crop alone,
     with the 6 views' crops only and without blur, and the 6 views with the contrast offset made on the
-    host and with the blur in a conditional, timed in rounds."""
+    host, with the blur in a conditional, and at twice the batch, timed in rounds."""
     six, one = _view_recipes(a)
     cells = {r.name: r for r in (six, one, crops_only(six), without_blur(six))}
     timed = in_rounds(a.repeats, {**{name: _gpu_cell(a, r) for name, r in cells.items()},
                                   "relicv2-hostcontrast": _gpu_cell(a, six, gpu_contrast="host"),
-                                  "relicv2-condblur": _gpu_cell(a, six, gpu_blur="conditional")})
-    cells["relicv2-hostcontrast"] = cells["relicv2-condblur"] = six
+                                  "relicv2-condblur": _gpu_cell(a, six, gpu_blur="conditional"),
+                                  "relicv2-2xbatch": _gpu_cell(a, six, batch_size=2 * a.batch_size)})
+    cells["relicv2-hostcontrast"] = cells["relicv2-condblur"] = cells["relicv2-2xbatch"] = six
     out: dict = {"batch_size": a.batch_size}
     for name, recipe in cells.items():
         cell_ = timed[name]
@@ -289,6 +297,7 @@ def run_views(a: argparse.Namespace) -> dict:
     out["cost_6_vs_1"] = out["relicv2-1view"]["img_per_s"] / out["relicv2"]["img_per_s"]
     out["hostcontrast_vs_device"] = out["relicv2-hostcontrast"]["img_per_s"] / out["relicv2"]["img_per_s"]
     out["condblur_vs_every_sample"] = out["relicv2-condblur"]["img_per_s"] / out["relicv2"]["img_per_s"]
+    out["2xbatch_vs_batch"] = out["relicv2-2xbatch"]["img_per_s"] / out["relicv2"]["img_per_s"]
     return out
 
 
@@ -402,7 +411,8 @@ def table(report: dict) -> str:
                   f"without blur {v['relicv2-noblur']['img_per_s']:,.0f}; the contrast offset made on the host "
                   f"{v['relicv2-hostcontrast']['img_per_s']:,.0f} img/s ({v['hostcontrast_vs_device']:.2f}×); the "
                   f"blur in a conditional {v['relicv2-condblur']['img_per_s']:,.0f} img/s "
-                  f"({v['condblur_vs_every_sample']:.2f}×)"]
+                  f"({v['condblur_vs_every_sample']:.2f}×); at batch {2 * v['batch_size']} "
+                  f"{v['relicv2-2xbatch']['img_per_s']:,.0f} img/s ({v['2xbatch_vs_batch']:.2f}×)"]
     c = report.get("cores")
     if c and "error" not in c:
         lines += ["", f"GPU graph, 6 views, batch {c['batch_size']}, {_options(c.get('graph', DEFAULT_GRAPH))}, "
@@ -504,6 +514,9 @@ def targets(report: dict) -> list[str]:
     if "condblur_vs_every_sample" in v:
         out.append(f"blur in a conditional {v['condblur_vs_every_sample']:.2f}× on every sample "
                    "(> 1: make data.gpu_blur=conditional the default)")
+    if "2xbatch_vs_batch" in v:
+        out.append(f"the graph at twice the batch {v['2xbatch_vs_batch']:.2f}× (well above 1: its operators' fixed "
+                   "set-up bounds it, and a graph batch of several training batches would pay)")
     if "cost_6_vs_1" in v:
         out.append(f"6 views cost {v['cost_6_vs_1']:.2f}× 1 view (≤ {MAX_VIEW_COST}): "
                    + ("met" if v["cost_6_vs_1"] <= MAX_VIEW_COST else "missed"))
@@ -539,7 +552,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stop a section after this many seconds, writing its threads' stacks (default: twice "
                         "its estimate)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="skip a section whose estimate no longer fits (default 450 s; none with --quick)")
+                   help="skip a section whose estimate no longer fits (default 570 s; none with --quick)")
     p.add_argument("--batch-size", type=int, default=None, help="loader batch size (default 256; quick 8)")
     p.add_argument("--baseline-batch", type=int, default=None,
                    help="the torchvision baseline's batch size (default 32; quick 8): its rate per image does "

@@ -156,6 +156,7 @@ def test_the_later_sections_make_the_contrast_offset_where_the_views_section_fou
     assert "error" not in v, v.get("traceback")
     assert v["hostcontrast_vs_device"] == v["relicv2-hostcontrast"]["img_per_s"] / v["relicv2"]["img_per_s"]
     assert v["condblur_vs_every_sample"] == v["relicv2-condblur"]["img_per_s"] / v["relicv2"]["img_per_s"]
+    assert v["2xbatch_vs_batch"] == v["relicv2-2xbatch"]["img_per_s"] / v["relicv2"]["img_per_s"]
     faster = {"gpu_contrast": "host" if v["hostcontrast_vs_device"] > 1 else "device",
               "gpu_blur": "conditional" if v["condblur_vs_every_sample"] > 1 else "gaussian"}
     assert r["cores"]["graph"] == r["loader"]["graph"] == faster
