@@ -14,6 +14,12 @@ ones. Order, rank sharding, the reshuffle per epoch and the resume position are 
 resume, a `set_epoch` to another epoch). DALI's own checkpoint is kept only where the graph draws
 something itself (DACL's Binary Mixup masks).
 
+One run of the graph may make several training batches (`LoaderSpec.graph_batches`: its batch that many
+times the training batch), each read and drawn as alone, so that the graph's per-operator set-up is
+paid once for them all; the loader hands them out one by one, and they are the batches of runs of one
+(a mix's partner is moved to its batch's place in the run). A graph that draws itself refuses it: its
+state resumes at a run's start only.
+
 The training loop's thread only takes finished batches: the reading and drawing never run there, and
 neither do DALI's run (feeding the source's outputs into the pipeline, waiting for the iteration) nor
 the copies into the batch, which a taker thread does for the next batch while the loop trains on this
@@ -40,7 +46,7 @@ import threading
 import weakref
 from collections import Counter
 from concurrent.futures import Future, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields as dataclass_fields, replace
 from functools import cached_property
 from typing import Iterator, NamedTuple
 
@@ -65,7 +71,7 @@ from pipelines.dali_graph import NO_MASK_PNG, Draws, Outputs, dali_type, draw_in
 from pipelines.processes import (end_with_creator, fork_server, forking_workers, leave_signals_to_creator,
                                  proc_stat, running, worker_died)
 from pipelines.shards import ShardReader, image_size
-from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
+from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderError, LoaderSpec, Stream, derive_seed
 from pipelines.views import FIELDS
 
 
@@ -100,7 +106,8 @@ def shared_memory_bytes(spec: LoaderSpec, info: DatasetInfo) -> int:
     reader = ShardReader.open(info.dir / spec.split, info.count)
     largest = int(reader.cols[:, 2].max()) + (int(reader.cols[:, 4].max()) if info.reads_masks(spec.recipe) else 0)
     chunks = PIPELINE_PREFETCH + max(2, host_workers(spec))
-    return chunks * max(MIN_CHUNK_BYTES, 2 * spec.batch_size * (largest + INPUTS_BYTES_PER_SAMPLE))
+    samples = spec.batch_size * spec.graph_batches                 # a source batch: one run of the graph
+    return chunks * max(MIN_CHUNK_BYTES, 2 * samples * (largest + INPUTS_BYTES_PER_SAMPLE))
 
 
 def worker_start_method() -> str:
@@ -189,10 +196,10 @@ class BatchSource:
         state = {k: v for k, v in self.__dict__.items() if k != "usable"}
         return _received, ({**state, "_indices": None, "_pid": None}, os.getpid())
 
-    def position(self, iteration: int) -> tuple[int, int]:
-        """(epoch, batch number) of the pipeline's iteration `iteration` (`EpochOrder.schedule`'s order)."""
-        done = self.start[1] + iteration - self.first_iteration
-        return self.start[0] + done // len(self.order), done % len(self.order)
+    def position(self, iteration: int, j: int = 0) -> tuple[int, int]:
+        """(epoch, batch number) of the pipeline's iteration `iteration`, or of its training batch j where
+        an iteration makes several (`LoaderSpec.graph_batches`), in `EpochOrder.schedule`'s order."""
+        return self.order.after(self.start, (iteration - self.first_iteration) * self.spec.graph_batches + j)
 
     def batch(self, epoch: int, k: int) -> tuple[np.ndarray, list[bytes], Draws]:
         """(index (B,) int64, the encoded images, the draws) of batch k of `epoch`."""
@@ -209,18 +216,35 @@ class BatchSource:
         if self._pid != os.getpid():      # a worker: one torch thread (as DataLoader workers; OpenMP after fork)
             torch.set_num_threads(1)
             self._pid = os.getpid()
-        index, data, draws = self.batch(*self.position(info.iteration))
-        fed = [*_pack_bytes(data)]
+        # The iteration's training batches one after the other (one, unless `graph_batches` says more),
+        # each read and drawn as alone; a mix's partner, an index into the graph's batch, is moved to
+        # its training batch's place there (the pass-through partners stay the training batch's own).
+        made = [self.batch(*self.position(info.iteration, j)) for j in range(self.spec.graph_batches)]
+        index = np.concatenate([m[0] for m in made])
+        fed = [*_pack_bytes([b for m in made for b in m[1]])]
         if self.masks:       # the masks of samples that composite in some view; a 1-px stand-in for the rest
-            fed += _pack_bytes([self.reader.mask(int(i)) if n else NO_MASK_PNG for i, n in zip(index, draws.reads_mask)])
+            fed += _pack_bytes([self.reader.mask(int(i)) if n else NO_MASK_PNG
+                                for i, n in zip(index, np.concatenate([m[2].reads_mask for m in made]))])
+        bs = self.spec.batch_size
+        inputs = [{n: a + j * bs if n.endswith("/partner") else a for n, a in m[2].inputs.items()}   # `permute_batch`'s
+                  for j, m in enumerate(made)]
         for names in self.groups:
-            a = [draws.inputs[n] for n in names]
+            a = [_rows([d[n] for d in inputs]) for n in names]
             fed.append(np.stack(a, 1) if len(a) > 1 else a[0])                             # (B, n, ...)
         ids = [index[:, None].astype(np.int64), self.reader.labels[index][:, None]]
-        if draws.mix is None:
+        if made[0][2].mix is None:
             return fed + [np.concatenate(ids, 1)]
-        ids.append(draws.mix.partner.T.numpy().astype(np.int64))                          # (B, V)
-        return fed + [np.concatenate(ids, 1), np.ascontiguousarray(draws.mix_lam.T.numpy())]
+        ids.append(np.concatenate([m[2].mix.partner.T.numpy() for m in made]).astype(np.int64))   # (B, V)
+        return fed + [np.concatenate(ids, 1), np.ascontiguousarray(np.concatenate([m[2].mix_lam.T.numpy()
+                                                                                   for m in made]))]
+
+
+def _rows(parts: list) -> np.ndarray | list[np.ndarray]:
+    """One input of several training batches, as one: their rows concatenated (a list where the rows
+    are arrays of different shapes: `dali_graph.blur_kernels`)."""
+    if len(parts) == 1:
+        return parts[0]
+    return [r for p in parts for r in p] if isinstance(parts[0], list) else np.concatenate(parts)
 
 
 def _host(tl) -> np.ndarray | list[np.ndarray]:
@@ -264,11 +288,11 @@ def _feed(tls: list, dev: torch.device, buffers: ReusedBuffers, channels_last: b
 
 
 class _Ahead(NamedTuple):
-    """The batch the taker thread makes while the last one is used (`DaliLoader._ahead`)."""
+    """The run of the graph the taker thread makes while the last batches are used (`DaliLoader._ahead`)."""
 
-    position: tuple[int, int]        # (epoch, batch number) it is
+    position: tuple[int, int]        # (epoch, batch number) of its first training batch
     stream: object                   # the CUDA stream of its copies, or None
-    batch: Future                    # (Batch, debug outputs)
+    batch: Future                    # [(Batch, debug outputs)], a training batch each (`LoaderSpec.graph_batches`)
     checkpoint: Future | None        # a graph that draws itself: DALI's checkpoint taken before it ran
 
 
@@ -322,6 +346,9 @@ class DaliLoader(EpochLoader):
         self.masks = info.reads_masks(spec.recipe)
         self.order = EpochOrder(spec, info.count)
         self.draws_in_graph = draws_in_graph(spec)
+        if self.draws_in_graph and spec.graph_batches > 1:
+            raise LoaderError(f"graph_batches={spec.graph_batches} with a mix that draws in the graph (DACL's binary or "
+                              "Gaussian noise): its draws resume only at a run's start; use graph_batches=1")
         self._buffers = ReusedBuffers()              # CPU device: the views land in reused host memory
         self._pipe, self._pipe_at, self._out = None, None, Outputs()
         self._source: BatchSource | None = None
@@ -329,7 +356,9 @@ class DaliLoader(EpochLoader):
         self._dali_state: tuple[bytes, int] | None = None   # DALI checkpoint (and its iteration) to build from
         self._last: tuple[int, int] | None = None    # (epoch, batch number) of the last batch handed out
         self.last_debug: dict[str, np.ndarray] = {}  # debug: the graph's own draws of that batch
-        self._ahead: _Ahead | None = None            # the next batch, made by the taker thread
+        self._ahead: _Ahead | None = None            # the graph's next run, made by the taker thread
+        self._made: list[tuple[Batch, dict]] = []    # the last run's training batches not handed out, the first
+        self._made_at: tuple[int, int] | None = None  # at this position
         self._taker: Taker | None = None
         self._workers: list[tuple[int, str]] = []    # (pid, start time) of the pipeline's worker processes
 
@@ -404,32 +433,40 @@ class DaliLoader(EpochLoader):
             batch, self.last_debug = self._take(stream)
             self._last = self._position()
             o.advance()
-            self._pipe_at = self._position()
-            # The next batch, made while this one is used; first, where the graph draws itself, the
-            # checkpoint that names this position (one thread: it is taken before that batch is run).
-            self._taker = self._taker or Taker()
-            ckpt = self._taker.submit(self._checkpoint) if self.draws_in_graph else None
-            self._ahead = _Ahead(self._position(), stream, self._taker.submit(self._run, stream), ckpt)
+            if self._ahead is None:
+                # The graph's next run, made while this batch (and the last run's others) are used;
+                # first, where the graph draws itself, the checkpoint that names its position (one
+                # thread: it is taken before that run).
+                self._pipe_at = self.order.after(self._position(), len(self._made))
+                self._taker = self._taker or Taker()
+                ckpt = self._taker.submit(self._checkpoint) if self.draws_in_graph else None
+                self._ahead = _Ahead(self._pipe_at, stream, self._taker.submit(self._run, stream), ckpt)
             yield batch
 
     def _take(self, stream) -> tuple[Batch, dict]:
-        """The batch at the loader's position: the one the taker thread made ahead, else one it makes now
-        (the first batch, or after the position jumped: the pipeline is rebuilt).
+        """The batch at the loader's position: one the last run of the graph made, the first of the run
+        the taker thread made ahead, else the first of one it makes now (the first batch, or after the
+        position jumped: the pipeline is rebuilt).
 
         Raises:
             WorkerDiedError: a worker process of the pipeline ended while the loader waited (`_wait`).
         """
+        if self._made and self._made_at == self._position():
+            self._made_at = self.order.after(self._made_at, 1)
+            return self._made.pop(0)
         if self._ahead is not None and self._ahead.position == self._position():
             ahead, self._ahead = self._ahead, None
             made = self._wait(ahead.batch)
             if ahead.stream is not None and ahead.stream != stream:
                 stream.wait_stream(ahead.stream)     # copied on another stream (a consumer that changed it)
-            return made
-        if self._drop_ahead():
-            self._pipe_at = None                     # the pipeline made a batch past the position: rebuild
-        self._pipeline()
-        self._taker = self._taker or Taker()
-        return self._wait(self._taker.submit(self._run, stream))
+        else:
+            if self._drop_ahead():
+                self._pipe_at = None                 # the pipeline made a batch past the position: rebuild
+            self._pipeline()
+            self._taker = self._taker or Taker()
+            made = self._wait(self._taker.submit(self._run, stream))
+        self._made, self._made_at = made[1:], self.order.after(self._position(), 1)
+        return made[0]
 
     def _wait(self, made: Future) -> tuple[Batch, dict]:
         """`made`'s batch; while it is not there, every `WORKER_POLL_S`, a look whether the pipeline's worker
@@ -465,15 +502,18 @@ class DaliLoader(EpochLoader):
             self._taker = None
 
     def _drop_ahead(self) -> bool:
-        """Wait for the taker thread's batch and drop it; whether there was one."""
+        """Wait for the taker thread's run and drop it, and the last run's batches not handed out; whether
+        there was either."""
         ahead, self._ahead = self._ahead, None
+        made, self._made = self._made, []
         if ahead is not None:
             wait([ahead.batch])
-        return ahead is not None
+        return ahead is not None or bool(made)
 
-    def _run(self, stream) -> tuple[Batch, dict]:
-        """One iteration of the pipeline as a `Batch` on the spec's device (and the debug outputs), its
-        copies on `stream` (the consumer's). Runs on the taker thread (`_take`)."""
+    def _run(self, stream) -> list[tuple[Batch, dict]]:
+        """One iteration of the pipeline as its training batches (one, or `graph_batches`), each a `Batch`
+        on the spec's device (and its debug outputs), the copies on `stream` (the consumer's). Runs on
+        the taker thread (`_take`)."""
         s, out = self.spec, self._out
         dev = torch.device(s.device)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -495,7 +535,29 @@ class DaliLoader(EpochLoader):
             batch = Batch(**fields, index=ids[:, 0].contiguous(), label=ids[:, 1].contiguous(),
                           mix_lam=_tensor(passed["lam"], torch.float32, dev).T.contiguous() if mixed else None,
                           mix_partner=ids[:, 2:].T.contiguous() if mixed else None)
-        return batch, debug
+            if s.graph_batches == 1:
+                return [(batch, debug)]
+            bs = s.batch_size
+            return [(_rows_of(batch, j * bs, (j + 1) * bs, s.channels_last),
+                     {n: v[j * bs:(j + 1) * bs] for n, v in debug.items()}) for j in range(s.graph_batches)]
+
+
+def _rows_of(batch: Batch, start: int, stop: int, channels_last: bool) -> Batch:
+    """The samples [start, stop) of a graph run's `Batch` as a training batch of its own: every tensor
+    copied out contiguous (once, on the batch's device and stream), each view in its memory layout, so
+    that a training step gets what a run of one training batch gives it."""
+    def part(name: str, x: torch.Tensor | None) -> torch.Tensor | None:
+        if x is None:
+            return None
+        if name in ("index", "label"):
+            return x[start:stop].contiguous()
+        if x.ndim == 2:                                                   # mix_lam, mix_partner: (V, B)
+            return x[:, start:stop].contiguous()
+        if channels_last:                                                 # (V, B, 3, S, S) over (V, B, S, S, 3)
+            return x.permute(0, 1, 3, 4, 2)[:, start:stop].contiguous().permute(0, 1, 4, 2, 3)
+        return x[:, start:stop].contiguous()
+
+    return Batch(**{f.name: part(f.name, getattr(batch, f.name)) for f in dataclass_fields(batch)})
 
 
 def _unpack(nodes: dict, kinds: list) -> dict:
@@ -539,9 +601,10 @@ def define_pipeline(spec: LoaderSpec, masks: bool, mean, std, device_id: int | N
     workers = host_workers(spec)
     built: dict = {}
 
-    @pipeline_def(batch_size=spec.batch_size, num_threads=max(1, spec.num_workers), device_id=device_id, seed=seed,
-                  prefetch_queue_depth=PIPELINE_PREFETCH, enable_conditionals=True, enable_checkpointing=in_graph,
-                  checkpoint=checkpoint, py_num_workers=workers, py_start_method=start_method)
+    @pipeline_def(batch_size=spec.batch_size * spec.graph_batches, num_threads=max(1, spec.num_workers),
+                  device_id=device_id, seed=seed, prefetch_queue_depth=PIPELINE_PREFETCH, enable_conditionals=True,
+                  enable_checkpointing=in_graph, checkpoint=checkpoint, py_num_workers=workers,
+                  py_start_method=start_method)
     def pipe():
         if source is None:         # defined only: one named input per output of the callback
             nodes = [fn.external_source(name=name, dtype=dali_type(t), ndim=n) for name, t, n, _ in kinds]

@@ -76,6 +76,7 @@ class LoaderSpec:
                                        # (normalised on the device by `batch.normalize`: a quarter of the bytes)
     gpu_contrast: GpuContrast = "device"  # the DALI GPU graph's contrast offset: made on the device and added after a
                                        # float pass | "host": each view's mean copied back, one uint8 pass
+    graph_batches: int = 1             # DALI: training batches one run of the graph makes (its batch: this x batch_size)
     decoder: DecoderHints = field(default_factory=DecoderHints)
 
 
@@ -250,6 +251,11 @@ class EpochOrder:
                 yield epoch, k, idx[k * bs:(k + 1) * bs]
             epoch, first = epoch + 1, 0
 
+    def after(self, position: tuple[int, int], n: int) -> tuple[int, int]:
+        """The position (epoch, batch number) n batches after `position`, across epochs (`schedule`)."""
+        done = position[1] + n
+        return position[0] + done // len(self), done % len(self)
+
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.batches_done = 0
@@ -320,6 +326,9 @@ def check_spec(spec: LoaderSpec, info: DatasetInfo) -> None:
                           ("gpu_contrast", spec.gpu_contrast, GpuContrast)):
         if value not in typing.get_args(t):
             raise LoaderError(f"{key}={value!r} is not one of {', '.join(typing.get_args(t))}; pick one")
+    if isinstance(spec.graph_batches, bool) or not isinstance(spec.graph_batches, int) or spec.graph_batches < 1:
+        raise LoaderError(f"graph_batches={spec.graph_batches!r} must be a whole number of training batches, 1 or "
+                          "more; use 1 for one batch a run of the graph")
     try:
         check_mix(spec.mix)
     except ValueError as e:

@@ -59,6 +59,8 @@ class DataConfig:
     graph_dtype: GraphDtype = "float32"   # DALI: views normalised in the graph, or "uint8" normalised on the device
     gpu_contrast: GpuContrast = "device"  # DALI on a GPU: the contrast offset made on the device (a float pass, an
                                     # add, a cast) | "host": each view's mean copied back, one uint8 colour pass
+    graph_batches: int = 1          # DALI: training batches one run of its graph makes (the graph's batch: this x
+                                    # the per-process batch; its operators' set-up paid once for them all)
     num_workers: int | str = "auto"  # reader workers per process; "auto": its share of the cores, capped where measured (`train.setup.loader_workers`)
     num_classes: int = 10           # classes, for kNN / linear-probe evaluation; 0: an unlabelled dataset
     mix: MixSpec = field(default_factory=MixSpec)   # intra-batch mixes: pipelines.mixing.MixSpec's fields

@@ -611,6 +611,67 @@ def test_a_graph_that_draws_itself_is_run_ahead_and_resumes_at_the_batch_handed_
         assert torch.equal(b_mixed, mixed) and np.array_equal(b_mask, mask)
 
 
+@pytest.mark.parametrize("case", ["relic+sdmp", "rsa", "channels-last"])
+def test_a_graph_run_of_several_training_batches_hands_out_the_batches_of_runs_of_one(shards, device, case) -> None:
+    """`graph_batches=3` (one run of the graph makes 3 training batches, its operators' set-up paid once):
+    the same batches as runs of one, bit for bit, over two epochs whose batches (6) the runs straddle,
+    the mixes' partners moved to each batch's place in the run (SDMP), staged views (RSA), each view
+    channels-last and contiguous as a run of one gives it; then a resume and a close in the middle of
+    a run, and a jump to another epoch, as a loader of runs of one."""
+    recipe = {"relic+sdmp": RELIC, "rsa": RSA, "channels-last": RSA}[case]
+    mix = MixSpec("sdmp", alpha=1.0) if case == "relic+sdmp" else MixSpec()
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=with_mix_source(recipe, mix), batch_size=8,
+                      device=device, seed=4, mix=mix, channels_last=case == "channels-last")
+    one = dali_backend.DaliLoader(spec, shards)
+    three = dali_backend.DaliLoader(replace(spec, graph_batches=3), shards)
+
+    def same(a, b) -> None:
+        for f in ("global_views", "local_views", "weak_views", "mixed", "mix_lam", "mix_partner", "index", "label"):
+            x, y = getattr(a, f), getattr(b, f)
+            assert (x is None) == (y is None), f
+            if x is not None:
+                assert x.shape == y.shape and torch.equal(x.cpu(), y.cpu()), f
+                if x.ndim == 5:
+                    assert all(y[v].is_contiguous(memory_format=torch.channels_last if spec.channels_last else
+                                                  torch.contiguous_format) for v in range(y.shape[0])), f
+
+    for epoch in range(2):
+        one.set_epoch(epoch)
+        three.set_epoch(epoch)
+        pairs = list(zip(one, three, strict=True))
+        assert len(pairs) == N // 8 == 6
+        for a, b in pairs:
+            same(a, b)
+    one.set_epoch(2)
+    want = list(one)
+    three.set_epoch(2)
+    it = iter(three)
+    got = [next(it) for _ in range(4)]                       # the second run's first batch handed out
+    state = three.state_dict()
+    resumed = dali_backend.DaliLoader(replace(spec, graph_batches=3), shards)
+    resumed.load_state_dict(state)
+    got += list(resumed)
+    three.close()                                            # its second run's last batch not handed out
+    assert [b.index.tolist() for b in list(three)] == [b.index.tolist() for b in want[4:]]
+    for a, b in zip(want, got, strict=True):
+        same(a, b)
+    one.set_epoch(7)
+    three.set_epoch(7)
+    for a, b in zip(one, three, strict=True):
+        same(a, b)
+
+
+def test_a_graph_run_of_several_training_batches_is_refused_where_the_graph_draws_itself(shards) -> None:
+    """DACL's Binary Mixup draws its masks in the graph, whose state resumes at a run's start only: with
+    `graph_batches` above 1 the loader is refused in one line that says what to use."""
+    mix = MixSpec("dacl", alpha=0.5, dacl_noises=("binary",))
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=with_mix_source(MIX_RECIPE, mix), batch_size=8,
+                      mix=mix, graph_batches=2)
+    with pytest.raises(dali_backend.LoaderError, match="use graph_batches=1") as e:
+        dali_backend.DaliLoader(spec, shards)
+    assert "\n" not in str(e.value)
+
+
 def _dali_shared_memory(pids: list[int]) -> int:
     """Bytes of the DALI shared-memory chunks these processes hold (each file counted once)."""
     seen = {}

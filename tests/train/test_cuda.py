@@ -88,3 +88,17 @@ def test_training_on_a_high_priority_stream_trains_as_on_the_default_one(tiny_ar
         assert high[step] == pytest.approx(default[step], rel=1e-5, abs=1e-6), step
     with training_stream(torch.device("cpu"), "high") as stream:
         assert stream is None
+
+
+def test_a_graph_run_of_two_training_batches_trains_as_runs_of_one(tiny_args, tmp_path, deterministic) -> None:
+    """`data.graph_batches=2` (one run of the DALI GPU graph makes 2 training batches): the steps train
+    on the batches of runs of one, so the losses are those of `data.graph_batches=1`, through an epoch
+    boundary, channels-last and bf16 as in training."""
+    from train.launch import train
+
+    words = ["data.backend=dali", "run.device=cuda", "run.amp=true", "model.channels_last=true", "optim.steps=6"]
+    one = _losses(train(load_config([*tiny_args("byol", tmp_path / "a"), *words, "data.graph_batches=1"])))
+    two = _losses(train(load_config([*tiny_args("byol", tmp_path / "b"), *words, "data.graph_batches=2"])))
+    assert sorted(one) == sorted(two) == list(range(1, 7))
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-5, abs=1e-6), step
