@@ -687,9 +687,11 @@ def _dali_shared_memory(pids: list[int]) -> int:
 
 
 @pytest.mark.slow
-def test_the_shared_memory_estimate_bounds_what_dali_s_workers_hold(tmp_path) -> None:
+@pytest.mark.parametrize("batch_size, graph_batches", [(128, 1), (64, 2)])
+def test_the_shared_memory_estimate_bounds_what_dali_s_workers_hold(tmp_path, batch_size, graph_batches) -> None:
     """`shared_memory_bytes` (what the run checks /dev/shm against) is an upper bound of the chunks DALI's
-    workers and pipeline hold after epochs of batches larger than DALI's smallest chunk, and within 4x."""
+    workers and pipeline hold after epochs of batches larger than DALI's smallest chunk, and within 4x;
+    a run of the graph that makes 2 training batches holds what their samples take."""
     from pipelines.loader import build_loader, shared_memory_bytes
     from pipelines.processes import descendants
     from pipelines.views import load_recipe
@@ -697,7 +699,7 @@ def test_the_shared_memory_estimate_bounds_what_dali_s_workers_hold(tmp_path) ->
 
     prepare_dataset("synthetic", tmp_path, workers=1, train_size=256, val_size=2, image_px=64, seed=0)
     spec = LoaderSpec(root=str(tmp_path), dataset="synthetic", split="train", recipe=load_recipe("byol", 32, 16),
-                      batch_size=128, num_workers=8)
+                      batch_size=batch_size, num_workers=8, graph_batches=graph_batches)
     estimate = shared_memory_bytes("dali", spec)
     loader = build_loader("dali", spec)
     peak = 0
