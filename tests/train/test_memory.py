@@ -20,3 +20,15 @@ def test_saved_activations_grow_linearly_with_the_batch_and_with_the_views() -> 
     assert 0 < large.fits < small.fits and large.fits % 2 == 0
     per_image = (small.activations_mib_per_image + small.views_mib_per_image) / 1024     # GiB
     assert small.fits == int((0.8 - small.fixed_gib) / per_image) // 2 * 2
+
+
+def test_runs_of_several_training_batches_hold_more_views_on_the_device() -> None:
+    """With `data.graph_batches=k` the DALI loader holds runs of k batches (DALI's queue of 2, the one
+    made ahead, the one in use, and the copy its batches are cut from): 4 batches of views at k=1, 5k
+    above, and the estimate counts them."""
+    from train.memory import prefetched_batches
+
+    assert [prefetched_batches(k) for k in (1, 2, 3)] == [4, 10, 15]
+    one = estimate(load_config(["method=byol", "data=synthetic"]), gpu_gib=1.0, batches=(4, 6))
+    two = estimate(load_config(["method=byol", "data=synthetic", "data.graph_batches=2"]), gpu_gib=1.0, batches=(4, 6))
+    assert two.views_mib_per_image == pytest.approx(2.5 * one.views_mib_per_image) and two.fits < one.fits
