@@ -54,8 +54,9 @@ ends in a drain (docs/benchmarks.md, "The GPU check's own figures"). So the base
 - **decoder** (when named) — the 6 views and 1 view with each share of the JPEGs sent to the hardware
   decoder in `HW_LOADS` (the rest on nvJPEG's hybrid path: the CPU's threads and CUDA cores);
 - **profile** (when named) — the device's work per steady-state batch of the GPU graph, 6 views (the
-  contrast offset made on the device and on the host) and 1 view (`bench.timing.profile_kernels`: every kernel and copy the process launched, DALI's included):
-  the device busy against the batch's wall time, launches per batch, the kernels that take the most;
+  contrast offset made on the device and on the host) and 1 view (`bench.timing.profile_kernels`: every
+  kernel and copy the process launched, DALI's included): the device busy against the batch's wall
+  time, launches per batch, the kernels that take the most;
 - **known** (when named) — the 7 `gpu` tests that failed on the first GPU run (docs/benchmarks.md;
   they have passed since): ResizeMix and CutMix on the GPU graph, relicv2 with saliency masks, SDMP's
   resume on CUDA.
@@ -302,8 +303,8 @@ def run_views(a: argparse.Namespace) -> dict:
 
 DEFAULT_GRAPH = {"gpu_contrast": "device", "gpu_blur": "gaussian", "graph_batches": 1}
 # the views section's cell of each option's alternative, by option: (its ratio to the default, the alternative)
-ALTERNATIVES = {"gpu_contrast": ("hostcontrast_vs_device", "host"), "gpu_blur": ("condblur_vs_every_sample", "conditional"),
-                "graph_batches": ("graph2_vs_graph1", 2)}
+ALTERNATIVES = {"gpu_contrast": ("hostcontrast_vs_device", "host"),
+                "gpu_blur": ("condblur_vs_every_sample", "conditional"), "graph_batches": ("graph2_vs_graph1", 2)}
 
 
 def faster_graph(a: argparse.Namespace, report: dict) -> dict:

@@ -347,8 +347,8 @@ class DaliLoader(EpochLoader):
         self.order = EpochOrder(spec, info.count)
         self.draws_in_graph = draws_in_graph(spec)
         if self.draws_in_graph and spec.graph_batches > 1:
-            raise LoaderError(f"graph_batches={spec.graph_batches} with a mix that draws in the graph (DACL's binary or "
-                              "Gaussian noise): its draws resume only at a run's start; use graph_batches=1")
+            raise LoaderError(f"graph_batches={spec.graph_batches} with a mix that draws in the graph (DACL's binary "
+                              "or Gaussian noise): its draws resume only at a run's start; use graph_batches=1")
         self._buffers = ReusedBuffers()              # CPU device: the views land in reused host memory
         self._pipe, self._pipe_at, self._out = None, None, Outputs()
         self._source: BatchSource | None = None
@@ -468,9 +468,9 @@ class DaliLoader(EpochLoader):
         self._made, self._made_at = made[1:], self.order.after(self._position(), 1)
         return made[0]
 
-    def _wait(self, made: Future) -> tuple[Batch, dict]:
-        """`made`'s batch; while it is not there, every `WORKER_POLL_S`, a look whether the pipeline's worker
-        processes live. Workaround, DALI 2.4.0 (upstream bug): a worker killed while it waited for a task
+    def _wait(self, made: Future) -> list[tuple[Batch, dict]]:
+        """`made`'s batches; while they are not there, every `WORKER_POLL_S`, a look whether the pipeline's
+        worker processes live. Workaround, DALI 2.4.0 (upstream bug): a worker killed while it waited for a task
         (the OOM killer) leaves DALI's task queue waiting for good for it to wake (its condition's
         `notify`), so the loader would wait for the batch for good instead of failing.
 

@@ -76,7 +76,7 @@ class LoaderSpec:
                                        # (normalised on the device by `batch.normalize`: a quarter of the bytes)
     gpu_contrast: GpuContrast = "device"  # the DALI GPU graph's contrast offset: made on the device and added after a
                                        # float pass | "host": each view's mean copied back, one uint8 pass
-    graph_batches: int = 1             # DALI: training batches one run of the graph makes (its batch: this x batch_size)
+    graph_batches: int = 1             # DALI: training batches one run of the graph makes (its batch: this x the batch)
     decoder: DecoderHints = field(default_factory=DecoderHints)
 
 

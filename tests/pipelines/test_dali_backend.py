@@ -310,8 +310,8 @@ def test_a_batch_where_no_sample_takes_a_branch_gives_the_views_without_it(shard
     device, _, branches = target.partition("+")
     views = []
     for g in (on, off):
-        spec = LoaderSpec(root="", dataset="", split="train", recipe=Recipe("rare", (g,)), batch_size=8,
-                          device=device, seed=2, gpu_blur="conditional" if branches == "conditional-blur" else "gaussian")
+        spec = LoaderSpec(root="", dataset="", split="train", recipe=Recipe("rare", (g,)), batch_size=8, device=device,
+                          seed=2, gpu_blur="conditional" if branches == "conditional-blur" else "gaussian")
         views.append([b.global_views for b in on_host(dali_backend.DaliLoader(
             spec, shards, gpu_branches=branches == "gpu-branches"), device)])
     assert len(views[0]) == N // 8
