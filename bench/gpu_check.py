@@ -27,9 +27,9 @@ ends in a drain (docs/benchmarks.md, "The GPU check's own figures"). So the base
   instead of 54) and with the blur in a conditional (`gpu_blur="conditional"`: the samples of the
   views of blur p 0.1 that drew none skip it) and with one run of the graph making 2 training batches
   (`graph_batches=2`: its operators' host set-up paid once for both) against the default (until this
-  measures them faster). (The blur as
-  per-sample host kernels, `gpu_blur="filter"`, and uint8 views normalised on the device,
-  `graph_dtype="uint8"`, were timed here on 29 Nov 2026, 0.74× and 0.94×, and left the section.);
+  measures them faster). (The blur as per-sample host kernels, `gpu_blur="filter"`, and uint8 views
+  normalised on the device, `graph_dtype="uint8"`, were timed here on 29 Nov 2026, 0.74× and 0.94×,
+  and left the section.);
 - **cores** — the 6 views with the process pinned to 2, 4, 8 and all cores and as many reader workers
   (`data.num_workers=auto` takes 4 on a GPU: the best of the last such measurement), the contrast
   offset, the blur and the training batches a run of the graph makes as `--gpu-contrast`, `--gpu-blur`
@@ -39,7 +39,7 @@ ends in a drain (docs/benchmarks.md, "The GPU check's own figures"). So the base
   DALI GPU loader against the same steps fed one batch already on the device (the data stall), 40
   timed steps a round, the median of 3 rounds (fewer could not tell a 1 % stall from noise);
   `--graph-dtype uint8` feeds it uint8 views normalised on the device (`data.graph_dtype`); the
-  contrast offset and the blur as in the cores section;
+  graph's other options as in the cores section;
   `--train-stream both` adds a run a round training on a CUDA stream of the highest priority, above the
   graph's (`run.train_stream=high`), and its stall;
 - **tests** — the `gpu` tests (but those of **known** when it runs too; `--tests all`: the whole
