@@ -249,7 +249,8 @@ def _mix_inputs(mix: MixSpec, d: MixDraw, lam: torch.Tensor, size: int) -> dict[
             out["mix/resizemix_size"] = np.maximum(shape[:, 1], 1).astype(np.float32)
     else:
         for v in range(d.partner.shape[0]):
-            out[f"mix/{v}/partner"] = d.partner[v].numpy().astype(np.int32)
+            if set(mix.dacl_noises) != {"gaussian"}:    # the Gaussian-noise baseline mixes in no partner
+                out[f"mix/{v}/partner"] = d.partner[v].numpy().astype(np.int32)
             if {"linear", "geometric"} & set(mix.dacl_noises):
                 out[f"mix/{v}/lam"], out[f"mix/{v}/lam_other"] = d.lam[v].numpy(), (1 - d.lam[v]).numpy()
             if "binary" in mix.dacl_noises:
@@ -435,7 +436,7 @@ def mixes(spec: LoaderSpec, views: dict[str, object], inputs: dict, device: str,
                 continue
             out.append(_sdmp(tuple(mix.sdmp_mixers), x, xp, inputs, size))
         else:
-            xp = fn.permute_batch(x, indices=inputs[f"mix/{v}/partner"])
+            xp = fn.permute_batch(x, indices=inputs[f"mix/{v}/partner"]) if f"mix/{v}/partner" in inputs else None
             keep = None
             if "binary" in mix.dacl_noises:
                 # Eq. (6)'s m ~ Bernoulli(rho) per pixel and channel: drawn here, on the graph's device
