@@ -136,8 +136,7 @@ def test_the_training_section_times_the_high_priority_stream_beside_the_default_
 
 
 @pytest.mark.slow
-def test_the_later_sections_run_the_graph_options_the_views_section_found_faster(
-        tmp_path) -> None:
+def test_the_later_sections_run_the_graph_options_the_views_section_found_faster(tmp_path) -> None:
     """`--gpu-contrast`, `--gpu-blur` and `--graph-batches` at "faster" (the defaults): the views section
     times the contrast offset made on the host, the blur in a conditional and 2 training batches a run
     of the graph beside the default graph, and the cores, training and loader sections then run, for
