@@ -199,6 +199,20 @@ def test_the_conditional_blur_blurs_only_the_views_that_may_skip_it_in_a_branch(
     assert sum(o.schema == "GaussianBlur" and o.device == "gpu" for o in ops) == 6
 
 
+def test_the_conditional_blur_gives_the_views_of_the_blur_on_every_sample(root) -> None:
+    """On the CPU graph with the GPU's branches, `gpu_blur="conditional"` (the samples that drew no blur
+    skip it) and the default (a window of 1 for them) give the same views to the bit: DALI's window for
+    a sigma is the 2·ceil(3σ)+1 the default passes."""
+    info = DatasetInfo.read(root, "synthetic", "train")
+    spec = LoaderSpec(root=str(root), dataset="synthetic", split="train", recipe=load_recipe("relicv2", 32, 16),
+                      batch_size=8, seed=5)
+    every = list(DaliLoader(spec, info, gpu_branches=True))
+    conditional = list(DaliLoader(replace(spec, gpu_blur="conditional"), info, gpu_branches=True))
+    assert len(every) == len(conditional) == 2
+    for a, b in zip(every, conditional):
+        assert torch.equal(a.global_views, b.global_views) and torch.equal(a.local_views, b.local_views)
+
+
 def test_the_filter_blur_takes_host_kernels_and_replaces_every_gaussian_blur() -> None:
     """`gpu_blur="filter"`: one Filter per blurred view of the GPU graph, its kernels a regular input from
     the host (the one CPU input of a GPU operator), no GaussianBlur, and no more GPU operators."""
