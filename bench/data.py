@@ -39,7 +39,7 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -79,9 +79,8 @@ class Settings:
     stages: bool = True                            # also time crops-only runs (the stage split)
     quick: bool = False                            # tiny images and views (tests, smoke checks)
     view_px: tuple[int, int] | None = None         # (global, local) view sides; None: each dataset's (`view_px`)
-    gpu_contrast: str = "device"                   # the DALI GPU graph's contrast offset (`LoaderSpec.gpu_contrast`)
-    gpu_blur: str = "gaussian"                     # the DALI GPU graph's blur (`LoaderSpec.gpu_blur`)
-    graph_batches: int = 1                         # training batches a run of the DALI graph makes
+    graph: dict = field(default_factory=dict)      # the DALI graph's `LoaderSpec` options (gpu_contrast, gpu_blur,
+                                                   # graph_batches); those not given: LoaderSpec's defaults
     out: Path = Path("reports/pipelines.json")     # the JSON report; the datasets are cached next to it
 
     def __post_init__(self) -> None:
@@ -135,8 +134,7 @@ def _backend_cell(s: Settings, work: Path, root: Path, name: str, be: str, devic
 
     def make(epoch: int, rec=recipe):
         spec = LoaderSpec(root=str(root), dataset=name, split="train", recipe=rec, batch_size=batch,
-                          seed=0, device=device, num_workers=s.cores, gpu_contrast=s.gpu_contrast,
-                          gpu_blur=s.gpu_blur, graph_batches=s.graph_batches)
+                          seed=0, device=device, num_workers=s.cores, **s.graph)
         loader = peers.build(backend, spec, work / "peer-folders")
         loader.set_epoch(epoch)
         return loader
@@ -311,7 +309,7 @@ def run(s: Settings) -> dict:
                      "worker_batch_size": s.worker_batch_size, "timed_batches": s.batches,
                      "warmup_batches": s.warmup_batches, "cores": s.cores, "device": s.device, "stages": s.stages,
                      "quick": s.quick, "sizes_px": {d: s.view_px or view_px(d, s.quick) for d in s.datasets},
-                     "gpu_contrast": s.gpu_contrast, "gpu_blur": s.gpu_blur, "graph_batches": s.graph_batches,
+                     "graph": s.graph,
                      "imagenet_like_image_px": QUICK_IMAGE_PX if s.quick else IMAGE_PX,
                      "jpeg_quality": schema.JPEG_QUALITY,
                      "statistic": "steady state after warm-up, median over repeats (min, max)"},

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import faulthandler
 import json
 import os
@@ -224,7 +225,7 @@ def run_loader(a: argparse.Namespace, graph: dict | None = None) -> dict:
         recipes=("relicv2",), datasets=("imagenet-like",), backends=("dali", "torchvision", "dali-plain"), n=a.n,
         repeats=a.repeats, batch_size=a.batch_size, worker_batch_size=a.baseline_batch, batches=a.batches,
         warmup_batches=LOADER_WARMUP, cores=a.cores, device=a.device, stages=False, quick=a.quick,
-        out=Path(a.work) / f"pipelines-b{a.batch_size}.json", **graph))
+        out=Path(a.work) / f"pipelines-b{a.batch_size}.json", graph=graph))
     return {**out, "graph": graph}
 
 
@@ -301,7 +302,8 @@ def run_views(a: argparse.Namespace) -> dict:
     return out
 
 
-DEFAULT_GRAPH = {"gpu_contrast": "device", "gpu_blur": "gaussian", "graph_batches": 1}
+DEFAULT_GRAPH = {f.name: f.default for f in dataclasses.fields(LoaderSpec)
+                 if f.name in ("gpu_contrast", "gpu_blur", "graph_batches")}
 # the views section's cell of each option's alternative, by option: (its ratio to the default, the alternative)
 ALTERNATIVES = {"gpu_contrast": ("hostcontrast_vs_device", "host"),
                 "gpu_blur": ("condblur_vs_every_sample", "conditional"), "graph_batches": ("graph2_vs_graph1", 2)}

@@ -67,7 +67,7 @@ from nvidia.dali.plugin.pytorch import feed_ndarray  # noqa: E402
 
 from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers, normalize
-from pipelines.dali_graph import NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs
+from pipelines.dali_graph import NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs, is_partner
 from pipelines.processes import (end_with_creator, fork_server, forking_workers, leave_signals_to_creator,
                                  proc_stat, running, worker_died)
 from pipelines.shards import ShardReader, image_size
@@ -226,8 +226,7 @@ class BatchSource:
             fed += _pack_bytes([self.reader.mask(int(i)) if n else NO_MASK_PNG
                                 for i, n in zip(index, np.concatenate([m[2].reads_mask for m in made]))])
         bs = self.spec.batch_size
-        inputs = [{n: a + j * bs if n.endswith("/partner") else a for n, a in m[2].inputs.items()}   # `permute_batch`'s
-                  for j, m in enumerate(made)]
+        inputs = [{n: a + j * bs if is_partner(n) else a for n, a in m[2].inputs.items()} for j, m in enumerate(made)]
         for names in self.groups:
             a = [_rows([d[n] for d in inputs]) for n in names]
             fed.append(np.stack(a, 1) if len(a) > 1 else a[0])                             # (B, n, ...)

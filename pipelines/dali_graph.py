@@ -221,6 +221,12 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
     return Draws(hw=hw, boxes=boxes, params=params, mix=mix, mix_lam=lam, inputs=inputs, reads_mask=reads_mask)
 
 
+def is_partner(name: str) -> bool:
+    """Whether graph input `name` is a mix's partner (`_mix_inputs`): indices into the graph's batch, for
+    `fn.permute_batch`."""
+    return name.startswith("mix/") and name.endswith("/partner")
+
+
 def _mix_inputs(mix: MixSpec, d: MixDraw, lam: torch.Tensor, size: int) -> dict[str, np.ndarray]:
     """The mixes' graph inputs from their draws (SDMP: one set for every view; DACL: per positive)."""
     out: dict[str, np.ndarray] = {}
@@ -348,8 +354,7 @@ def saliency(x, mask, start, end, size_px: int, level):
     """Background (mask < 0.5 on the same, possibly mirrored, window) replaced by gray `level`.
 
     As level + (x - level)·keep in uint8, whose wrap-around is arithmetic modulo 256: x where kept,
-    level elsewhere, in four arithmetic operators (each is one in DALI) and no cast, where
-    keep·x + (1 - keep)·level, cast back from int32, took seven."""
+    level elsewhere, in four arithmetic operators (each is one in DALI) and no cast."""
     m = fn.resize(mask, size=[size_px, size_px], roi_start=start, roi_end=end,
                   interp_type=types.INTERP_LINEAR, antialias=True)
     return level + (x - level) * (m >= 128)                               # (S, S, 1) bool broadcast over RGB

@@ -127,7 +127,9 @@ def build_checked_loader(backend: str, spec: LoaderSpec, batch: str, batch_key: 
     local = dist.local_world_size()
     check_shared_memory(2 * local * shared_memory_bytes(backend, spec),
                         f"the {backend} loaders of {local} process(es) ({batch}, {spec.num_workers} workers each)",
-                        f"lower {batch_key} or data.num_workers")
+                        f"lower {batch_key}, data.num_workers or data.graph_batches"
+                        if backend == "dali" and spec.graph_batches > 1
+                        else f"lower {batch_key} or data.num_workers")
     return build_loader(backend, spec)
 
 

@@ -119,6 +119,11 @@ def test_too_little_shared_memory_stops_the_run_in_one_line_naming_the_size(tiny
                                          r"data.num_workers"):
         build_train_loader(cfg, recipe, "torch", torch.device("cpu"))
     assert seen == [processes.SHM]
+    # a DALI graph run of several training batches holds them all: the line names that setting too
+    monkeypatch.setattr(processes.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**30, 2**30, 0))
+    runs = load_config(tiny_args("simclr", tmp_path, "data.num_workers=2", "data.graph_batches=2"))
+    with pytest.raises(LimitError, match=r"lower data.batch_size, data.num_workers or data.graph_batches$"):
+        build_train_loader(runs, recipe, "dali", torch.device("cpu"))
 
 
 def test_the_workers_default_to_each_process_s_share_of_the_cores_at_most_the_measured_best(monkeypatch) -> None:
