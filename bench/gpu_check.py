@@ -20,21 +20,23 @@ ends in a drain (docs/benchmarks.md, "The GPU check's own figures"). So the base
 `--baseline-batch` 32, on enough images (`--n`) that one epoch holds its whole steady-state run
 (`bench.timing.epoch_holds`).
 
-- **views** — the GPU graph with relicv2's 6 views against its first large crop alone, two
-  ablations of the 6 views (crops only: no colour, blur, solarize; without blur), and the 6 views with
-  each view's contrast offset made on the host (`gpu_contrast="host"`: the view's mean copied back,
-  one uint8 colour pass where the default has a float pass, an add and a cast; 36 GPU operators
-  instead of 54) and with the blur in a conditional (`gpu_blur="conditional"`: the samples of the
-  views of blur p 0.1 that drew none skip it) and with one run of the graph making 2 training batches
-  (`graph_batches=2`: its operators' host set-up paid once for both) against the default (until this
-  measures them faster). (The blur as per-sample host kernels, `gpu_blur="filter"`, and uint8 views
-  normalised on the device, `graph_dtype="uint8"`, were timed here on 29 Nov 2026, 0.74× and 0.94×,
-  and left the section.);
+- **views** — the GPU graph with relicv2's 6 views against its first large crop alone, an
+  ablation of the 6 views (crops only: no colour, blur, solarize), and the 6 views with each view's
+  contrast offset made on the host (`gpu_contrast="host"`: the view's mean copied back, one uint8
+  colour pass where the default has a float pass, an add and a cast; 36 GPU operators instead of 54),
+  with the blur in a conditional (`gpu_blur="conditional"`: the samples of the views of blur p 0.1
+  that drew none skip it), with one run of the graph making 2 training batches (`graph_batches=2`: its
+  operators' host set-up paid once for both) and with the graph stopping at the crops, finished by
+  batched torch ops on the device (`gpu_tail="torch"`: 6 GPU operators), against the default (until
+  this measures them faster). (The blur as per-sample host kernels, `gpu_blur="filter"`, and uint8
+  views normalised on the device, `graph_dtype="uint8"`, were timed here on 29 Nov 2026, 0.74× and
+  0.94×, and left the section; so did the ablation without blur, 11,425 and 11,282 img/s on 27 and 29
+  Nov, to make room for the torch tail.);
 - **cores** — the 6 views with the process pinned to 2, 4, 8 and all cores and as many reader workers
   (`data.num_workers=auto` takes 4 on a GPU: the best of the last such measurement), the contrast
-  offset, the blur and the training batches a run of the graph makes as `--gpu-contrast`, `--gpu-blur`
-  and `--graph-batches` say (default, each: the faster of the views section's two; so too in the
-  training and loader sections);
+  offset, the blur, the training batches a run of the graph makes and the tail as `--gpu-contrast`,
+  `--gpu-blur`, `--graph-batches` and `--gpu-tail` say (default, each: the faster of the views
+  section's two; so too in the training and loader sections);
 - **train** — ResNet-50 `relicv2` at 224/96, bf16, channels-last: `bench.train.time_steps` with the
   DALI GPU loader against the same steps fed one batch already on the device (the data stall), 40
   timed steps a round, the median of 3 rounds (fewer could not tell a 1 % stall from noise);
@@ -54,9 +56,9 @@ ends in a drain (docs/benchmarks.md, "The GPU check's own figures"). So the base
 - **decoder** (when named) — the 6 views and 1 view with each share of the JPEGs sent to the hardware
   decoder in `HW_LOADS` (the rest on nvJPEG's hybrid path: the CPU's threads and CUDA cores);
 - **profile** (when named) — the device's work per steady-state batch of the GPU graph, 6 views (the
-  contrast offset made on the device and on the host) and 1 view (`bench.timing.profile_kernels`: every
-  kernel and copy the process launched, DALI's included): the device busy against the batch's wall
-  time, launches per batch, the kernels that take the most;
+  contrast offset made on the device and on the host; the torch tail) and 1 view
+  (`bench.timing.profile_kernels`: every kernel and copy the process launched, DALI's included): the
+  device busy against the batch's wall time, launches per batch, the kernels that take the most;
 - **known** (when named) — the 7 `gpu` tests that failed on the first GPU run (docs/benchmarks.md;
   they have passed since): ResizeMix and CutMix on the GPU graph, relicv2 with saliency masks, SDMP's
   resume on CUDA.
@@ -87,11 +89,10 @@ import torch
 from bench import data as loader_bench
 from bench.datasets import CLASSES, prepare, view_px
 from bench.report import header, header_lines
-from bench.timing import (crops_only, in_rounds, profile_kernels, steady_batches, time_loader, views_per_sample,
-                          without_blur)
+from bench.timing import crops_only, in_rounds, profile_kernels, steady_batches, time_loader, views_per_sample
 from pipelines.errors import bad_input
 from pipelines.loader import build_loader
-from pipelines.spec import DecoderHints, GpuBlur, GpuContrast, GraphDtype, LoaderSpec
+from pipelines.spec import DecoderHints, GpuBlur, GpuContrast, GpuTail, GraphDtype, LoaderSpec
 from pipelines.views import Recipe, load_recipe
 
 # The GPU issue's targets on one H100 (steady state, batch 256, generated ImageNet-like JPEGs).
@@ -116,7 +117,7 @@ KNOWN_FAILURES = (
 # Seconds each section takes on one H100 with 16 cores, for the budget and the sections' time limits:
 # measured on a GPU where the section ran as it is, computed from those runs where it changed since
 # (docs/benchmarks.md, "The GPU check's own figures").
-ESTIMATE_S = {"known": 75, "loader": 150, "views": 100, "cores": 60, "decoder": 55, "profile": 30, "train": 100,
+ESTIMATE_S = {"known": 75, "loader": 150, "views": 100, "cores": 60, "decoder": 55, "profile": 40, "train": 100,
               "tests": 160}
 TEST_PROCESSES = 4     # the gpu tests' processes: 4 ran them fastest on one GPU (docs/benchmarks.md)
 # The default sections' estimates add up to 570 s (views 100, cores 60, train 100, tests 160, loader 150):
@@ -240,7 +241,7 @@ def _make_gpu_loader(a: argparse.Namespace, recipe: Recipe, epoch: int, hw_load:
     """The DALI loader of `recipe` on the bench's ImageNet-like JPEGs (the loader section's data), its
     decoder sending `hw_load` of the JPEGs to the hardware decoder, with `cores` workers (default
     `--cores`) and the `graph` options (`LoaderSpec`'s
-    gpu_contrast, gpu_blur, graph_batches, graph_dtype)."""
+    gpu_contrast, gpu_blur, graph_batches, gpu_tail, graph_dtype)."""
     root, name = prepare("imagenet-like", Path(a.work) / "bench-data", a.n, a.quick, a.cores)
     loader = build_loader("dali", LoaderSpec(root=str(root), dataset=name, split="train", recipe=recipe,
                                              batch_size=a.batch_size, device=a.device, num_workers=cores or a.cores,
@@ -276,16 +277,18 @@ def pinned_to(cores: int):
 
 def run_views(a: argparse.Namespace) -> dict:
     """Steady-state images/s of the GPU graph with relicv2's 6 views, with its first large crop alone,
-    with the 6 views' crops only and without blur, and the 6 views with the contrast offset made on the
-    host, with the blur in a conditional, and with a run of the graph making 2 training batches, timed
-    in rounds."""
+    with the 6 views' crops only, and the 6 views with the contrast offset made on the host, with the
+    blur in a conditional, with a run of the graph making 2 training batches and with the torch tail,
+    timed in rounds."""
     six, one = _view_recipes(a)
-    cells = {r.name: r for r in (six, one, crops_only(six), without_blur(six))}
+    cells = {r.name: r for r in (six, one, crops_only(six))}
     timed = in_rounds(a.repeats, {**{name: _gpu_cell(a, r) for name, r in cells.items()},
                                   "relicv2-hostcontrast": _gpu_cell(a, six, gpu_contrast="host"),
                                   "relicv2-condblur": _gpu_cell(a, six, gpu_blur="conditional"),
-                                  "relicv2-graph2": _gpu_cell(a, six, graph_batches=2)})
-    cells["relicv2-hostcontrast"] = cells["relicv2-condblur"] = cells["relicv2-graph2"] = six
+                                  "relicv2-graph2": _gpu_cell(a, six, graph_batches=2),
+                                  "relicv2-torchtail": _gpu_cell(a, six, gpu_tail="torch")})
+    for name in ("relicv2-hostcontrast", "relicv2-condblur", "relicv2-graph2", "relicv2-torchtail"):
+        cells[name] = six
     out: dict = {"batch_size": a.batch_size}
     for name, recipe in cells.items():
         cell_ = timed[name]
@@ -299,19 +302,21 @@ def run_views(a: argparse.Namespace) -> dict:
     out["hostcontrast_vs_device"] = out["relicv2-hostcontrast"]["img_per_s"] / out["relicv2"]["img_per_s"]
     out["condblur_vs_every_sample"] = out["relicv2-condblur"]["img_per_s"] / out["relicv2"]["img_per_s"]
     out["graph2_vs_graph1"] = out["relicv2-graph2"]["img_per_s"] / out["relicv2"]["img_per_s"]
+    out["torchtail_vs_graph"] = out["relicv2-torchtail"]["img_per_s"] / out["relicv2"]["img_per_s"]
     return out
 
 
 DEFAULT_GRAPH = {f.name: f.default for f in dataclasses.fields(LoaderSpec)
-                 if f.name in ("gpu_contrast", "gpu_blur", "graph_batches")}
+                 if f.name in ("gpu_contrast", "gpu_blur", "graph_batches", "gpu_tail")}
 # the views section's cell of each option's alternative, by option: (its ratio to the default, the alternative)
 ALTERNATIVES = {"gpu_contrast": ("hostcontrast_vs_device", "host"),
-                "gpu_blur": ("condblur_vs_every_sample", "conditional"), "graph_batches": ("graph2_vs_graph1", 2)}
+                "gpu_blur": ("condblur_vs_every_sample", "conditional"), "graph_batches": ("graph2_vs_graph1", 2),
+                "gpu_tail": ("torchtail_vs_graph", "torch")}
 
 
 def faster_graph(a: argparse.Namespace, report: dict) -> dict:
-    """The graph options of the cores, training and loader sections: `--gpu-contrast`, `--gpu-blur` and
-    `--graph-batches`, or for each one left at "faster" the alternative the views section timed where
+    """The graph options of the cores, training and loader sections: `--gpu-contrast`, `--gpu-blur`,
+    `--graph-batches` and `--gpu-tail`, or for each one left at "faster" the alternative the views section timed where
     it was faster than the default (the default where that section did not run)."""
     views = report.get("views", {})
     out = {}
@@ -353,13 +358,13 @@ def run_decoder(a: argparse.Namespace) -> dict:
 
 def run_profile(a: argparse.Namespace) -> dict:
     """The device's work per steady-state batch of the GPU graph: relicv2's 6 views (the contrast offset
-    made on the device and on the host) and 1 view (`profile_kernels`; the Chrome traces, gzipped,
-    beside the report)."""
+    made on the device and on the host; the crops finished by the torch tail) and 1 view
+    (`profile_kernels`; the Chrome traces, gzipped, beside the report)."""
     six, one = _view_recipes(a)
     out: dict = {"batch_size": a.batch_size}
-    for name, recipe, contrast in (("relicv2", six, "device"), ("relicv2-hostcontrast", six, "host"),
-                                   (one.name, one, "device")):
-        out[name] = profile_kernels(lambda r=recipe, c=contrast: _make_gpu_loader(a, r, 0, gpu_contrast=c),
+    for name, recipe, graph in (("relicv2", six, {}), ("relicv2-hostcontrast", six, {"gpu_contrast": "host"}),
+                                ("relicv2-torchtail", six, {"gpu_tail": "torch"}), (one.name, one, {})):
+        out[name] = profile_kernels(lambda r=recipe, g=graph: _make_gpu_loader(a, r, 0, **g),
                                     max(4, a.batches // 2), LOADER_WARMUP, a.device,
                                     trace=Path(a.out) / f"trace-{name}.json.gz")
     return out
@@ -411,12 +416,13 @@ def table(report: dict) -> str:
         lines += [f"GPU graph, batch {v['batch_size']}: 6 views (relicv2) {v['relicv2']['img_per_s']:,.0f} img/s, "
                   f"1 view {v['relicv2-1view']['img_per_s']:,.0f} img/s: "
                   f"6 views cost {v['cost_6_vs_1']:.2f}× one view; 6 views, crops only "
-                  f"{v['relicv2-crops']['img_per_s']:,.0f} img/s, "
-                  f"without blur {v['relicv2-noblur']['img_per_s']:,.0f}; the contrast offset made on the host "
+                  f"{v['relicv2-crops']['img_per_s']:,.0f} img/s; the contrast offset made on the host "
                   f"{v['relicv2-hostcontrast']['img_per_s']:,.0f} img/s ({v['hostcontrast_vs_device']:.2f}×); the "
                   f"blur in a conditional {v['relicv2-condblur']['img_per_s']:,.0f} img/s "
                   f"({v['condblur_vs_every_sample']:.2f}×); 2 training batches a run of the graph "
-                  f"{v['relicv2-graph2']['img_per_s']:,.0f} img/s ({v['graph2_vs_graph1']:.2f}×)"]
+                  f"{v['relicv2-graph2']['img_per_s']:,.0f} img/s ({v['graph2_vs_graph1']:.2f}×); the crops "
+                  f"finished by batched torch ops {v['relicv2-torchtail']['img_per_s']:,.0f} img/s "
+                  f"({v['torchtail_vs_graph']:.2f}×)"]
     c = report.get("cores")
     if c and "error" not in c:
         lines += ["", f"GPU graph, 6 views, batch {c['batch_size']}, {_options(c.get('graph', DEFAULT_GRAPH))}, "
@@ -521,6 +527,9 @@ def targets(report: dict) -> list[str]:
     if "graph2_vs_graph1" in v:
         out.append(f"2 training batches a run of the graph {v['graph2_vs_graph1']:.2f}× one (> 1: make "
                    "data.graph_batches=2 the GPU default; well above 1: try more)")
+    if "torchtail_vs_graph" in v:
+        out.append(f"crops finished by batched torch ops {v['torchtail_vs_graph']:.2f}× the graph's own tail "
+                   "(> 1: make data.gpu_tail=torch the GPU default)")
     if "cost_6_vs_1" in v:
         out.append(f"6 views cost {v['cost_6_vs_1']:.2f}× 1 view (≤ {MAX_VIEW_COST}): "
                    + ("met" if v["cost_6_vs_1"] <= MAX_VIEW_COST else "missed"))
@@ -576,6 +585,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graph-batches", default="faster",
                    help="training batches a run of the graph makes in the cores, training and loader sections "
                         "(data.graph_batches); faster: 2 where the views section found it faster than 1")
+    p.add_argument("--gpu-tail", default="faster", choices=("faster", *typing.get_args(GpuTail)),
+                   help="what finishes the crops in the cores, training and loader sections (data.gpu_tail); "
+                        "faster: the faster of the views section's two (the graph, batched torch ops)")
     p.add_argument("--train-stream", default="default", choices=("default", "high", "both"),
                    help="the training section's CUDA stream (run.train_stream); both: a third run a round, "
                         "training on the high-priority stream, beside the default one")

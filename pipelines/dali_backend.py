@@ -67,7 +67,9 @@ from nvidia.dali.plugin.pytorch import feed_ndarray  # noqa: E402
 
 from pipelines.augment import saliency_usable
 from pipelines.batch import Batch, ReusedBuffers, normalize
-from pipelines.dali_graph import NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs, is_partner
+from pipelines.dali_graph import (NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs, is_partner,
+                                  torch_tail)
+from pipelines.dali_tail import finish
 from pipelines.processes import (end_with_creator, fork_server, forking_workers, leave_signals_to_creator,
                                  proc_stat, running, worker_died)
 from pipelines.shards import ShardReader, image_size
@@ -154,8 +156,8 @@ def source_outputs(spec: LoaderSpec, masks: bool, gpu: bool) -> list[tuple[str, 
     inputs stacked along the sample's first axis, one output per group instead of one per input:
     relicv2's 42 inputs are 6 outputs; an input whose samples differ in shape, the blur kernels of
     `gpu_blur="filter"`, an output of its own), then the pass-through outputs "ids" (index, label and, with a
-    mix, the partner of each mixed view) and, with a mix, "lam" (of each mixed view). `gpu`: the GPU
-    graph's inputs (`dali_graph.draw_inputs`)."""
+    mix, the partner of each mixed view), with a mix "lam" (of each mixed view), and with the torch tail
+    "tail" (`dali_graph.tail_params`). `gpu`: the GPU graph's inputs (`dali_graph.draw_inputs`)."""
     out = [("image", np.dtype(np.uint8), 1, []), ("image_bytes", np.dtype(np.int32), 1, [])]
     if masks:
         out += [("mask", np.dtype(np.uint8), 1, []), ("mask_bytes", np.dtype(np.int32), 1, [])]
@@ -169,7 +171,8 @@ def source_outputs(spec: LoaderSpec, masks: bool, gpu: bool) -> list[tuple[str, 
     out += [(f"group/{dtype}" + "".join(f"x{n}" for n in shape), dtype, len(shape) + (len(names) > 1), names)
             for (dtype, shape), names in groups.items()] + ragged
     out.append(("ids", np.dtype(np.int64), 1, []))
-    return out + ([("lam", np.dtype(np.float32), 1, [])] if spec.mix.kind != "none" else [])
+    out += [("lam", np.dtype(np.float32), 1, [])] if spec.mix.kind != "none" else []
+    return out + ([("tail", np.dtype(np.float32), 2, [])] if torch_tail(spec, gpu) else [])
 
 
 class BatchSource:
@@ -231,6 +234,8 @@ class BatchSource:
             a = [_rows([d[n] for d in inputs]) for n in names]
             fed.append(np.stack(a, 1) if len(a) > 1 else a[0])                             # (B, n, ...)
         ids = [index[:, None].astype(np.int64), self.reader.labels[index][:, None]]
+        if made[0][2].tail is not None:       # the torch tail's parameters (no mix: the loader refuses one)
+            return fed + [np.concatenate(ids, 1), np.concatenate([m[2].tail for m in made])]
         if made[0][2].mix is None:
             return fed + [np.concatenate(ids, 1)]
         ids.append(np.concatenate([m[2].mix.partner.T.numpy() for m in made]).astype(np.int64))   # (B, V)
@@ -271,19 +276,26 @@ def _feed(tls: list, dev: torch.device, buffers: ReusedBuffers, channels_last: b
     `dev` by `batch.normalize` (on the current stream; its result keeps the layout)."""
     if not tls:
         return None
+    out = _land(tls, dev, None if stats is not None else buffers)
+    out = out.permute(0, 1, 4, 2, 3) if channels_last else out
+    return normalize(out, *stats) if stats is not None else out
+
+
+def _land(tls: list, dev: torch.device, buffers: ReusedBuffers | None = None) -> torch.Tensor:
+    """V dense DALI batches of one shape as one (V, B, ...) tensor on `dev`, one `feed_ndarray` each (device
+    to device on the current stream on a GPU): float32 into `buffers`' reused host memory on the CPU, or,
+    without `buffers`, uint8 into a new tensor."""
     dense = [tl.as_tensor() for tl in tls]                                 # (B, ...) each
     shape = (len(dense), *dense[0].shape())
     on_gpu = isinstance(tls[0], TensorListGPU)
-    if stats is not None:
+    if buffers is None:
         out = torch.empty(shape, dtype=torch.uint8, device=dev if on_gpu else "cpu")
     else:
         out = torch.empty(shape, dtype=torch.float32, device=dev) if on_gpu else buffers.take(shape)
     stream = torch.cuda.current_stream(dev) if on_gpu else None
     for v, t in enumerate(dense):
         feed_ndarray(t, out[v], cuda_stream=stream)
-    out = out.to(dev, non_blocking=True)
-    out = out.permute(0, 1, 4, 2, 3) if channels_last else out
-    return normalize(out, *stats) if stats is not None else out
+    return out.to(dev, non_blocking=True)
 
 
 class _Ahead(NamedTuple):
@@ -348,6 +360,14 @@ class DaliLoader(EpochLoader):
         if self.draws_in_graph and spec.graph_batches > 1:
             raise LoaderError(f"graph_batches={spec.graph_batches} with a mix that draws in the graph (DACL's binary "
                               "or Gaussian noise): its draws resume only at a run's start; use graph_batches=1")
+        if spec.gpu_tail == "torch" and spec.mix.kind != "none":
+            raise LoaderError(f"gpu_tail='torch' finishes the views only and makes no mix ({spec.mix.kind}); use "
+                              "gpu_tail=graph with a mix")
+        if spec.gpu_tail == "torch" and spec.graph_dtype != "float32":
+            raise LoaderError(f"gpu_tail='torch' normalises the views itself, graph_dtype={spec.graph_dtype!r} has "
+                              "nothing to do; use graph_dtype=float32")
+        self.tail = torch_tail(spec, spec.device.startswith("cuda") or gpu_branches)
+        self._tail_stream = None                     # a GPU's torch tail: its own stream (`_run`)
         self._buffers = ReusedBuffers()              # CPU device: the views land in reused host memory
         self._pipe, self._pipe_at, self._out = None, None, Outputs()
         self._source: BatchSource | None = None
@@ -439,7 +459,8 @@ class DaliLoader(EpochLoader):
                 self._pipe_at = self.order.after(self._position(), len(self._made))
                 self._taker = self._taker or Taker()
                 ckpt = self._taker.submit(self._checkpoint) if self.draws_in_graph else None
-                self._ahead = _Ahead(self._pipe_at, stream, self._taker.submit(self._run, stream), ckpt)
+                run_on = self._run_stream(stream)
+                self._ahead = _Ahead(self._pipe_at, run_on, self._taker.submit(self._run, run_on), ckpt)
             yield batch
 
     def _take(self, stream) -> tuple[Batch, dict]:
@@ -452,20 +473,40 @@ class DaliLoader(EpochLoader):
         """
         if self._made and self._made_at == self._position():
             self._made_at = self.order.after(self._made_at, 1)
-            return self._made.pop(0)
+            return self._used_on(self._made.pop(0), stream)
         if self._ahead is not None and self._ahead.position == self._position():
             ahead, self._ahead = self._ahead, None
-            made = self._wait(ahead.batch)
-            if ahead.stream is not None and ahead.stream != stream:
-                stream.wait_stream(ahead.stream)     # copied on another stream (a consumer that changed it)
+            made, run_on = self._wait(ahead.batch), ahead.stream
         else:
             if self._drop_ahead():
                 self._pipe_at = None                 # the pipeline made a batch past the position: rebuild
             self._pipeline()
             self._taker = self._taker or Taker()
-            made = self._wait(self._taker.submit(self._run, stream))
+            run_on = self._run_stream(stream)
+            made = self._wait(self._taker.submit(self._run, run_on))
+        if run_on is not None and run_on != stream:
+            stream.wait_stream(run_on)     # made on another stream (the torch tail's, or a consumer that changed)
         self._made, self._made_at = made[1:], self.order.after(self._position(), 1)
-        return made[0]
+        return self._used_on(made[0], stream)
+
+    def _run_stream(self, stream):
+        """The stream a run of the graph copies (and finishes) its batches on: the consumer's `stream`, or on
+        a GPU with the torch tail the tail's own stream, of the default priority (below a training stream
+        of the highest, `run.train_stream`), so that the tail's kernels overlap the training step's."""
+        if stream is None or not self.tail:
+            return stream
+        if self._tail_stream is None:
+            self._tail_stream = torch.cuda.Stream(stream.device)
+        return self._tail_stream
+
+    def _used_on(self, made: tuple[Batch, dict], stream) -> tuple[Batch, dict]:
+        """`made` handed to the consumer's `stream`: a batch made on the tail's stream has its memory kept
+        from that stream's next allocations until the consumer's work on it is done (`record_stream`)."""
+        if stream is not None and self.tail:
+            for f in dataclass_fields(made[0]):
+                if (x := getattr(made[0], f.name)) is not None:
+                    x.record_stream(stream)
+        return made
 
     def _wait(self, made: Future) -> list[tuple[Batch, dict]]:
         """`made`'s batches; while they are not there, every `WORKER_POLL_S`, a look whether the pipeline's
@@ -526,9 +567,17 @@ class DaliLoader(EpochLoader):
             passed = dict(zip(out.passed, outs[len(out.fields):]))
             debug = ({n: _host(tl) for n, tl in zip(out.debug, outs[len(out.fields) + len(out.passed):])}
                      if self.debug else {})
-            stats = (self.info.mean, self.info.std) if s.graph_dtype == "uint8" else None
-            fields = {f: _feed(views.get(f, []), dev, self._buffers, s.channels_last, stats)
-                      for f in (*FIELDS, "mixed")}
+            if out.tail:          # each crop group's views stacked, finished by batched torch ops (`dali_tail`)
+                crops: dict[str, list] = {}
+                for tag, tls in views.items():
+                    crops.setdefault(tag.rpartition("/")[0], []).extend(tls)
+                fields = finish({g: _land(tls, dev) for g, tls in crops.items()}, passed["tail"].as_array(),
+                                s.recipe, self.info.mean, self.info.std, s.channels_last)
+                fields["mixed"] = None
+            else:
+                stats = (self.info.mean, self.info.std) if s.graph_dtype == "uint8" else None
+                fields = {f: _feed(views.get(f, []), dev, self._buffers, s.channels_last, stats)
+                          for f in (*FIELDS, "mixed")}
             ids = _tensor(passed["ids"], torch.int64, dev)                   # (B, 2 + V) index, label, partners
             mixed = "lam" in passed
             batch = Batch(**fields, index=ids[:, 0].contiguous(), label=ids[:, 1].contiguous(),
@@ -615,9 +664,10 @@ def define_pipeline(spec: LoaderSpec, masks: bool, mean, std, device_id: int | N
         nodes = dict(zip([name for name, _, _, _ in kinds], nodes))
         out = built["out"] = graph(spec, _unpack(nodes, kinds), masks, mean, std,
                                    channels_last=spec.channels_last, debug=debug, seed=seed, gpu_branches=gpu_branches)
-        passed = [name for name in ("ids", "lam") if name in nodes]
+        passed = [name for name in ("ids", "lam", "tail") if name in nodes]
         out.passed = passed
-        on_device = [nodes[n].gpu() if spec.device.startswith("cuda") else nodes[n] for n in passed]
+        # the tail's parameters stay on the host: the loader picks the views that blur there
+        on_device = [nodes[n].gpu() if spec.device.startswith("cuda") and n != "tail" else nodes[n] for n in passed]
         n = len(out.fields)
         return tuple(out.nodes[:n] + on_device + out.nodes[n:])
 

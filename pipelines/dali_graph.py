@@ -24,7 +24,10 @@ the canvas, empty paste regions out of the canvas, masks decoded outside the con
 output leaves normalised (`crop_mirror_normalize`: the formula of `batch.normalize`), CHW, or HWC when
 a channels-last network takes it (then the loader hands out a permuted view, no copy); with
 `LoaderSpec.graph_dtype="uint8"` the views leave as uint8 and the loader normalises them on the device
-with `batch.normalize` (the data-stall option the GPU check measures).
+with `batch.normalize` (the data-stall option the GPU check measures). With `LoaderSpec.gpu_tail="torch"`
+the GPU graph stops at the crops (resize, flip, saliency composite): they leave as uint8 HWC, and the
+loader finishes them with batched torch operations on the device (`pipelines.dali_tail`), from the
+views' parameters that the source passes through (`tail_params`).
 
 Colour jitter + grayscale are one `fn.coord_transform` per view (`colour_matrices`): without the clamps
 the four torchvision ops compose to the same affine map in every order, so the random order only
@@ -49,9 +52,11 @@ from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 
 from pipelines.augment import GRAY_WEIGHTS, ViewParams, draw_color_params, draw_crop_boxes
+from pipelines.dali_tail import (TAIL_BLUR, TAIL_C, TAIL_M, TAIL_SIGMA, TAIL_SOLARIZE, TAIL_WIDTH, tail_views,
+                                 uses_colour, uses_contrast)
 from pipelines.mixing import MIXES, MixDraw, MixSpec, binary_rho, mix_lam, mix_source_views
 from pipelines.spec import LoaderSpec
-from pipelines.views import ViewGroup
+from pipelines.views import Recipe
 
 _INTERP = {"bilinear": types.INTERP_LINEAR, "bicubic": types.INTERP_CUBIC}
 _DALI_TYPES = {np.dtype(np.uint8): types.UINT8, np.dtype(np.int32): types.INT32, np.dtype(np.int64): types.INT64,
@@ -144,10 +149,31 @@ class Draws:
     mix_lam: torch.Tensor | None                         # (V, B) lam of each mixed view (Batch.mix_lam)
     inputs: dict[str, np.ndarray] = field(default_factory=dict)   # graph input name → (B, ...) batch
     reads_mask: np.ndarray | None = None                 # (B,) bool: the sample composites saliency in some view
+    tail: np.ndarray | None = None                       # (B, V, TAIL_WIDTH) the torch tail's inputs (`tail_params`)
 
 
-def _uses_colour(g: ViewGroup) -> bool:
-    return g.jitter_p > 0 and bool(g.brightness or g.contrast or g.saturation or g.hue) or g.gray_p > 0
+def torch_tail(spec: LoaderSpec, gpu: bool) -> bool:
+    """Whether the graph stops at the crops and `dali_tail` finishes them (`LoaderSpec.gpu_tail`): on the
+    GPU graph, and on the CPU graph that takes the GPU graph's branches (`gpu`)."""
+    return gpu and spec.gpu_tail == "torch"
+
+
+def tail_params(recipe: Recipe, params: dict[str, ViewParams], b: int) -> np.ndarray:
+    """Each view's parameters of the torch tail (`dali_tail`): its colour matrices (`colour_matrices`),
+    blur sigma and switch, solarize switch.
+
+    Returns:
+        (B, V, TAIL_WIDTH) float32, the views in `dali_tail.tail_views` order.
+    """
+    cols = []
+    for g in tail_views(recipe):
+        p, n = params[g.name], g.count * b
+        m, t = colour_matrices(p)
+        a = np.zeros((n, TAIL_WIDTH), np.float32)
+        a[:, TAIL_M], a[:, TAIL_C] = m.reshape(n, 9), t.reshape(n, 9)
+        a[:, TAIL_SIGMA], a[:, TAIL_BLUR], a[:, TAIL_SOLARIZE] = p.sigma.numpy(), p.blur.numpy(), p.solarize.numpy()
+        cols.append(a.reshape(g.count, b, TAIL_WIDTH))
+    return np.ascontiguousarray(np.concatenate(cols).transpose(1, 0, 2))
 
 
 def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks: bool,
@@ -162,7 +188,8 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
         usable: (B,) bool, `augment.saliency_usable` of the records' mask coverage.
         masks: whether the graph reads masks (`DatasetInfo.reads_masks`).
         gen: the batch's CPU generator (`EpochOrder.batch_seed`).
-        gpu: the inputs of the GPU graph's branches (`colour_ops`), not the CPU graph's.
+        gpu: the inputs of the GPU graph's branches (`colour_ops`), not the CPU graph's; with the torch
+            tail (`torch_tail`) no colour inputs, the views' `tail_params` instead.
 
     Returns:
         The draws, with `inputs` {name: (B, ...) numpy batch}; the names depend on the spec and `gpu`.
@@ -186,14 +213,15 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
             if masks and g.saliency_p > 0:
                 inputs[f"{tag}/saliency"], inputs[f"{tag}/level"] = sal[v], level[v]
                 reads_mask |= sal[v]
-    for g in recipe.crop_groups + recipe.by_role("staged"):
+    tail = tail_params(recipe, params, b) if torch_tail(spec, gpu) else None
+    for g in recipe.crop_groups + recipe.by_role("staged") if tail is None else ():
         p = params[g.name]
-        m, t = colour_matrices(p) if _uses_colour(g) else (None, None)
+        m, t = colour_matrices(p) if uses_colour(g) else (None, None)
         for v in range(g.count):
             tag, rows = f"{g.name}/{v}", slice(v * b, (v + 1) * b)
             if m is not None:
                 inputs[f"{tag}/colour"] = m[rows]
-                if g.jitter_p > 0 and g.contrast > 0:
+                if uses_contrast(g):
                     inputs[f"{tag}/contrast"] = t[rows]
             if g.blur_p > 0 and gpu and spec.gpu_blur == "filter":
                 inputs[f"{tag}/blur_kernel"] = blur_kernels(p.sigma[rows].numpy(), p.blur[rows].numpy())
@@ -218,7 +246,8 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
             mix = MIXES["sdmp"].sample(v, b, size, size, spec.mix, gen, "cpu")
         lam = mix_lam(mix, size, size)
         inputs.update(_mix_inputs(spec.mix, mix, lam, size))
-    return Draws(hw=hw, boxes=boxes, params=params, mix=mix, mix_lam=lam, inputs=inputs, reads_mask=reads_mask)
+    return Draws(hw=hw, boxes=boxes, params=params, mix=mix, mix_lam=lam, inputs=inputs, reads_mask=reads_mask,
+                 tail=tail)
 
 
 def is_partner(name: str) -> bool:
@@ -463,8 +492,10 @@ class Outputs:
     """The graph's outputs in order: each view's `Batch` field, the pass-through outputs (added by the
     pipeline's definition), then the debug nodes by name."""
 
-    fields: list[str] = field(default_factory=list)      # "global_views" | "local_views" | "weak_views" | "mixed"
+    fields: list[str] = field(default_factory=list)      # "global_views" | "local_views" | "weak_views" | "mixed";
+                                                         # with the torch tail each crop view's tag ("group/v")
     passed: list[str] = field(default_factory=list)      # the source's pass-through outputs (index, label, ...)
+    tail: bool = False                                   # the outputs are uint8 HWC crops for `dali_tail`
     debug: list[str] = field(default_factory=list)
     nodes: list = field(default_factory=list)
 
@@ -486,7 +517,7 @@ def graph(spec: LoaderSpec, inputs: dict, masks: bool, mean, std, *, channels_la
         channels_last: HWC outputs (a channels-last network's memory layout) instead of CHW.
         debug: also output the in-graph draws (Binary Mixup masks).
         seed: the seed of the in-graph random operator.
-        gpu_branches: a CPU graph takes the branches written for the GPU (`colour_ops`).
+        gpu_branches: a CPU graph takes the branches written for the GPU (`colour_ops`, `torch_tail`).
     """
     recipe = spec.recipe
     device = "gpu" if spec.device.startswith("cuda") else "cpu"
@@ -502,6 +533,7 @@ def graph(spec: LoaderSpec, inputs: dict, masks: bool, mean, std, *, channels_la
         # composites in no view brings a 1-px stand-in, `NO_MASK_PNG`), and only pixel operators
         # run inside the per-view branches.
         mask = fn.decoders.image(inputs["mask"], output_type=types.GRAY, **decoder)
+    tail = torch_tail(spec, device == "gpu" or gpu_branches)
     views: dict[str, object] = {}
     for g in recipe.crop_groups:
         for v in range(g.count):
@@ -512,7 +544,12 @@ def graph(spec: LoaderSpec, inputs: dict, masks: bool, mean, std, *, channels_la
             if f"{tag}/saliency" in inputs:
                 if inputs[f"{tag}/saliency"]:                # conditional: only the samples that drew it
                     x = saliency(x, mask, start, end, g.size_px, inputs[f"{tag}/level"])
-            views[tag] = colour_ops(x, inputs, tag, gpu_branches, spec.gpu_contrast)
+            views[tag] = x if tail else colour_ops(x, inputs, tag, gpu_branches, spec.gpu_contrast)
+    if tail:              # the crops leave as they are; `dali_tail` finishes them and makes the staged views
+        out = Outputs(tail=True)
+        for tag, x in views.items():
+            out.add(tag, x)
+        return out
     for g in recipe.by_role("staged"):
         for v in range(g.count):
             views[f"{g.name}/{v}"] = colour_ops(views[f"{g.parent}/{v}"], inputs, f"{g.name}/{v}", gpu_branches,

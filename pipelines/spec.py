@@ -48,6 +48,7 @@ class DecoderHints:
 GpuBlur = Literal["gaussian", "filter", "conditional"]   # the DALI GPU graph's blur (`dali_graph.colour_ops`)
 GraphDtype = Literal["float32", "uint8"]          # the DALI graph's view outputs (`dali_graph.graph`)
 GpuContrast = Literal["device", "host"]           # where the DALI GPU graph makes the contrast offset (`colour_ops`)
+GpuTail = Literal["graph", "torch"]               # what finishes the DALI GPU graph's crops (`dali_tail`)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class LoaderSpec:
     gpu_contrast: GpuContrast = "device"  # the DALI GPU graph's contrast offset: made on the device and added after a
                                        # float pass | "host": each view's mean copied back, one uint8 pass
     graph_batches: int = 1             # DALI: training batches one run of the graph makes (its batch: this x the batch)
+    gpu_tail: GpuTail = "graph"        # the DALI GPU graph's colour tail, blur, solarize and normalisation: in the
+                                       # graph | "torch": its crops out as uint8, finished by batched torch ops
     decoder: DecoderHints = field(default_factory=DecoderHints)
 
 
@@ -323,7 +326,7 @@ def check_spec(spec: LoaderSpec, info: DatasetInfo) -> None:
     if spec.mix.kind != "none" and not spec.drop_last:
         raise LoaderError("intra-batch mixes need full batches; use drop_last=True")
     for key, value, t in (("gpu_blur", spec.gpu_blur, GpuBlur), ("graph_dtype", spec.graph_dtype, GraphDtype),
-                          ("gpu_contrast", spec.gpu_contrast, GpuContrast)):
+                          ("gpu_contrast", spec.gpu_contrast, GpuContrast), ("gpu_tail", spec.gpu_tail, GpuTail)):
         if value not in typing.get_args(t):
             raise LoaderError(f"{key}={value!r} is not one of {', '.join(typing.get_args(t))}; pick one")
     if isinstance(spec.graph_batches, bool) or not isinstance(spec.graph_batches, int) or spec.graph_batches < 1:

@@ -28,7 +28,7 @@ import yaml
 
 from pipelines.loader import Backend
 from pipelines.mixing import MixSpec
-from pipelines.spec import DecoderHints, GpuBlur, GpuContrast, GraphDtype
+from pipelines.spec import DecoderHints, GpuBlur, GpuContrast, GpuTail, GraphDtype
 
 
 class ConfigError(ValueError):
@@ -61,6 +61,8 @@ class DataConfig:
                                     # add, a cast) | "host": each view's mean copied back, one uint8 colour pass
     graph_batches: int = 1          # DALI: training batches one run of its graph makes (the graph's batch: this x
                                     # the per-process batch; its operators' set-up paid once for them all)
+    gpu_tail: GpuTail = "graph"     # DALI on a GPU: the colour tail, blur, solarize and normalisation in the graph
+                                    # | "torch": the crops out as uint8, finished by batched torch ops on the device
     num_workers: int | str = "auto"  # reader workers per process; "auto": its share of the cores, capped where measured (`train.setup.loader_workers`)
     num_classes: int = 10           # classes, for kNN / linear-probe evaluation; 0: an unlabelled dataset
     mix: MixSpec = field(default_factory=MixSpec)   # intra-batch mixes: pipelines.mixing.MixSpec's fields

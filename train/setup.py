@@ -107,7 +107,8 @@ def build_train_loader(cfg: Config, recipe: Recipe, backend: str, device: torch.
         batch_size=per_process_batch(cfg.data.batch_size, world), mix=cfg.data.mix, rank=dist.rank(), world_size=world,
         seed=cfg.run.seed, device=str(device), num_workers=loader_workers(cfg, backend, device),
         channels_last=channels_last(cfg, device), decoder=decoder_hints(cfg), gpu_blur=cfg.data.gpu_blur,
-        graph_dtype=cfg.data.graph_dtype, gpu_contrast=cfg.data.gpu_contrast, graph_batches=cfg.data.graph_batches)
+        graph_dtype=cfg.data.graph_dtype, gpu_contrast=cfg.data.gpu_contrast, graph_batches=cfg.data.graph_batches,
+        gpu_tail=cfg.data.gpu_tail)
     return build_checked_loader(backend, spec, f"data.batch_size={cfg.data.batch_size}", "data.batch_size")
 
 

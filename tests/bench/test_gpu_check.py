@@ -137,10 +137,11 @@ def test_the_training_section_times_the_high_priority_stream_beside_the_default_
 
 @pytest.mark.slow
 def test_the_later_sections_run_the_graph_options_the_views_section_found_faster(tmp_path) -> None:
-    """`--gpu-contrast`, `--gpu-blur` and `--graph-batches` at "faster" (the defaults): the views section
-    times the contrast offset made on the host, the blur in a conditional and 2 training batches a run
-    of the graph beside the default graph, and the cores, training and loader sections then run, for
-    each, the faster; a named one is taken as it is. Tried on the CPU with tiny sizes."""
+    """`--gpu-contrast`, `--gpu-blur`, `--graph-batches` and `--gpu-tail` at "faster" (the defaults): the
+    views section times the contrast offset made on the host, the blur in a conditional, 2 training
+    batches a run of the graph and the torch tail beside the default graph, and the cores, training and
+    loader sections then run, for each, the faster; a named one is taken as it is. Tried on the CPU with
+    tiny sizes."""
     import json
 
     from bench.gpu_check import main
@@ -156,12 +157,16 @@ def test_the_later_sections_run_the_graph_options_the_views_section_found_faster
     assert v["hostcontrast_vs_device"] == v["relicv2-hostcontrast"]["img_per_s"] / v["relicv2"]["img_per_s"]
     assert v["condblur_vs_every_sample"] == v["relicv2-condblur"]["img_per_s"] / v["relicv2"]["img_per_s"]
     assert v["graph2_vs_graph1"] == v["relicv2-graph2"]["img_per_s"] / v["relicv2"]["img_per_s"]
+    assert v["torchtail_vs_graph"] == v["relicv2-torchtail"]["img_per_s"] / v["relicv2"]["img_per_s"]
     faster = {"gpu_contrast": "host" if v["hostcontrast_vs_device"] > 1 else "device",
               "gpu_blur": "conditional" if v["condblur_vs_every_sample"] > 1 else "gaussian",
-              "graph_batches": 2 if v["graph2_vs_graph1"] > 1 else 1}
+              "graph_batches": 2 if v["graph2_vs_graph1"] > 1 else 1,
+              "gpu_tail": "torch" if v["torchtail_vs_graph"] > 1 else "graph"}
     assert r["cores"]["graph"] == r["loader"]["graph"] == faster
     assert {k: r["train"]["config"]["data"][k] for k in faster} == faster
     assert r["loader"]["settings"]["graph"] == faster
-    named = report("--sections", "cores", "--gpu-contrast", "host", "--gpu-blur", "filter", "--graph-batches", "3")
-    assert named["cores"]["graph"] == {"gpu_contrast": "host", "gpu_blur": "filter", "graph_batches": 3}
+    named = report("--sections", "cores", "--gpu-contrast", "host", "--gpu-blur", "filter", "--graph-batches", "3",
+                   "--gpu-tail", "torch")
+    assert named["cores"]["graph"] == {"gpu_contrast": "host", "gpu_blur": "filter", "graph_batches": 3,
+                                       "gpu_tail": "torch"}
     assert named["cores"]["rows"][0]["img_per_s"] > 0

@@ -611,19 +611,23 @@ def test_a_graph_that_draws_itself_is_run_ahead_and_resumes_at_the_batch_handed_
         assert torch.equal(b_mixed, mixed) and np.array_equal(b_mask, mask)
 
 
-@pytest.mark.parametrize("case", ["relic+sdmp", "rsa", "channels-last"])
+@pytest.mark.parametrize("case", ["relic+sdmp", "rsa", "channels-last", "torch-tail"])
 def test_a_graph_run_of_several_training_batches_hands_out_the_batches_of_runs_of_one(shards, device, case) -> None:
     """`graph_batches=3` (one run of the graph makes 3 training batches, its operators' set-up paid once):
     the same batches as runs of one, bit for bit, over two epochs whose batches (6) the runs straddle,
     the mixes' partners moved to each batch's place in the run (SDMP), staged views (RSA), each view
-    channels-last and contiguous as a run of one gives it; then a resume and a close in the middle of
-    a run, and a jump to another epoch, as a loader of runs of one."""
-    recipe = {"relic+sdmp": RELIC, "rsa": RSA, "channels-last": RSA}[case]
+    channels-last and contiguous as a run of one gives it, the views finished by the torch tail
+    (`gpu_tail="torch"`, its parameters passed through with the crops); then a resume and a close in
+    the middle of a run, and a jump to another epoch, as a loader of runs of one."""
+    recipe = {"relic+sdmp": RELIC, "rsa": RSA, "channels-last": RSA, "torch-tail": RELIC}[case]
     mix = MixSpec("sdmp", alpha=1.0) if case == "relic+sdmp" else MixSpec()
     spec = LoaderSpec(root="", dataset="", split="train", recipe=with_mix_source(recipe, mix), batch_size=8,
-                      device=device, seed=4, mix=mix, channels_last=case == "channels-last")
-    one = dali_backend.DaliLoader(spec, shards)
-    three = dali_backend.DaliLoader(replace(spec, graph_batches=3), shards)
+                      device=device, seed=4, mix=mix, channels_last=case == "channels-last",
+                      gpu_tail="torch" if case == "torch-tail" else "graph")
+    tail = case == "torch-tail"
+    one = dali_backend.DaliLoader(spec, shards, gpu_branches=tail)
+    three = dali_backend.DaliLoader(replace(spec, graph_batches=3), shards, gpu_branches=tail)
+    assert one.tail == three.tail == tail
 
     def same(a, b) -> None:
         for f in ("global_views", "local_views", "weak_views", "mixed", "mix_lam", "mix_partner", "index", "label"):
@@ -648,7 +652,7 @@ def test_a_graph_run_of_several_training_batches_hands_out_the_batches_of_runs_o
     it = iter(three)
     got = [next(it) for _ in range(4)]                       # the second run's first batch handed out
     state = three.state_dict()
-    resumed = dali_backend.DaliLoader(replace(spec, graph_batches=3), shards)
+    resumed = dali_backend.DaliLoader(replace(spec, graph_batches=3), shards, gpu_branches=tail)
     resumed.load_state_dict(state)
     got += list(resumed)
     three.close()                                            # its second run's last batch not handed out
@@ -659,6 +663,51 @@ def test_a_graph_run_of_several_training_batches_hands_out_the_batches_of_runs_o
     three.set_epoch(7)
     for a, b in zip(one, three, strict=True):
         same(a, b)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("recipe", ["relic", "rsa"])
+def test_the_torch_tail_finishes_the_crops_as_the_graph_does(shards, device, recipe, channels_last) -> None:
+    """`gpu_tail="torch"`: the graph hands out its crops as uint8 and batched torch ops finish them on the
+    training device (pipelines/dali_tail.py): the batches of the graph's own tail (the GPU graph's, on
+    the CPU graph its branches), every view within one level (the graph rounds to uint8 between its
+    ops, the tail stays float), over two epochs: the saliency composite before the colour (RELIC, its
+    masks), staged views from their parents (RSA), in the layout the network takes."""
+    kw = dict(recipe={"relic": RELIC, "rsa": RSA}[recipe], batch_size=8, device=device, seed=8,
+              channels_last=channels_last)
+    spec = LoaderSpec(root="", dataset="", split="train", **kw)
+    on_cpu = device == "cpu"
+    graph = dali_backend.DaliLoader(spec, shards, gpu_branches=on_cpu)
+    tail = dali_backend.DaliLoader(replace(spec, gpu_tail="torch"), shards, gpu_branches=on_cpu)
+    assert tail.tail and not graph.tail
+    n = 0
+    for epoch in range(2):
+        graph.set_epoch(epoch)
+        tail.set_epoch(epoch)
+        for a, b in zip(on_host(graph, device), on_host(tail, device), strict=True):
+            assert torch.equal(a.index, b.index) and torch.equal(a.label, b.label)
+            for f in ("global_views", "local_views", "weak_views", "mixed"):
+                x, y = getattr(a, f), getattr(b, f)
+                assert (x is None) == (y is None), f
+                if x is not None:
+                    assert y.dtype == torch.float32 and x.shape == y.shape
+                    assert float((_pixels(x) - _pixels(y)).abs().max()) <= 1.0 + 1e-3, f
+                    if channels_last:
+                        assert all(y[v].is_contiguous(memory_format=torch.channels_last) for v in range(len(y)))
+            n += 1
+    assert n == 2 * (N // 8)
+
+
+def test_the_torch_tail_is_refused_with_a_mix_or_with_uint8_views(shards) -> None:
+    """The torch tail makes no mix and normalises the views itself: either combination is refused in one
+    line that names the setting to change."""
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=MIX_RECIPE, batch_size=8, gpu_tail="torch")
+    mix = MixSpec("sdmp", alpha=1.0)
+    for bad, needle in ((replace(spec, recipe=with_mix_source(MIX_RECIPE, mix), mix=mix), "use gpu_tail=graph"),
+                        (replace(spec, graph_dtype="uint8"), "use graph_dtype=float32")):
+        with pytest.raises(dali_backend.LoaderError, match=needle) as e:
+            dali_backend.DaliLoader(bad, shards)
+        assert "\n" not in str(e.value)
 
 
 def test_a_graph_run_of_several_training_batches_is_refused_where_the_graph_draws_itself(shards) -> None:

@@ -260,3 +260,30 @@ def test_each_view_of_the_gpu_graph_costs_its_pixel_operators_and_no_more() -> N
     assert on_gpu == {"decoders__Image": 1, "Resize": views, "reductions__Mean": views, "CoordTransform": 2 * views,
                       "Cast": views, "GaussianBlur": views, "CropMirrorNormalize": views,
                       "_ArithmeticGenericOp": views + 2 * solarizing}
+
+
+@pytest.mark.parametrize("masks", [False, True], ids=["no-masks", "masks"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_with_the_torch_tail_the_gpu_graph_stops_at_the_crops(preset: str, masks: bool) -> None:
+    """`gpu_tail="torch"`: the GPU graph holds the decode, one resize a crop view and the saliency
+    composite, nothing of the colour tail, the blur, solarize or the normalisation (relicv2: 6 GPU
+    operators where the graph's own tail has 54); each crop view leaves on the device, the tail's
+    parameters on the host (the loader picks the views that blur there)."""
+    recipe = load_recipe(preset, 224, 96)
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=recipe, batch_size=256, device="cuda",
+                      gpu_tail="torch")
+    pipe, out = define_pipeline(spec, masks, (0.5,) * 3, (0.25,) * 3, device_id=None)
+    ops, outputs = graph_operators(pipe)
+    assert all(o.schema in REGISTRY[o.device] for o in ops)
+    assert not [o.schema for o in ops for dev, is_arg in o.inputs if is_arg and dev != "cpu"]
+    assert set(o.schema for o in ops if o.device == "cpu") <= HOST_ROUTING
+    crops = [f"{g.name}/{v}" for g in recipe.crop_groups for v in range(g.count)]
+    salient = [g.count for g in recipe.crop_groups if g.saliency_p > 0] if masks else []
+    on_gpu = collections.Counter(o.schema for o in ops if o.device == "gpu")
+    assert on_gpu["Resize"] == len(crops) + sum(salient)          # each view's crop, and its mask's where salient
+    assert set(on_gpu) <= {"Resize", "_ArithmeticGenericOp", "_conditional__Split", "_conditional__Merge"}
+    assert on_gpu["_conditional__Merge"] == sum(salient)
+    if preset == "relicv2" and not masks:
+        assert sum(on_gpu.values()) == 6
+    assert out.tail and out.fields == crops and out.passed == ["ids", "tail"]
+    assert outputs == ["gpu"] * (len(crops) + 1) + ["cpu"]

@@ -106,6 +106,7 @@ def test_bad_specs_are_one_loader_error(tmp_path):
                         (replace(good, mix=MixSpec("dacl", alpha=1.0)), "alpha"),
                         (replace(good, mix=MixSpec("sdmp", sdmp_mixers=("cutup",))), "cutup"),
                         (replace(good, gpu_contrast="cpu"), "gpu_contrast='cpu' is not one of device, host"),
+                        (replace(good, gpu_tail="numpy"), "gpu_tail='numpy' is not one of graph, torch"),
                         (replace(good, graph_batches=0), "graph_batches=0 must be a whole number"),
                         (replace(good, graph_batches=True), "graph_batches=True must be a whole number")):
         with pytest.raises(LoaderError, match=needle) as e:

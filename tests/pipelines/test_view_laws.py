@@ -43,9 +43,11 @@ def _engine(name: str, *marks):
 
 
 # ffcv-torch: the FFCV loader with the torch ops (its GPU path) on the CPU; dali-gpu: the DALI graph with the
-# branches written for the GPU (no conditionals, the blur as per-sample kernels: gpu_blur="filter") on the CPU.
+# branches written for the GPU (no conditionals, the blur as per-sample kernels: gpu_blur="filter") on the CPU;
+# dali-tail: the DALI graph's crops finished by batched torch ops (gpu_tail="torch"), on the CPU and the GPU.
 ENGINES = [_engine("torch"), _engine("torchvision"), _engine("ffcv"), _engine("ffcv-torch"), _engine("dali"),
-           _engine("dali-gpu"), _engine("dali@cuda", pytest.mark.gpu)]
+           _engine("dali-gpu"), _engine("dali-tail"), _engine("dali@cuda", pytest.mark.gpu),
+           _engine("dali-tail@cuda", pytest.mark.gpu)]
 
 
 @dataclass
@@ -94,6 +96,8 @@ def views_of(engine: str, info: DatasetInfo, recipe: Recipe, epochs: int, seed: 
         loader = module.FFCVLoader(spec, info, ops=False)
     elif variant == "gpu":
         loader = module.DaliLoader(replace(spec, gpu_blur="filter"), info, gpu_branches=True)
+    elif variant == "tail":
+        loader = module.DaliLoader(replace(spec, gpu_tail="torch"), info, gpu_branches=True)
     else:
         loader = module.build(spec, info)
     loader = OnHost(loader, device or "cpu")

@@ -102,3 +102,19 @@ def test_a_graph_run_of_two_training_batches_trains_as_runs_of_one(tiny_args, tm
     assert sorted(one) == sorted(two) == list(range(1, 7))
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-5, abs=1e-6), step
+
+
+def test_the_torch_tail_trains_as_the_graph_s_own_tail(tiny_args, tmp_path, deterministic) -> None:
+    """`data.gpu_tail=torch` (the DALI graph's crops finished by batched torch ops on a stream of their own,
+    the training on its stream of the highest priority): the steps train on views within one level of
+    those of the graph's own tail, so the first step's loss is the graph's within 1 % and every loss is
+    finite, channels-last and bf16 as in training."""
+    from train.launch import train
+
+    words = ["data.backend=dali", "run.device=cuda", "run.amp=true", "model.channels_last=true", "optim.steps=6",
+             "run.train_stream=high"]
+    graph = _losses(train(load_config([*tiny_args("byol", tmp_path / "a"), *words, "data.gpu_tail=graph"])))
+    tail = _losses(train(load_config([*tiny_args("byol", tmp_path / "b"), *words, "data.gpu_tail=torch"])))
+    assert sorted(graph) == sorted(tail) == list(range(1, 7))
+    assert all(math.isfinite(x) for x in tail.values())
+    assert tail[1] == pytest.approx(graph[1], rel=1e-2)
