@@ -30,6 +30,11 @@ The workers are forked while CUDA is not
 initialised in the process (a test or a CPU run), and forked by a fork server once it is (a GPU run:
 DALI refuses to fork then; `worker_start_method`); either way they follow `pipelines.processes`' rules.
 
+With `LoaderSpec.gpu_tail="torch"` the graph hands out its crops as uint8 and the taker thread finishes
+them on the training device (`pipelines.dali_tail`: batched torch ops, on a GPU on a CUDA stream of its
+own, which the consumer's stream waits for when it takes the batch), with the mixes; the per-pixel draws
+of DACL's mixes then come from seeds the source drew, so no DALI checkpoint is kept.
+
 Outputs land on the training device without a round trip: each view output is copied with DALI's
 `feed_ndarray` straight into the batch tensor (device to device on a GPU, on the current torch stream;
 into a reused host buffer, `batch.ReusedBuffers`, on the CPU). The index, label, lam and partner of the
@@ -77,10 +82,13 @@ from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderError, Lo
 from pipelines.views import FIELDS
 
 
-def draws_in_graph(spec: LoaderSpec) -> bool:
+def draws_in_graph(spec: LoaderSpec, gpu: bool) -> bool:
     """Whether the graph draws something itself (DACL's Binary Mixup masks and the Gaussian-noise
-    baseline's delta, from DALI's random operators), so that a resume needs DALI's checkpoint of it."""
-    return spec.mix.kind == "dacl" and bool({"binary", "gaussian"} & set(spec.mix.dacl_noises))
+    baseline's delta, from DALI's random operators), so that a resume needs DALI's checkpoint of it;
+    never with the torch tail (`dali_graph.torch_tail`), which makes them from the batch's seeds.
+    `gpu`: the GPU graph, or its branches on the CPU."""
+    return (spec.mix.kind == "dacl" and bool({"binary", "gaussian"} & set(spec.mix.dacl_noises))
+            and not torch_tail(spec, gpu))
 
 
 def host_workers(spec: LoaderSpec) -> int:
@@ -157,7 +165,8 @@ def source_outputs(spec: LoaderSpec, masks: bool, gpu: bool) -> list[tuple[str, 
     relicv2's 42 inputs are 6 outputs; an input whose samples differ in shape, the blur kernels of
     `gpu_blur="filter"`, an output of its own), then the pass-through outputs "ids" (index, label and, with a
     mix, the partner of each mixed view), with a mix "lam" (of each mixed view), and with the torch tail
-    "tail" (`dali_graph.tail_params`). `gpu`: the GPU graph's inputs (`dali_graph.draw_inputs`)."""
+    "tail" (`dali_graph.tail_params`) and with a mix "tail_mix" (`dali_tail.tail_mix_draws`). `gpu`: the
+    GPU graph's inputs (`dali_graph.draw_inputs`)."""
     out = [("image", np.dtype(np.uint8), 1, []), ("image_bytes", np.dtype(np.int32), 1, [])]
     if masks:
         out += [("mask", np.dtype(np.uint8), 1, []), ("mask_bytes", np.dtype(np.int32), 1, [])]
@@ -171,8 +180,11 @@ def source_outputs(spec: LoaderSpec, masks: bool, gpu: bool) -> list[tuple[str, 
     out += [(f"group/{dtype}" + "".join(f"x{n}" for n in shape), dtype, len(shape) + (len(names) > 1), names)
             for (dtype, shape), names in groups.items()] + ragged
     out.append(("ids", np.dtype(np.int64), 1, []))
-    out += [("lam", np.dtype(np.float32), 1, [])] if spec.mix.kind != "none" else []
-    return out + ([("tail", np.dtype(np.float32), 2, [])] if torch_tail(spec, gpu) else [])
+    mixed = spec.mix.kind != "none"
+    out += [("lam", np.dtype(np.float32), 1, [])] if mixed else []
+    if torch_tail(spec, gpu):
+        out += [("tail", np.dtype(np.float32), 2, [])] + ([("tail_mix", np.dtype(np.int64), 1, [])] if mixed else [])
+    return out
 
 
 class BatchSource:
@@ -234,13 +246,16 @@ class BatchSource:
             a = [_rows([d[n] for d in inputs]) for n in names]
             fed.append(np.stack(a, 1) if len(a) > 1 else a[0])                             # (B, n, ...)
         ids = [index[:, None].astype(np.int64), self.reader.labels[index][:, None]]
-        if made[0][2].tail is not None:       # the torch tail's parameters (no mix: the loader refuses one)
-            return fed + [np.concatenate(ids, 1), np.concatenate([m[2].tail for m in made])]
-        if made[0][2].mix is None:
-            return fed + [np.concatenate(ids, 1)]
-        ids.append(np.concatenate([m[2].mix.partner.T.numpy() for m in made]).astype(np.int64))   # (B, V)
-        return fed + [np.concatenate(ids, 1), np.ascontiguousarray(np.concatenate([m[2].mix_lam.T.numpy()
-                                                                                   for m in made]))]
+        draws = [m[2] for m in made]
+        if draws[0].mix is not None:
+            ids.append(np.concatenate([d.mix.partner.T.numpy() for d in draws]).astype(np.int64))   # (B, V)
+        passed = [np.concatenate(ids, 1)]
+        if draws[0].mix is not None:
+            passed.append(np.ascontiguousarray(np.concatenate([d.mix_lam.T.numpy() for d in draws])))
+        if draws[0].tail is not None:         # the torch tail's parameters, and its mixes' draws
+            passed += [np.concatenate([d.tail for d in draws])]
+            passed += [np.concatenate([d.tail_mix for d in draws])] if draws[0].mix is not None else []
+        return fed + passed
 
 
 def _rows(parts: list) -> np.ndarray | list[np.ndarray]:
@@ -356,13 +371,10 @@ class DaliLoader(EpochLoader):
         self.reader = ShardReader.open(info.dir / spec.split, info.count)
         self.masks = info.reads_masks(spec.recipe)
         self.order = EpochOrder(spec, info.count)
-        self.draws_in_graph = draws_in_graph(spec)
+        self.draws_in_graph = draws_in_graph(spec, spec.device.startswith("cuda") or gpu_branches)
         if self.draws_in_graph and spec.graph_batches > 1:
             raise LoaderError(f"graph_batches={spec.graph_batches} with a mix that draws in the graph (DACL's binary "
                               "or Gaussian noise): its draws resume only at a run's start; use graph_batches=1")
-        if spec.gpu_tail == "torch" and spec.mix.kind != "none":
-            raise LoaderError(f"gpu_tail='torch' finishes the views only and makes no mix ({spec.mix.kind}); use "
-                              "gpu_tail=graph with a mix")
         if spec.gpu_tail == "torch" and spec.graph_dtype != "float32":
             raise LoaderError(f"gpu_tail='torch' normalises the views itself, graph_dtype={spec.graph_dtype!r} has "
                               "nothing to do; use graph_dtype=float32")
@@ -567,22 +579,23 @@ class DaliLoader(EpochLoader):
             passed = dict(zip(out.passed, outs[len(out.fields):]))
             debug = ({n: _host(tl) for n, tl in zip(out.debug, outs[len(out.fields) + len(out.passed):])}
                      if self.debug else {})
+            ids = _tensor(passed["ids"], torch.int64, dev)                   # (B, 2 + V) index, label, partners
+            mixed = "lam" in passed
+            lam = _tensor(passed["lam"], torch.float32, dev).T.contiguous() if mixed else None      # (V, B)
+            partner = ids[:, 2:].T.contiguous() if mixed else None                                 # (V, B)
             if out.tail:          # each crop group's views stacked, finished by batched torch ops (`dali_tail`)
                 crops: dict[str, list] = {}
                 for tag, tls in views.items():
                     crops.setdefault(tag.rpartition("/")[0], []).extend(tls)
+                mixes = (passed["tail_mix"].as_array(), partner, lam, s.batch_size) if mixed else None
                 fields = finish({g: _land(tls, dev) for g, tls in crops.items()}, passed["tail"].as_array(),
-                                s.recipe, self.info.mean, self.info.std, s.channels_last)
-                fields["mixed"] = None
+                                s.recipe, self.info.mean, self.info.std, s.channels_last, s.mix, mixes)
             else:
                 stats = (self.info.mean, self.info.std) if s.graph_dtype == "uint8" else None
                 fields = {f: _feed(views.get(f, []), dev, self._buffers, s.channels_last, stats)
                           for f in (*FIELDS, "mixed")}
-            ids = _tensor(passed["ids"], torch.int64, dev)                   # (B, 2 + V) index, label, partners
-            mixed = "lam" in passed
-            batch = Batch(**fields, index=ids[:, 0].contiguous(), label=ids[:, 1].contiguous(),
-                          mix_lam=_tensor(passed["lam"], torch.float32, dev).T.contiguous() if mixed else None,
-                          mix_partner=ids[:, 2:].T.contiguous() if mixed else None)
+            batch = Batch(**fields, index=ids[:, 0].contiguous(), label=ids[:, 1].contiguous(), mix_lam=lam,
+                          mix_partner=partner)
             if s.graph_batches == 1:
                 return [(batch, debug)]
             bs = s.batch_size
@@ -645,7 +658,7 @@ def define_pipeline(spec: LoaderSpec, masks: bool, mean, std, device_id: int | N
     """
     kinds = source_outputs(spec, masks, spec.device.startswith("cuda") or gpu_branches)
     seed = derive_seed(spec.seed, spec.rank, Stream.DALI_GRAPH) % (2**31 - 1)
-    in_graph = draws_in_graph(spec)
+    in_graph = draws_in_graph(spec, spec.device.startswith("cuda") or gpu_branches)
     workers = host_workers(spec)
     built: dict = {}
 
@@ -664,10 +677,11 @@ def define_pipeline(spec: LoaderSpec, masks: bool, mean, std, device_id: int | N
         nodes = dict(zip([name for name, _, _, _ in kinds], nodes))
         out = built["out"] = graph(spec, _unpack(nodes, kinds), masks, mean, std,
                                    channels_last=spec.channels_last, debug=debug, seed=seed, gpu_branches=gpu_branches)
-        passed = [name for name in ("ids", "lam", "tail") if name in nodes]
+        passed = [name for name in ("ids", "lam", "tail", "tail_mix") if name in nodes]
         out.passed = passed
-        # the tail's parameters stay on the host: the loader picks the views that blur there
-        on_device = [nodes[n].gpu() if spec.device.startswith("cuda") and n != "tail" else nodes[n] for n in passed]
+        # the tail's draws stay on the host: the loader picks the views that blur there
+        on_device = [nodes[n].gpu() if spec.device.startswith("cuda") and not n.startswith("tail") else nodes[n]
+                     for n in passed]
         n = len(out.fields)
         return tuple(out.nodes[:n] + on_device + out.nodes[n:])
 

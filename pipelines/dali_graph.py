@@ -9,7 +9,8 @@ routing of the host's inputs, nothing else: no per-sample arithmetic
 on the CPU that would grow with the views (the former in-graph draws were ~1,000 tiny CPU operators
 per iteration for `relicv2`), and nothing waits for a decoded image (the crop windows come from the
 sizes in the encoded images' headers, `shards.image_size`). The one exception is DACL's Binary Mixup
-mask, a random value per pixel: drawn in the graph, on the graph's device.
+mask (and the Gaussian-noise baseline's delta), a random value per pixel: drawn in the graph, on the
+graph's device (with the torch tail, `dali_tail`, on the device from seeds the host drew).
 
 Per batch the images, and the masks where a view composites saliency, are decoded once. Per crop view
 (`graph`): resize of the crop window, with the flip folded into the ROI (an x-range given right to left
@@ -26,8 +27,9 @@ a channels-last network takes it (then the loader hands out a permuted view, no 
 `LoaderSpec.graph_dtype="uint8"` the views leave as uint8 and the loader normalises them on the device
 with `batch.normalize` (the data-stall option the GPU check measures). With `LoaderSpec.gpu_tail="torch"`
 the GPU graph stops at the crops (resize, flip, saliency composite): they leave as uint8 HWC, and the
-loader finishes them with batched torch operations on the device (`pipelines.dali_tail`), from the
-views' parameters that the source passes through (`tail_params`).
+loader finishes them, and makes the mixes, with batched torch operations on the device
+(`pipelines.dali_tail`), from the draws that the source passes through (`tail_params`,
+`dali_tail.tail_mix_draws`).
 
 Colour jitter + grayscale are one `fn.coord_transform` per view (`colour_matrices`): without the clamps
 the four torchvision ops compose to the same affine map in every order, so the random order only
@@ -52,8 +54,8 @@ from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 
 from pipelines.augment import GRAY_WEIGHTS, ViewParams, draw_color_params, draw_crop_boxes
-from pipelines.dali_tail import (TAIL_BLUR, TAIL_C, TAIL_M, TAIL_SIGMA, TAIL_SOLARIZE, TAIL_WIDTH, tail_views,
-                                 uses_colour, uses_contrast)
+from pipelines.dali_tail import (TAIL_BLUR, TAIL_C, TAIL_M, TAIL_SIGMA, TAIL_SOLARIZE, TAIL_WIDTH, tail_mix_draws,
+                                 tail_views, uses_colour, uses_contrast)
 from pipelines.mixing import MIXES, MixDraw, MixSpec, binary_rho, mix_lam, mix_source_views
 from pipelines.spec import LoaderSpec
 from pipelines.views import Recipe
@@ -150,6 +152,7 @@ class Draws:
     inputs: dict[str, np.ndarray] = field(default_factory=dict)   # graph input name → (B, ...) batch
     reads_mask: np.ndarray | None = None                 # (B,) bool: the sample composites saliency in some view
     tail: np.ndarray | None = None                       # (B, V, TAIL_WIDTH) the torch tail's inputs (`tail_params`)
+    tail_mix: np.ndarray | None = None                   # (B, ...) int64 the torch tail's mix draws (`tail_mix_draws`)
 
 
 def torch_tail(spec: LoaderSpec, gpu: bool) -> bool:
@@ -245,9 +248,12 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
         else:
             mix = MIXES["sdmp"].sample(v, b, size, size, spec.mix, gen, "cpu")
         lam = mix_lam(mix, size, size)
-        inputs.update(_mix_inputs(spec.mix, mix, lam, size))
+        if tail is None:
+            inputs.update(_mix_inputs(spec.mix, mix, lam, size))
+    tail_mix = tail_mix_draws(spec.mix, mix) if tail is not None and mix is not None else None
     return Draws(hw=hw, boxes=boxes, params=params, mix=mix, mix_lam=lam, inputs=inputs, reads_mask=reads_mask,
-                 tail=tail)
+                 tail=tail, tail_mix=tail_mix)
+
 
 
 def is_partner(name: str) -> bool:

@@ -14,12 +14,17 @@ few batched kernels whatever its view count:
 - blur: the reference's `augment.gaussian_blur` (its window `augment.blur_kernel_px`) on the views
   that drew it only, picked on the host (no device sync);
 - solarize: levels >= half range inverted, on the views that drew it;
-- staged groups: their own tail on their parent's finished views; then `batch.normalize`.
+- staged groups: their own tail on their parent's finished views;
+- the mixes: the reference's own (`mixing.MIXES[kind].apply`) on the finished source views in [0, 1],
+  each training batch of the run with its draws; DACL's per-pixel draws (Binary Mixup's masks, the
+  Gaussian noise) made on the device from the seeds the batch drew (`mixing.dacl_pixel_draws`), where
+  the graph draws them itself;
+- then `batch.normalize`.
 
 Unlike the graph, the views stay float between the operations (no rounding to uint8). Every parameter
-was drawn by the batch's source with the reference's calls and comes with the crops as one host array
-per batch (`tail_params` layout: `TAIL_WIDTH` values a view). Mixes are not made here (the loader
-refuses a mix with this tail).
+was drawn by the batch's source with the reference's calls and comes with the crops as host arrays:
+`TAIL_WIDTH` values a view (`dali_graph.tail_params`) and, with a mix, `tail_mix_draws`' per sample
+beside the batch's partners and lams.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch import Tensor
 
 from pipelines.augment import blur_kernel_px, gaussian_blur
 from pipelines.batch import normalize
+from pipelines.mixing import MIXES, MixDraw, MixSpec, dacl_pixel_draws, mix_source_views
 from pipelines.views import Recipe, ViewGroup
 
 # One view's tail parameters, in a (B, V, TAIL_WIDTH) float32 array of the batch's V views (`tail_views`).
@@ -39,6 +45,41 @@ TAIL_SIGMA = 18               # blur sigma, px of the view
 TAIL_BLUR = 19                # 1: the view blurs
 TAIL_SOLARIZE = 20            # 1: the view solarizes
 TAIL_WIDTH = 21
+
+
+# A sample's mix draws, in a (B, MIX_BOXES + 4·V) int64 array of V mixed views (`tail_mix_draws`).
+MIX_MIXER, MIX_NOISE, MIX_MASK_SEED, MIX_NORMAL_SEED, MIX_BOXES = 0, 1, 2, 3, 4
+
+
+def tail_mix_draws(mix: MixSpec, d: MixDraw) -> np.ndarray:
+    """The draws of a batch's mixes that the tail needs beside each view's partner and lam (the batch's
+    pass-through ids and lam), per sample: the batch's SDMP mixer (its index in `sdmp_mixers`), its DACL
+    noise, the batch's seeds of the per-pixel draws and each mixed view's box.
+
+    Returns:
+        (B, MIX_BOXES + 4·V) int64.
+    """
+    v, b = d.partner.shape
+    out = np.zeros((b, MIX_BOXES + 4 * v), np.int64)
+    out[:, MIX_MIXER] = mix.sdmp_mixers.index(d.mixer) if mix.kind == "sdmp" else 0
+    out[:, MIX_NOISE] = d.noise.numpy() if d.noise is not None else 0
+    out[:, MIX_MASK_SEED], out[:, MIX_NORMAL_SEED] = d.mask_seed, d.normal_seed
+    if d.boxes is not None:
+        out[:, MIX_BOXES:] = d.boxes.numpy().transpose(1, 0, 2).reshape(b, 4 * v)
+    return out
+
+
+def _mix_draw(mix: MixSpec, draws: np.ndarray, partner: Tensor, lam: Tensor, size: int) -> MixDraw:
+    """One training batch's `MixDraw` on the device, read back from `tail_mix_draws`' rows, its partners
+    (V, B) and lams (V, B): the lam the graph passes through is the drawn one wherever the mix reads
+    it (mixup and DACL's noises; a box mixer reads its boxes)."""
+    dev, (v, b) = partner.device, partner.shape
+    boxes = (torch.from_numpy(np.ascontiguousarray(draws[:, MIX_BOXES:].reshape(b, v, 4).transpose(1, 0, 2)))
+             .to(dev, non_blocking=True) if mix.kind == "sdmp" else None)
+    d = MixDraw(partner=partner, lam=lam, mixer=mix.sdmp_mixers[int(draws[0, MIX_MIXER])] if mix.kind == "sdmp" else "",
+                boxes=boxes, noise=torch.from_numpy(draws[:, MIX_NOISE].copy()).to(dev, non_blocking=True),
+                mask_seed=int(draws[0, MIX_MASK_SEED]), normal_seed=int(draws[0, MIX_NORMAL_SEED]))
+    return dacl_pixel_draws(d, mix, size, size, dev) if mix.kind == "dacl" else d
 
 
 def tail_views(recipe: Recipe) -> list[ViewGroup]:
@@ -95,18 +136,23 @@ def _finish_group(x: Tensor, p: Tensor, host: np.ndarray, g: ViewGroup) -> Tenso
     return x
 
 
-def finish(crops: dict[str, Tensor], params: np.ndarray, recipe: Recipe, mean, std,
-           channels_last: bool = False) -> dict[str, Tensor | None]:
-    """The batch's views from its crops and parameters (module docstring).
+def finish(crops: dict[str, Tensor], params: np.ndarray, recipe: Recipe, mean, std, channels_last: bool = False,
+           mix: MixSpec | None = None, mixes: tuple[np.ndarray, Tensor, Tensor, int] | None = None
+           ) -> dict[str, Tensor | None]:
+    """The batch's views, and its mixes, from its crops and parameters (module docstring).
 
     Args:
         crops: {crop group name: (count, B, S, S, 3) uint8 HWC crops} on the training device.
         params: (B, V, TAIL_WIDTH) float32 on the host, the views in `tail_views` order.
         mean, std: the dataset's statistics, [0, 1] units.
         channels_last: each (B, 3, S, S) view channels-last in memory (a permuted (V, B, S, S, 3)).
+        mix: the mixes' spec (the recipe is `mixing.with_mix_source`'s); None or kind "none": no mixes.
+        mixes: with a mix, (`tail_mix_draws` (B, ...) on the host, partners (V, B) and lams (V, B) on the
+            device, the training batch size): a run of the graph may hold several training batches,
+            each mixed within itself.
 
     Returns:
-        {`Batch` field: (V, B, 3, S, S) normalised float32, or None where the recipe has none}.
+        {`Batch` field and "mixed": (V, B, 3, S, S) normalised float32, or None where there is none}.
     """
     dev = next(iter(crops.values())).device
     b = params.shape[0]
@@ -126,12 +172,23 @@ def finish(crops: dict[str, Tensor], params: np.ndarray, recipe: Recipe, mean, s
         else:
             x = done[g.parent]
         done[g.name] = _finish_group(x, p, host, g)
+
+    def handed_out(x: Tensor) -> Tensor:          # (V, B, 3, S, S) in [0, 1] → normalised, in the network's layout
+        x = normalize(x, mean, std)
+        return x.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3) if channels_last else x
+
     out: dict[str, Tensor | None] = {}
     for field, groups in recipe.fields.items():
-        if not groups:
-            out[field] = None
-            continue
-        x = torch.cat([done[g.name].view(g.count, b, 3, g.size_px, g.size_px) for g in groups])   # a copy
-        x = normalize(x.div_(255.0), mean, std)
-        out[field] = x.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3) if channels_last else x
+        levels = [done[g.name].view(g.count, b, 3, g.size_px, g.size_px) for g in groups]
+        out[field] = handed_out(torch.cat(levels).div_(255.0)) if groups else None     # cat: a copy
+    out["mixed"] = None
+    if mix is not None and mix.kind != "none":
+        draws, partner, lam, batch_size = mixes
+        src = torch.stack([done[name].view(-1, b, 3, *done[name].shape[-2:])[v]
+                           for name, v in mix_source_views(recipe, mix)]).div_(255.0)      # (V, B, 3, S, S)
+        made = []
+        for rows in (slice(j, j + batch_size) for j in range(0, b, batch_size)):     # each training batch
+            d = _mix_draw(mix, draws[rows], partner[:, rows], lam[:, rows], src.shape[-1])
+            made.append(MIXES[mix.kind].apply(src[:, rows], d, mix)[0])
+        out["mixed"] = handed_out(torch.cat(made, 1))
     return out

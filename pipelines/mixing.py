@@ -322,6 +322,8 @@ class MixDraw:
     noise: Tensor | None = None  # DACL: (B,) long, index into MixSpec.dacl_noises, shared by the positives
     keep: Tensor | None = None   # DACL binary mixup: (V, B, C, H, W) bool, m of Eq. (6)
     normal: Tensor | None = None # DACL Gaussian-noise: (V, B, C, H, W) float32 delta ~ N(0, I), per positive
+    mask_seed: int = 0           # DACL: the seeds `keep` and `normal` are drawn from (`dacl_pixel_draws`)
+    normal_seed: int = 0
 
 
 def sample_sdmp(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generator, device) -> MixDraw:
@@ -380,22 +382,30 @@ def sample_dacl(v: int, b: int, h: int, w: int, mix: MixSpec, gen: torch.Generat
     partner = (torch.arange(b) + shift) % b                                          # (V, B)
     lam = mix.alpha + (1 - mix.alpha) * torch.rand(v, b, generator=gen)               # (V, B)
     noise = torch.randint(len(mix.dacl_noises), (b,), generator=gen)                  # (B,)
-    keep = None
-    if "binary" in mix.dacl_noises:
-        # The masks are the only large draw: drawn where they are used, from a generator seeded here.
-        mask_seed = int(torch.randint(2**62, (1,), generator=gen))
-        if pixel_masks:
-            dev_gen = torch.Generator(device=device).manual_seed(mask_seed)
-            u = torch.rand((v, b, 3, h, w), generator=dev_gen, device=device)
-            keep = u < binary_rho(mix, lam).to(device).view(v, b, 1, 1, 1)             # (V, B, 3, H, W)
-    normal = None
+    # The masks and the noise are the only large draws: drawn where they are used, from generators seeded here.
+    mask_seed = int(torch.randint(2**62, (1,), generator=gen)) if "binary" in mix.dacl_noises else 0
+    normal_seed = int(torch.randint(2**62, (1,), generator=gen)) if "gaussian" in mix.dacl_noises else 0
     if "gaussian" in mix.dacl_noises:
-        normal_seed = int(torch.randint(2**62, (1,), generator=gen))
-        if pixel_masks:
-            dev_gen = torch.Generator(device=device).manual_seed(normal_seed)
-            normal = torch.randn((v, b, 3, h, w), generator=dev_gen, device=device)       # (V, B, 3, H, W)
         lam = torch.where(noise == mix.dacl_noises.index("gaussian"), 1.0, lam)        # its own sample only
-    return MixDraw(partner=partner.to(device), lam=lam.to(device), noise=noise.to(device), keep=keep, normal=normal)
+    d = MixDraw(partner=partner.to(device), lam=lam.to(device), noise=noise.to(device), mask_seed=mask_seed,
+                normal_seed=normal_seed)
+    return dacl_pixel_draws(d, mix, h, w, device) if pixel_masks else d
+
+
+def dacl_pixel_draws(d: MixDraw, mix: MixSpec, h: int, w: int, device) -> MixDraw:
+    """`d` with its per-pixel draws made on `device` from its seeds: the Binary Mixup masks (Eq. 6, m ~
+    Bernoulli(rho) per pixel and channel) and the Gaussian-noise baseline's delta ~ N(0, I), (V, B, 3, H,
+    W) each, for the noises of `mix` that need them."""
+    v, b = d.lam.shape
+    keep = normal = None
+    if "binary" in mix.dacl_noises:
+        u = torch.rand((v, b, 3, h, w), generator=torch.Generator(device=device).manual_seed(d.mask_seed),
+                       device=device)
+        keep = u < binary_rho(mix, d.lam).to(device).view(v, b, 1, 1, 1)               # (V, B, 3, H, W)
+    if "gaussian" in mix.dacl_noises:
+        normal = torch.randn((v, b, 3, h, w), generator=torch.Generator(device=device).manual_seed(d.normal_seed),
+                             device=device)                                            # (V, B, 3, H, W)
+    return replace(d, keep=keep, normal=normal)
 
 
 def apply_dacl(x: Tensor, d: MixDraw, mix: MixSpec, out: Tensor | None = None) -> tuple[Tensor, Tensor]:

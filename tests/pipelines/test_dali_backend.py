@@ -67,8 +67,10 @@ def device(request) -> str:
 
 
 def _debug_loader(spec: LoaderSpec, info: DatasetInfo) -> OnHost:
-    """A debug `DaliLoader` (its draws in `last_draws` and `last_debug`), batches checked and on the host."""
-    loader = dali_backend.DaliLoader(replace(spec, recipe=with_mix_source(spec.recipe, spec.mix)), info, debug=True)
+    """A debug `DaliLoader` (its draws in `last_draws` and `last_debug`), batches checked and on the host; with
+    `gpu_tail="torch"` on the CPU, the GPU graph's branches (where the torch tail runs)."""
+    loader = dali_backend.DaliLoader(replace(spec, recipe=with_mix_source(spec.recipe, spec.mix)), info, debug=True,
+                                     gpu_branches=spec.gpu_tail == "torch")
     return OnHost(loader, spec.device.split(":")[0])
 
 
@@ -410,12 +412,15 @@ def test_fused_jitter_matches_torchvision_sequence(shards, device) -> None:
     assert checked > 20 and grays > 5
 
 
+@pytest.mark.parametrize("tail", ["graph", "torch"])
 @pytest.mark.parametrize("mixer", ["mixup", "cutmix", "resizemix"])
-def test_sdmp_laws_of_the_graph(shards, device, mixer: str) -> None:
+def test_sdmp_laws_of_the_graph(shards, device, mixer: str, tail: str) -> None:
     """The laws of pipelines/mixing.py, read back from the graph's mixes of constant-colour views
-    (the same checks as for the torch reference in test_mixing.py)."""
+    (the same checks as for the torch reference in test_mixing.py), made by the graph or by the torch
+    tail (`gpu_tail="torch"`)."""
     recipe = Recipe("mix", (ViewGroup("g", 2, 16, area=(0.3, 1.0)),))
-    loader = _loader(shards, recipe, device, seed=13, mix=MixSpec("sdmp", alpha=1.0, sdmp_mixers=(mixer,)))
+    loader = _loader(shards, recipe, device, seed=13, mix=MixSpec("sdmp", alpha=1.0, sdmp_mixers=(mixer,)),
+                     gpu_tail=tail)
     clipped = 0
     for _ in range(2):
         for b in loader:
@@ -425,9 +430,14 @@ def test_sdmp_laws_of_the_graph(shards, device, mixer: str) -> None:
     assert mixer != "cutmix" or clipped > 0
 
 
-def test_dacl_laws_of_the_graph(shards, device) -> None:
+@pytest.mark.parametrize("tail", ["graph", "torch"])
+def test_dacl_laws_of_the_graph(shards, device, tail: str) -> None:
+    """DACL+'s laws (each sample's noise read back from its pixels: linear, geometric, binary), the
+    per-pixel masks drawn by the graph itself or, with the torch tail, on the device from the batch's
+    seeds."""
     recipe = Recipe("mix", (ViewGroup("g", 2, 16, area=(0.3, 1.0)),))
-    loader = _loader(shards, recipe, device, seed=14, mix=MixSpec("dacl", alpha=0.5, dacl_noises=mixing.DACL_NOISES))
+    loader = _loader(shards, recipe, device, seed=14, mix=MixSpec("dacl", alpha=0.5, dacl_noises=mixing.DACL_NOISES),
+                     gpu_tail=tail)
     batches, drawn = [], []
     for _ in range(2):
         for b in loader:
@@ -611,20 +621,24 @@ def test_a_graph_that_draws_itself_is_run_ahead_and_resumes_at_the_batch_handed_
         assert torch.equal(b_mixed, mixed) and np.array_equal(b_mask, mask)
 
 
-@pytest.mark.parametrize("case", ["relic+sdmp", "rsa", "channels-last", "torch-tail"])
+@pytest.mark.parametrize("case", ["relic+sdmp", "rsa", "channels-last", "torch-tail", "torch-tail+dacl+"])
 def test_a_graph_run_of_several_training_batches_hands_out_the_batches_of_runs_of_one(shards, device, case) -> None:
     """`graph_batches=3` (one run of the graph makes 3 training batches, its operators' set-up paid once):
     the same batches as runs of one, bit for bit, over two epochs whose batches (6) the runs straddle,
     the mixes' partners moved to each batch's place in the run (SDMP), staged views (RSA), each view
     channels-last and contiguous as a run of one gives it, the views finished by the torch tail
-    (`gpu_tail="torch"`, its parameters passed through with the crops); then a resume and a close in
-    the middle of a run, and a jump to another epoch, as a loader of runs of one."""
-    recipe = {"relic+sdmp": RELIC, "rsa": RSA, "channels-last": RSA, "torch-tail": RELIC}[case]
-    mix = MixSpec("sdmp", alpha=1.0) if case == "relic+sdmp" else MixSpec()
+    (`gpu_tail="torch"`, its parameters passed through with the crops), DACL+'s mixes made by it (each
+    training batch of a run with its own draws and per-pixel seeds: a graph that draws itself refuses
+    runs of several); then a resume and a close in the middle of a run, and a jump to another epoch,
+    as a loader of runs of one."""
+    recipe = {"relic+sdmp": RELIC, "rsa": RSA, "channels-last": RSA, "torch-tail": RELIC,
+              "torch-tail+dacl+": MIX_RECIPE}[case]
+    mix = {"relic+sdmp": MixSpec("sdmp", alpha=1.0),
+           "torch-tail+dacl+": MixSpec("dacl", alpha=0.5, dacl_noises=mixing.DACL_NOISES)}.get(case, MixSpec())
+    tail = case.startswith("torch-tail")
     spec = LoaderSpec(root="", dataset="", split="train", recipe=with_mix_source(recipe, mix), batch_size=8,
                       device=device, seed=4, mix=mix, channels_last=case == "channels-last",
-                      gpu_tail="torch" if case == "torch-tail" else "graph")
-    tail = case == "torch-tail"
+                      gpu_tail="torch" if tail else "graph")
     one = dali_backend.DaliLoader(spec, shards, gpu_branches=tail)
     three = dali_backend.DaliLoader(replace(spec, graph_batches=3), shards, gpu_branches=tail)
     assert one.tail == three.tail == tail
@@ -698,16 +712,56 @@ def test_the_torch_tail_finishes_the_crops_as_the_graph_does(shards, device, rec
     assert n == 2 * (N // 8)
 
 
-def test_the_torch_tail_is_refused_with_a_mix_or_with_uint8_views(shards) -> None:
-    """The torch tail makes no mix and normalises the views itself: either combination is refused in one
-    line that names the setting to change."""
-    spec = LoaderSpec(root="", dataset="", split="train", recipe=MIX_RECIPE, batch_size=8, gpu_tail="torch")
-    mix = MixSpec("sdmp", alpha=1.0)
-    for bad, needle in ((replace(spec, recipe=with_mix_source(MIX_RECIPE, mix), mix=mix), "use gpu_tail=graph"),
-                        (replace(spec, graph_dtype="uint8"), "use graph_dtype=float32")):
-        with pytest.raises(dali_backend.LoaderError, match=needle) as e:
-            dali_backend.DaliLoader(bad, shards)
-        assert "\n" not in str(e.value)
+@pytest.mark.parametrize("kind", ["mixup", "cutmix", "resizemix", "linear"])
+def test_the_torch_tail_mixes_as_the_graph_does(shards, device, kind: str) -> None:
+    """With a mix the torch tail makes the mixes too (the reference's `mixing.MIXES[kind].apply` on its
+    finished views, from the draws the batch's source made): the graph's partners and lams exactly, and
+    its mixes within one level (the graph mixes uint8 views and rounds), over two epochs."""
+    mix = (MixSpec("sdmp", alpha=1.0, sdmp_mixers=(kind,)) if kind != "linear" else
+           MixSpec("dacl", alpha=0.5, dacl_noises=("linear",)))
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=with_mix_source(MIX_RECIPE, mix), batch_size=8,
+                      device=device, seed=9, mix=mix)
+    on_cpu = device == "cpu"
+    graph = dali_backend.DaliLoader(spec, shards, gpu_branches=on_cpu)
+    tail = dali_backend.DaliLoader(replace(spec, gpu_tail="torch"), shards, gpu_branches=on_cpu)
+    n = 0
+    for epoch in range(2):
+        graph.set_epoch(epoch)
+        tail.set_epoch(epoch)
+        for a, b in zip(on_host(graph, device), on_host(tail, device), strict=True):
+            assert torch.equal(a.mix_partner, b.mix_partner) and torch.equal(a.mix_lam, b.mix_lam)
+            assert float((_pixels(a.mixed) - _pixels(b.mixed)).abs().max()) <= 1.0 + 1e-3
+            n += 1
+    assert n == 2 * (N // 8)
+
+
+@pytest.mark.parametrize("noise", ["binary", "gaussian"])
+def test_the_torch_tail_draws_dacl_s_pixels_from_the_batch_s_seeds(shards, device, noise: str) -> None:
+    """DACL's per-pixel draws, which the graph makes itself (a DALI checkpoint to resume), the torch tail
+    makes on the device from the seeds the batch's source drew (`mixing.dacl_pixel_draws`): its mixes
+    are Eq. (6)'s / the Gaussian-noise baseline's on its own views with those draws, batch after
+    batch, and a resumed loader needs no DALI state."""
+    mix = MixSpec("dacl", alpha=0.5, dacl_noises=(noise,), gauss_scale=GAUSS)
+    loader = _loader(shards, MIX_RECIPE, device, seed=15, mix=mix, gpu_tail="torch")
+    assert not loader.draws_in_graph
+    n = 0
+    for b in loader:
+        d = mixing.dacl_pixel_draws(loader.last_draws.mix, mix, 16, 16, "cpu")
+        x = _pixels(b.global_views) / 255                                                 # (2, B, 3, S, S)
+        want, _ = mixing.MIXES["dacl"].apply(x, d, mix)
+        assert torch.allclose(_pixels(b.mixed), want * 255, atol=1e-3), n
+        n += 1
+    assert n == N // 8
+
+
+def test_the_torch_tail_is_refused_with_uint8_views(shards) -> None:
+    """The torch tail normalises the views itself: uint8 views out of the graph are refused in one line
+    that names the setting to change."""
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=MIX_RECIPE, batch_size=8, gpu_tail="torch",
+                      graph_dtype="uint8")
+    with pytest.raises(dali_backend.LoaderError, match="use graph_dtype=float32") as e:
+        dali_backend.DaliLoader(spec, shards)
+    assert "\n" not in str(e.value)
 
 
 def test_a_graph_run_of_several_training_batches_is_refused_where_the_graph_draws_itself(shards) -> None:

@@ -262,16 +262,18 @@ def test_each_view_of_the_gpu_graph_costs_its_pixel_operators_and_no_more() -> N
                       "_ArithmeticGenericOp": views + 2 * solarizing}
 
 
+@pytest.mark.parametrize("mix", sorted(MIXES))
 @pytest.mark.parametrize("masks", [False, True], ids=["no-masks", "masks"])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_with_the_torch_tail_the_gpu_graph_stops_at_the_crops(preset: str, masks: bool) -> None:
+def test_with_the_torch_tail_the_gpu_graph_stops_at_the_crops(preset: str, masks: bool, mix: str) -> None:
     """`gpu_tail="torch"`: the GPU graph holds the decode, one resize a crop view and the saliency
-    composite, nothing of the colour tail, the blur, solarize or the normalisation (relicv2: 6 GPU
-    operators where the graph's own tail has 54); each crop view leaves on the device, the tail's
-    parameters on the host (the loader picks the views that blur there)."""
-    recipe = load_recipe(preset, 224, 96)
-    spec = LoaderSpec(root="", dataset="", split="train", recipe=recipe, batch_size=256, device="cuda",
-                      gpu_tail="torch")
+    composite, nothing of the colour tail, the blur, solarize, the mixes or the normalisation
+    (relicv2: 6 GPU operators where the graph's own tail has 54); each crop view leaves on the device
+    with the batch's ids and lams, the tail's parameters and mix draws on the host (the loader picks
+    the views that blur there), and nothing is drawn in the graph."""
+    recipe = with_mix_source(load_recipe(preset, 224, 96), MIXES[mix])
+    spec = LoaderSpec(root="", dataset="", split="train", recipe=recipe, batch_size=256, mix=MIXES[mix],
+                      device="cuda", gpu_tail="torch")
     pipe, out = define_pipeline(spec, masks, (0.5,) * 3, (0.25,) * 3, device_id=None)
     ops, outputs = graph_operators(pipe)
     assert all(o.schema in REGISTRY[o.device] for o in ops)
@@ -283,7 +285,9 @@ def test_with_the_torch_tail_the_gpu_graph_stops_at_the_crops(preset: str, masks
     assert on_gpu["Resize"] == len(crops) + sum(salient)          # each view's crop, and its mask's where salient
     assert set(on_gpu) <= {"Resize", "_ArithmeticGenericOp", "_conditional__Split", "_conditional__Merge"}
     assert on_gpu["_conditional__Merge"] == sum(salient)
-    if preset == "relicv2" and not masks:
+    if preset == "relicv2" and not masks and mix == "none":
         assert sum(on_gpu.values()) == 6
-    assert out.tail and out.fields == crops and out.passed == ["ids", "tail"]
-    assert outputs == ["gpu"] * (len(crops) + 1) + ["cpu"]
+    mixed = mix != "none"
+    assert out.tail and out.fields == crops
+    assert out.passed == ["ids", "lam", "tail", "tail_mix"] if mixed else out.passed == ["ids", "tail"]
+    assert outputs == ["gpu"] * (len(crops) + 1 + mixed) + ["cpu"] * (1 + mixed)
