@@ -8,7 +8,7 @@ GPU), at two batch sizes. The bytes of the tensors autograd saves for the backwa
 their slope is the activation memory per image. Per image the loader adds every view batch of the
 recipe (its fields and its mixes, float32: `pipelines.batch.view_bytes`) in DALI's prefetch queue of 2
 batches, the batch its taker thread makes ahead and the batch in use (more where a run of the graph
-makes several: `prefetched_batches`). Fixed: the parameters, their gradients and
+makes several, and with the torch tail: `prefetched_batches`). Fixed: the parameters, their gradients and
 the optimiser's momentum in float32, and the EMA target. The batch that fits is the largest even
 batch with fixed + batch x per-image <= `headroom` x the GPU's memory (0.8 by default: cuDNN's
 workspaces, the allocator's fragmentation and the transient buffers of the step).
@@ -32,13 +32,17 @@ from train.objectives.base import StepValues
 from train.resolve import load_config
 from train.setup import build_online
 
-def prefetched_batches(graph_batches: int = 1) -> int:
+def prefetched_batches(graph_batches: int = 1, torch_tail: bool = False) -> float:
     """Training batches of views the DALI loader holds on the GPU at once: runs of the graph of
     `graph_batches` each in DALI's prefetch queue (2), the run its taker thread makes ahead, the run in
     use (the step's batch among it) and, where a run makes several, the run's copy that its batches are
-    cut out of: 4 with runs of one training batch."""
+    cut out of: 4 with runs of one training batch. With the torch tail (`data.gpu_tail=torch`) DALI's
+    queue holds uint8 crops (a quarter of the bytes) and the run made ahead reaches 3 runs of float
+    views while the tail finishes it (its views, an intermediate and the normalised copy;
+    `pipelines.dali_tail.finish`): 4.5 with runs of one."""
     k = graph_batches
-    return 2 * k + k + k + (k if k > 1 else 0)
+    queue, ahead = (2 * k / 4, 3 * k) if torch_tail else (2 * k, k)
+    return queue + ahead + k + (k if k > 1 else 0)
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ def estimate(cfg: Config, gpu_gib: float = 80.0, headroom: float = 0.8, batches:
     lo, hi = batches
     per_image = (saved_bytes(cfg, hi) - saved_bytes(cfg, lo)) / (hi - lo)
     recipe = with_mix_source(load_recipe(cfg.views.recipe, cfg.views.global_px, cfg.views.local_px), cfg.data.mix)
-    views = view_bytes(recipe, cfg.data.mix) * prefetched_batches(cfg.data.graph_batches)
+    views = view_bytes(recipe, cfg.data.mix) * prefetched_batches(cfg.data.graph_batches, cfg.data.gpu_tail == "torch")
     online = build_online(cfg, torch.device("cpu"))
     n_params = sum(p.numel() for p in online.parameters())
     fixed = 4 * n_params * (3 + int(OBJECTIVES[cfg.method].needs.target))   # weights, grads, momentum (+ target)
