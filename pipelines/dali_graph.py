@@ -217,7 +217,8 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
                 inputs[f"{tag}/saliency"], inputs[f"{tag}/level"] = sal[v], level[v]
                 reads_mask |= sal[v]
     tail = tail_params(recipe, params, b) if torch_tail(spec, gpu) else None
-    for g in recipe.crop_groups + recipe.by_role("staged") if tail is None else ():
+    coloured = recipe.crop_groups + recipe.by_role("staged") if tail is None else ()   # the tail's are in `tail`
+    for g in coloured:
         p = params[g.name]
         m, t = colour_matrices(p) if uses_colour(g) else (None, None)
         for v in range(g.count):
@@ -253,7 +254,6 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
     tail_mix = tail_mix_draws(spec.mix, mix) if tail is not None and mix is not None else None
     return Draws(hw=hw, boxes=boxes, params=params, mix=mix, mix_lam=lam, inputs=inputs, reads_mask=reads_mask,
                  tail=tail, tail_mix=tail_mix)
-
 
 
 def is_partner(name: str) -> bool:
