@@ -22,25 +22,18 @@ def test_saved_activations_grow_linearly_with_the_batch_and_with_the_views() -> 
     assert small.fits == int((0.8 - small.fixed_gib) / per_image) // 2 * 2
 
 
-def test_runs_of_several_training_batches_hold_more_views_on_the_device() -> None:
+def test_runs_of_several_training_batches_and_the_torch_tail_hold_more_views_on_the_device() -> None:
     """With `data.graph_batches=k` the DALI loader holds runs of k batches (DALI's queue of 2, the one
     made ahead, the one in use, and the copy its batches are cut from): 4 batches of views at k=1, 5k
-    above, and the estimate counts them."""
-    from train.memory import prefetched_batches
-
-    assert [prefetched_batches(k) for k in (1, 2, 3)] == [4, 10, 15]
-    one = estimate(load_config(["method=byol", "data=synthetic"]), gpu_gib=1.0, batches=(4, 6))
-    two = estimate(load_config(["method=byol", "data=synthetic", "data.graph_batches=2"]), gpu_gib=1.0, batches=(4, 6))
-    assert two.views_mib_per_image == pytest.approx(2.5 * one.views_mib_per_image) and two.fits < one.fits
-
-
-def test_the_torch_tail_s_run_made_ahead_is_counted_at_its_peak() -> None:
-    """With `data.gpu_tail=torch` DALI's queue holds uint8 crops (a quarter of the float views) and the
-    run made ahead peaks at 3 runs of float views while the tail finishes it: 4.5 batches at k=1, and the
+    above. With `data.gpu_tail=torch` DALI's queue holds uint8 crops (a quarter of the float views) and
+    the run made ahead peaks at 3 runs of float views while the tail finishes it: 4.5 at k=1. The
     estimate counts them."""
     from train.memory import prefetched_batches
 
+    assert [prefetched_batches(k) for k in (1, 2, 3)] == [4, 10, 15]
     assert prefetched_batches(1, torch_tail=True) == 4.5 and prefetched_batches(2, torch_tail=True) == 11
-    graph = estimate(load_config(["method=byol", "data=synthetic"]), gpu_gib=1.0, batches=(4, 6))
+    one = estimate(load_config(["method=byol", "data=synthetic"]), gpu_gib=1.0, batches=(4, 6))
+    two = estimate(load_config(["method=byol", "data=synthetic", "data.graph_batches=2"]), gpu_gib=1.0, batches=(4, 6))
+    assert two.views_mib_per_image == pytest.approx(2.5 * one.views_mib_per_image) and two.fits < one.fits
     tail = estimate(load_config(["method=byol", "data=synthetic", "data.gpu_tail=torch"]), gpu_gib=1.0, batches=(4, 6))
-    assert tail.views_mib_per_image == pytest.approx(4.5 / 4 * graph.views_mib_per_image)
+    assert tail.views_mib_per_image == pytest.approx(4.5 / 4 * one.views_mib_per_image)
