@@ -687,29 +687,34 @@ def test_the_torch_tail_finishes_the_crops_as_the_graph_does(shards, device, rec
     the CPU graph its branches), every view within one level (the graph rounds to uint8 between its
     ops, the tail stays float), over two epochs: the saliency composite before the colour (RELIC, its
     masks), staged views from their parents (RSA), in the layout the network takes."""
-    kw = dict(recipe={"relic": RELIC, "rsa": RSA}[recipe], batch_size=8, device=device, seed=8,
-              channels_last=channels_last)
-    spec = LoaderSpec(root="", dataset="", split="train", **kw)
+    spec = LoaderSpec(root="", dataset="", split="train", recipe={"relic": RELIC, "rsa": RSA}[recipe], batch_size=8,
+                      device=device, seed=8, channels_last=channels_last)
+    n = 0
+    for a, b in _beside_the_graph(spec, shards, device):
+        assert torch.equal(a.index, b.index) and torch.equal(a.label, b.label)
+        for f in ("global_views", "local_views", "weak_views", "mixed"):
+            x, y = getattr(a, f), getattr(b, f)
+            assert (x is None) == (y is None), f
+            if x is not None:
+                assert y.dtype == torch.float32 and x.shape == y.shape
+                assert float((_pixels(x) - _pixels(y)).abs().max()) <= 1.0 + 1e-3, f
+                if channels_last:
+                    assert all(y[v].is_contiguous(memory_format=torch.channels_last) for v in range(len(y)))
+        n += 1
+    assert n == 2 * (N // 8)
+
+
+def _beside_the_graph(spec: LoaderSpec, shards, device: str, epochs: int = 2):
+    """Pairs of batches of `spec` on the host, (the graph's own tail, the torch tail), over `epochs` epochs;
+    on the CPU both take the GPU graph's branches (where the torch tail runs)."""
     on_cpu = device == "cpu"
     graph = dali_backend.DaliLoader(spec, shards, gpu_branches=on_cpu)
     tail = dali_backend.DaliLoader(replace(spec, gpu_tail="torch"), shards, gpu_branches=on_cpu)
     assert tail.tail and not graph.tail
-    n = 0
-    for epoch in range(2):
+    for epoch in range(epochs):
         graph.set_epoch(epoch)
         tail.set_epoch(epoch)
-        for a, b in zip(on_host(graph, device), on_host(tail, device), strict=True):
-            assert torch.equal(a.index, b.index) and torch.equal(a.label, b.label)
-            for f in ("global_views", "local_views", "weak_views", "mixed"):
-                x, y = getattr(a, f), getattr(b, f)
-                assert (x is None) == (y is None), f
-                if x is not None:
-                    assert y.dtype == torch.float32 and x.shape == y.shape
-                    assert float((_pixels(x) - _pixels(y)).abs().max()) <= 1.0 + 1e-3, f
-                    if channels_last:
-                        assert all(y[v].is_contiguous(memory_format=torch.channels_last) for v in range(len(y)))
-            n += 1
-    assert n == 2 * (N // 8)
+        yield from zip(on_host(graph, device), on_host(tail, device), strict=True)
 
 
 @pytest.mark.parametrize("kind", ["mixup", "cutmix", "resizemix", "linear"])
@@ -721,17 +726,11 @@ def test_the_torch_tail_mixes_as_the_graph_does(shards, device, kind: str) -> No
            MixSpec("dacl", alpha=0.5, dacl_noises=("linear",)))
     spec = LoaderSpec(root="", dataset="", split="train", recipe=with_mix_source(MIX_RECIPE, mix), batch_size=8,
                       device=device, seed=9, mix=mix)
-    on_cpu = device == "cpu"
-    graph = dali_backend.DaliLoader(spec, shards, gpu_branches=on_cpu)
-    tail = dali_backend.DaliLoader(replace(spec, gpu_tail="torch"), shards, gpu_branches=on_cpu)
     n = 0
-    for epoch in range(2):
-        graph.set_epoch(epoch)
-        tail.set_epoch(epoch)
-        for a, b in zip(on_host(graph, device), on_host(tail, device), strict=True):
-            assert torch.equal(a.mix_partner, b.mix_partner) and torch.equal(a.mix_lam, b.mix_lam)
-            assert float((_pixels(a.mixed) - _pixels(b.mixed)).abs().max()) <= 1.0 + 1e-3
-            n += 1
+    for a, b in _beside_the_graph(spec, shards, device):
+        assert torch.equal(a.mix_partner, b.mix_partner) and torch.equal(a.mix_lam, b.mix_lam)
+        assert float((_pixels(a.mixed) - _pixels(b.mixed)).abs().max()) <= 1.0 + 1e-3
+        n += 1
     assert n == 2 * (N // 8)
 
 
