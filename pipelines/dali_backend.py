@@ -392,6 +392,7 @@ class DaliLoader(EpochLoader):
         self._made_at: tuple[int, int] | None = None  # at this position
         self._taker: Taker | None = None
         self._workers: list[tuple[int, str]] = []    # (pid, start time) of the pipeline's worker processes
+        self._died = False                           # a worker of the pipeline died (`_wait`)
 
     @property
     def last_draws(self) -> Draws | None:
@@ -402,6 +403,13 @@ class DaliLoader(EpochLoader):
         return self._source.batch(*self._last)[2]
 
     def state_dict(self) -> dict:
+        """The loader's position (`EpochLoader`), and where the graph draws itself DALI's checkpoint of it.
+
+        Raises:
+            LoaderError: the graph draws itself and a worker of its pipeline died: its state is lost.
+        """
+        if self.draws_in_graph and self._died:
+            raise LoaderError("the DALI graph's own draws were lost with its worker; resume from the last checkpoint")
         dali = self._dali_state
         if self.draws_in_graph and self._ahead is not None and self._ahead.position == self._position():
             dali = self._ahead.checkpoint.result()   # taken before the batch made ahead was run
@@ -442,7 +450,7 @@ class DaliLoader(EpochLoader):
             device_id = torch.cuda.current_device() if index is None else index
         ckpt, self._dali_state = (self._dali_state if self.draws_in_graph else None), None
         self._iteration = ckpt[1] if ckpt else 0
-        self._pipe = None                    # the old pipeline (and its workers) end before new ones start
+        self._pipe, self._died = None, False  # the old pipeline (and its workers) end before new ones start
         self._source = BatchSource(s, self.reader, self.masks,
                                    s.device.startswith("cuda") or self.gpu_branches, self._position(), self._iteration)
         method = worker_start_method()
@@ -540,6 +548,7 @@ class DaliLoader(EpochLoader):
                         continue
                     raise
                 self._taker = self._ahead = None
+                self._pipe, self._died = None, True          # nothing asks the broken pipeline again
                 raise worker_died(f"DALI worker process {gone[0]} of this loader ended") from None
 
     def close(self) -> None:

@@ -248,6 +248,7 @@ class Cadence:
         self.signalled = False               # some rank caught the held signal: save, then stop
         self._clock = False                  # some rank's clock says a save is due
         self._saved_at = time.monotonic()    # the loop's last save, or its start
+        self.saved_step: int | None = None   # the step of the loop's last save
 
     def at_log_step(self, device: torch.device) -> None:
         """Agree over the ranks whether the signal was caught and whether the clock calls for a save."""
@@ -260,6 +261,7 @@ class Cadence:
         """Whether the loop saves after step `done` (1-based) of a loop that ends after step `last`."""
         return done % self.every == 0 or done == last or self.signalled or self._clock
 
-    def saved(self) -> None:
-        """The loop saved: the clock starts again."""
+    def saved(self, step: int | None = None) -> None:
+        """The loop saved (the checkpoint of `step`): the clock starts again."""
         self._saved_at, self._clock = time.monotonic(), False
+        self.saved_step = step

@@ -15,8 +15,8 @@ import time
 import torch
 
 from pipelines.batch import Batch
-from pipelines.processes import process_age_s
-from pipelines.spec import Loader
+from pipelines.processes import process_age_s, worker_death
+from pipelines.spec import Loader, LoaderError
 from train import checkpoint, dist, schedules
 from train.config import per_process_batch, to_dict
 from train.evaluate import evaluate_backbone
@@ -39,7 +39,9 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
     (`run.checkpoint_on_signal`) the steps hold its signal back: at the first log step after any rank
     caught it, every rank checkpoints and the loop ends there. An evaluation does not hold it (it may
     last longer than the warning), so with `held` a checkpoint comes before each periodic evaluation: the
-    signal caught in it requeues from that step, and the next start evaluates first.
+    signal caught in it requeues from that step, and the next start evaluates first. A run of one process
+    whose loader worker dies (the OOM killer) checkpoints the steps it reached before it fails (with
+    several, the other ranks wait in the step's collective: the launcher stops them).
 
     Returns:
         Whether the run reached `optim.steps` (its backbone is then for `Run.export`).
@@ -91,7 +93,16 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
             s = schedules.at(cfg.optim, step, steps_per_epoch, cfg.data.batch_size)
             wait_start = time.perf_counter()
             with phase("data_wait"):
-                batch = next(batches)
+                try:
+                    batch = next(batches)
+                except RuntimeError as e:
+                    if world == 1 and worker_death(e) is not None and step not in (start_step, cadence.saved_step):
+                        try:                         # the steps reached, then the one-line error
+                            save_checkpoint(step)
+                            log.print(f"a loader worker died: saved the checkpoint of step {step}")
+                        except LoaderError:          # a loader whose state died with its worker (DALI's own draws)
+                            pass
+                    raise
             data_s = time.perf_counter() - wait_start
             out = train_step(parts, batch, s)
             meter.tick(batch_size=rank_batch, data_s=data_s)
@@ -110,12 +121,12 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
             if k and done % k == 0 and done < cfg.optim.steps and not cadence.signalled:
                 if cadence.held.name:                # a warning in the evaluation requeues from this step,
                     save_checkpoint(done, evaluate_first=True)      # and the next start evaluates first
-                    cadence.saved()
+                    cadence.saved(done)
                 with cadence.held.holding(False):    # a long evaluation must not hold the signal back
                     evaluate(done)
             if cadence.due(done, stop):
                 save_checkpoint(done)
-                cadence.saved()
+                cadence.saved(done)
             if cadence.signalled:
                 break
     log.print(f"data stall: {100 * log.stall_fraction():.1f}% of the step time waited for batches (after warm-up)")
