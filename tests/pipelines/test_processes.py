@@ -316,10 +316,12 @@ def test_loader_workers_leave_the_scheduler_s_warning_to_the_training_process(ba
 
 KILLED_WORKER = """
 import os, signal, sys, time
+from dataclasses import replace
 from pipelines import dali_backend, processes
 from pipelines.loader import build_loader
+from pipelines.mixing import MixSpec, with_mix_source
 from pipelines.processes import WorkerDiedError
-from pipelines.spec import LoaderSpec
+from pipelines.spec import LoaderError, LoaderSpec
 from pipelines.views import load_recipe
 
 if __name__ == "__main__":
@@ -327,19 +329,25 @@ if __name__ == "__main__":
         dali_backend.worker_start_method = lambda: (processes.fork_server(dali_backend.__name__), "forkserver")[1]
     spec = LoaderSpec(root=sys.argv[1], dataset="synthetic", recipe=load_recipe("byol", 32, 16), split="train",
                       batch_size=8, num_workers=2)
-    for _ in range(3):
+    dacl = MixSpec("dacl", alpha=0.5, dacl_noises=("binary",))       # a graph that draws itself
+    for spec in [spec] * 3 + [replace(spec, mix=dacl, recipe=with_mix_source(spec.recipe, dacl))]:
         loader = build_loader("dali", spec)
         it = iter(loader)
         next(it)
+        handed = 1
         time.sleep(2)                      # the workers have made the batches asked ahead and wait for tasks
         for pid, _ in loader._workers:
             os.kill(pid, signal.SIGKILL)
         began = time.monotonic()
         try:
             for _ in it:
-                pass
+                handed += 1
         except WorkerDiedError as e:
             print(f"{time.monotonic() - began:.1f}", str(e).splitlines()[0], flush=True)
+        try:                               # the position reached, for a checkpoint (`train.loop`)
+            print("position", loader.state_dict()["batches_done"] == handed, flush=True)
+        except LoaderError as e:
+            print("lost", e, flush=True)
 """
 
 
@@ -347,19 +355,24 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("start", ["fork", "server"])
 def test_a_killed_dali_worker_fails_the_loader_in_one_line_instead_of_waiting_for_good(start, tiny_data_root) -> None:
     """The OOM killer's SIGKILL to a DALI loader's workers: the next batch fails within seconds with one
-    line naming the worker and what to do, three times in a row, and the process ends. Killed while they
-    wait for a task, DALI 2.4's task queue waits for them for good (`DaliLoader._wait`)."""
+    line naming the worker and what to do, four times in a row, and the process ends. Killed while they
+    wait for a task, DALI 2.4's task queue waits for them for good (`DaliLoader._wait`). The loader's
+    state then names the batches it handed out (a run of one process checkpoints it), without asking
+    the broken pipeline anything; a graph that draws itself (DACL's Binary Mixup) says its state was
+    lost, in one line."""
     pytest.importorskip("nvidia.dali")
     from tests.train.two_ranks import ROOT, env_here
 
     done = subprocess.run([sys.executable, "-c", KILLED_WORKER, str(tiny_data_root), start], cwd=ROOT, env=env_here(),
                           capture_output=True, text=True, timeout=180)
     lines = done.stdout.splitlines()
-    assert done.returncode == 0 and len(lines) == 3, done.stderr
-    for line in lines:
+    assert done.returncode == 0 and len(lines) == 8, done.stderr
+    for line in lines[0::2]:
         seconds, message = line.split(" ", 1)
         assert float(seconds) < 10 and message.startswith("DALI worker process ") and "OOM killer" in message
         assert "run.resume=auto continues" in message
+    assert lines[1::2] == ["position True"] * 3 + [
+        "lost the DALI graph's own draws were lost with its worker; resume from the last checkpoint"]
 
 
 @pytest.mark.parametrize("backend", ["torch", "torchvision"])
