@@ -17,8 +17,8 @@ few batched kernels whatever its view count:
 - staged groups: their own tail on their parent's finished views;
 - the mixes: the reference's own (`mixing.MIXES[kind].apply`) on the finished source views in [0, 1],
   each training batch of the run with its draws; DACL's per-pixel draws (Binary Mixup's masks, the
-  Gaussian noise) made on the device from the seeds the batch drew (`mixing.dacl_pixel_draws`), where
-  the graph draws them itself;
+  Gaussian noise) made on the device from the seeds the batch drew (`mixing.dacl_pixel_draws`; the
+  graph draws them itself);
 - then `batch.normalize`.
 
 Unlike the graph, the views stay float between the operations (no rounding to uint8). Every parameter
