@@ -643,12 +643,20 @@ def test_a_graph_run_of_several_training_batches_hands_out_the_batches_of_runs_o
     three = dali_backend.DaliLoader(replace(spec, graph_batches=3), shards, gpu_branches=tail)
     assert one.tail == three.tail == tail
 
+    # The torch tail on a GPU: batched kernels (the colour product, the means, the blur's convolution) may
+    # sum in another order for a run of another size, so its views are the same up to float rounding there.
+    close = tail and device == "cuda"
+
     def same(a, b) -> None:
         for f in ("global_views", "local_views", "weak_views", "mixed", "mix_lam", "mix_partner", "index", "label"):
             x, y = getattr(a, f), getattr(b, f)
             assert (x is None) == (y is None), f
             if x is not None:
-                assert x.shape == y.shape and torch.equal(x.cpu(), y.cpu()), f
+                assert x.shape == y.shape, f
+                if close and x.is_floating_point():
+                    assert torch.allclose(x.cpu(), y.cpu(), atol=1e-4, rtol=0), f
+                else:
+                    assert torch.equal(x.cpu(), y.cpu()), f
                 if x.ndim == 5:
                     assert all(y[v].is_contiguous(memory_format=torch.channels_last if spec.channels_last else
                                                   torch.contiguous_format) for v in range(y.shape[0])), f
@@ -697,11 +705,16 @@ def test_the_torch_tail_finishes_the_crops_as_the_graph_does(shards, device, rec
             assert (x is None) == (y is None), f
             if x is not None:
                 assert y.dtype == torch.float32 and x.shape == y.shape
-                assert float((_pixels(x) - _pixels(y)).abs().max()) <= 1.0 + 1e-3, f
+                assert float((_pixels(x) - _pixels(y)).abs().max()) <= TAIL_LEVELS, f
                 if channels_last:
                     assert all(y[v].is_contiguous(memory_format=torch.channels_last) for v in range(len(y)))
         n += 1
     assert n == 2 * (N // 8)
+
+
+# The torch tail beside the graph's own: the graph rounds to uint8 after its colour pass, its blur and its
+# mixes, the tail stays float (at most 0.99 of a level apart on the CPU graph, 29 Nov 2026).
+TAIL_LEVELS = 2.0
 
 
 def _beside_the_graph(spec: LoaderSpec, shards, device: str, epochs: int = 2):
@@ -729,7 +742,7 @@ def test_the_torch_tail_mixes_as_the_graph_does(shards, device, kind: str) -> No
     n = 0
     for a, b in _beside_the_graph(spec, shards, device):
         assert torch.equal(a.mix_partner, b.mix_partner) and torch.equal(a.mix_lam, b.mix_lam)
-        assert float((_pixels(a.mixed) - _pixels(b.mixed)).abs().max()) <= 1.0 + 1e-3
+        assert float((_pixels(a.mixed) - _pixels(b.mixed)).abs().max()) <= TAIL_LEVELS
         n += 1
     assert n == 2 * (N // 8)
 
@@ -745,10 +758,12 @@ def test_the_torch_tail_draws_dacl_s_pixels_from_the_batch_s_seeds(shards, devic
     assert not loader.draws_in_graph
     n = 0
     for b in loader:
-        d = mixing.dacl_pixel_draws(loader.last_draws.mix, mix, 16, 16, "cpu")
-        x = _pixels(b.global_views) / 255                                                 # (2, B, 3, S, S)
+        d = loader.last_draws.mix                      # drawn on the host; the pixels on the loader's device
+        d = replace(d, partner=d.partner.to(device), lam=d.lam.to(device), noise=d.noise.to(device))
+        d = mixing.dacl_pixel_draws(d, mix, 16, 16, device)
+        x = (_pixels(b.global_views) / 255).to(device)                                   # (2, B, 3, S, S)
         want, _ = mixing.MIXES["dacl"].apply(x, d, mix)
-        assert torch.allclose(_pixels(b.mixed), want * 255, atol=1e-3), n
+        assert torch.allclose(_pixels(b.mixed), want.cpu() * 255, atol=1e-3), n
         n += 1
     assert n == N // 8
 
