@@ -283,35 +283,47 @@ def run_views(a: argparse.Namespace) -> dict:
     six, one = _view_recipes(a)
     cells = {r.name: r for r in (six, one, crops_only(six))}
     timed = in_rounds(a.repeats, {**{name: _gpu_cell(a, r) for name, r in cells.items()},
-                                  "relicv2-hostcontrast": _gpu_cell(a, six, gpu_contrast="host"),
-                                  "relicv2-condblur": _gpu_cell(a, six, gpu_blur="conditional"),
-                                  "relicv2-graph2": _gpu_cell(a, six, graph_batches=2),
-                                  "relicv2-torchtail": _gpu_cell(a, six, gpu_tail="torch")})
-    for name in ("relicv2-hostcontrast", "relicv2-condblur", "relicv2-graph2", "relicv2-torchtail"):
-        cells[name] = six
+                                  **{alt.cell: _gpu_cell(a, six, **{key: alt.value})
+                                     for key, alt in ALTERNATIVES.items()}})
     out: dict = {"batch_size": a.batch_size}
-    for name, recipe in cells.items():
+    for name, recipe in {**cells, **{alt.cell: six for alt in ALTERNATIVES.values()}}.items():
         cell_ = timed[name]
-        if not cell_.ok:
+        if not cell_.ok and name in cells:
             raise RuntimeError(f"{name}: {cell_.error}")
+        if not cell_.ok:                    # an alternative that fails: said in the report, never taken
+            out[name] = {"error": cell_.error}
+            continue
         runs = cell_.runs["img_per_s"]
         rate = loader_bench.spread(runs)["img_per_s"]                  # the median over the rounds
         out[name] = {"views": views_per_sample(recipe), "runs": runs, "img_per_s": rate,
                      "views_per_s": rate * views_per_sample(recipe)}
     out["cost_6_vs_1"] = out["relicv2-1view"]["img_per_s"] / out["relicv2"]["img_per_s"]
-    out["hostcontrast_vs_device"] = out["relicv2-hostcontrast"]["img_per_s"] / out["relicv2"]["img_per_s"]
-    out["condblur_vs_every_sample"] = out["relicv2-condblur"]["img_per_s"] / out["relicv2"]["img_per_s"]
-    out["graph2_vs_graph1"] = out["relicv2-graph2"]["img_per_s"] / out["relicv2"]["img_per_s"]
-    out["torchtail_vs_graph"] = out["relicv2-torchtail"]["img_per_s"] / out["relicv2"]["img_per_s"]
+    for alt in ALTERNATIVES.values():
+        out[alt.ratio] = out[alt.cell].get("img_per_s", 0.0) / out["relicv2"]["img_per_s"]
     return out
 
 
 DEFAULT_GRAPH = {f.name: f.default for f in dataclasses.fields(LoaderSpec)
                  if f.name in ("gpu_contrast", "gpu_blur", "graph_batches", "gpu_tail")}
-# the views section's cell of each option's alternative, by option: (its ratio to the default, the alternative)
-ALTERNATIVES = {"gpu_contrast": ("hostcontrast_vs_device", "host"),
-                "gpu_blur": ("condblur_vs_every_sample", "conditional"), "graph_batches": ("graph2_vs_graph1", 2),
-                "gpu_tail": ("torchtail_vs_graph", "torch")}
+
+
+class Alternative(typing.NamedTuple):
+    """A graph option's alternative, timed by the views section beside the default."""
+
+    cell: str            # the views section's cell
+    ratio: str           # its images/s over the default's, in the views section's report (0: it failed)
+    value: object        # the option's value there
+    what: str            # what the report calls it
+
+
+ALTERNATIVES = {"gpu_contrast": Alternative("relicv2-hostcontrast", "hostcontrast_vs_device", "host",
+                                            "the contrast offset made on the host"),
+                "gpu_blur": Alternative("relicv2-condblur", "condblur_vs_every_sample", "conditional",
+                                        "the blur in a conditional"),
+                "graph_batches": Alternative("relicv2-graph2", "graph2_vs_graph1", 2,
+                                             "2 training batches a run of the graph"),
+                "gpu_tail": Alternative("relicv2-torchtail", "torchtail_vs_graph", "torch",
+                                        "the crops finished by batched torch ops")}
 
 
 def faster_graph(a: argparse.Namespace, report: dict) -> dict:
@@ -320,10 +332,10 @@ def faster_graph(a: argparse.Namespace, report: dict) -> dict:
     it was faster than the default (the default where that section did not run)."""
     views = report.get("views", {})
     out = {}
-    for key, (ratio, alternative) in ALTERNATIVES.items():
+    for key, alt in ALTERNATIVES.items():
         chosen = getattr(a, key)
         out[key] = (type(DEFAULT_GRAPH[key])(chosen) if chosen != "faster" else
-                    alternative if views.get(ratio, 0.0) > 1.0 else DEFAULT_GRAPH[key])
+                    alt.value if views.get(alt.ratio, 0.0) > 1.0 else DEFAULT_GRAPH[key])
     return out
 
 
@@ -416,13 +428,10 @@ def table(report: dict) -> str:
         lines += [f"GPU graph, batch {v['batch_size']}: 6 views (relicv2) {v['relicv2']['img_per_s']:,.0f} img/s, "
                   f"1 view {v['relicv2-1view']['img_per_s']:,.0f} img/s: "
                   f"6 views cost {v['cost_6_vs_1']:.2f}× one view; 6 views, crops only "
-                  f"{v['relicv2-crops']['img_per_s']:,.0f} img/s; the contrast offset made on the host "
-                  f"{v['relicv2-hostcontrast']['img_per_s']:,.0f} img/s ({v['hostcontrast_vs_device']:.2f}×); the "
-                  f"blur in a conditional {v['relicv2-condblur']['img_per_s']:,.0f} img/s "
-                  f"({v['condblur_vs_every_sample']:.2f}×); 2 training batches a run of the graph "
-                  f"{v['relicv2-graph2']['img_per_s']:,.0f} img/s ({v['graph2_vs_graph1']:.2f}×); the crops "
-                  f"finished by batched torch ops {v['relicv2-torchtail']['img_per_s']:,.0f} img/s "
-                  f"({v['torchtail_vs_graph']:.2f}×)"]
+                  f"{v['relicv2-crops']['img_per_s']:,.0f} img/s; "
+                  + "; ".join(f"{alt.what} " + (f"{v[alt.cell]['img_per_s']:,.0f} img/s ({v[alt.ratio]:.2f}×)"
+                                                 if "img_per_s" in v[alt.cell] else f"failed ({v[alt.cell]['error']})")
+                              for alt in ALTERNATIVES.values() if alt.cell in v)]
     c = report.get("cores")
     if c and "error" not in c:
         lines += ["", f"GPU graph, 6 views, batch {c['batch_size']}, {_options(c.get('graph', DEFAULT_GRAPH))}, "
@@ -518,18 +527,10 @@ def targets(report: dict) -> list[str]:
         if c in rows:
             out.append(f"relicv2 at {c} cores {rows[c]:,.0f} img/s (≥ {target:,}): " + ("met" if rows[c] >= target else "missed"))
     v = report.get("views", {})
-    if "hostcontrast_vs_device" in v:
-        out.append(f"contrast offset made on the host {v['hostcontrast_vs_device']:.2f}× on the device "
-                   "(> 1: make data.gpu_contrast=host the default)")
-    if "condblur_vs_every_sample" in v:
-        out.append(f"blur in a conditional {v['condblur_vs_every_sample']:.2f}× on every sample "
-                   "(> 1: make data.gpu_blur=conditional the default)")
-    if "graph2_vs_graph1" in v:
-        out.append(f"2 training batches a run of the graph {v['graph2_vs_graph1']:.2f}× one (> 1: make "
-                   "data.graph_batches=2 the GPU default; well above 1: try more)")
-    if "torchtail_vs_graph" in v:
-        out.append(f"crops finished by batched torch ops {v['torchtail_vs_graph']:.2f}× the graph's own tail "
-                   "(> 1: make data.gpu_tail=torch the GPU default)")
+    for key, alt in ALTERNATIVES.items():
+        if alt.ratio in v:
+            out.append(f"{alt.what} {v[alt.ratio]:.2f}× the default (> 1: make data.{key}={alt.value} the GPU "
+                       "default" + ("; well above 1: try more)" if key == "graph_batches" else ")"))
     if "cost_6_vs_1" in v:
         out.append(f"6 views cost {v['cost_6_vs_1']:.2f}× 1 view (≤ {MAX_VIEW_COST}): "
                    + ("met" if v["cost_6_vs_1"] <= MAX_VIEW_COST else "missed"))

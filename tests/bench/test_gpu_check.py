@@ -170,3 +170,39 @@ def test_the_later_sections_run_the_graph_options_the_views_section_found_faster
     assert named["cores"]["graph"] == {"gpu_contrast": "host", "gpu_blur": "filter", "graph_batches": 3,
                                        "gpu_tail": "torch"}
     assert named["cores"]["rows"][0]["img_per_s"] > 0
+
+
+def test_an_alternative_that_fails_is_reported_and_never_taken(monkeypatch) -> None:
+    """A graph option's alternative that fails on the GPU (its cell raises) costs the views section only
+    that cell: the others are timed and reported, the failure is named in the report, and the later
+    sections keep the option's default."""
+    from types import SimpleNamespace
+
+    from bench import gpu_check
+    from bench.timing import Cell
+
+    def rounds(repeats, cells):
+        rate = {"relicv2": 1000.0, "relicv2-1view": 2000.0, "relicv2-crops": 1900.0, "relicv2-graph2": 1100.0}
+        return {k: Cell(error="RuntimeError: no kernel image") if k == "relicv2-torchtail" else
+                Cell(runs={"img_per_s": [rate.get(k, 900.0)] * repeats}) for k in cells}
+
+    monkeypatch.setattr(gpu_check, "in_rounds", rounds)
+    monkeypatch.setattr(gpu_check, "_gpu_cell", lambda *a, **k: None)
+    monkeypatch.setattr(gpu_check, "_view_recipes", lambda a: _recipes())
+    a = SimpleNamespace(repeats=2, batch_size=8, quick=True, gpu_contrast="faster", gpu_blur="faster",
+                        graph_batches="faster", gpu_tail="faster")
+    v = gpu_check.run_views(a)
+    assert v["relicv2-torchtail"] == {"error": "RuntimeError: no kernel image"} and v["torchtail_vs_graph"] == 0.0
+    assert v["graph2_vs_graph1"] == pytest.approx(1.1) and v["cost_6_vs_1"] == pytest.approx(2.0)
+    assert gpu_check.faster_graph(a, {"views": v}) == {"gpu_contrast": "device", "gpu_blur": "gaussian",
+                                                       "graph_batches": 2, "gpu_tail": "graph"}
+    line = next(ln for ln in gpu_check.table({"views": v}).splitlines() if ln.startswith("GPU graph"))
+    assert "the crops finished by batched torch ops failed (RuntimeError: no kernel image)" in line
+    assert "2 training batches a run of the graph 1,100 img/s (1.10×)" in line
+
+
+def _recipes():
+    from pipelines.views import Recipe, load_recipe
+
+    six = load_recipe("relicv2", 32, 16)
+    return six, Recipe("relicv2-1view", (six.groups[0],))
