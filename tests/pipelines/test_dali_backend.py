@@ -60,6 +60,12 @@ def shards(tmp_path_factory):
     return DatasetInfo(dir=root, split="train", count=N, mean=MEAN, std=STD, has_masks=True)
 
 
+def on_devices(cases: list, on_gpu: list) -> list:
+    """A test's parameters, the device first: every case on the CPU, and on a GPU (`gpu`-marked) only
+    `on_gpu`, so that the GPU check's short time runs the cases that differ there."""
+    return [("cpu", *c) for c in cases] + [pytest.param("cuda", *c, marks=pytest.mark.gpu) for c in on_gpu]
+
+
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     """Where the graph runs: every test below runs on the CPU graph and, on a GPU machine, the GPU graph."""
@@ -412,8 +418,9 @@ def test_fused_jitter_matches_torchvision_sequence(shards, device) -> None:
     assert checked > 20 and grays > 5
 
 
-@pytest.mark.parametrize("tail", ["graph", "torch"])
-@pytest.mark.parametrize("mixer", ["mixup", "cutmix", "resizemix"])
+@pytest.mark.parametrize(("device", "mixer", "tail"), on_devices(
+    [(m, t) for m in ("mixup", "cutmix", "resizemix") for t in ("graph", "torch")],
+    [(m, "graph") for m in ("mixup", "cutmix", "resizemix")] + [("resizemix", "torch")]))
 def test_sdmp_laws_of_the_graph(shards, device, mixer: str, tail: str) -> None:
     """The laws of pipelines/mixing.py, read back from the graph's mixes of constant-colour views
     (the same checks as for the torch reference in test_mixing.py), made by the graph or by the torch
@@ -621,7 +628,9 @@ def test_a_graph_that_draws_itself_is_run_ahead_and_resumes_at_the_batch_handed_
         assert torch.equal(b_mixed, mixed) and np.array_equal(b_mask, mask)
 
 
-@pytest.mark.parametrize("case", ["relic+sdmp", "rsa", "channels-last", "torch-tail", "torch-tail+dacl+"])
+@pytest.mark.parametrize(("device", "case"), on_devices(
+    [(c,) for c in ("relic+sdmp", "rsa", "channels-last", "torch-tail", "torch-tail+dacl+")],
+    [(c,) for c in ("relic+sdmp", "rsa", "channels-last", "torch-tail+dacl+")]))
 def test_a_graph_run_of_several_training_batches_hands_out_the_batches_of_runs_of_one(shards, device, case) -> None:
     """`graph_batches=3` (one run of the graph makes 3 training batches, its operators' set-up paid once):
     the same batches as runs of one, bit for bit, over two epochs whose batches (6) the runs straddle,
@@ -687,8 +696,8 @@ def test_a_graph_run_of_several_training_batches_hands_out_the_batches_of_runs_o
         same(a, b)
 
 
-@pytest.mark.parametrize("channels_last", [False, True])
-@pytest.mark.parametrize("recipe", ["relic", "rsa"])
+@pytest.mark.parametrize(("device", "recipe", "channels_last"), on_devices(
+    [(r, c) for r in ("relic", "rsa") for c in (False, True)], [("relic", True)]))
 def test_the_torch_tail_finishes_the_crops_as_the_graph_does(shards, device, recipe, channels_last) -> None:
     """`gpu_tail="torch"`: the graph hands out its crops as uint8 and batched torch ops finish them on the
     training device (pipelines/dali_tail.py): the batches of the graph's own tail (the GPU graph's, on
@@ -730,7 +739,8 @@ def _beside_the_graph(spec: LoaderSpec, shards, device: str, epochs: int = 2):
         yield from zip(on_host(graph, device), on_host(tail, device), strict=True)
 
 
-@pytest.mark.parametrize("kind", ["mixup", "cutmix", "resizemix", "linear"])
+@pytest.mark.parametrize(("device", "kind"), on_devices(
+    [(k,) for k in ("mixup", "cutmix", "resizemix", "linear")], [("cutmix",), ("linear",)]))
 def test_the_torch_tail_mixes_as_the_graph_does(shards, device, kind: str) -> None:
     """With a mix the torch tail makes the mixes too (the reference's `mixing.MIXES[kind].apply` on its
     finished views, from the draws the batch's source made): the graph's partners and lams exactly, and
