@@ -303,10 +303,6 @@ def run_views(a: argparse.Namespace) -> dict:
     return out
 
 
-DEFAULT_GRAPH = {f.name: f.default for f in dataclasses.fields(LoaderSpec)
-                 if f.name in ("gpu_contrast", "gpu_blur", "graph_batches", "gpu_tail")}
-
-
 class Alternative(typing.NamedTuple):
     """A graph option's alternative, timed by the views section beside the default."""
 
@@ -324,12 +320,14 @@ ALTERNATIVES = {"gpu_contrast": Alternative("relicv2-hostcontrast", "hostcontras
                                              "2 training batches a run of the graph"),
                 "gpu_tail": Alternative("relicv2-torchtail", "torchtail_vs_graph", "torch",
                                         "the crops finished by batched torch ops")}
+# each of those options at `LoaderSpec`'s default
+DEFAULT_GRAPH = {f.name: f.default for f in dataclasses.fields(LoaderSpec) if f.name in ALTERNATIVES}
 
 
 def faster_graph(a: argparse.Namespace, report: dict) -> dict:
     """The graph options of the cores, training and loader sections: `--gpu-contrast`, `--gpu-blur`,
-    `--graph-batches` and `--gpu-tail`, or for each one left at "faster" the alternative the views section timed where
-    it was faster than the default (the default where that section did not run)."""
+    `--graph-batches` and `--gpu-tail`, or for each one left at "faster" the alternative the views section
+    timed where it was faster than the default (the default where that section did not run)."""
     views = report.get("views", {})
     out = {}
     for key, alt in ALTERNATIVES.items():

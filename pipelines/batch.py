@@ -68,6 +68,12 @@ def normalize(x: Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> Ten
     return (x - m) / s
 
 
+def channels_last_views(x: Tensor) -> Tensor:
+    """(V, B, 3, S, S) views copied into a channels-last network's memory layout: a permuted contiguous
+    (V, B, S, S, 3) tensor, so that each view is a channels-last (B, 3, S, S) tensor without a copy."""
+    return x.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3)
+
+
 @functools.lru_cache(maxsize=16)
 def _statistics(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device, dtype: torch.dtype
                 ) -> tuple[Tensor, Tensor]:

@@ -71,7 +71,7 @@ from nvidia.dali.backend import TensorListGPU  # noqa: E402
 from nvidia.dali.plugin.pytorch import feed_ndarray  # noqa: E402
 
 from pipelines.augment import saliency_usable
-from pipelines.batch import Batch, ReusedBuffers, normalize
+from pipelines.batch import Batch, ReusedBuffers, channels_last_views, normalize
 from pipelines.dali_graph import (NO_MASK_PNG, Draws, Outputs, dali_type, draw_inputs, graph, input_specs, is_partner,
                                   torch_tail)
 from pipelines.dali_tail import finish
@@ -245,16 +245,15 @@ class BatchSource:
         for names in self.groups:
             a = [_rows([d[n] for d in inputs]) for n in names]
             fed.append(np.stack(a, 1) if len(a) > 1 else a[0])                             # (B, n, ...)
-        ids = [index[:, None].astype(np.int64), self.reader.labels[index][:, None]]
         draws = [m[2] for m in made]
-        if draws[0].mix is not None:
+        mixed, tail = draws[0].mix is not None, draws[0].tail is not None
+        ids = [index[:, None].astype(np.int64), self.reader.labels[index][:, None]]
+        if mixed:
             ids.append(np.concatenate([d.mix.partner.T.numpy() for d in draws]).astype(np.int64))   # (B, V)
-        passed = [np.concatenate(ids, 1)]
-        if draws[0].mix is not None:
-            passed.append(np.ascontiguousarray(np.concatenate([d.mix_lam.T.numpy() for d in draws])))
-        if draws[0].tail is not None:         # the torch tail's parameters, and its mixes' draws
-            passed += [np.concatenate([d.tail for d in draws])]
-            passed += [np.concatenate([d.tail_mix for d in draws])] if draws[0].mix is not None else []
+        passed = [np.concatenate(ids, 1)]                                  # the pass-through outputs, in order
+        passed += [np.ascontiguousarray(np.concatenate([d.mix_lam.T.numpy() for d in draws]))] if mixed else []
+        passed += [np.concatenate([d.tail for d in draws])] if tail else []   # the torch tail's parameters
+        passed += [np.concatenate([d.tail_mix for d in draws])] if tail and mixed else []   # and its mixes' draws
         return fed + passed
 
 
@@ -368,17 +367,18 @@ class DaliLoader(EpochLoader):
 
     def __init__(self, spec: LoaderSpec, info: DatasetInfo, *, debug: bool = False, gpu_branches: bool = False) -> None:
         self.spec, self.info, self.debug, self.gpu_branches = spec, info, debug, gpu_branches
+        self.gpu = spec.device.startswith("cuda") or gpu_branches     # the GPU graph's branches and inputs
         self.reader = ShardReader.open(info.dir / spec.split, info.count)
         self.masks = info.reads_masks(spec.recipe)
         self.order = EpochOrder(spec, info.count)
-        self.draws_in_graph = draws_in_graph(spec, spec.device.startswith("cuda") or gpu_branches)
+        self.draws_in_graph = draws_in_graph(spec, self.gpu)
         if self.draws_in_graph and spec.graph_batches > 1:
             raise LoaderError(f"graph_batches={spec.graph_batches} with a mix that draws in the graph (DACL's binary "
                               "or Gaussian noise): its draws resume only at a run's start; use graph_batches=1")
         if spec.gpu_tail == "torch" and spec.graph_dtype != "float32":
             raise LoaderError(f"gpu_tail='torch' normalises the views itself, graph_dtype={spec.graph_dtype!r} has "
                               "nothing to do; use graph_dtype=float32")
-        self.tail = torch_tail(spec, spec.device.startswith("cuda") or gpu_branches)
+        self.tail = torch_tail(spec, self.gpu)
         self._tail_stream = None                     # a GPU's torch tail: its own stream (`_run`)
         self._buffers = ReusedBuffers()              # CPU device: the views land in reused host memory
         self._pipe, self._pipe_at, self._out = None, None, Outputs()
@@ -452,7 +452,7 @@ class DaliLoader(EpochLoader):
         self._iteration = ckpt[1] if ckpt else 0
         self._pipe, self._died = None, False  # the old pipeline (and its workers) end before new ones start
         self._source = BatchSource(s, self.reader, self.masks,
-                                   s.device.startswith("cuda") or self.gpu_branches, self._position(), self._iteration)
+                                   self.gpu, self._position(), self._iteration)
         method = worker_start_method()
         self._pipe, self._out = define_pipeline(s, self.masks, self.info.mean, self.info.std, device_id, self._source,
                                                 debug=self.debug, checkpoint=ckpt[0] if ckpt else None,
@@ -623,9 +623,7 @@ def _rows_of(batch: Batch, start: int, stop: int, channels_last: bool) -> Batch:
             return x[start:stop].contiguous()
         if x.ndim == 2:                                                   # mix_lam, mix_partner: (V, B)
             return x[:, start:stop].contiguous()
-        if channels_last:                                                 # (V, B, 3, S, S) over (V, B, S, S, 3)
-            return x.permute(0, 1, 3, 4, 2)[:, start:stop].contiguous().permute(0, 1, 4, 2, 3)
-        return x[:, start:stop].contiguous()
+        return channels_last_views(x[:, start:stop]) if channels_last else x[:, start:stop].contiguous()
 
     return Batch(**{f.name: part(f.name, getattr(batch, f.name)) for f in dataclass_fields(batch)})
 
@@ -665,9 +663,10 @@ def define_pipeline(spec: LoaderSpec, masks: bool, mean, std, device_id: int | N
     Returns:
         (pipeline, the graph's `Outputs`).
     """
-    kinds = source_outputs(spec, masks, spec.device.startswith("cuda") or gpu_branches)
+    gpu = spec.device.startswith("cuda") or gpu_branches
+    kinds = source_outputs(spec, masks, gpu)
     seed = derive_seed(spec.seed, spec.rank, Stream.DALI_GRAPH) % (2**31 - 1)
-    in_graph = draws_in_graph(spec, spec.device.startswith("cuda") or gpu_branches)
+    in_graph = draws_in_graph(spec, gpu)
     workers = host_workers(spec)
     built: dict = {}
 

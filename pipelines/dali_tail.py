@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from pipelines.augment import blur_kernel_px, gaussian_blur
-from pipelines.batch import normalize
-from pipelines.mixing import MIXES, MixDraw, MixSpec, dacl_pixel_draws, mix_source_views
+from pipelines.batch import channels_last_views, normalize
+from pipelines.mixing import MIXES, MixDraw, MixSpec, dacl_pixel_draws, mix_sources
 from pipelines.views import Recipe, ViewGroup
 
 # One view's tail parameters, in a (B, V, TAIL_WIDTH) float32 array of the batch's V views (`tail_views`).
@@ -175,17 +175,16 @@ def finish(crops: dict[str, Tensor], params: np.ndarray, recipe: Recipe, mean, s
 
     def handed_out(x: Tensor) -> Tensor:          # (V, B, 3, S, S) in [0, 1] → normalised, in the network's layout
         x = normalize(x, mean, std)
-        return x.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3) if channels_last else x
+        return channels_last_views(x) if channels_last else x
 
+    views = {g.name: done[g.name].view(g.count, b, 3, g.size_px, g.size_px) for g in tail_views(recipe)}
     out: dict[str, Tensor | None] = {}
     for field, groups in recipe.fields.items():
-        levels = [done[g.name].view(g.count, b, 3, g.size_px, g.size_px) for g in groups]
-        out[field] = handed_out(torch.cat(levels).div_(255.0)) if groups else None     # cat: a copy
+        out[field] = handed_out(torch.cat([views[g.name] for g in groups]).div_(255.0)) if groups else None  # a copy
     out["mixed"] = None
     if mix is not None and mix.kind != "none":
         draws, partner, lam, batch_size = mixes
-        src = torch.stack([done[name].view(-1, b, 3, *done[name].shape[-2:])[v]
-                           for name, v in mix_source_views(recipe, mix)]).div_(255.0)      # (V, B, 3, S, S)
+        src = mix_sources(views, recipe, mix).div_(255.0)                                 # (V, B, 3, S, S), a copy
         made = []
         for rows in (slice(j, j + batch_size) for j in range(0, b, batch_size)):     # each training batch
             d = _mix_draw(mix, draws[rows], partner[:, rows], lam[:, rows], src.shape[-1])
