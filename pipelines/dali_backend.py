@@ -140,7 +140,7 @@ def _received(state: dict, creator: int) -> "BatchSource":
     knows the worker's parent process: the pid travels with it."""
     if creator != os.getpid():     # a worker (not a copy made here)
         end_with_creator(creator)
-        leave_signals_to_creator()  # rule 4 (a forked worker: `forking_workers`), before it reports started
+        leave_signals_to_creator(creator)  # rule 4 (a forked worker: `forking_workers`), before it reports started
     source = BatchSource.__new__(BatchSource)
     source.__dict__.update(state)
     return source

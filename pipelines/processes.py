@@ -40,13 +40,19 @@ two rules, kept here for preprocess, pipelines and train alike:
    take 64 bytes each) the parent waits for each worker's imports in turn. On an H200's 16-core host
    the 16 workers of one torchvision loader, each importing torchvision and timm itself, had not
    started after 110 s.
-4. A loader's worker leaves SLURM's warning to the process it works for. SLURM signals every process
-   of a job step with the `--signal` it was given before preemption or the time limit (SIGUSR2 for
-   submitit), and the training process holds it back until its next checkpoint
-   (`train.dist.HeldSignal`); a worker that died of it meanwhile would fail the loader before the
-   checkpoint. So a worker ignores it (`leave_signals_to_creator`) and ends with that process (rule 2).
-   SIGTERM keeps its default: DALI's pool ends the other workers with it, and waits for them without a
-   timeout, when one dies. Other children (preprocessing's pools) keep both.
+4. A loader's worker leaves the signals of a job's end to the process it works for. SLURM signals every
+   process of a job step: with the `--signal` it was given before preemption or the time limit (SIGUSR2
+   for submitit), and with SIGTERM when it preempts or cancels the job (some sites send both at once);
+   torch's launcher sends SIGTERM to each rank's process group. The training process holds such a
+   signal back until its next checkpoint (`train.dist.HeldSignal`; submitit's tasks also ignore
+   SIGTERM), and a worker that died of it meanwhile would fail the loader before the checkpoint. So a
+   worker ignores the warning (`SCHEDULER_SIGNALS`), and takes SIGTERM in a thread of its own, which
+   leaves it to the creator while the creator catches SIGTERM (a handler there, as its /proc status
+   shows), unless the creator sent it itself: DALI's pool and torch's DataLoader end their workers with
+   SIGTERM, and DALI waits for them without a timeout. Otherwise SIGTERM ends the worker as it did
+   before; either way the worker ends with its creator (rule 2). The watchdog and that thread block
+   every signal, so that none is delivered to a thread that would take its default action there.
+   Other children (preprocessing's pools) keep both signals' defaults.
 
 `proc_stat`, `running` and `descendants` read /proc for who runs and who started whom (the reaper of
 a local Ray instance, `preprocess.ray_engine`, and the tests that kill runs use them).
@@ -85,6 +91,8 @@ _forking_workers = False         # the children forked now are loader workers (r
 SERVER_PRELOAD = ("numpy", "PIL.Image", "torch", "torchvision", "timm", "nvidia.dali", "numba")
 # The warning SLURM sends every process of a job step before it ends the job, as submitit asks (rule 4).
 SCHEDULER_SIGNALS = (signal.SIGUSR2,)
+# The signal a scheduler or a launcher ends a job with, left to a creator that catches it (rule 4).
+END_SIGNAL = signal.SIGTERM
 
 
 class WorkerDiedError(RuntimeError):
@@ -187,7 +195,17 @@ def _end_when(gone) -> None:
     if gone():
         os.kill(os.getpid(), signal.SIGKILL)
     _watched_in = os.getpid()
-    threading.Thread(target=_watch, args=(gone,), name="viewmill-end-with-parent", daemon=True).start()
+    _start_deaf_thread(_watch, (gone,), "viewmill-end-with-parent")
+
+
+def _start_deaf_thread(target, args: tuple, name: str) -> None:
+    """Start a daemon thread that blocks every signal (it inherits this thread's mask, blocked for the
+    moment of its start), so that the kernel delivers none to it (module docstring, 4)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        threading.Thread(target=target, args=args, name=name, daemon=True).start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _watch(gone) -> None:
@@ -214,7 +232,7 @@ def _in_forked_child() -> None:
         gc.enable()
     end_with_parent(_forking_pid)            # the pid before the fork: a parent dead already ends us now
     if _forking_workers:
-        leave_signals_to_creator()           # rule 4, from the child's first instant
+        leave_signals_to_creator(_forking_pid)   # rule 4, from the child's first instant
 
 
 @contextlib.contextmanager
@@ -272,19 +290,48 @@ def fork_server(preload: str) -> BaseContext:
 def worker_started(worker_id: int = 0) -> None:
     """A DataLoader's `worker_init_fn`: the worker ends with the process that started it, whichever
     start method made it (rule 2; `end_with_creator`), and leaves it the scheduler's warning (rule 4)."""
-    creator = mp.parent_process()
-    end_with_creator(os.getppid() if creator is None else creator.pid)
-    leave_signals_to_creator()
+    parent = mp.parent_process()
+    creator = os.getppid() if parent is None else parent.pid
+    end_with_creator(creator)
+    leave_signals_to_creator(creator)
 
 
-def leave_signals_to_creator() -> None:
-    """Ignore the warning a job scheduler sends every process of a job (`SCHEDULER_SIGNALS`) in this
-    loader worker (module docstring, 4): a DataLoader's (`worker_started`), DALI's (forked within
-    `forking_workers`, or the fork server's: `dali_backend`); from its main thread, where Python sets
-    handlers."""
-    if threading.current_thread() is threading.main_thread():
-        for signum in SCHEDULER_SIGNALS:
-            signal.signal(signum, signal.SIG_IGN)
+def leave_signals_to_creator(creator: int) -> None:
+    """In this loader worker of process `creator` (module docstring, 4: a DataLoader's, `worker_started`;
+    DALI's, forked within `forking_workers` or the fork server's, `dali_backend`): ignore the warning a
+    job scheduler sends every process of a job (`SCHEDULER_SIGNALS`), and leave SIGTERM to `creator`
+    while it catches it (`_take_end_signal`). From the worker's main thread, before it starts threads
+    of its own (they inherit SIGTERM blocked); elsewhere it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in SCHEDULER_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {END_SIGNAL})      # pending until `_take_end_signal` takes it
+    signal.signal(END_SIGNAL, signal.SIG_DFL)       # not the handler a fork copied from the creator (a held one)
+    _start_deaf_thread(_take_end_signal, (creator,), "viewmill-end-signal")
+
+
+def _take_end_signal(creator: int) -> None:
+    """Take each SIGTERM sent to this worker: one from elsewhere than `creator` (a scheduler, a launcher)
+    while `creator` catches SIGTERM is left to it (this worker ends with it, rule 2); any other ends
+    the worker by it (its default action, as before)."""
+    while True:
+        sender = signal.sigwaitinfo({END_SIGNAL}).si_pid
+        if sender != creator and catches(creator, END_SIGNAL):
+            continue
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {END_SIGNAL})
+        signal.pthread_kill(threading.get_ident(), END_SIGNAL)
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler of its own for `signum` (its SigCgt in /proc); False once it
+    is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+    return bool(int(caught, 16) >> (signum - 1) & 1)
 
 
 def end_with_creator(creator: int) -> None:

@@ -7,6 +7,7 @@ DALI's), which end with that process, not with the server; and such a process ne
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -272,15 +273,62 @@ def test_a_fork_server_s_workers_find_the_heavy_libraries_already_imported() -> 
     assert found == ["torchvision", "timm", "numba"]
 
 
+def _leaving_worker(creator: int) -> None:
+    from pipelines.processes import leave_signals_to_creator
+
+    leave_signals_to_creator(creator)
+    time.sleep(60)
+
+
+@contextlib.contextmanager
+def catching_term():
+    """This process catches SIGTERM within (as a rank holding it, or submitit's task, does)."""
+    before = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _term_from_elsewhere(pids) -> None:
+    """SIGTERM sent by another process (a scheduler, a launcher), not this one."""
+    subprocess.run(["kill", "-TERM", *map(str, pids)], check=True)
+
+
+@pytest.mark.parametrize("creator_catches", [True, False], ids=["creator-catches", "default"])
+def test_a_worker_leaves_sigterm_to_a_creator_that_catches_it_but_ends_by_the_creator_s_own(creator_catches) -> None:
+    """Rule 4: a worker lives through a SIGTERM from elsewhere while its creator has a handler for it,
+    and ends by one from a creator without a handler as before; the creator's own SIGTERM (DALI's pool
+    and torch's DataLoader end their workers with it) ends it either way."""
+    before = signal.signal(signal.SIGTERM, (lambda *_: None) if creator_catches else signal.SIG_DFL)
+    try:
+        worker = fork_context().Process(target=_leaving_worker, args=(os.getpid(),), daemon=True)
+        worker.start()
+        time.sleep(0.5)                                   # its thread that takes SIGTERM runs
+        for _ in range(5):                                # every thread of it blocks SIGTERM
+            _term_from_elsewhere([worker.pid])
+        worker.join(1)
+        assert worker.is_alive() is creator_catches
+        if creator_catches:
+            os.kill(worker.pid, signal.SIGTERM)
+            worker.join(5)
+        assert worker.exitcode == -signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 @pytest.mark.parametrize("backend,server", [("torch", False), pytest.param("torch", True, marks=pytest.mark.slow),
                                             ("dali", False), pytest.param("dali", True, marks=pytest.mark.slow)])
-def test_loader_workers_leave_the_scheduler_s_warning_to_the_training_process(backend, server, tiny_data_root,
-                                                                               monkeypatch) -> None:
+def test_loader_workers_leave_a_job_s_end_signals_to_the_training_process(backend, server, tiny_data_root,
+                                                                         monkeypatch) -> None:
     """SLURM sends its warning before preemption or the time limit (SIGUSR2) to every process of a job
-    step and the training process holds it back until its next checkpoint (`train.dist.HeldSignal`): a
-    loader's workers, forked or the fork server's (a process holding CUDA), live through it, and the
-    loader goes on with the batches of an undisturbed one (rule 4). This process's own disposition is
-    the default, which ends a process."""
+    step, and at preemption SIGTERM too, and the training process holds them back until its next
+    checkpoint (`train.dist.HeldSignal`; submitit's tasks ignore SIGTERM): a loader's workers, forked
+    or the fork server's (a process holding CUDA), live through both, and the loader goes on with the
+    batches of an undisturbed one (rule 4); and the loader still ends them when it is done with them.
+    The handler is installed after the workers started: a worker looks at its creator's, not at one
+    it copied.
+    This process's own disposition of SIGUSR2 is the default, which ends a process."""
     pytest.importorskip("nvidia.dali" if backend == "dali" else "torch")
     from pipelines import dali_backend, processes
     from pipelines.loader import build_loader
@@ -297,21 +345,29 @@ def test_loader_workers_leave_the_scheduler_s_warning_to_the_training_process(ba
     spec = LoaderSpec(root=str(tiny_data_root), dataset="synthetic", recipe=load_recipe("byol", 32, 16),
                       split="train", batch_size=8, num_workers=2)
 
-    def epoch(disturb: bool) -> tuple[list[torch.Tensor], int]:
+    def epoch(disturb: bool) -> tuple[list[torch.Tensor], list[int]]:
         before = {pid for pid, _ in descendants(os.getpid())}
-        it = iter(build_loader(backend, spec))
+        loader = build_loader(backend, spec)
+        it = iter(loader)
         out = [next(it).index for _ in range(2)]           # a DataLoader's 2 workers have each made a batch
         workers = workers_of(os.getpid(), before)
-        if disturb:
+        if disturb:                                        # caught from now on, after the workers started
             for pid in workers:
                 os.kill(pid, signal.SIGUSR2)
-            time.sleep(0.5)
+            with catching_term():
+                _term_from_elsewhere(workers)
+                time.sleep(0.5)
             # before the next batch: a DALI loader whose fork-server workers died waits for them for good
             assert workers and all(running(pid) for pid in workers)
-        return out + [b.index for b in it]
+        out += [b.index for b in it]
+        del it, loader
+        gc.collect()
+        return out, workers
 
-    undisturbed, disturbed = epoch(False), epoch(True)
+    undisturbed, _ = epoch(False)
+    disturbed, workers = epoch(True)
     assert len(disturbed) == len(undisturbed) == 8 and all(map(torch.equal, disturbed, undisturbed))
+    wait_for(lambda: not any(running(pid) for pid in workers), 30, "the workers' end")
 
 
 KILLED_WORKER = """
