@@ -103,8 +103,8 @@ def dispatch(argv: list[str]) -> int:
 
             return submit_protocol(argv[0], argv[1:], processes, cluster)
         if processes > 1 and "LOCAL_RANK" not in os.environ:     # the launching process: start the ranks
-            protocol.preflight(argv[0], argv[1:], processes, cluster.nodes)
-            return elastic(processes, argv, cluster)
+            plan = protocol.preflight(argv[0], argv[1:], processes, cluster.nodes)
+            return elastic(processes, argv, cluster, plan.cfg.run.checkpoint_on_signal)
         protocol.main(argv[0], argv[1:])
         return 0
     if cluster.launcher == "slurm":

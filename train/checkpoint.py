@@ -253,9 +253,9 @@ class Cadence:
     def at_log_step(self, device: torch.device) -> None:
         """Agree over the ranks whether the signal was caught and whether the clock calls for a save."""
         clock = 0 < 60 * self.every_min <= time.monotonic() - self._saved_at
-        # sync: whether some rank caught the signal, or some rank's clock says a checkpoint is due
-        self.signalled, self._clock = dist.any_rank(device, self.held.noted, clock)
-        self.held.agree(self.signalled)
+        # sync: which signals some rank caught, and whether some rank's clock says a checkpoint is due
+        *caught, self._clock = dist.any_rank(device, *self.held.caught, clock)
+        self.signalled = self.held.agree(caught)
 
     def due(self, done: int, last: int) -> bool:
         """Whether the loop saves after step `done` (1-based) of a loop that ends after step `last`."""

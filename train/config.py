@@ -39,7 +39,8 @@ BackendChoice = Literal["auto", Backend]        # "auto": dali on CUDA, the fast
 OptimName = Literal["lars", "sgd", "momentum", "adamw"]   # timm's: sgd is Nesterov, momentum is plain
 DeviceName = Literal["auto", "cpu", "cuda"]     # no "cuda:N": torchrun's LOCAL_RANK picks the GPU
 StreamName = Literal["default", "high"]          # run.train_stream
-SignalName = Literal["", "USR2", "TERM"]   # run.checkpoint_on_signal ("": none; not USR1, which NCCL may take)
+# run.checkpoint_on_signal ("": none; USR2+TERM: both, as launcher=slurm sets; not USR1, which NCCL may take)
+SignalName = Literal["", "USR2", "TERM", "USR2+TERM"]
 EvalName = Literal["auto", "knn", "probe", "linear", "none"]   # auto: kNN and probe when the data has labels; linear: and
                                                     # the papers' linear evaluation after the last step (train.protocol)
 
@@ -132,7 +133,7 @@ class RunConfig:
     eval: EvalName = "auto"          # labelled evaluations besides the label-free health metrics
     max_eval_samples: int = 0       # records per split for evaluation (evenly spread); 0: all up to a cap
     stop_after_steps: int = 0       # stop with a checkpoint after this step (resumable); 0: run to optim.steps
-    checkpoint_on_signal: SignalName = ""  # this signal waits for a checkpoint at the next log step (dist.HeldSignal)
+    checkpoint_on_signal: SignalName = ""  # these signals wait for a checkpoint at the next log step (dist.HeldSignal)
     wandb: bool = False             # the TensorBoard scalars to Weights & Biases too (rank 0; WANDB_MODE=offline works)
     wandb_project: str = "viewmill"  # the W&B project; the W&B run is named after the run folder
 
@@ -322,19 +323,6 @@ def per_process_batch(batch_size: int, processes: int, key: str = "data.batch_si
     return batch_size // processes
 
 
-def check_held_signal(name: SignalName, world_size: int) -> None:
-    """Refuse `run.checkpoint_on_signal=TERM` in a run of several processes (pretraining's or a protocol's).
-
-    Raises:
-        ConfigError: naming what to use instead.
-    """
-    if name == "TERM" and world_size > 1:
-        raise ConfigError("run.checkpoint_on_signal=TERM holds SIGTERM in a run of one process only: with several, "
-                          "the launcher (torchrun's, ours, SLURM at preemption) sends SIGTERM to every process of a "
-                          "rank, its loader workers too, which end at once; use launcher=slurm (USR2) or "
-                          "run.stop_after_steps")
-
-
 def for_world(cfg: Config, world_size: int, train_size: int) -> Config:
     """`cfg` as `world_size` processes run it: `data.batch_size` becomes the global batch (`global_batch`;
     the learning rate scales with it, `schedules.scaled_lr`); with `optim.epochs` /
@@ -345,11 +333,9 @@ def for_world(cfg: Config, world_size: int, train_size: int) -> Config:
     values, and training stops at its dataset check anyway.
 
     Raises:
-        ConfigError: a per-process batch above the preset's `data.max_batch_per_gpu`; SIGTERM held with
-            several processes.
+        ConfigError: a per-process batch above the preset's `data.max_batch_per_gpu`.
     """
     d, o = cfg.data, cfg.optim
-    check_held_signal(cfg.run.checkpoint_on_signal, world_size)
     batch = global_batch(d.batch_size, world_size)
     per_process = batch // max(world_size, 1)
     if d.max_batch_per_gpu and per_process > d.max_batch_per_gpu:

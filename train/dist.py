@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 from datetime import timedelta
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -180,59 +181,72 @@ def any_rank(device: torch.device, *flags: bool) -> tuple[bool, ...]:
 
 
 class HeldSignal:
-    """A signal held back while the loop trains, so that the run stops at a checkpoint of the step it
-    reached (`run.checkpoint_on_signal`): SLURM's warning before preemption or the time limit (USR2,
-    `train.slurm`), or the TERM a scheduler sends a run of one process some seconds before it kills.
+    """Signals held back while the loop trains, so that the run stops at a checkpoint of the step it
+    reached (`run.checkpoint_on_signal`): SLURM's warning before preemption or the time limit (USR2),
+    the SIGTERM of its preemption (both: "USR2+TERM", what `train.slurm` sets), or the TERM a scheduler
+    or a launcher sends a run some seconds before it kills it (the loader workers leave it to their
+    rank: `pipelines.processes`, rule 4).
 
     Every rank installs it (`HeldSignal("")`: nothing is installed and no rank ever stops). Inside
-    `holding()` the signal is only noted; at each log step the loop or's `noted` over the ranks
+    `holding()` a signal is only noted; at each log step the loop or's `caught` over the ranks
     (`any_rank`, the collective it makes there anyway) and tells `agree` the result, and when any rank
-    noted it every rank saves the checkpoint of that step and leaves the loop; `release()`, after the
-    ranks' last barrier, gives it the action it had before: submitit's handler (rank 0 requeues the job
-    and exits) or the default (the process ends by the signal). Outside `holding()` (the evaluations,
-    the export) it acts at once, as it would without this.
+    caught one every rank saves the checkpoint of that step and leaves the loop; `release()`, after the
+    ranks' last barrier, gives each signal some rank caught the action it had before, in the order
+    named: submitit's handlers (USR2: rank 0 requeues the job and exits; TERM: ignored) or the default
+    (the process ends by the signal). Outside `holding()` (the evaluations, the export) a signal acts at
+    once, as it would without this.
     """
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.noted = False                  # caught while held, or agreed to have been by some rank
+        self._signums = [getattr(signal, f"SIG{n}") for n in name.split("+")] if name else []
+        self.caught = [False] * len(self._signums)  # each signal: caught while held, by this rank or another
         self._held = False
-        self._signum = getattr(signal, f"SIG{name}") if name else None
-        self._previous = signal.signal(self._signum, self._catch) if name else None
+        self._previous = {signum: signal.signal(signum, self._catch) for signum in self._signums}
+
+    @property
+    def noted(self) -> bool:
+        """Whether some signal was caught while held (here, or by a rank that `agree` told of)."""
+        return any(self.caught)
+
+    def what(self) -> str:
+        """The signals caught, for the line that says so: "SIGUSR2", "SIGUSR2 and SIGTERM"."""
+        return " and ".join(signal.Signals(s).name for s, c in zip(self._signums, self.caught) if c)
 
     def _catch(self, signum: int, frame) -> None:
         if self._held:
-            self.noted = True
+            self.caught[self._signums.index(signum)] = True
         else:
-            self._act(frame)
+            self._act(signum, frame)
 
-    def _act(self, frame) -> None:
-        if callable(self._previous):
-            self._previous(self._signum, frame)
-        elif self._previous == signal.SIG_DFL:
-            signal.signal(self._signum, signal.SIG_DFL)
-            os.kill(os.getpid(), self._signum)
+    def _act(self, signum: int, frame) -> None:
+        previous = self._previous[signum]
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     @contextlib.contextmanager
     def holding(self, held: bool = True):
-        """Hold the signal (or, `held=False`, let it act at once: an evaluation inside the loop) within."""
+        """Hold the signals (or, `held=False`, let them act at once: an evaluation inside the loop) within."""
         before, self._held = self._held, held
         try:
             yield self
         finally:
             self._held = before
 
-    def agree(self, some_rank_noted: bool) -> bool:
-        """Take `noted` or'ed over every rank (`any_rank`) and return it: every rank then acts at
-        `release`. A signal caught after `noted` was read counts at the next log step (or'ed here, not
-        replaced)."""
-        self.noted = self.noted or some_rank_noted
-        return some_rank_noted
+    def agree(self, caught: Sequence[bool]) -> bool:
+        """Take `caught` or'ed over every rank (`any_rank`) and return whether any signal was: every rank
+        then acts for the same signals at `release`. A signal caught after `caught` was read counts at
+        the next log step (or'ed here, not replaced)."""
+        self.caught = [mine or some for mine, some in zip(self.caught, caught)]
+        return any(caught)
 
     def release(self) -> None:
-        """Put the former handler back and, when the signal was noted, take its action now."""
-        if self._signum is None:
-            return
-        signal.signal(self._signum, signal.SIG_DFL if self._previous is None else self._previous)
-        if self.noted:
-            self._act(None)
+        """Put the former handlers back and, for each signal caught, take its action now."""
+        for signum, previous in self._previous.items():
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        for signum, caught in zip(self._signums, self.caught):
+            if caught:
+                self._act(signum, None)

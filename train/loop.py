@@ -132,7 +132,7 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
     log.print(f"data stall: {100 * log.stall_fraction():.1f}% of the step time waited for batches (after warm-up)")
     if cadence.signalled:
         log.close()
-        log.print(f"caught SIG{cadence.held.name}: saved the checkpoint of step {done} and stopped; the same command "
+        log.print(f"caught {cadence.held.what()}: saved the checkpoint of step {done} and stopped; the same command "
                   f"with {run.resume_hint()} continues there (a requeued SLURM job does so itself)")
         return False
     if stop < cfg.optim.steps:

@@ -59,7 +59,7 @@ from pipelines.schema import NO_LABEL
 from pipelines.spec import DatasetInfo, LoaderSpec
 from pipelines.views import Recipe, ViewGroup
 from train import checkpoint, dist
-from train.config import Config, ConfigError, check_held_signal, parse_value, per_process_batch, to_dict
+from train.config import Config, ConfigError, parse_value, per_process_batch, to_dict
 from train.log import Log, Meter
 from train.resolve import CONFIG_DIR, config_from_dict
 from train.run import LINEAR_EVAL, check_same_network
@@ -464,7 +464,7 @@ class Protocol:
                     break
         loader.close()
         if cadence.signalled:
-            log.print(f"caught SIG{cadence.held.name}: saved the checkpoint of step {done} in {self.folder} and "
+            log.print(f"caught {cadence.held.what()}: saved the checkpoint of step {done} in {self.folder} and "
                       "stopped; the same command continues there (a requeued SLURM job does so itself)")
             return None
         return self.score(backend, device, model, log)
@@ -531,7 +531,6 @@ def prepare(kind: Kind, args: list[str], world: int) -> Plan:
     state = checkpoint.load_training(ckpt)
     cfg = config_from_dict(state["config"], overrides=overrides)
     check_same_network(cfg, state["config"], str(ckpt), f"{kind} evaluation rebuilds that network: drop the override")
-    check_held_signal(cfg.run.checkpoint_on_signal, world)
     check_dataset(cfg)
     if cfg.data.num_classes <= 0:
         raise ConfigError(f"dataset {cfg.data.name} has no labels, so there is nothing to classify; {kind} evaluation "

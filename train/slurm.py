@@ -3,13 +3,17 @@ N nodes x G tasks through submitit (the library DINO and DINOv2 are launched wit
 
 Every task is one training process: it reads its rank from SLURM's variables (`dist_env`) and runs a
 rank's life (`train.launch.start`) on the job's words, which always hold `run.resume=auto`, a fixed
-`run.name` and `run.checkpoint_on_signal=USR2`; a task of a run that an earlier start finished ends at
-once, with status 0. When SLURM signals preemption or the coming time limit (`--signal=USR2@120`), the
-ranks hold the signal until the next log step, save its checkpoint (`train.dist.HeldSignal`), and only
-then let submitit's handler run: on rank 0 it calls `Training.checkpoint` and requeues the job
-(`scontrol requeue`, the same job id); the requeued job's tasks continue from that checkpoint, so no
-step is done twice. A job that reaches the time limit is requeued up to `MAX_TIMEOUT_REQUEUES` times; a
-preempted one always.
+`run.name` and `run.checkpoint_on_signal=USR2+TERM`; a task of a run that an earlier start finished
+ends at once, with status 0. When SLURM warns of preemption or the coming time limit
+(`--signal=USR2@120`), the ranks hold the signal until the next log step, save its checkpoint
+(`train.dist.HeldSignal`), and only then let submitit's handler run: on rank 0 it calls
+`Training.checkpoint` and requeues the job (`scontrol requeue`, the same job id); the requeued job's
+tasks continue from that checkpoint, so no step is done twice. A job that reaches the time limit is
+requeued up to `MAX_TIMEOUT_REQUEUES` times; a preempted one always. A preemption without the warning
+(a site without `PreemptParameters=send_user_signal`: SIGTERM to every process, the kill after the
+partition's GraceTime) is held the same way: the ranks save the step they reached and end (submitit
+ignores SIGTERM), and SLURM requeues the job or cancels it as the partition says; the loader workers
+leave both signals to their rank (`pipelines.processes`, rule 4).
 
 The papers' protocols go the same way (`python -m train launcher=slurm gpus=G linear|finetune ckpt=...`,
 `submit_protocol`): each task is one rank of the protocol, whose steps hold the same signal and save the
@@ -35,7 +39,7 @@ if TYPE_CHECKING:
     import submitit
 
 MAX_TIMEOUT_REQUEUES = 30       # a 3-day time limit then covers 90 days of training (DINO's value)
-SIGNAL = "USR2"                 # SLURM's warning before preemption or the time limit (submitit's)
+SIGNAL = "USR2+TERM"            # SLURM's warning before preemption or the time limit (submitit's), its preemption
 SIGNAL_DELAY_S = 120            # how long before the kill: time for a checkpoint and the requeue
 PORTS = (20_000, 60_000)        # MASTER_PORT range; the port is the job id's, the same in every task
 # A task that fails (its error one line in its log) ends the job's other tasks at once, instead of leaving
@@ -140,7 +144,8 @@ def submit_run(words: list[str], gpus: int, cluster: ClusterConfig) -> int:
 def submit_protocol(kind: str, args: list[str], gpus: int, cluster: ClusterConfig) -> int:
     """`python -m train launcher=slurm ... linear|finetune ckpt=... [key=value ...]`: the protocol checked
     for `cluster.nodes` x `gpus` processes (`protocol.preflight`) and submitted, its tasks holding SLURM's
-    warning (`run.checkpoint_on_signal=USR2`); not one an earlier start finished (the line that says so).
+    warning and SIGTERM (`run.checkpoint_on_signal=USR2+TERM`); not one an earlier start finished (the
+    line that says so).
 
     Raises:
         ConfigError, DatasetError, CheckpointError: see `protocol.preflight` and `submit`.

@@ -109,7 +109,8 @@ def test_slurm_launcher_writes_the_job_and_a_requeueable_callable(tiny_args, cap
 
     job = DelayedSubmission.load(run / "slurm" / "777_submitted.pkl")
     assert isinstance(job.function, Training)
-    assert job.function.words == [*words, "run.resume=auto", f"run.name={run.name}", "run.checkpoint_on_signal=USR2"]
+    assert job.function.words == [*words, "run.resume=auto", f"run.name={run.name}",
+                                  "run.checkpoint_on_signal=USR2+TERM"]
     again = job.function.checkpoint()
     assert isinstance(again.function, Training) and again.function.words == job.function.words
 
@@ -195,10 +196,12 @@ def start_task(folder: Path, job_id: int, rank: int, log: Path, nodes: int = 2) 
 def test_a_preempted_slurm_job_checkpoints_where_it_is_is_requeued_and_ends_as_the_uninterrupted_run(
         two_processes, tiny_args, tmp_path, monkeypatch) -> None:
     """The submitted job's two tasks (two "nodes", started here as srun would) train with a checkpoint
-    only at the end. SLURM's USR2 before preemption reaches rank 1's processes (its loader worker too:
-    SLURM signals every process of the step) and not rank 0's: at the next log step both ranks save
-    that step, rank 0 requeues the job (scontrol requeue <id>) and exits; the requeued job's tasks
-    continue from that checkpoint, redo no step, and end bit-identical to the 2-process run."""
+    only at the end. SLURM's preemption reaches rank 1's processes (its loader worker too: SLURM signals
+    every process of the step) and not rank 0's, with the USR2 warning and SIGTERM at once (a site's
+    `PreemptParameters=send_user_signal`; submitit's task ignores SIGTERM, and the worker leaves it to
+    the task): at the next log step both ranks save that step, rank 0 requeues the job (scontrol
+    requeue <id>) and exits; the requeued job's tasks continue from that checkpoint, redo no step, and
+    end bit-identical to the 2-process run."""
     job_id = free_port(20_000, 60_000) - 20_000     # its MASTER_PORT (20000 + id) is free now
     fake = fake_slurm(tmp_path / "bin", job_id)
     monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
@@ -212,7 +215,8 @@ def test_a_preempted_slurm_job_checkpoints_where_it_is_is_requeued_and_ends_as_t
         assert tasks[0].poll() is None, log.read_text()
         time.sleep(0.02)
     os.killpg(tasks[0].pid, signal.SIGSTOP)         # rank 0 stops between steps 2 and STEPS, rank 1 with it
-    os.killpg(tasks[1].pid, signal.SIGUSR2)         # SLURM's warning, to rank 1 and its worker alone
+    os.killpg(tasks[1].pid, signal.SIGUSR2)         # SLURM's warning, to rank 1 and its worker alone,
+    os.killpg(tasks[1].pid, signal.SIGTERM)         # and its preemption's SIGTERM
     os.killpg(tasks[0].pid, signal.SIGCONT)
     assert tasks[0].wait(timeout=120) != 0, log.read_text()
     tasks[1].wait(timeout=60)                       # saved, and ended (a real job's requeue would end it)
@@ -260,7 +264,7 @@ def test_a_protocol_submitted_to_slurm_saves_where_it_is_warned_and_the_requeued
     assert "--job-name=linear-small-run" in (fake / "sbatch.sh").read_text()
     job = DelayedSubmission.load(folder / "slurm" / f"{job_id}_submitted.pkl")
     assert isinstance(job.function, Training)
-    assert job.function.words == ["linear", f"ckpt={ckpt}", *words, "run.checkpoint_on_signal=USR2"]
+    assert job.function.words == ["linear", f"ckpt={ckpt}", *words, "run.checkpoint_on_signal=USR2+TERM"]
 
     log = tmp_path / "task.log"
     task = start_task(folder / "slurm", job_id, 0, log, nodes=1)

@@ -31,7 +31,7 @@ def test_held_the_signal_waits_for_release_and_then_runs_the_former_handler_once
             with held.holding(False):                     # an evaluation inside the loop: at once
                 os.kill(os.getpid(), signal.SIGUSR2)
             os.kill(os.getpid(), signal.SIGUSR2)          # twice held: one action
-            assert calls == ["former", "former"] and held.agree(*any_rank(torch.device("cpu"), held.noted))
+            assert calls == ["former", "former"] and held.agree(any_rank(torch.device("cpu"), *held.caught))
         assert calls == ["former", "former"]
         former = signal.getsignal(signal.SIGUSR2)
         held.release()
@@ -46,10 +46,34 @@ def test_without_a_signal_nothing_is_installed_and_no_rank_stops() -> None:
     before = signal.getsignal(signal.SIGUSR2)
     held = HeldSignal("")
     with held.holding():
-        assert not held.agree(*any_rank(torch.device("cpu"), held.noted))
+        assert not held.agree(any_rank(torch.device("cpu"), *held.caught))
     held.release()
     assert signal.getsignal(signal.SIGUSR2) is before
 
+
+
+@pytest.mark.parametrize("sent", [["TERM"], ["TERM", "USR2"]], ids=["term", "both"])
+def test_two_held_signals_act_at_release_for_those_some_rank_caught_in_the_order_named(sent) -> None:
+    """`USR2+TERM` (what launcher=slurm sets) under submitit's handlers: a preemption's SIGTERM alone is
+    held and then ignored, as submitit does (the task ends; SLURM requeues the job or cancels it); with
+    the warning too, the warning's handler (the requeue) comes first. The signals another rank caught
+    count as this rank's (`agree`), and the line names them."""
+    calls: list[str] = []
+    before = {s: signal.signal(s, lambda signum, _: calls.append(signal.Signals(signum).name))
+              for s in (signal.SIGUSR2, signal.SIGTERM)}
+    try:
+        held = HeldSignal("USR2+TERM")
+        with held.holding():
+            os.kill(os.getpid(), getattr(signal, f"SIG{sent[0]}"))
+            assert held.agree(any_rank(torch.device("cpu"), *held.caught)) and calls == []
+            if len(sent) > 1:
+                assert held.agree([True, False])          # another rank caught the warning
+        assert held.what() == " and ".join(f"SIG{n}" for n in ("USR2", "TERM") if n in sent)
+        held.release()
+        assert calls == [f"SIG{n}" for n in ("USR2", "TERM") if n in sent]
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 HELD_TERM = """
 import os, signal, torch
@@ -57,7 +81,7 @@ from train.dist import HeldSignal, any_rank
 held = HeldSignal("TERM")
 with held.holding():
     os.kill(os.getpid(), signal.SIGTERM)
-    print("held", held.agree(*any_rank(torch.device("cpu"), held.noted)), flush=True)
+    print("held", held.agree(any_rank(torch.device("cpu"), *held.caught)), flush=True)
 held.release()
 print("not reached", flush=True)
 """
@@ -75,11 +99,3 @@ def test_an_unknown_signal_is_one_line_naming_the_choices() -> None:
     with pytest.raises(ConfigError, match="run.checkpoint_on_signal.*USR2.*TERM"):
         load_config(["run.checkpoint_on_signal=USR1"])
 
-
-def test_sigterm_is_held_in_a_run_of_one_process_only() -> None:
-    """With several processes a launcher sends SIGTERM to each rank's whole process group (its loader
-    workers end at once), so TERM cannot be held there: one line naming what to use instead."""
-    assert load_config(["run.checkpoint_on_signal=TERM"], world_size=1).run.checkpoint_on_signal == "TERM"
-    with pytest.raises(ConfigError, match="one process only.*launcher=slurm"):
-        load_config(["run.checkpoint_on_signal=TERM"], world_size=2)
-    assert load_config(["run.checkpoint_on_signal=USR2"], world_size=8).run.checkpoint_on_signal == "USR2"
