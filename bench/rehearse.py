@@ -10,8 +10,9 @@ pixels. What is counted per record or per shard is at full size; only the images
 3. `train`: `python -m train gpus=<ranks> run.device=cpu` on the `imagenet` preset with a tiny network
    and 8-px views past one epoch (its boundary crossed), the DALI graph on the CPU: after `--kill-rank-at`
    steps one rank is killed with SIGKILL, the same command resumes (`run.resume=auto`); halfway to the
-   next kill every rank and its loader workers get SLURM's warning (SIGUSR2, held by
-   `run.checkpoint_on_signal=USR2` until the ranks save the step they reached), and the same command
+   next kill every rank and its loader workers get SLURM's preemption (SIGUSR2 and SIGTERM at once, held
+   by `run.checkpoint_on_signal=USR2+TERM`, as `launcher=slurm` sets, until the ranks save the step they
+   reached), and the same command
    resumes; past the boundary the whole process group is killed, and the same command runs to the end
    and evaluates with 1,000 classes. For each start: the time to its first step, the
    random-init evaluation; for each process: its peak open files, RSS and PSS, rank by rank and for each
@@ -241,10 +242,12 @@ def ranks_of(proc_pid: int) -> dict[int, int]:
 
 
 def warn_ranks(proc: subprocess.Popen, w: Watched) -> None:
-    """SLURM's warning (SIGUSR2) as SLURM sends it: to every process of every rank (here not the
-    launcher); a rank leads its process group (torch's launcher), its loader workers in it."""
+    """SLURM's preemption as a site with `PreemptParameters=send_user_signal` sends it: the warning
+    (SIGUSR2) and SIGTERM at once, to every process of every rank (here not the launcher); a rank leads
+    its process group (torch's launcher), its loader workers in it."""
     for rank in ranks_of(proc.pid).values():
         os.killpg(rank, signal.SIGUSR2)
+        os.killpg(rank, signal.SIGTERM)
 
 
 # ----------------------------------------------------------------------------- stages
@@ -331,7 +334,7 @@ def train_stage(a: argparse.Namespace, root: Path, runs: Path, train_records: in
     plan = kill_plan(per_epoch, a.past_epoch, a.ckpt_every, a.log_every, a.kill_rank_at)
     steps, kill_rank_at, kill_run_at = plan.steps, plan.kill_rank_at, plan.kill_run_at
     words = train_words(argparse.Namespace(**{**vars(a), "ckpt_every": plan.ckpt_every, "log_every": plan.log_every}),
-                        root, runs, steps, "dali", "rehearsal", a.ranks, "run.checkpoint_on_signal=USR2")
+                        root, runs, steps, "dali", "rehearsal", a.ranks, "run.checkpoint_on_signal=USR2+TERM")
     run = runs / "rehearsal"
     starts = []
 
@@ -394,13 +397,16 @@ def protocols_stage(a: argparse.Namespace, runs: Path, work: Path) -> dict:
             old.unlink()
     per_epoch = a.train_n / (a.ranks * a.batch)
     epochs = round(max(10.0, 0.2 * per_epoch) / per_epoch, 4)              # about 62 steps at full size
+    # a log step (where the warning is agreed on) every 5 steps, or more often in a short run: the warning,
+    # sent halfway, must find log steps before the last one
+    log_every = max(1, min(5, round(epochs * per_epoch) // 10))
     names = work / "1percent.txt"                                           # 1 % of each class, by file name
     names.write_text("".join(f"n{c:08d}_{i}.JPEG\n" for c, n in enumerate(class_counts(a.train_n, a.classes))
                              for i in range(max(1, round(n / 100)))))
     # 1 % at ImageNet's counts; 10 % where 1 % would leave a class without an image (refused)
     share = "1%" if min(class_counts(a.train_n, a.classes)) >= 50 else "10%"
     common = [f"ckpt={ckpt}", "data.backend=dali", "run.device=cpu", f"batch_size={a.ranks * a.batch}"]
-    commands = {"linear": ["linear", "preset=auto", f"epochs={epochs}", "log_every=5", *common],
+    commands = {"linear": ["linear", "preset=auto", f"epochs={epochs}", f"log_every={log_every}", *common],
                 f"finetune {share}": ["finetune", f"labels={share}", "epochs=2", "log_every=1", *common],
                 "finetune list": ["finetune", f"labels={names}", "epochs=2", "log_every=1", *common]}
 
@@ -421,7 +427,7 @@ def protocols_stage(a: argparse.Namespace, runs: Path, work: Path) -> dict:
                            "resumed_from": int(resumed.group(1)) if resumed else None,
                            "last_line": next((line for _, line in reversed(w.lines) if line.strip()), ""),
                            "processes_left": len(descendants(os.getpid())), "processes": by_role(w.peaks)})
-            if start == "warned" and "caught SIGUSR2: saved the checkpoint of step" not in text:
+            if start == "warned" and not re.search(r"caught SIG\w+( and SIG\w+)?: saved the checkpoint of step", text):
                 raise RehearsalError(f"protocols: the warned {label} did not save the step it reached: "
                                      f"{starts[-1]['last_line']}")
             if start != "warned" and w.returncode != 0:
