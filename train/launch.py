@@ -44,7 +44,7 @@ from train.setup import (build_parts, check_dataset, check_processes, init_backb
 
 LAUNCHER_PID = "VIEWMILL_LAUNCHER_PID"   # set by `elastic` for the processes it starts
 # How long torch's launcher, once stopped by a signal that it passes on to its ranks, waits for them before
-# it kills them: torch's 30 s, or, for ranks that hold SIGTERM (`run.checkpoint_on_signal=TERM`), time to
+# it kills them: torch's 30 s, or, for ranks that hold SIGTERM (`run.checkpoint_on_signal=TERM`, `USR2+TERM`), time to
 # reach the next log step and save its checkpoint (a scheduler's grace period is what bounds it then).
 STOP_S, HELD_STOP_S = 30, 300
 
@@ -150,7 +150,7 @@ def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterCon
     """Run `python -m train argv` in `processes` local processes (torchrun --standalone), or, with
     `cluster.nodes` > 1, in `processes` processes on each node, joined at `cluster.rdzv` (torchrun
     --nnodes --rdzv-backend=c10d); the exit status is the first failed process's, and each process
-    prints its own error line. `held`: the run's `run.checkpoint_on_signal` (with "TERM", a SIGTERM
+    prints its own error line. `held`: the run's `run.checkpoint_on_signal` (holding TERM, a SIGTERM
     passed on to the ranks gets `HELD_STOP_S` to save a checkpoint)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -164,7 +164,7 @@ def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterCon
     config = LaunchConfig(min_nodes=cluster.nodes, max_nodes=cluster.nodes, nproc_per_node=processes,
                           run_id=f"viewmill-{cluster.rdzv}" if many else uuid.uuid4().hex, rdzv_backend="c10d",
                           rdzv_endpoint=cluster.rdzv if many else "localhost:0", max_restarts=0,
-                          shutdown_timeout=HELD_STOP_S if held == "TERM" else STOP_S)
+                          shutdown_timeout=HELD_STOP_S if "TERM" in held.split("+") else STOP_S)
     # a protocol (linear, finetune) continues from its folder's checkpoint by itself; a run needs the word
     from train.protocol import is_protocol
 
