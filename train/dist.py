@@ -180,6 +180,25 @@ def any_rank(device: torch.device, *flags: bool) -> tuple[bool, ...]:
     return tuple(bool(v) for v in t.tolist())         # sync: the flags of every rank
 
 
+# What gloo's collectives and the process group's store raise when a process of another rank has ended
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def peer_lost(e: BaseException) -> str | None:
+    """One line for `e` when it is what a collective (gloo) or the process group's store raises because a
+    process of another rank ended (on another node: its own output says why), else None. NCCL's
+    collectives wait for `run.dist_timeout_min` instead."""
+    if not isinstance(e, RuntimeError):
+        return None
+    why = next((m for m in PEER_LOST if m in str(e)), None)
+    if why is None and isinstance(e, dist.DistNetworkError):
+        why = "its connection was lost"
+    if why is None:
+        return None
+    return (f"rank {rank()} lost another process of the run ({why}): it ended, on this node or another, and its "
+            "own output says why")
+
+
 class HeldSignal:
     """Signals held back while the loop trains, so that the run stops at a checkpoint of the step it
     reached (`run.checkpoint_on_signal`): SLURM's warning before preemption or the time limit (USR2),

@@ -154,6 +154,7 @@ def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterCon
     passed on to the ranks gets `HELD_STOP_S` to save a checkpoint)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if not torch.cuda.is_available():       # torchrun's rule: one thread per process unless told
@@ -181,6 +182,12 @@ def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterCon
             print(f"error: process {first.local_rank} failed with exit status {first.exitcode}; "
                   "its output is above", file=sys.stderr)
         return first.exitcode if first.exitcode > 0 else 1
+    except RendezvousConnectionError:      # the node holding the rendezvous's store ended: torch's launcher
+        # then stops this node's processes (a node whose process failed tells the others no more than that)
+        print(f"error: the rendezvous at {cluster.rdzv} stopped answering, so this node's processes were stopped: "
+              f"the node that holds it ended, and its output says why; {again} on every node continues from the "
+              "last checkpoint", file=sys.stderr)
+        return 1
     except SignalException as e:            # this launcher stopped (kill, a scheduler): its ranks with it
         print(f"error: stopped by signal {int(e.sigval)} ({signal.strsignal(e.sigval)}) and so were the processes; "
               f"{again} continues from the last checkpoint", file=sys.stderr)
@@ -297,8 +304,8 @@ def start(argv: list[str], processes: int = 1, cluster: ClusterConfig = ClusterC
 
 def exit_status(body: Callable[[], int]) -> int:
     """Run `body` (a command) and return its exit status: bad input is one line `error: ...` on stderr
-    (from rank 0 alone) and status 2, a non-finite loss or a loader worker's death one line and status 1;
-    the process group is left in every case."""
+    (from rank 0 alone) and status 2, a non-finite loss, a loader worker's death or another rank's
+    (`dist.peer_lost`) one line and status 1; the process group is left in every case."""
     try:
         return body()
     except (ConfigError, DatasetError, LoaderError, LimitError, FileNotFoundError) as e:
@@ -316,10 +323,14 @@ def exit_status(body: Callable[[], int]) -> int:
         return 1
     except RuntimeError as e:
         # A loader's WorkerDiedError, or torch's own error for a dead DataLoader worker (its SIGCHLD
-        # handler raises it in whatever runs then, a training step included).
-        if (died := worker_death(e)) is None:
+        # handler raises it in whatever runs then, a training step included); or another rank's end.
+        if (died := worker_death(e)) is not None:
+            print(f"error: {died}", file=sys.stderr)
+        elif (lost := dist.peer_lost(e)) is not None:
+            print(f"error: {lost}; the same command (on every node) with run.resume=auto continues from the last "
+                  "checkpoint", file=sys.stderr)
+        else:
             raise
-        print(f"error: {died}", file=sys.stderr)
         return 1
     finally:
         dist.cleanup()

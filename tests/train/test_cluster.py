@@ -1,5 +1,5 @@
 """Many machines: 2 "nodes" x 1 process over torchrun's c10d rendezvous on 127.0.0.1 equal one node of 2
-processes; the SLURM launcher writes the job it says (a stand-in `sbatch` records it), its tasks map
+processes, and a process killed on one ends both in one line each; the SLURM launcher writes the job it says (a stand-in `sbatch` records it), its tasks map
 SLURM's variables to torch.distributed's, and the job, preempted and requeued, ends where the 2-process
 run ends, as a linear protocol's job ends with the result of one never stopped; `nodes=` without a rendezvous address and a SLURM launch that cannot work are one line each.
 """
@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipelines.processes import proc_stat
+from tests.processes import left_after, start, tree, wait_for
 from tests.train.test_train_cli import fails_in_one_line
 from tests.train.two_ranks import ROOT, STEPS, WORDS, assert_same_training, env_here, losses
 from train.__main__ import main
@@ -49,6 +51,41 @@ def test_two_nodes_over_a_c10d_rendezvous_equal_one_node_of_two_processes(two_pr
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert sum("training byol on synthetic (torch backend, 2 rank(s), cpu)" in o for o in outputs) == 1, outputs
     assert_same_training(out / "run", two_processes)
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_a_node_whose_process_is_killed_ends_both_nodes_in_one_line_each(tiny_args, tmp_path) -> None:
+    """Two "nodes" (two launchers, 1 process each, on 127.0.0.1), the first holding the rendezvous's store:
+    its rank is killed with SIGKILL after step 2. Its launcher ends in one line naming the signal; on
+    the other node the rank loses its peer and the launcher the rendezvous, each said in one line (they
+    were torch's tracebacks), within seconds; no process of either node is left."""
+    port = free_port()
+    command = ["-m", "train", "gpus=1", "nodes=2", f"rdzv=127.0.0.1:{port}",
+               *tiny_args("byol", tmp_path / "runs", "optim.steps=400", "run.ckpt_every=1000")]
+    first = start(command)
+
+    def listening() -> bool:
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_for(listening, 120, "the first node's rendezvous store", first)
+    second = start(command, mark=first.mark)
+    metrics = tmp_path / "runs" / "run" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.read_text().count('"train"') >= 2, 180, "step 2", second)
+    [rank] = [pid for pid, _ in tree(first.pid) if proc_stat(pid)[2] == first.pid]
+    os.kill(rank, signal.SIGKILL)
+    errors = []
+    for node in (first, second):
+        assert node.wait(timeout=60) == 1
+        err = node.stderr.read()
+        assert "Traceback" not in err, err
+        errors.append([line for line in err.splitlines() if line.startswith("error: ")])
+    assert errors[0] == [errors[0][0]] and errors[0][0].startswith("error: process 0 was killed by signal 9")
+    assert errors[1][-1].startswith("error: the rendezvous at 127.0.0.1:")
+    assert "on every node continues" in errors[1][-1]
+    assert all("lost another process of the run" in e for e in errors[1][:-1])
+    assert left_after(first.mark, 5) == []
 
 
 def test_nodes_without_a_rendezvous_or_an_unused_launcher_word_is_one_line(tiny_args, capsys, tmp_path,
