@@ -5,7 +5,8 @@ A command's way: `take_processes` and `take_cluster` take the launcher words (`g
 `rdzv=`, the SLURM options); `start` resolves the config for the run's processes. The process that
 launches them (not yet a rank) checks what can be checked before a process is launched or a file is
 written (`preflight`) and starts them (`elastic`: torch's elastic launcher, the launcher behind
-torchrun), unless an earlier start finished the run. A rank (one of those, one of torchrun's, a SLURM
+torchrun; on several nodes it also ends its ranks when another node's failure closed the rendezvous,
+`ClosedRendezvous`), unless an earlier start finished the run. A rank (one of those, one of torchrun's, a SLURM
 task, or the one process of a one-process run) runs `train`: the device and process group, the run
 (`train.run.Run`), the parts, the loop (`train.loop.train`) and the export. `exit_status` turns the
 errors of any of it into the command's exit status and one line.
@@ -21,6 +22,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 import typing
 import uuid
 from dataclasses import dataclass
@@ -30,7 +32,8 @@ from typing import Callable, Literal, Sequence
 import torch
 
 from pipelines.errors import EXIT_BAD_INPUT, bad_input
-from pipelines.processes import LimitError, end_with_parent, ensure_open_files, worker_death
+from pipelines.processes import (LimitError, descendants, end_with_parent, ensure_open_files, proc_stat,
+                                 worker_death)
 from pipelines.schema import DatasetError
 from pipelines.spec import LoaderError
 from train import checkpoint, dist, loop
@@ -47,6 +50,7 @@ LAUNCHER_PID = "VIEWMILL_LAUNCHER_PID"   # set by `elastic` for the processes it
 # it kills them: torch's 30 s, or, for ranks that hold SIGTERM (`run.checkpoint_on_signal=TERM`, `USR2+TERM`), time to
 # reach the next log step and save its checkpoint (a scheduler's grace period is what bounds it then).
 STOP_S, HELD_STOP_S = 30, 300
+WATCH_S = 1.0          # how often a node's launcher looks whether another node closed the rendezvous
 
 LauncherName = Literal["local", "slurm"]     # local: this machine's processes (or torchrun's); slurm: a submitit job
 
@@ -146,6 +150,53 @@ def preflight(cfg: Config, processes: int, nodes: int = 1, here: bool = True) ->
     return run
 
 
+class ClosedRendezvous:
+    """Whether another node closed the rendezvous of a run of several nodes while this node's processes
+    still run: a node's torch launcher closes it when one of its processes fails, and tells the other
+    nodes nothing else. Their ranks then wait in the next collective: with NCCL until the process group's
+    timeout (`run.dist_timeout_min`, 30 minutes of every GPU). A thread looks every `WATCH_S` (one read
+    of the rendezvous's state) and, once closed, kills this launcher's processes (each rank's process
+    group; they cannot save a checkpoint without their peers), which its torch launcher then reports as
+    failed; `seen` says so. A rendezvous that stopped answering is torch's launcher's to tell."""
+
+    def __init__(self, rdzv: str, run_id: str, nodes: int) -> None:
+        self.seen = False
+        self._done = threading.Event()
+        self._params = dict(backend="c10d", endpoint=rdzv, run_id=run_id, min_nodes=nodes, max_nodes=nodes,
+                            is_host=False)
+        threading.Thread(target=self._watch, name="viewmill-rendezvous-watch", daemon=True).start()
+
+    def close(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+        handler = None
+        while handler is None:              # a client of its store, once a node's launcher holds it
+            try:
+                handler = get_rendezvous_handler(RendezvousParameters(**self._params))
+            except Exception:
+                if self._done.wait(WATCH_S):
+                    return
+        try:
+            while not self._done.wait(WATCH_S):
+                if handler.is_closed() and (ranks := _children()):
+                    self.seen = True
+                    for pid in ranks:
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.killpg(pid, signal.SIGKILL)
+                    return
+        except Exception:                   # the store unreachable or gone: nothing more to watch
+            return
+
+
+def _children() -> list[int]:
+    """The running processes this one started (a launcher's: its ranks)."""
+    return [pid for pid, _ in descendants(os.getpid()) if proc_stat(pid)[2] == os.getpid()]
+
+
 def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterConfig(), held: str = "") -> int:
     """Run `python -m train argv` in `processes` local processes (torchrun --standalone), or, with
     `cluster.nodes` > 1, in `processes` processes on each node, joined at `cluster.rdzv` (torchrun
@@ -170,10 +221,16 @@ def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterCon
     from train.protocol import is_protocol
 
     again = "the same command" + ("" if is_protocol(argv) else " with run.resume=auto")
+    watch = ClosedRendezvous(cluster.rdzv, config.run_id, cluster.nodes) if many else None
     try:
         elastic_launch(config, sys.executable)("-m", "train", *argv)
     except ChildFailedError as e:
         first = min(e.failures.values(), key=lambda f: f.timestamp)
+        if watch is not None and watch.seen:
+            print(f"error: another node closed the rendezvous at {cluster.rdzv} (one of its processes failed, and "
+                  f"its output says why), so this node's processes were stopped; {again} on every node continues "
+                  "from the last checkpoint", file=sys.stderr)
+            return 1
         if first.exitcode < 0:              # a signal: the OOM killer, kill -9, a node's shutdown
             print(f"error: process {first.local_rank} was killed by signal {-first.exitcode} "
                   f"({signal.strsignal(-first.exitcode)}) and the others stopped; {again} continues from the "
@@ -192,6 +249,9 @@ def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterCon
         print(f"error: stopped by signal {int(e.sigval)} ({signal.strsignal(e.sigval)}) and so were the processes; "
               f"{again} continues from the last checkpoint", file=sys.stderr)
         return 128 + int(e.sigval)
+    finally:
+        if watch is not None:
+            watch.close()
     return 0
 
 

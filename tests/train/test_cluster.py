@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pipelines.processes import proc_stat
-from tests.processes import left_after, start, tree, wait_for
+from tests.processes import left_after, live, start, tree, wait_for
 from tests.train.test_train_cli import fails_in_one_line
 from tests.train.two_ranks import ROOT, STEPS, WORDS, assert_same_training, env_here, losses
 from train.__main__ import main
@@ -55,37 +55,50 @@ def test_two_nodes_over_a_c10d_rendezvous_equal_one_node_of_two_processes(two_pr
 
 @pytest.mark.ddp
 @pytest.mark.slow
-def test_a_node_whose_process_is_killed_ends_both_nodes_in_one_line_each(tiny_args, tmp_path) -> None:
-    """Two "nodes" (two launchers, 1 process each, on 127.0.0.1), the first holding the rendezvous's store:
-    its rank is killed with SIGKILL after step 2. Its launcher ends in one line naming the signal; on
-    the other node the rank loses its peer and the launcher the rendezvous, each said in one line (they
-    were torch's tracebacks), within seconds; no process of either node is left."""
+@pytest.mark.parametrize("killed", ["holder", "other"])
+def test_a_process_killed_on_one_node_ends_both_nodes_in_one_line_each(killed, tiny_args, tmp_path) -> None:
+    """Two "nodes" (two launchers, 1 process each, on 127.0.0.1), the first holding the rendezvous's store;
+    after step 2 one node's rank is killed with SIGKILL, and its launcher ends in one line naming the
+    signal. "holder": on the other node the rank loses its peer and the launcher the rendezvous, each
+    said in one line (they were torch's tracebacks). "other": the holder's rank is stopped first, as a
+    rank waits in an NCCL collective (which, unlike gloo's, does not see its peer's end), and its
+    launcher, which saw the rendezvous closed, stops it and says so in one line (it waited for good).
+    Within seconds, and no process of either node is left."""
     port = free_port()
     command = ["-m", "train", "gpus=1", "nodes=2", f"rdzv=127.0.0.1:{port}",
                *tiny_args("byol", tmp_path / "runs", "optim.steps=400", "run.ckpt_every=1000")]
-    first = start(command)
+    holder = start(command)
 
     def listening() -> bool:
         with socket.socket() as sock:
             return sock.connect_ex(("127.0.0.1", port)) == 0
 
-    wait_for(listening, 120, "the first node's rendezvous store", first)
-    second = start(command, mark=first.mark)
+    wait_for(listening, 120, "the first node's rendezvous store", holder)
+    other = start(command, mark=holder.mark)
     metrics = tmp_path / "runs" / "run" / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and metrics.read_text().count('"train"') >= 2, 180, "step 2", second)
-    [rank] = [pid for pid, _ in tree(first.pid) if proc_stat(pid)[2] == first.pid]
-    os.kill(rank, signal.SIGKILL)
+    wait_for(lambda: metrics.exists() and metrics.read_text().count('"train"') >= 2, 180, "step 2", other)
+    [[holder_rank], [other_rank]] = [[pid for pid, _ in tree(n.pid) if proc_stat(pid)[2] == n.pid]
+                                     for n in (holder, other)]
+    if killed == "other":
+        os.kill(holder_rank, signal.SIGSTOP)
+    os.kill(holder_rank if killed == "holder" else other_rank, signal.SIGKILL)
+    dead, alive = (holder, other) if killed == "holder" else (other, holder)
     errors = []
-    for node in (first, second):
-        assert node.wait(timeout=60) == 1
-        err = node.stderr.read()
-        assert "Traceback" not in err, err
-        errors.append([line for line in err.splitlines() if line.startswith("error: ")])
+    try:
+        for node in (dead, alive):
+            assert node.wait(timeout=60) == 1
+            err = node.stderr.read()
+            assert "Traceback" not in err, err
+            errors.append([line for line in err.splitlines() if line.startswith("error: ")])
+    except BaseException:                           # a failed test leaves no stopped rank behind
+        for pid in live(holder.mark):
+            os.kill(pid, signal.SIGKILL)
+        raise
     assert errors[0] == [errors[0][0]] and errors[0][0].startswith("error: process 0 was killed by signal 9")
-    assert errors[1][-1].startswith("error: the rendezvous at 127.0.0.1:")
-    assert "on every node continues" in errors[1][-1]
+    said = "the rendezvous at 127.0.0.1:" if killed == "holder" else "another node closed the rendezvous"
+    assert errors[1][-1].startswith(f"error: {said}") and "on every node continues" in errors[1][-1]
     assert all("lost another process of the run" in e for e in errors[1][:-1])
-    assert left_after(first.mark, 5) == []
+    assert left_after(holder.mark, 5) == []
 
 
 def test_nodes_without_a_rendezvous_or_an_unused_launcher_word_is_one_line(tiny_args, capsys, tmp_path,

@@ -77,35 +77,30 @@ def test_a_killed_launcher_or_rank_leaves_no_process_and_the_same_command_resume
 
 @pytest.mark.ddp
 @pytest.mark.slow
-@pytest.mark.parametrize("held", ["", "TERM"], ids=["default", "held"])
-def test_a_terminated_launcher_ends_with_its_ranks_in_one_line(held, tiny_args, tmp_path) -> None:
-    """SIGTERM to `python -m train gpus=2` (`kill`): torch's launcher stops the ranks, and the command
+def test_sigterm_to_every_process_of_a_run_holding_it_saves_the_step_reached_and_ends_in_one_line(tiny_args,
+                                                                                                   tmp_path) -> None:
+    """`python -m train gpus=2 run.checkpoint_on_signal=TERM`, and SIGTERM to every process of the run at
+    once, as a scheduler's preemption sends it (the launcher, the ranks and their loader workers): the
+    ranks hold it, their workers leave it to them (they ended at once before), and both ranks save the
+    step they reached (no other checkpoint was due). torch's launcher stops with them, and the command
     ends with status 143 and one line naming the signal and the command that continues (it was torch's
-    traceback), leaving no process behind. With `run.checkpoint_on_signal=TERM` the signal goes to every
-    process of the run at once, as a scheduler's preemption sends it (the launcher, the ranks and their
-    loader workers): the ranks hold it, their workers leave it to them, and both ranks save the step they
-    reached (no other checkpoint was due) before the command ends the same way."""
+    traceback), leaving no process behind."""
     run_dir = tmp_path / "runs" / "run"
-    extra = ["run.ckpt_every=1000", f"run.checkpoint_on_signal={held}"] if held else []
-    run = start(["-m", "train", "gpus=2", *tiny_args("byol", tmp_path / "runs", "optim.steps=400",
-                                                      "run.resume=auto", *extra)])
+    run = start(["-m", "train", "gpus=2", *tiny_args("byol", tmp_path / "runs", "optim.steps=400", "run.resume=auto",
+                                                      "run.ckpt_every=1000", "run.checkpoint_on_signal=TERM")])
     wait_for(lambda: 2 in logged_steps(run_dir) and len(live(run.mark)) >= 5, 180, "step 2 with 2 ranks", run)
     noted = tree(run.pid)
-    if held:
-        for pid, _ in noted:
-            os.kill(pid, signal.SIGTERM)
-    else:
-        os.kill(run.pid, signal.SIGTERM)
+    for pid, _ in noted:
+        os.kill(pid, signal.SIGTERM)
     assert run.wait(timeout=120) == 128 + signal.SIGTERM
     err, out = run.stderr.read(), run.stdout.read()
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: stopped by signal 15") and "run.resume=auto continues" in last
     assert "Traceback" not in err
     assert left_after(run.mark, GONE_S, noted) == []
-    if held:
-        saved = checkpoint.load(run_dir / checkpoint.LATEST)["step"]
-        assert saved == max(logged_steps(run_dir)) >= 2
-        assert f"caught SIGTERM: saved the checkpoint of step {saved}" in out
+    saved = checkpoint.load(run_dir / checkpoint.LATEST)["step"]
+    assert saved == max(logged_steps(run_dir)) >= 2
+    assert f"caught SIGTERM: saved the checkpoint of step {saved}" in out
 
 
 @pytest.mark.slow
