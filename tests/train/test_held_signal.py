@@ -1,7 +1,8 @@
 """`run.checkpoint_on_signal`'s signal (`train.dist.HeldSignal`) on its own: held, it waits for `release`
 and then does what it did before, a Python handler or the default (the process ends by the signal);
-unheld, it acts at once; "" installs nothing. The runs it stops: tests/train/test_resume.py (one process)
-and tests/train/test_cluster.py (a SLURM job of two ranks)."""
+unheld, it acts at once; "" installs nothing; two held signals act for those caught, in the order named.
+The runs it stops: tests/train/test_resume.py (one process), tests/train/test_cluster.py (a SLURM job of
+two ranks) and tests/train/test_killed_training.py (SIGTERM to every process of two ranks)."""
 
 from __future__ import annotations
 
