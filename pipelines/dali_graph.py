@@ -217,7 +217,7 @@ def draw_inputs(spec: LoaderSpec, hw: torch.Tensor, usable: torch.Tensor, masks:
                 inputs[f"{tag}/saliency"], inputs[f"{tag}/level"] = sal[v], level[v]
                 reads_mask |= sal[v]
     tail = tail_params(recipe, params, b) if torch_tail(spec, gpu) else None
-    coloured = recipe.crop_groups + recipe.by_role("staged") if tail is None else ()   # the tail's are in `tail`
+    coloured = tail_views(recipe) if tail is None else ()     # with the torch tail, in `tail` instead
     for g in coloured:
         p = params[g.name]
         m, t = colour_matrices(p) if uses_colour(g) else (None, None)

@@ -317,13 +317,13 @@ def _take_end_signal(creator: int) -> None:
     the worker by it (its default action, as before)."""
     while True:
         sender = signal.sigwaitinfo({END_SIGNAL}).si_pid
-        if sender != creator and catches(creator, END_SIGNAL):
+        if sender != creator and _catches(creator, END_SIGNAL):
             continue
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {END_SIGNAL})
         signal.pthread_kill(threading.get_ident(), END_SIGNAL)
 
 
-def catches(pid: int, signum: int) -> bool:
+def _catches(pid: int, signum: int) -> bool:
     """Whether process `pid` has a handler of its own for `signum` (its SigCgt in /proc); False once it
     is gone."""
     try:

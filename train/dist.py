@@ -223,11 +223,6 @@ class HeldSignal:
         self._held = False
         self._previous = {signum: signal.signal(signum, self._catch) for signum in self._signums}
 
-    @property
-    def noted(self) -> bool:
-        """Whether some signal was caught while held (here, or by a rank that `agree` told of)."""
-        return any(self.caught)
-
     def what(self) -> str:
         """The signals caught, for the line that says so: "SIGUSR2", "SIGUSR2 and SIGTERM"."""
         return " and ".join(signal.Signals(s).name for s, c in zip(self._signums, self.caught) if c)

@@ -77,6 +77,13 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
                       "random_init": random_init, "evaluate_first": evaluate_first,
                       "git_commit": checkpoint.git_commit(), "versions": checkpoint.library_versions()})
 
+    def save_reached(step: int) -> None:     # a run of one process whose loader worker died
+        try:
+            save_checkpoint(step)
+            log.print(f"a loader worker died: saved the checkpoint of step {step}")
+        except LoaderError:                  # a loader whose state died with its worker (DALI's own draws)
+            pass
+
     if state is not None and state.get("evaluate_first"):   # the evaluation a warning cut short, first
         log.print(f"a signal stopped the evaluation of step {start_step}: it runs again first")
         evaluate(start_step)
@@ -97,11 +104,7 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
                     batch = next(batches)
                 except RuntimeError as e:
                     if world == 1 and worker_death(e) is not None and step not in (start_step, cadence.saved_step):
-                        try:                         # the steps reached, then the one-line error
-                            save_checkpoint(step)
-                            log.print(f"a loader worker died: saved the checkpoint of step {step}")
-                        except LoaderError:          # a loader whose state died with its worker (DALI's own draws)
-                            pass
+                        save_reached(step)           # the steps reached, then the one-line error
                     raise
             data_s = time.perf_counter() - wait_start
             out = train_step(parts, batch, s)

@@ -60,9 +60,11 @@ def test_a_process_killed_on_one_node_ends_both_nodes_in_one_line_each(killed, t
     """Two "nodes" (two launchers, 1 process each, on 127.0.0.1), the first holding the rendezvous's store;
     after step 2 one node's rank is killed with SIGKILL, and its launcher ends in one line naming the
     signal. "holder": on the other node the rank loses its peer and the launcher the rendezvous, each
-    said in one line (they were torch's tracebacks). "other": the holder's rank is stopped first, as a
-    rank waits in an NCCL collective (which, unlike gloo's, does not see its peer's end), and its
-    launcher, which saw the rendezvous closed, stops it and says so in one line (it waited for good).
+    said in one line (they were torch's tracebacks); which the launcher tells depends on what reaches it
+    first (the closed rendezvous, the store's end, or its rank's failure, then told by the rank). "other":
+    the holder's rank is stopped first, as a rank waits in an NCCL collective (which, unlike gloo's,
+    does not see its peer's end), and its launcher, which saw the rendezvous closed, stops it and says
+    so in one line (it waited for good).
     Within seconds, and no process of either node is left."""
     port = free_port()
     command = ["-m", "train", "gpus=1", "nodes=2", f"rdzv=127.0.0.1:{port}",
@@ -95,9 +97,16 @@ def test_a_process_killed_on_one_node_ends_both_nodes_in_one_line_each(killed, t
             os.kill(pid, signal.SIGKILL)
         raise
     assert errors[0] == [errors[0][0]] and errors[0][0].startswith("error: process 0 was killed by signal 9")
-    said = "the rendezvous at 127.0.0.1:" if killed == "holder" else "another node closed the rendezvous"
-    assert errors[1][-1].startswith(f"error: {said}") and "on every node continues" in errors[1][-1]
+    closed = "error: another node closed the rendezvous"
+    # the holder's end reaches the other launcher first as the store's, the closed rendezvous or its rank's
+    said = (closed, "error: the rendezvous at 127.0.0.1:", "error: process 0 failed with exit status 1; its "
+            "output is above") if killed == "holder" else (closed,)
+    assert errors[1][-1].startswith(said)
     assert all("lost another process of the run" in e for e in errors[1][:-1])
+    if errors[1][-1].startswith("error: process 0 failed"):       # the rank said why
+        assert len(errors[1]) == 2
+    else:
+        assert "on every node continues" in errors[1][-1]
     assert left_after(holder.mark, 5) == []
 
 
