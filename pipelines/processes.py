@@ -118,6 +118,23 @@ def worker_death(e: BaseException) -> WorkerDiedError | None:
     return None
 
 
+def iterate(loader) -> Iterator:
+    """The batches of a torch DataLoader (`watched`), a worker's death told at the next batch only.
+
+    The first DataLoader iterator of a process sets a SIGCHLD handler that raises a worker's death in
+    whatever the main thread runs then, mostly in the middle of a training step, where nothing can be
+    saved. The iterator itself tells the death at its next batch (it looks at its workers whenever it
+    has waited 5 s for one, torch's only way on platforms without SIGCHLD): the one place where a run
+    can save the steps it reached (`train.loop`). So the handler there before comes back once the
+    iterator has set its own.
+    """
+    before = signal.getsignal(signal.SIGCHLD)
+    batches = iter(loader)
+    if signal.getsignal(signal.SIGCHLD) is not before:     # set in the main thread only, as torch does
+        signal.signal(signal.SIGCHLD, before)
+    return watched(batches)
+
+
 def watched(batches: Iterator) -> Iterator:
     """The batches of a DataLoader's iterator, a worker's death raised as `worker_died`'s one line.
 
@@ -157,7 +174,7 @@ def _ended_worker(workers, wait_s: float = 5.0) -> WorkerDiedError | None:
             break
         try:
             time.sleep(0.05)
-        except RuntimeError as e:           # torch's SIGCHLD handler told it first
+        except RuntimeError as e:           # torch's SIGCHLD handler told it first (not set by `iterate`)
             if (died := worker_death(e)) is None:
                 raise
             return died

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from pipelines.augment import render_views
 from pipelines.batch import Batch, make_batch, view_bytes
-from pipelines.processes import watched, worker_context, worker_started
+from pipelines.processes import iterate, worker_context, worker_started
 from pipelines.shards import ShardReader
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec
 
@@ -100,10 +100,10 @@ class TorchLoader(EpochLoader):
         # Forked workers (or a fork server's, `worker_context`), also in a process that was itself
         # spawned (a bench's fresh process, whose default start method is then spawn: each worker would
         # import torch again, seconds each).
-        return watched(iter(torch.utils.data.DataLoader(self.batches, batch_size=None, sampler=items,
-                                                        num_workers=self.spec.num_workers, prefetch_factor=PREFETCH,
-                                                        worker_init_fn=worker_started,
-                                                        multiprocessing_context=worker_context(__name__))))
+        return iterate(torch.utils.data.DataLoader(self.batches, batch_size=None, sampler=items,
+                                                   num_workers=self.spec.num_workers, prefetch_factor=PREFETCH,
+                                                   worker_init_fn=worker_started,
+                                                   multiprocessing_context=worker_context(__name__)))
 
     def __iter__(self) -> Iterator[Batch]:
         o = self.order

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from pipelines.augment import SALIENCY_MIN_COVERAGE, blur_sigma_px
 from pipelines.batch import Batch, make_batch, view_bytes
-from pipelines.processes import before_fork, watched, worker_context, worker_started
+from pipelines.processes import before_fork, iterate, worker_context, worker_started
 from pipelines.shards import ShardReader
 from pipelines.spec import DatasetInfo, EpochLoader, EpochOrder, LoaderSpec, Stream, derive_seed
 from pipelines.views import Recipe, ViewGroup
@@ -196,7 +196,7 @@ class TorchvisionLoader(EpochLoader):
         s, o = self.spec, self.order
         if s.num_workers > 0:
             before_fork()          # the first epoch forks the (persistent) workers
-        for raw in watched(iter(self.loader)):
+        for raw in iterate(self.loader):
             gen = torch.Generator().manual_seed(o.batch_seed(o.batches_done, Stream.TORCHVISION_MIXES))
             batch = make_batch(raw["views"], s.recipe, s.mix, gen, self.info.mean, self.info.std,
                                raw["index"], raw["label"], self.device)

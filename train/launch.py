@@ -383,7 +383,7 @@ def exit_status(body: Callable[[], int]) -> int:
         return 1
     except RuntimeError as e:
         # A loader's WorkerDiedError, or torch's own error for a dead DataLoader worker (its SIGCHLD
-        # handler raises it in whatever runs then, a training step included); or another rank's end.
+        # handler, where one is set, raises it in whatever runs then); or another rank's end.
         if (died := worker_death(e)) is not None:
             print(f"error: {died}", file=sys.stderr)
         elif (lost := dist.peer_lost(e)) is not None:
