@@ -51,6 +51,9 @@ LAUNCHER_PID = "VIEWMILL_LAUNCHER_PID"   # set by `elastic` for the processes it
 # reach the next log step and save its checkpoint (a scheduler's grace period is what bounds it then).
 STOP_S, HELD_STOP_S = 30, 300
 WATCH_S = 1.0          # how often a node's launcher looks whether another node closed the rendezvous
+# How long a node's launcher waits at the rendezvous for the other nodes, and for an answer of its store
+# (torch's defaults, said here so that the one-line errors can name them).
+JOIN_S, READ_S = 600, 60
 
 LauncherName = Literal["local", "slurm"]     # local: this machine's processes (or torchrun's); slurm: a submitit job
 
@@ -157,10 +160,14 @@ class ClosedRendezvous:
     timeout (`run.dist_timeout_min`, 30 minutes of every GPU). A thread looks every `WATCH_S` (one read
     of the rendezvous's state) and, once closed, kills this launcher's processes (each rank's process
     group; they cannot save a checkpoint without their peers), which its torch launcher then reports as
-    failed; `seen` says so. A rendezvous that stopped answering is torch's launcher's to tell."""
+    failed; `seen` says so. A rendezvous that stopped answering is torch's launcher's to tell.
+
+    The thread reads the rendezvous only once this node's processes run (`started`: the rendezvous was
+    done), so that a rendezvous that never answers is not asked twice (each try of torch's is a
+    warning with its C++ stack), and `started` tells such a rendezvous from one that stopped answering."""
 
     def __init__(self, rdzv: str, run_id: str, nodes: int) -> None:
-        self.seen = False
+        self.seen = self.started = False
         self._done = threading.Event()
         self._params = dict(backend="c10d", endpoint=rdzv, run_id=run_id, min_nodes=nodes, max_nodes=nodes,
                             is_host=False)
@@ -173,8 +180,12 @@ class ClosedRendezvous:
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+        while not _children():              # the rendezvous is done once this node's processes run
+            if self._done.wait(WATCH_S):
+                return
+        self.started = True
         handler = None
-        while handler is None:              # a client of its store, once a node's launcher holds it
+        while handler is None:              # a client of its store
             try:
                 handler = get_rendezvous_handler(RendezvousParameters(**self._params))
             except Exception:
@@ -205,7 +216,7 @@ def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterCon
     passed on to the ranks gets `HELD_STOP_S` to save a checkpoint)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if not torch.cuda.is_available():       # torchrun's rule: one thread per process unless told
@@ -216,6 +227,7 @@ def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterCon
     config = LaunchConfig(min_nodes=cluster.nodes, max_nodes=cluster.nodes, nproc_per_node=processes,
                           run_id=f"viewmill-{cluster.rdzv}" if many else uuid.uuid4().hex, rdzv_backend="c10d",
                           rdzv_endpoint=cluster.rdzv if many else "localhost:0", max_restarts=0,
+                          rdzv_configs={"join_timeout": JOIN_S, "read_timeout": READ_S},
                           shutdown_timeout=HELD_STOP_S if "TERM" in held.split("+") else STOP_S)
     # a protocol (linear, finetune) continues from its folder's checkpoint by itself; a run needs the word
     from train.protocol import is_protocol
@@ -239,11 +251,24 @@ def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterCon
             print(f"error: process {first.local_rank} failed with exit status {first.exitcode}; "
                   "its output is above", file=sys.stderr)
         return first.exitcode if first.exitcode > 0 else 1
-    except RendezvousConnectionError:      # the node holding the rendezvous's store ended: torch's launcher
-        # then stops this node's processes (a node whose process failed tells the others no more than that)
+    except RendezvousConnectionError:
+        if watch is not None and not watch.started:     # a wrong address, a closed port, a port of another program
+            host, port = cluster.rdzv.rsplit(":", 1)
+            print(f"error: no rendezvous answered at {cluster.rdzv} (torch's launcher tried for {READ_S} s at a time), "
+                  "so no process started here: the first node's launcher, the same command started on the node named "
+                  f"there, holds it; check that {host} names that node from here and that port {port} is open to this "
+                  "node and used by nothing else, then run the same command on every node", file=sys.stderr)
+            return 1
+        # the node holding the rendezvous's store ended: torch's launcher then stops this node's processes (a
+        # node whose process failed tells the others no more than that)
         print(f"error: the rendezvous at {cluster.rdzv} stopped answering, so this node's processes were stopped: "
               f"the node that holds it ended, and its output says why; {again} on every node continues from the "
               "last checkpoint", file=sys.stderr)
+        return 1
+    except RendezvousTimeoutError:         # a node not started, or started with other launcher words
+        print(f"error: the rendezvous at {cluster.rdzv} did not gather {cluster.nodes} nodes in {JOIN_S} s, so no "
+              f"process started here: start the same command (the same nodes={cluster.nodes} and "
+              f"rdzv={cluster.rdzv}) on every node, each within {JOIN_S} s of the first", file=sys.stderr)
         return 1
     except SignalException as e:            # this launcher stopped (kill, a scheduler): its ranks with it
         print(f"error: stopped by signal {int(e.sigval)} ({signal.strsignal(e.sigval)}) and so were the processes; "

@@ -1,11 +1,14 @@
 """Many machines: 2 "nodes" x 1 process over torchrun's c10d rendezvous on 127.0.0.1 equal one node of 2
-processes, and a process killed on one ends both in one line each; the SLURM launcher writes the job it says (a stand-in `sbatch` records it), its tasks map
-SLURM's variables to torch.distributed's, and the job, preempted and requeued, ends where the 2-process
-run ends, as a linear protocol's job ends with the result of one never stopped; `nodes=` without a rendezvous address and a SLURM launch that cannot work are one line each.
+processes, a process killed on one ends both in one line each, and a rendezvous that never completes (a
+node missing, a wrong address) is one line; the SLURM launcher writes the job it says (a stand-in
+`sbatch` records it), its tasks map SLURM's variables to torch.distributed's, and the job, preempted and
+requeued, ends where the 2-process run ends, as a linear protocol's job ends with the result of one never
+stopped; `nodes=` without a rendezvous address and a SLURM launch that cannot work are one line each.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -13,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -108,6 +112,58 @@ def test_a_process_killed_on_one_node_ends_both_nodes_in_one_line_each(killed, t
     else:
         assert "on every node continues" in errors[1][-1]
     assert left_after(holder.mark, 5) == []
+
+
+# `python -m train` with the launcher's waits shortened (torch's 600 s for the other nodes, 60 s a try of its store)
+SHORT_WAITS = "import sys; import train.launch as l; l.JOIN_S, l.READ_S = 3, 1; from train.__main__ import main; " \
+              "sys.exit(main(sys.argv[1:]))"
+
+
+@pytest.mark.slow
+def test_a_node_whose_rendezvous_never_completes_ends_in_one_line_that_says_why(tiny_args, tmp_path) -> None:
+    """A user's first run on several machines, mistyped: "alone", the other node never comes (its
+    launcher not started, or with other launcher words), and the waiting node ends in one line naming
+    the rendezvous and what every node must run (it was torch's RendezvousTimeoutError traceback, after
+    10 minutes); "elsewhere", `rdzv=` names a port where no rendezvous answers (another program holds
+    it), and the node ends in one line saying so and what to check (it said, after 3 minutes, that
+    the rendezvous "stopped answering" because the node holding it ended). No process starts: nothing
+    is written."""
+    from tests.train.two_ranks import ROOT, env_here
+
+    other = socket.socket()                 # another program's port: it takes each connection and closes it
+    other.bind(("127.0.0.1", 0))
+    other.listen(8)
+    stop = threading.Event()
+
+    def serve() -> None:
+        other.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                other.accept()[0].close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    rdzv = {"alone": f"127.0.0.1:{free_port()}", "elsewhere": f"127.0.0.1:{other.getsockname()[1]}"}
+    runs = {case: subprocess.Popen([sys.executable, "-c", SHORT_WAITS, "gpus=1", "nodes=2", f"rdzv={at}",
+                                    *tiny_args("byol", tmp_path / case)], cwd=ROOT, env=env_here(),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for case, at in rdzv.items()}
+    try:
+        ended = {case: run.communicate(timeout=120) for case, run in runs.items()}
+    finally:
+        stop.set()
+        for run in runs.values():
+            run.kill()
+        other.close()
+    for case, (_, err) in ended.items():
+        assert runs[case].returncode == 1 and "Traceback" not in err, err
+        [line] = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+        assert err.rstrip().endswith(line)
+        assert not (tmp_path / case).exists()
+    alone, elsewhere = ended["alone"][1].splitlines()[-1], ended["elsewhere"][1].splitlines()[-1]
+    assert alone.startswith(f"error: the rendezvous at {rdzv['alone']} did not gather 2 nodes in 3 s")
+    assert f"nodes=2 and rdzv={rdzv['alone']}) on every node" in alone
+    assert elsewhere.startswith(f"error: no rendezvous answered at {rdzv['elsewhere']}")
+    assert "used by nothing else" in elsewhere and "stopped answering" not in elsewhere
 
 
 def test_nodes_without_a_rendezvous_or_an_unused_launcher_word_is_one_line(tiny_args, capsys, tmp_path,
