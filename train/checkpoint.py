@@ -164,6 +164,29 @@ def latest(run_dir: str | os.PathLike) -> list[Path]:
     return ([run_dir / LATEST] if (run_dir / LATEST).is_file() else []) + older
 
 
+def check_ranks_agree(folder: Path, step: int | None) -> None:
+    """That every rank starts from the same checkpoint of `folder` (`step`; None: none). A run folder on
+    each node's own disk, or a network filesystem that shows a node an older listing, would start the
+    ranks at different steps, with different target networks, optimiser states and loader positions
+    (DDP syncs only the online weights), and leave them waiting for each other at the end. One
+    collective (`dist.gather_objects`), which every rank makes; nothing in a single process.
+
+    Raises:
+        CheckpointError: the ranks saw different checkpoints; the message names which, on how many ranks.
+    """
+    seen = dist.gather_objects(step)
+    if len(set(seen)) == 1:
+        return
+    ranks: dict[int | None, list[int]] = {}
+    for rank, s in enumerate(seen):
+        ranks.setdefault(s, []).append(rank)
+    said = "; ".join(f"{'none' if s is None else f'step {s}'} on {len(r)} rank(s) from rank {r[0]}"
+                     for s, r in ranks.items())
+    raise CheckpointError(f"the ranks see different checkpoints in {folder} ({said}): the run folder (run.out_dir) "
+                          "must be on storage that every node shares and sees up to date; then the same command "
+                          "continues")
+
+
 def saved_step(path: Path) -> int | None:
     """The `step` of a checkpoint file, read without loading its tensors (mmap); None if unreadable."""
     try:

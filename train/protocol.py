@@ -410,6 +410,7 @@ class Protocol:
         if world > 1:
             trained = DistributedDataParallel(trained, device_ids=[device.index] if device.type == "cuda" else None)
         state = checkpoint.load(self.folder / checkpoint.LATEST) if (self.folder / checkpoint.LATEST).is_file() else None
+        checkpoint.check_ranks_agree(self.folder, None if state is None else int(state["step"]))
         log = Log(self.folder, enabled=dist.is_main())
         start = 0
         if state is not None:

@@ -5,9 +5,9 @@ A run folder holds `config.yaml` and `versions.json` (written at every start: `R
 `run.keep_last` keeps (`Run.save`, `train.checkpoint`), and at the end `backbone.pt` and
 `backbone.safetensors` (`Run.export`); the last one marks the run finished.
 
-The folder's name is agreed by every rank once, when the run is opened: the one collective of the run's
-bookkeeping, which every rank makes. After that the folder is a plain attribute, so asking for it never
-waits on another rank, whichever branch a rank is in. `folder_of` is the folder of a config whose name is
+The folder's name, and the checkpoint the run starts from, are agreed by every rank once, when the run
+is opened: the collectives of the run's bookkeeping, which every rank makes. After that the folder is a
+plain attribute, so asking for it never waits on another rank, whichever branch a rank is in. `folder_of` is the folder of a config whose name is
 already fixed (a SLURM job's, a bench's), for the places that look at a run from outside.
 """
 
@@ -148,15 +148,19 @@ class Run:
     @classmethod
     def open(cls, cfg: Config) -> Run:
         """The run of `cfg`, read before anything is written. Every rank calls it once, after joining the
-        process group: the folder's name is rank 0's (`dist.broadcast_object`, the one collective here;
-        a single process makes none).
+        process group: the folder's name is rank 0's (`dist.broadcast_object`), and every rank must see
+        the same checkpoint there (`checkpoint.check_ranks_agree`): the two collectives here; a single
+        process makes none.
 
         Raises:
-            CheckpointError, ConfigError: see `resume_state`.
+            CheckpointError, ConfigError: see `resume_state`; CheckpointError: the ranks saw different
+                checkpoints (a run folder not on shared storage).
         """
         name = dist.broadcast_object(proposed_name(cfg))
         folder = folder_of(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name)))
-        return cls(cfg, folder, resume_state(cfg, folder))
+        resume = resume_state(cfg, folder)
+        checkpoint.check_ranks_agree(folder, None if resume.path is None else resume.step)
+        return cls(cfg, folder, resume)
 
     @property
     def trained(self) -> bool:
