@@ -164,6 +164,35 @@ def latest(run_dir: str | os.PathLike) -> list[Path]:
     return ([run_dir / LATEST] if (run_dir / LATEST).is_file() else []) + older
 
 
+def resume_rank(state: dict, rank: int, world: int, seed: int) -> tuple[dict, str]:
+    """This rank's loader position in a checkpoint (`state`'s "loader" and "rng" hold one per process
+    that saved it), its RNG state restored, and a note to print ("" when there is nothing to say).
+
+    Saved by `world` processes: the rank's own position and RNG state: the run continues exactly. Saved by
+    another number (a run resumed on more or fewer GPUs): every rank saved the same position, since the
+    ranks step together (the epoch and the batches of it done: the steps of an epoch are the records
+    over the global batch, which does not change), and each rank takes it without a loader's own state
+    (DALI's draws in the graph), its RNG seeded from (`seed`, rank, step). The run then continues at its
+    step, but the rest of that epoch is shared out among the new ranks (some of its records are read
+    twice, others not), so not as the run never stopped would.
+    """
+    saved_by = len(state["loader"])
+    if saved_by == world:
+        set_rng_state(state["rng"][rank])
+        return state["loader"][rank], ""
+    from pipelines.spec import derive_seed
+
+    position = {k: state["loader"][0][k] for k in ("epoch", "batches_done")}
+    step = int(state["step"])
+    mixed = derive_seed(seed, rank, step)
+    random.seed(mixed)
+    np.random.seed(mixed % 2**32)
+    torch.manual_seed(mixed)
+    return position, (f"resuming step {step}, saved by {saved_by} process(es), with {world}: the same global batch; "
+                      f"the rest of epoch {position['epoch']} is read in the shares of {world} process(es) (some of "
+                      "its records twice, others not) and the random streams start afresh")
+
+
 def check_ranks_agree(folder: Path, step: int | None) -> None:
     """That every rank starts from the same checkpoint of `folder` (`step`; None: none). A run folder on
     each node's own disk, or a network filesystem that shows a node an older listing, would start the

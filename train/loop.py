@@ -56,8 +56,10 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
     steps_per_epoch = len(parts.loader)
     if state is not None:
         parts.load_state_dict(state)
-        start_step, random_init, position = state["step"], state["random_init"], state["loader"][rank]
-        checkpoint.set_rng_state(state["rng"][rank])
+        start_step, random_init = state["step"], state["random_init"]
+        position, note = checkpoint.resume_rank(state, rank, world, cfg.run.seed)
+        if note:                             # saved by another number of processes
+            log.print(note)
     batches = epochs_from(parts.loader, start_step, steps_per_epoch, position)
     if random_init is None:                  # measured once, before the first step, and kept in checkpoints
         began = time.perf_counter()

@@ -418,9 +418,9 @@ class Protocol:
             optimizer.load_state_dict(state["optimizer"])
             start = int(state["step"])
             loader.set_epoch(start // steps_per_epoch)
-            loader.load_state_dict(state["loader"][rank])
-            checkpoint.set_rng_state(state["rng"][rank])
-            log.print(f"resuming {self.folder} from step {start}")
+            position, note = checkpoint.resume_rank(state, rank, world, p.seed)
+            loader.load_state_dict(position)
+            log.print(f"resuming {self.folder} from step {start}" + (f"; {note}" if note else ""))
         else:
             loader.set_epoch(0)
             if dist.is_main():
