@@ -7,8 +7,9 @@ A run folder holds `config.yaml` and `versions.json` (written at every start: `R
 
 The folder's name, and the checkpoint the run starts from, are agreed by every rank once, when the run
 is opened: the collectives of the run's bookkeeping, which every rank makes. After that the folder is a
-plain attribute, so asking for it never waits on another rank, whichever branch a rank is in. `folder_of` is the folder of a config whose name is
-already fixed (a SLURM job's, a bench's), for the places that look at a run from outside.
+plain attribute, so asking for it never waits on another rank, whichever branch a rank is in.
+`folder_of` is the folder of a config whose name is already fixed (a SLURM job's, a bench's), for the
+places that look at a run from outside.
 """
 
 from __future__ import annotations
