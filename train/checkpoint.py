@@ -120,15 +120,42 @@ def save(path: Path, state: dict) -> Path:
     return path
 
 
+class _Writes:
+    """A file as `torch.save` writes it, keeping the OSError of a failed write, which torch's zip writer
+    replaces with an error of its own ("unexpected pos ..."): a full disk would not say so."""
+
+    def __init__(self, f) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def _write_durably(tmp: Path, state: dict) -> Path:
-    """`torch.save` into `tmp` and flush it to the disk (deleted again if the write fails)."""
+    """`torch.save` into `tmp` and flush it to the disk (deleted again if the write fails).
+
+    Raises:
+        OSError: a write failed (no space left, a quota, an I/O error), with its errno and `tmp`'s folder.
+    """
+    out = None
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            out = _Writes(f)
+            torch.save(state, out)
             f.flush()
             os.fsync(f.fileno())            # on the disk before a rename publishes it (a lost machine)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        cause = out.error if out is not None and out.error is not None else e
+        if isinstance(cause, OSError) and cause.errno is not None:
+            raise OSError(cause.errno, cause.strerror, str(tmp.parent)) from e
         raise
     return tmp
 

@@ -396,6 +396,12 @@ def exit_status(body: Callable[[], int]) -> int:
     except (ConfigError, DatasetError, LoaderError, LimitError, FileNotFoundError) as e:
         return bad_input(e) if os.environ.get("RANK", "0") == "0" else EXIT_BAD_INPUT
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):     # a checkpoint, the metrics or the events written
+            where = f" in {e.filename}" if e.filename else " in the run folder"
+            print(f"error: {e.strerror}{where}: what was written before is whole (a checkpoint is written whole or "
+                  "not at all); free space there, or give run.out_dir on another disk, and the same command with "
+                  "run.resume=auto continues from the last checkpoint", file=sys.stderr)
+            return 1
         if e.errno not in (errno.EMFILE, errno.ENFILE):
             raise
         if os.environ.get("RANK", "0") != "0":      # a limit met after all (another library's descriptors)

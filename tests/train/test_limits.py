@@ -1,7 +1,7 @@
 """A run under a user's limits: more shards than it may open files (every backend that reads shards
 trains on them), a soft limit below what it needs (raised for it and its children), a hard limit below
-that or too little /dev/shm (one line naming what to set, nothing written), and the workers each
-process gets by default."""
+that or too little /dev/shm (one line naming what to set, nothing written), a disk that fills up (one
+line, the last checkpoint whole), and the workers each process gets by default."""
 
 from __future__ import annotations
 
@@ -124,6 +124,40 @@ def test_too_little_shared_memory_stops_the_run_in_one_line_naming_the_size(tiny
     runs = load_config(tiny_args("simclr", tmp_path, "data.num_workers=2", "data.graph_batches=2"))
     with pytest.raises(LimitError, match=r"lower data.batch_size, data.num_workers or data.graph_batches$"):
         build_train_loader(runs, recipe, "dali", torch.device("cpu"))
+
+
+# In a mount namespace of its own: an 8 MiB filesystem at $0, then the command, its status, what is left in
+# its run folder and whether the checkpoint there is whole (a zip file: every CRC), before the filesystem
+# ends with the namespace.
+FULL_DISK = ('mount -t tmpfs -o size=8m tmpfs "$0" || exit 99; "$@"; echo "status $?"; ls -A "$0/run"; "$1" -c '
+             '"import sys, zipfile; print(\'whole\', zipfile.ZipFile(sys.argv[1]).testzip() is None)" '
+             '"$0/run/checkpoint.pt"')
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint_whole(tiny_args, tmp_path) -> None:
+    """The run folder's disk fills up: a checkpoint of the test network takes 6 MiB, so on 8 MiB the one
+    of step 2 is written and the one of step 4 does not fit beside it. The run ends with status 1 and one
+    line naming the error, the folder and what to do (it was torch's traceback "unexpected pos ...",
+    which did not say that the disk was full); the checkpoint of step 2 is whole and no temp file is left."""
+    unshare = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
+    if shutil.which("unshare") is None or subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs a mount namespace of its own (unshare --mount: root, or user namespaces)")
+    out = tmp_path / "small"
+    out.mkdir()
+    done = subprocess.run([*unshare, "sh", "-c", FULL_DISK, str(out), sys.executable, "-m", "train",
+                           *tiny_args("byol", out, "optim.steps=6", "run.ckpt_every=2")],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    lines = done.stdout.splitlines()
+    assert "status 1" in lines, done.stdout + done.stderr
+    left = lines[lines.index("status 1") + 1:]
+    assert left[-1] == "whole True" and "checkpoint.pt" in left and not any(".tmp" in name for name in left)
+    assert "step 4/6" in done.stdout and "step 5/6" not in done.stdout     # the checkpoint of step 2 fitted
+    assert "Traceback" not in done.stderr, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: No space left on device in {out / 'run'}: what was written before is whole")
+    assert "run.out_dir on another disk" in line and "run.resume=auto continues" in line
 
 
 def test_the_workers_default_to_each_process_s_share_of_the_cores_at_most_the_measured_best(monkeypatch) -> None:
