@@ -116,7 +116,7 @@ def test_a_run_saved_by_one_process_continues_on_two_at_its_step_and_epoch_posit
     from tests.train.two_ranks import ROOT, env_here
     from train.launch import train
 
-    words = [*tiny_args("byol", tmp_path), "run.ckpt_every=3", "run.resume=auto"]       # optim.steps=3
+    words = [*tiny_args("byol", tmp_path), "run.ckpt_every=3", "run.resume=auto", "run.eval=none"]   # optim.steps=3
     run = train(load_config(words))
     done = subprocess.run([sys.executable, "-m", "train", "gpus=2", *words, "optim.steps=5"], cwd=ROOT,
                           env=env_here(), capture_output=True, text=True, timeout=300)
