@@ -134,8 +134,8 @@ class _Writes:
             self.error = e
             raise
 
-    def flush(self) -> None:
-        self.f.flush()
+    def __getattr__(self, name: str):           # the rest of a file (flush, truncate, ...) is the file's
+        return getattr(self.f, name)
 
 
 def _write_durably(tmp: Path, state: dict) -> Path:
