@@ -116,39 +116,33 @@ def test_a_process_killed_on_one_node_ends_both_nodes_in_one_line_each(killed, t
 
 @pytest.mark.ddp
 @pytest.mark.slow
-def test_nodes_that_see_different_checkpoints_stop_before_training_in_one_line(two_processes, tiny_args,
-                                                                                tmp_path) -> None:
-    """A run folder on each node's own disk, resumed (here the second node's `run.out_dir` is another,
-    empty folder): the first node's rank sees the checkpoint of step 12, the second's none. The ranks
-    trained on from different steps before, with different target networks and optimiser states (DDP
-    syncs only the online weights); now every rank stops before training, the first node's launcher
-    with one line saying which ranks saw what and that the folder must be on shared storage, and
-    nothing in the run folder changes."""
+def test_ranks_that_see_different_checkpoints_stop_before_training_in_one_line(two_processes, tiny_args,
+                                                                               tmp_path) -> None:
+    """A run folder on each node's own disk, resumed: two ranks started as torchrun or SLURM starts them,
+    one a node (here the second one's `run.out_dir` is another, empty folder). The first sees the
+    checkpoint of step 12, the second none. They trained on from different steps before, with different
+    target networks and optimiser states (DDP syncs only the online weights), and waited for each other
+    for good at the end; now both stop before training, rank 0 with one line saying which ranks saw what
+    and that the folder must be on shared storage, and nothing in the run folder changes."""
     import shutil
 
     shared, own = tmp_path / "shared", tmp_path / "own"
     shutil.copytree(two_processes, shared / "run")
     before = {f.name: f.read_bytes() for f in (shared / "run").iterdir() if f.is_file()}
-    port = free_port()
-    words = ["-m", "train", "gpus=1", "nodes=2", f"rdzv=127.0.0.1:{port}"]
     more = (f"optim.steps={STEPS + 2}", "run.ckpt_every=2", "data.num_workers=1", "run.resume=auto")
-    first = start([*words, *tiny_args("byol", shared, *more)])
-
-    def listening() -> bool:
-        with socket.socket() as sock:
-            return sock.connect_ex(("127.0.0.1", port)) == 0
-
-    wait_for(listening, 120, "the first node's rendezvous store", first)
-    second = start([*words, *tiny_args("byol", own, *more)], mark=first.mark)
-    try:                                            # they waited for each other for good before
-        assert first.wait(timeout=120) == 2 and second.wait(timeout=60) != 0
+    env = dict(WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    first = start(["-m", "train", *tiny_args("byol", shared, *more)], RANK="0", **env)
+    second = start(["-m", "train", *tiny_args("byol", own, *more)], mark=first.mark, RANK="1", **env)
+    try:
+        assert first.wait(timeout=120) == 2 and second.wait(timeout=60) == 2
     except BaseException:
         for pid in live(first.mark):
             os.kill(pid, signal.SIGKILL)
         raise
-    err = first.stderr.read()
-    assert "Traceback" not in err + second.stderr.read(), err
-    [line] = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    err, other = first.stderr.read(), second.stderr.read()
+    assert "Traceback" not in err + other and other == "", err + other
+    [line] = err.strip().splitlines()
     assert line.startswith(f"error: the ranks see different checkpoints in {shared / 'run'} (step {STEPS} on 1 "
                            "rank(s) from rank 0; none on 1 rank(s) from rank 1)")
     assert "must be on storage that every node shares" in line
