@@ -21,6 +21,7 @@ import os
 import platform
 import random
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -189,6 +190,20 @@ def latest(run_dir: str | os.PathLike) -> list[Path]:
     run_dir = Path(run_dir)
     older = [p for _, p in sorted(history(run_dir).items(), reverse=True)]
     return ([run_dir / LATEST] if (run_dir / LATEST).is_file() else []) + older
+
+
+def space_short(saved: Path, keep_last: int) -> str:
+    """A warning when the disk of the checkpoint just `saved` cannot hold the next ones ("" when it can):
+    the next write's temp file beside the newest, and the older ones `keep_last` still adds, each the
+    size of this one. Said at every checkpoint while it holds, so that a long run is told before its
+    disk runs out rather than at the save that fails (then one line, the last checkpoint whole)."""
+    size, kept = saved.stat().st_size, len(latest(saved.parent))
+    need, free = size * (1 + max(0, keep_last - kept)), shutil.disk_usage(saved.parent).free
+    if free >= need:
+        return ""
+    return (f"warning: {free / 2**20:,.0f} MiB free on the disk of {saved.parent}, and the next checkpoint needs "
+            f"{need / 2**20:,.0f} MiB ({size / 2**20:,.0f} MiB each, run.keep_last={keep_last}): free space there "
+            "or give run.out_dir on another disk before it runs out")
 
 
 def resume_rank(state: dict, rank: int, world: int, seed: int) -> tuple[dict, str]:

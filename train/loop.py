@@ -75,9 +75,11 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
     def save_checkpoint(step: int, evaluate_first: bool = False) -> None:
         rng, position = dist.gather_objects(checkpoint.rng_state()), dist.gather_objects(parts.loader.state_dict())
         if dist.is_main():
-            run.save({**parts.state_dict(), "step": step, "loader": position, "rng": rng, "config": to_dict(cfg),
-                      "random_init": random_init, "evaluate_first": evaluate_first,
-                      "git_commit": checkpoint.git_commit(), "versions": checkpoint.library_versions()})
+            short = run.save({**parts.state_dict(), "step": step, "loader": position, "rng": rng,
+                              "config": to_dict(cfg), "random_init": random_init, "evaluate_first": evaluate_first,
+                              "git_commit": checkpoint.git_commit(), "versions": checkpoint.library_versions()})
+            if short:                        # the disk will not hold the next checkpoint
+                log.print(short)
 
     def save_reached(step: int) -> None:     # a run of one process whose loader worker died
         try:

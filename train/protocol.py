@@ -436,9 +436,11 @@ class Protocol:
         def save(step: int) -> None:
             positions, rng = dist.gather_objects(loader.state_dict()), dist.gather_objects(checkpoint.rng_state())
             if dist.is_main():
-                checkpoint.save(self.folder / checkpoint.LATEST, {
+                saved = checkpoint.save(self.folder / checkpoint.LATEST, {
                     "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                     "loader": positions, "rng": rng, "protocol": to_dict(p)})
+                if short := checkpoint.space_short(saved, 1):
+                    log.print(short)
 
         model.train()
         meter, batches = Meter(), _forever(loader)

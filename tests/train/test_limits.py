@@ -139,7 +139,8 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint_who
     """The run folder's disk fills up: a checkpoint of the test network takes 6 MiB, so on 8 MiB the one
     of step 2 is written and the one of step 4 does not fit beside it. The run ends with status 1 and one
     line naming the error, the folder and what to do (it was torch's traceback "unexpected pos ...",
-    which did not say that the disk was full); the checkpoint of step 2 is whole and no temp file is left."""
+    which did not say that the disk was full); the checkpoint of step 2 is whole and no temp file is left.
+    The save of step 2 already warned that the next checkpoint would not fit."""
     unshare = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
     if shutil.which("unshare") is None or subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
         pytest.skip("needs a mount namespace of its own (unshare --mount: root, or user namespaces)")
@@ -154,6 +155,10 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint_who
     left = lines[lines.index("status 1") + 1:]
     assert left[-1] == "whole True" and "checkpoint.pt" in left and not any(".tmp" in name for name in left)
     assert "step 4/6" in done.stdout and "step 5/6" not in done.stdout     # the checkpoint of step 2 fitted
+    # ... and left too little for the next one: said at once, two steps before the save that failed
+    [short] = [ln for ln in lines if ln.startswith("warning: ")]
+    assert lines.index(short) < lines.index(next(ln for ln in lines if ln.startswith("step 3/6")))
+    assert f"MiB free on the disk of {out / 'run'}, and the next checkpoint needs 6 MiB" in short
     assert "Traceback" not in done.stderr, done.stderr
     [line] = done.stderr.strip().splitlines()
     assert line.startswith(f"error: No space left on device in {out / 'run'}: what was written before is whole")
