@@ -7,8 +7,10 @@ init as they are orphaned."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +21,28 @@ from pipelines.processes import descendants, proc_stat, running
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "VIEWMILL_TEST_RUN"
+
+
+def free_port(low: int = 1024, high: int = 65536) -> int:
+    """A TCP port on 127.0.0.1 that is free now, in [low, high)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if low <= port < high:
+            return port
+
+
+@contextlib.contextmanager
+def none_left_on_failure(mark: str):
+    """A failing block leaves none of the processes of `mark` behind (a rank stopped or waiting in a
+    collective would outlive the test): they are killed before the failure goes on."""
+    try:
+        yield
+    except BaseException:
+        for pid in live(mark):
+            os.kill(pid, signal.SIGKILL)
+        raise
 
 
 def start(args: list[str], mark: str | None = None, **env: str) -> subprocess.Popen:

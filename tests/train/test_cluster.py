@@ -24,20 +24,11 @@ import pytest
 import torch
 
 from pipelines.processes import proc_stat
-from tests.processes import left_after, live, start, tree, wait_for
+from tests.processes import free_port, left_after, none_left_on_failure, start, tree, wait_for
 from tests.train.test_train_cli import fails_in_one_line
 from tests.train.two_ranks import ROOT, STEPS, WORDS, assert_same_training, env_here, losses
 from train.__main__ import main
 from train.config import to_dict
-
-
-def free_port(low: int = 1024, high: int = 65536) -> int:
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if low <= port < high:
-            return port
 
 
 @pytest.mark.ddp
@@ -90,16 +81,12 @@ def test_a_process_killed_on_one_node_ends_both_nodes_in_one_line_each(killed, t
     os.kill(holder_rank if killed == "holder" else other_rank, signal.SIGKILL)
     dead, alive = (holder, other) if killed == "holder" else (other, holder)
     errors = []
-    try:
+    with none_left_on_failure(holder.mark):         # a failed test leaves no stopped rank behind
         for node in (dead, alive):
             assert node.wait(timeout=60) == 1
             err = node.stderr.read()
             assert "Traceback" not in err, err
             errors.append([line for line in err.splitlines() if line.startswith("error: ")])
-    except BaseException:                           # a failed test leaves no stopped rank behind
-        for pid in live(holder.mark):
-            os.kill(pid, signal.SIGKILL)
-        raise
     assert errors[0] == [errors[0][0]] and errors[0][0].startswith("error: process 0 was killed by signal 9")
     closed = "error: another node closed the rendezvous"
     # the holder's end reaches the other launcher first as the store's, the closed rendezvous or its rank's
@@ -134,12 +121,8 @@ def test_ranks_that_see_different_checkpoints_stop_before_training_in_one_line(t
                MASTER_PORT=str(free_port()))
     first = start(["-m", "train", *tiny_args("byol", shared, *more)], RANK="0", **env)
     second = start(["-m", "train", *tiny_args("byol", own, *more)], mark=first.mark, RANK="1", **env)
-    try:
+    with none_left_on_failure(first.mark):          # they waited for each other for good before
         assert first.wait(timeout=120) == 2 and second.wait(timeout=60) == 2
-    except BaseException:
-        for pid in live(first.mark):
-            os.kill(pid, signal.SIGKILL)
-        raise
     err, other = first.stderr.read(), second.stderr.read()
     assert "Traceback" not in err + other and other == "", err + other
     [line] = err.strip().splitlines()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,6 +24,7 @@ from models.ema import make_target
 from models.multicrop import build_model
 from pipelines.batch import Batch
 from tests.once import made_once
+from tests.processes import free_port
 from tests.train.test_objectives_modules import DIM, SMALL, step_values
 from train.dist import any_rank
 from train.objectives import OBJECTIVES
@@ -145,12 +145,6 @@ def objective_case(name: str, variant: dict, parts: dict):
     objective.after_step(out)
     grads = [p.grad for p in online.parameters() if p.grad is not None]
     return out.loss.detach(), grads, objective.state_dict()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 EVAL_WORDS = ("run.max_eval_samples=27",)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.test_cluster import fake_slurm, free_port, start_task
+from tests.processes import free_port
+from tests.train.test_cluster import fake_slurm, start_task
 from tests.train.two_ranks import ROOT, env_here
 from train.__main__ import main
 

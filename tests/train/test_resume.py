@@ -111,26 +111,17 @@ def test_a_run_saved_by_one_process_continues_on_two_at_its_step_and_epoch_posit
     continue at the saved step and epoch position and say how the rest of the epoch is shared out. 64
     records at batch 16 are 4 steps an epoch: saved at step 3, step 4 ends epoch 0 and step 5 is the
     first of epoch 1 (from a fresh position it would be the third of epoch 0 again)."""
-    import socket
-
-    from tests.processes import live, start
+    from tests.processes import free_port, none_left_on_failure, start
     from train.launch import train
 
     words = [*tiny_args("byol", tmp_path), "run.ckpt_every=3", "run.resume=auto", "run.eval=none"]   # optim.steps=3
     run = train(load_config(words))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     mark = uuid.uuid4().hex
     ranks = [start(["-m", "train", *words, "optim.steps=5"], mark, RANK=str(r), LOCAL_RANK=str(r), **env)
              for r in (0, 1)]
-    try:                                  # rank 0 waited for the failed rank 1 in a collective before
+    with none_left_on_failure(mark):      # a rank waiting for a failed one in a collective
         outs = [(r.wait(timeout=300), r.stdout.read(), r.stderr.read()) for r in ranks]
-    except BaseException:
-        for pid in live(mark):
-            os.kill(pid, signal.SIGKILL)
-        raise
     assert [status for status, _, _ in outs] == [0, 0], outs[0][2] + outs[1][2]
     assert "resuming step 3, saved by 1 process(es), with 2: the same global batch; the rest of epoch 0" in outs[0][1]
     state = checkpoint.load(run / checkpoint.LATEST)
