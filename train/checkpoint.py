@@ -206,33 +206,54 @@ def space_short(saved: Path, keep_last: int) -> str:
             "or give run.out_dir on another disk before it runs out")
 
 
-def resume_rank(state: dict, rank: int, world: int, seed: int) -> tuple[dict, str]:
+def resume_rank(state: dict, rank: int, world: int, seed: int, batch: int, saved_batch: int,
+                steps_per_epoch: int) -> tuple[dict, str]:
     """This rank's loader position in a checkpoint (`state`'s "loader" and "rng" hold one per process
     that saved it), its RNG state restored, and a note to print ("" when there is nothing to say).
 
-    Saved by `world` processes: the rank's own position and RNG state: the run continues exactly. Saved by
-    another number (a run resumed on more or fewer GPUs): every rank saved the same position, since the
-    ranks step together (the epoch and the batches of it done: the steps of an epoch are the records
-    over the global batch, which does not change), and each rank takes it without a loader's own state
-    (DALI's draws in the graph), its RNG seeded from (`seed`, rank, step). The run then continues at its
-    step, but the rest of that epoch is shared out among the new ranks (some of its records are read
-    twice, others not), so not as the run never stopped would.
+    Saved by the `world` processes that trained it, with this global `batch`: the rank's own position
+    and RNG state: the run continues exactly. Otherwise (a run resumed on more or fewer GPUs, with another
+    global batch, e.g. `data.batch_size=<n>/gpu` on another number of GPUs, or saved by one rank alone
+    when its loader worker died: `alone`), every rank takes the position that rank 0 saved (the ranks
+    step together), without a loader's own state (DALI's draws in the graph), the records of the epoch
+    read so far (`batches_done` batches of `saved_batch`) kept as the batches of `batch` that hold as many
+    (rounded down: up to one batch of them read again), and its RNG seeded from (`seed`, rank, step).
+    The run then continues at its step; where the ranks' shares of the epoch change (another world, or
+    another batch over several ranks: each rank reads its slice of the epoch's order), the rest of the
+    epoch is not read as the run never stopped would (some records twice, others not).
+
+    Args:
+        batch, saved_batch: the global batch of this run and of the run that saved `state`.
+        steps_per_epoch: batches of `batch` in an epoch on this rank.
     """
-    saved_by = len(state["loader"])
-    if saved_by == world:
+    saved_by, trained_by = len(state["loader"]), int(state.get("processes", len(state["loader"])))
+    if saved_by == trained_by == world and batch == saved_batch:
         set_rng_state(state["rng"][rank])
         return state["loader"][rank], ""
     from pipelines.spec import derive_seed
 
-    position = {k: state["loader"][0][k] for k in ("epoch", "batches_done")}
+    epoch, records = int(state["loader"][0]["epoch"]), int(state["loader"][0]["batches_done"]) * saved_batch
+    position = {"epoch": epoch, "batches_done": records // batch}
+    if position["batches_done"] >= steps_per_epoch:         # the epoch's last batches were read already
+        position = {"epoch": epoch + 1, "batches_done": 0}
     step = int(state["step"])
     mixed = derive_seed(seed, rank, step)
     random.seed(mixed)
     np.random.seed(mixed % 2**32)
     torch.manual_seed(mixed)
-    return position, (f"resuming step {step}, saved by {saved_by} process(es), with {world}: the same global batch; "
-                      f"the rest of epoch {position['epoch']} is read in the shares of {world} process(es) (some of "
-                      "its records twice, others not) and the random streams start afresh")
+    said = [f"saved by rank {state['alone']} alone, its loader worker dead"] if "alone" in state else []
+    if trained_by != world:
+        said.append(f"trained by {trained_by} process(es), now {world}")
+    if batch != saved_batch:
+        said.append(f"global batch {saved_batch}, now {batch}: epoch {epoch} goes on after its first {records:,} "
+                    f"records, at batch {position['batches_done']} of {steps_per_epoch}")
+    else:
+        said.append(f"the same global batch {batch}")
+    same_shares = trained_by == world and (batch == saved_batch or world == 1)
+    shares = ("each rank goes on in its share of the epoch" if same_shares
+              else f"the rest of epoch {epoch} is read in the shares of {world} process(es) (some of its records "
+                   "twice, others not)")
+    return position, f"resuming step {step} ({'; '.join(said)}): {shares}, and the random streams start afresh"
 
 
 def check_ranks_agree(folder: Path, step: int | None) -> None:

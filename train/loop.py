@@ -39,9 +39,10 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
     (`run.checkpoint_on_signal`) the steps hold its signal back: at the first log step after any rank
     caught it, every rank checkpoints and the loop ends there. An evaluation does not hold it (it may
     last longer than the warning), so with `held` a checkpoint comes before each periodic evaluation: the
-    signal caught in it requeues from that step, and the next start evaluates first. A run of one process
-    whose loader worker dies (the OOM killer) checkpoints the steps it reached before it fails (with
-    several, the other ranks wait in the step's collective: the launcher stops them).
+    signal caught in it requeues from that step, and the next start evaluates first. A rank whose loader
+    worker dies (the OOM killer) checkpoints the steps it reached before it fails: with several ranks
+    alone (the others wait in the step's collective, until the launcher stops them), its own state
+    (DDP keeps the weights equal on every rank) and position (the same on every rank), for `resume_rank`.
 
     Returns:
         Whether the run reached `optim.steps` (its backbone is then for `Run.export`).
@@ -57,8 +58,9 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
     if state is not None:
         parts.load_state_dict(state)
         start_step, random_init = state["step"], state["random_init"]
-        position, note = checkpoint.resume_rank(state, rank, world, cfg.run.seed)
-        if note:                             # saved by another number of processes
+        position, note = checkpoint.resume_rank(state, rank, world, cfg.run.seed, cfg.data.batch_size,
+                                                state["config"]["data"]["batch_size"], steps_per_epoch)
+        if note:                             # saved by other processes, with another batch, or by one rank alone
             log.print(note)
     batches = epochs_from(parts.loader, start_step, steps_per_epoch, position)
     if random_init is None:                  # measured once, before the first step, and kept in checkpoints
@@ -72,19 +74,27 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
         result = evaluate_backbone(cfg, online.backbone, backend, device)
         log.eval(step, step / steps_per_epoch, result, random_init, time.perf_counter() - began)
 
+    def state_at(step: int, positions: list[dict], rngs: list[dict], **more) -> dict:
+        return {**parts.state_dict(), "step": step, "loader": positions, "rng": rngs, "config": to_dict(cfg),
+                "random_init": random_init, "git_commit": checkpoint.git_commit(),
+                "versions": checkpoint.library_versions(), **more}
+
     def save_checkpoint(step: int, evaluate_first: bool = False) -> None:
         rng, position = dist.gather_objects(checkpoint.rng_state()), dist.gather_objects(parts.loader.state_dict())
         if dist.is_main():
-            short = run.save({**parts.state_dict(), "step": step, "loader": position, "rng": rng,
-                              "config": to_dict(cfg), "random_init": random_init, "evaluate_first": evaluate_first,
-                              "git_commit": checkpoint.git_commit(), "versions": checkpoint.library_versions()})
+            short = run.save(state_at(step, position, rng, evaluate_first=evaluate_first))
             if short:                        # the disk will not hold the next checkpoint
                 log.print(short)
 
-    def save_reached(step: int) -> None:     # a run of one process whose loader worker died
+    def save_reached(step: int) -> None:     # this rank's loader worker died: the steps reached, then the error
         try:
-            save_checkpoint(step)
-            log.print(f"a loader worker died: saved the checkpoint of step {step}")
+            if world == 1:
+                save_checkpoint(step)
+            else:                            # alone: the other ranks wait in the step's collective
+                run.save(state_at(step, [parts.loader.state_dict()], [checkpoint.rng_state()], processes=world,
+                                  alone=rank))
+            print(f"a loader worker died: {f'rank {rank} ' if world > 1 else ''}saved the checkpoint of step {step}",
+                  flush=True)
         except LoaderError:                  # a loader whose state died with its worker (DALI's own draws)
             pass
 
@@ -107,7 +117,7 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
                 try:
                     batch = next(batches)
                 except RuntimeError as e:
-                    if world == 1 and worker_death(e) is not None and step not in (start_step, cadence.saved_step):
+                    if worker_death(e) is not None and step not in (start_step, cadence.saved_step):
                         save_reached(step)           # the steps reached, then the one-line error
                     raise
             data_s = time.perf_counter() - wait_start
@@ -206,8 +216,9 @@ def check_finite(parts: Parts, method: str, step: int, terms: dict[str, float]) 
 
 
 def epochs_from(loader: Loader, start_step: int, steps_per_epoch: int, position: dict | None):
-    """Batches forever, epoch after epoch, starting mid-epoch at `position` when resuming."""
-    epoch = start_step // steps_per_epoch
+    """Batches forever, epoch after epoch, starting mid-epoch at `position` when resuming (its epoch,
+    which is not the step's when a resume changed the global batch)."""
+    epoch = start_step // steps_per_epoch if position is None else int(position["epoch"])
     loader.set_epoch(epoch)
     if position is not None:
         loader.load_state_dict(position)

@@ -418,7 +418,8 @@ class Protocol:
             optimizer.load_state_dict(state["optimizer"])
             start = int(state["step"])
             loader.set_epoch(start // steps_per_epoch)
-            position, note = checkpoint.resume_rank(state, rank, world, p.seed)
+            position, note = checkpoint.resume_rank(state, rank, world, p.seed, p.batch_size,
+                                                    int(state["protocol"]["batch_size"]), steps_per_epoch)
             loader.load_state_dict(position)
             log.print(f"resuming {self.folder} from step {start}" + (f"; {note}" if note else ""))
         else:

@@ -31,6 +31,11 @@ def logged_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in records if r["kind"] == "train"]
 
 
+def environ(pid: int) -> dict[str, str]:
+    """The environment a process started with."""
+    return dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+
+
 def rank_of(launcher_pid: int, mark: str) -> int:
     """The pid of one rank: a process of the run whose parent is the launcher."""
     for pid in live(mark):
@@ -134,3 +139,39 @@ def test_a_loader_worker_killed_mid_run_ends_the_run_in_one_line(backend, says, 
     assert saved == max(logged_steps(run_dir)) >= 2
     assert f"a loader worker died: saved the checkpoint of step {saved}\n" in out
 
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_a_loader_worker_killed_on_one_rank_of_two_saves_the_steps_reached_and_the_same_command_continues(
+        tiny_args, tmp_path) -> None:
+    """The OOM killer takes rank 1's loader worker (`gpus=2`, no checkpoint due: `run.ckpt_every=1000`):
+    rank 1 saves the checkpoint of the steps reached by itself (rank 0 waits in the step's collective),
+    the run ends within seconds and leaves no process; the same command continues at that step on both
+    ranks, each in its share of the epoch. Before, nothing was saved: the run went back to its last
+    periodic checkpoint (up to `run.ckpt_every_min`, 30 minutes, of every GPU's work)."""
+    run_dir = tmp_path / "runs" / "run"
+    words = ["-m", "train", "gpus=2", *tiny_args("byol", tmp_path / "runs", "optim.steps=400", "run.ckpt_every=1000",
+                                                 "run.resume=auto", "run.eval=none")]
+    run = start(words)
+    wait_for(lambda: 2 in logged_steps(run_dir) and len(live(run.mark)) >= 5, 180,
+             "step 2 with 2 ranks and their loader workers", run)
+    rank1 = next(pid for pid in live(run.mark) if proc_stat(pid)[2] == run.pid and environ(pid).get("RANK") == "1")
+    for pid in workers_of(rank1):
+        os.kill(pid, signal.SIGKILL)
+    assert run.wait(timeout=60) == 1
+    err, out = run.stderr.read(), run.stdout.read()
+    assert err.startswith("error: DataLoader worker (pid") and "run.resume=auto continues" in err, err
+    assert left_after(run.mark, GONE_S) == []
+    state = checkpoint.load(run_dir / checkpoint.LATEST)
+    saved, logged = state["step"], max(logged_steps(run_dir))
+    assert state["alone"] == 1 and 2 <= logged <= saved <= logged + 1    # rank 0 logs a step just after it ends
+    assert f"a loader worker died: rank 1 saved the checkpoint of step {saved}\n" in out
+
+    run = start([*words, f"run.stop_after_steps={saved + 2}"])
+    assert run.wait(timeout=300) == 0, run.stderr.read()
+    assert f"resuming step {saved} (saved by rank 1 alone, its loader worker dead; the same global batch 16): each rank " \
+           "goes on in its share of the epoch" in run.stdout.read()
+    state = checkpoint.load(run_dir / checkpoint.LATEST)
+    assert state["step"] == saved + 2 and logged_steps(run_dir)[-2:] == [saved + 1, saved + 2]
+    assert state["loader"][0] == state["loader"][1] == {"epoch": (saved + 2) // 4, "batches_done": (saved + 2) % 4}

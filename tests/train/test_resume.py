@@ -123,10 +123,61 @@ def test_a_run_saved_by_one_process_continues_on_two_at_its_step_and_epoch_posit
     with none_left_on_failure(mark):      # a rank waiting for a failed one in a collective
         outs = [(r.wait(timeout=300), r.stdout.read(), r.stderr.read()) for r in ranks]
     assert [status for status, _, _ in outs] == [0, 0], outs[0][2] + outs[1][2]
-    assert "resuming step 3, saved by 1 process(es), with 2: the same global batch; the rest of epoch 0" in outs[0][1]
+    assert ("resuming step 3 (trained by 1 process(es), now 2; the same global batch 16): the rest of epoch 0 is read in "
+            "the shares of 2 process(es)") in outs[0][1]
     state = checkpoint.load(run / checkpoint.LATEST)
     assert state["step"] == 5 and train_steps(run) == [1, 2, 3, 4, 5]
     assert [(p["epoch"], p["batches_done"]) for p in state["loader"]] == [(1, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("saved_batch, batch", [(16, 8), (16, 48), (24, 16), (32, 96)])
+def test_a_resume_with_another_global_batch_goes_on_after_the_records_of_the_epoch_already_read(saved_batch, batch):
+    """A run saved after k batches of `saved_batch` and resumed with another global batch (e.g.
+    `data.batch_size=<n>/gpu` on another number of GPUs; one process here, 96 records): the batches it
+    reads next start at most one batch before the first record of the epoch's order not yet read, none
+    is skipped, and when fewer than a batch of them are left the next epoch begins. Before, the position
+    was kept in batches: at batch 16 -> 48, after 2 batches (32 records read) the next epoch began, 64 of
+    its records never read."""
+    from pipelines.spec import EpochOrder, LoaderSpec
+    from pipelines.views import load_recipe
+
+    n, epoch = 96, 2
+
+    def order(b: int) -> EpochOrder:
+        return EpochOrder(LoaderSpec(root="", dataset="", split="train", recipe=load_recipe("byol", 32, 16),
+                                     batch_size=b, seed=5), n)
+
+    read = order(saved_batch).indices(epoch)
+    for k in range(len(order(saved_batch))):
+        state = {"step": 40 + k, "loader": [{"epoch": epoch, "batches_done": k}], "rng": [checkpoint.rng_state()]}
+        position, note = checkpoint.resume_rank(state, 0, 1, 0, batch, saved_batch, len(order(batch)))
+        assert f"global batch {saved_batch}, now {batch}" in note and "each rank goes on in its share" in note
+        resumed = order(batch)
+        resumed.load_state_dict(position)
+        if position["epoch"] == epoch:
+            nxt = np.concatenate([idx for _, idx in resumed.remaining()])
+            first = list(read).index(nxt[0])
+            assert k * saved_batch - batch < first <= k * saved_batch          # at most a batch again, none skipped
+            assert nxt.tolist() == read[first:first + len(nxt)].tolist() and first + len(nxt) == n
+        else:
+            assert position == {"epoch": epoch + 1, "batches_done": 0} and n - k * saved_batch < batch
+
+
+@pytest.mark.slow
+def test_a_run_resumed_with_another_global_batch_reads_its_epochs_in_order(tiny_args, tmp_path, capsys) -> None:
+    """Saved after step 5 at batch 16 (64 records, 4 steps an epoch: 16 records of epoch 1 read) and
+    resumed at batch 32 (2 steps an epoch): epoch 1 goes on from its first batch of 32 (16 records
+    again), steps 6 and 7 read it, step 8 is the first batch of epoch 2: the loader stands at (2, 1). The
+    loop counted epochs from the step before (8 // 2: epoch 3 at step 8, epoch 2 never read)."""
+    from train.launch import train
+
+    words = [*tiny_args("byol", tmp_path), "run.ckpt_every=5", "run.resume=auto", "run.eval=none"]
+    run = train(load_config([*words, "optim.steps=5"]))
+    train(load_config([*words, "optim.steps=8", "data.batch_size=32"]))
+    assert "resuming step 5 (global batch 16, now 32: epoch 1 goes on after its first 16 records, at batch 0 of 2)" \
+        in capsys.readouterr().out
+    state = checkpoint.load(run / checkpoint.LATEST)
+    assert state["step"] == 8 and [(p["epoch"], p["batches_done"]) for p in state["loader"]] == [(2, 1)]
 
 
 class Preempted(Exception):
