@@ -126,6 +126,11 @@ def imported(queue, names: list[str]) -> None:
     queue.put([n for n in names if n in sys.modules])
 
 
+def environ(pid: int) -> dict[str, str]:
+    """The environment a process started with."""
+    return dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+
+
 def workers_of(root: int, before: set[int] = frozenset()) -> list[int]:
     """The pids of `root`'s running descendants not in `before` that are loader workers: not
     multiprocessing's resource tracker, nor a fork server (the child of `root` that serves the forks;

@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -380,3 +381,29 @@ class Cadence:
         """The loop saved (the checkpoint of `step`): the clock starts again."""
         self._saved_at, self._clock = time.monotonic(), False
         self.saved_step = step
+
+    def next_batch(self, batches: Iterator, step: int, first: int, save: Callable[[bool], None]):
+        """The batch of the loop's (0-based) `step` from `batches`. When the loader's worker died (the OOM
+        killer) and the loop trained steps since its `first` and its last save, `save(alone)` saves the
+        checkpoint of the steps reached (`step`) before the error goes on: with several processes `alone`,
+        this rank by itself (the others wait in the step's collective, where they can save nothing, until
+        the launcher stops them; DDP keeps the weights and the optimiser equal on every rank, the ranks
+        stand at the same position, and `resume_rank` seeds their random streams afresh). A loader whose
+        state died with its worker (DALI's own draws in the graph) saves nothing.
+        """
+        from pipelines.processes import worker_death
+        from pipelines.spec import LoaderError
+
+        try:
+            return next(batches)
+        except RuntimeError as e:
+            if worker_death(e) is None or step in (first, self.saved_step):
+                raise
+            world = dist.world_size()
+            try:
+                save(world > 1)
+                print(f"a loader worker died: {f'rank {dist.rank()} ' if world > 1 else ''}saved the checkpoint of "
+                      f"step {step}", flush=True)
+            except LoaderError:              # the loader's state died with its worker
+                pass
+            raise

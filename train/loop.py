@@ -15,8 +15,8 @@ import time
 import torch
 
 from pipelines.batch import Batch
-from pipelines.processes import process_age_s, worker_death
-from pipelines.spec import Loader, LoaderError
+from pipelines.processes import process_age_s
+from pipelines.spec import Loader
 from train import checkpoint, dist, schedules
 from train.config import per_process_batch, to_dict
 from train.evaluate import evaluate_backbone
@@ -40,9 +40,8 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
     caught it, every rank checkpoints and the loop ends there. An evaluation does not hold it (it may
     last longer than the warning), so with `held` a checkpoint comes before each periodic evaluation: the
     signal caught in it requeues from that step, and the next start evaluates first. A rank whose loader
-    worker dies (the OOM killer) checkpoints the steps it reached before it fails: with several ranks
-    alone (the others wait in the step's collective, until the launcher stops them), its own state
-    (DDP keeps the weights equal on every rank) and position (the same on every rank), for `resume_rank`.
+    worker dies (the OOM killer) checkpoints the steps it reached before it fails, alone where there are
+    several (`checkpoint.Cadence.next_batch`).
 
     Returns:
         Whether the run reached `optim.steps` (its backbone is then for `Run.export`).
@@ -74,29 +73,20 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
         result = evaluate_backbone(cfg, online.backbone, backend, device)
         log.eval(step, step / steps_per_epoch, result, random_init, time.perf_counter() - began)
 
-    def state_at(step: int, positions: list[dict], rngs: list[dict], **more) -> dict:
-        return {**parts.state_dict(), "step": step, "loader": positions, "rng": rngs, "config": to_dict(cfg),
-                "random_init": random_init, "git_commit": checkpoint.git_commit(),
-                "versions": checkpoint.library_versions(), **more}
-
-    def save_checkpoint(step: int, evaluate_first: bool = False) -> None:
-        rng, position = dist.gather_objects(checkpoint.rng_state()), dist.gather_objects(parts.loader.state_dict())
-        if dist.is_main():
-            short = run.save(state_at(step, position, rng, evaluate_first=evaluate_first))
+    def save_checkpoint(step: int, evaluate_first: bool = False, alone: bool = False) -> None:
+        """Rank 0 saves every rank's position and RNG state; `alone`: this rank its own (`Cadence.next_batch`)."""
+        if alone:
+            position, rng, more = [parts.loader.state_dict()], [checkpoint.rng_state()], {"processes": world,
+                                                                                         "alone": rank}
+        else:
+            position, rng, more = dist.gather_objects(parts.loader.state_dict()), dist.gather_objects(
+                checkpoint.rng_state()), {}
+        if alone or dist.is_main():
+            short = run.save({**parts.state_dict(), "step": step, "loader": position, "rng": rng,
+                              "config": to_dict(cfg), "random_init": random_init, "evaluate_first": evaluate_first,
+                              "git_commit": checkpoint.git_commit(), "versions": checkpoint.library_versions(), **more})
             if short:                        # the disk will not hold the next checkpoint
                 log.print(short)
-
-    def save_reached(step: int) -> None:     # this rank's loader worker died: the steps reached, then the error
-        try:
-            if world == 1:
-                save_checkpoint(step)
-            else:                            # alone: the other ranks wait in the step's collective
-                run.save(state_at(step, [parts.loader.state_dict()], [checkpoint.rng_state()], processes=world,
-                                  alone=rank))
-            print(f"a loader worker died: {f'rank {rank} ' if world > 1 else ''}saved the checkpoint of step {step}",
-                  flush=True)
-        except LoaderError:                  # a loader whose state died with its worker (DALI's own draws)
-            pass
 
     if state is not None and state.get("evaluate_first"):   # the evaluation a warning cut short, first
         log.print(f"a signal stopped the evaluation of step {start_step}: it runs again first")
@@ -113,13 +103,8 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
         for step in range(start_step, stop):
             s = schedules.at(cfg.optim, step, steps_per_epoch, cfg.data.batch_size)
             wait_start = time.perf_counter()
-            with phase("data_wait"):
-                try:
-                    batch = next(batches)
-                except RuntimeError as e:
-                    if worker_death(e) is not None and step not in (start_step, cadence.saved_step):
-                        save_reached(step)           # the steps reached, then the one-line error
-                    raise
+            with phase("data_wait"):         # a loader worker's death saves the steps reached, then fails
+                batch = cadence.next_batch(batches, step, start_step, lambda alone: save_checkpoint(step, alone=alone))
             data_s = time.perf_counter() - wait_start
             out = train_step(parts, batch, s)
             meter.tick(batch_size=rank_batch, data_s=data_s)

@@ -373,7 +373,8 @@ class Protocol:
     def run(self, backend: str, device: torch.device, held: dist.HeldSignal | None = None) -> dict | None:
         """Train and score (resuming from the folder's checkpoint), returning {"top1", "top5", ...}; saving
         as pretraining does (`checkpoint.Cadence`: every `ckpt_every` steps, `run.ckpt_every_min`, and at
-        the first log step after any rank caught `held`'s signal, where it returns None instead)."""
+        the first log step after any rank caught `held`'s signal, where it returns None instead; the steps
+        reached before a loader worker's death)."""
         cfg, p, world, rank = self.cfg, self.p, dist.world_size(), dist.rank()
         info = DatasetInfo.read(cfg.data.root, cfg.data.name, "train")
         subset = None
@@ -434,12 +435,17 @@ class Protocol:
                   f"{steps_per_epoch} steps ({len(subset) if subset else info.count:,} labelled train records), "
                   f"batch {p.batch_size}, {world} rank(s), {backend} backend")
 
-        def save(step: int) -> None:
-            positions, rng = dist.gather_objects(loader.state_dict()), dist.gather_objects(checkpoint.rng_state())
-            if dist.is_main():
+        def save(step: int, alone: bool = False) -> None:   # alone: this rank by itself (`Cadence.next_batch`)
+            if alone:
+                positions, rng, more = [loader.state_dict()], [checkpoint.rng_state()], {"processes": world,
+                                                                                        "alone": rank}
+            else:
+                positions, rng, more = dist.gather_objects(loader.state_dict()), dist.gather_objects(
+                    checkpoint.rng_state()), {}
+            if alone or dist.is_main():
                 saved = checkpoint.save(self.folder / checkpoint.LATEST, {
                     "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                    "loader": positions, "rng": rng, "protocol": to_dict(p)})
+                    "loader": positions, "rng": rng, "protocol": to_dict(p), **more})
                 if short := checkpoint.space_short(saved, 1):
                     log.print(short)
 
@@ -452,7 +458,7 @@ class Protocol:
                 for g in optimizer.param_groups:
                     g["lr"] = lr * g["lr_scale"]
                 began = time.perf_counter()
-                batch = next(batches)
+                batch = cadence.next_batch(batches, step, start, lambda alone: save(step, alone))
                 data_s = time.perf_counter() - began
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and cfg.run.amp):
                     loss = train_step(model, trained, optimizer, batch.global_views[0], batch.label)

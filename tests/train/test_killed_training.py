@@ -6,7 +6,6 @@ uninterrupted run: the same loss at every step, and the same online and target w
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
@@ -15,25 +14,10 @@ import pytest
 
 from pipelines.processes import proc_stat
 from train import checkpoint
-from tests.processes import kill_and_reap, left_after, live, start, tree, wait_for, workers_of
-from tests.train.two_ranks import STEPS, WORDS, assert_same_training
+from tests.processes import environ, kill_and_reap, left_after, live, start, tree, wait_for, workers_of
+from tests.train.two_ranks import STEPS, WORDS, assert_same_training, logged_steps
 
 GONE_S = 3.0                     # "within a few seconds": a child polls its parent every 0.2 s
-
-
-def logged_steps(run_dir: Path) -> list[int]:
-    """The train steps of metrics.jsonl in the order they were logged (a resumed run logs some again)."""
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    records = [json.loads(ln) for ln in lines if ln.endswith("}")]        # the last line may be half written
-    return [r["step"] for r in records if r["kind"] == "train"]
-
-
-def environ(pid: int) -> dict[str, str]:
-    """The environment a process started with."""
-    return dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
 
 
 def rank_of(launcher_pid: int, mark: str) -> int:

@@ -1,8 +1,9 @@
 """The papers' protocols (`train/protocol.py`): linear evaluation leaves the backbone as it was to the
 bit and separates what is separable; fine-tuning trains the whole network on a class-balanced, seeded
 share of the labels or on the images a file lists by name; two gloo ranks take the one-process steps; a killed evaluation resumes to the
-uninterrupted result, and one warned by SLURM's signal saves the step it reached first (standalone and
-after pretraining, `run.eval=linear`); bad input is one line and writes nothing."""
+uninterrupted result, one warned by SLURM's signal saves the step it reached first (standalone and
+after pretraining, `run.eval=linear`), and one whose loader worker died on a rank saves the steps it reached;
+bad input is one line and writes nothing."""
 
 from __future__ import annotations
 
@@ -198,6 +199,44 @@ def test_a_killed_evaluation_resumes_to_the_uninterrupted_result(tiny_args, tmp_
     assert all(torch.equal(v, reference[k]) for k, v in checkpoint.load(folder / "checkpoint.pt")["model"].items())
     third = run_cli(*words)                                                # finished: printed again, nothing trained
     assert third.returncode == 0 and "step " not in third.stdout and "top-1" in third.stdout
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_a_loader_worker_killed_on_one_of_two_ranks_saves_the_steps_and_one_process_continues(tiny_args,
+                                                                                               tmp_path) -> None:
+    """`gpus=2 linear`, rank 1's loader worker taken by the OOM killer, no checkpoint due (`ckpt_every=1000`):
+    rank 1 saves the protocol's checkpoint of the steps reached by itself (before, nothing: the protocol
+    went back to its last checkpoint); the same command on one process continues at that step (the
+    epoch's rest in its one share, as the line says) to the end and the result."""
+    from tests.processes import environ, left_after, live, start, wait_for, workers_of
+    from tests.train.two_ranks import logged_steps
+    from pipelines.processes import proc_stat
+
+    ckpt = pretrained(tiny_args, tmp_path)
+    folder = ckpt.parent / "linear-small"
+    words = ["linear", f"ckpt={ckpt}", "preset=small", "batch_size=16", "log_every=1", "ckpt_every=1000",
+             "run.device=cpu"]
+    run = start(["-m", "train", "gpus=2", *words, "epochs=100"])
+    wait_for(lambda: 2 in logged_steps(folder) and len(live(run.mark)) >= 5, 180,
+             "step 2 with 2 ranks and their loader workers", run)
+    rank1 = next(pid for pid in live(run.mark) if proc_stat(pid)[2] == run.pid and environ(pid).get("RANK") == "1")
+    for pid in workers_of(rank1):
+        os.kill(pid, signal.SIGKILL)
+    assert run.wait(timeout=60) == 1
+    assert run.stderr.read().startswith("error: DataLoader worker (pid")
+    assert left_after(run.mark, 3.0) == []
+    state = checkpoint.load(folder / checkpoint.LATEST)
+    saved, logged = state["step"], max(logged_steps(folder))
+    assert state["alone"] == 1 and 2 <= logged <= saved <= logged + 1 < 12      # rank 0 logs a step just after it
+    assert f"a loader worker died: rank 1 saved the checkpoint of step {saved}\n" in run.stdout.read()
+
+    again = run_cli(*words, "epochs=3")                                       # 12 steps of 16 on 64 records
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (f"resuming {folder} from step {saved}; resuming step {saved} (saved by rank 1 alone, its loader worker "
+            "dead; trained by 2 process(es), now 1; the same global batch 16): the rest of epoch") in again.stdout
+    assert logged_steps(folder)[-(12 - saved):] == list(range(saved + 1, 13))
+    assert json.loads((ckpt.parent / "linear_eval.json").read_text())["val_samples"] == 32
 
 
 def signal_during_step(step: int, monkeypatch) -> None:

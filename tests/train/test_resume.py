@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.train.two_ranks import logged_steps
 from train import checkpoint
 from train.resolve import load_config
 
@@ -88,12 +89,6 @@ def test_a_killed_write_leaves_the_last_good_checkpoint_and_keep_last_keeps_the_
     assert [p.name for p in run.iterdir()] == ["checkpoint.pt"]
 
 
-def train_steps(run_dir) -> list[int]:
-    """The step of every train record of metrics.jsonl, in the order written (a resumed run appends)."""
-    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return [r["step"] for r in records if r["kind"] == "train"]
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_args, tmp_path_factory) -> dict[int, float]:
     """Losses of a 10-step byol run with a checkpoint every 2 steps, never stopped."""
@@ -126,7 +121,7 @@ def test_a_run_saved_by_one_process_continues_on_two_at_its_step_and_epoch_posit
     assert ("resuming step 3 (trained by 1 process(es), now 2; the same global batch 16): the rest of epoch 0 is read in "
             "the shares of 2 process(es)") in outs[0][1]
     state = checkpoint.load(run / checkpoint.LATEST)
-    assert state["step"] == 5 and train_steps(run) == [1, 2, 3, 4, 5]
+    assert state["step"] == 5 and logged_steps(run) == [1, 2, 3, 4, 5]
     assert [(p["epoch"], p["batches_done"]) for p in state["loader"]] == [(1, 1), (1, 1)]
 
 
@@ -205,10 +200,10 @@ def test_auto_resume_with_the_same_command_repeats_the_uninterrupted_run(uninter
         train(load_config(words))
     monkeypatch.undo()
     run = tmp_path / "run"
-    assert train_steps(run) == [1, 2, 3, 4] and losses(run)[1] == pytest.approx(uninterrupted[1], rel=1e-5)
+    assert logged_steps(run) == [1, 2, 3, 4] and losses(run)[1] == pytest.approx(uninterrupted[1], rel=1e-5)
 
     train(load_config(words))
-    assert train_steps(run) == list(range(1, 11))
+    assert logged_steps(run) == list(range(1, 11))
     for step in range(5, 11):
         assert losses(run)[step] == pytest.approx(uninterrupted[step], rel=1e-5, abs=1e-6), step
     assert (run / "backbone.safetensors").is_file()
@@ -239,7 +234,7 @@ def test_auto_skips_a_damaged_newest_checkpoint_and_keep_last_2_keeps_two(uninte
     train(load_config(words))
     out = capsys.readouterr().out
     assert "skipped cannot read checkpoint" in out and f"resuming from {run / 'checkpoint-4.pt'} (step 4)" in out
-    assert train_steps(run) == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10]
+    assert logged_steps(run) == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10]
     for step in range(5, 11):
         assert losses(run)[step] == pytest.approx(uninterrupted[step], rel=1e-5, abs=1e-6), step
     assert sorted(p.name for p in run.glob("checkpoint*.pt")) == ["checkpoint-8.pt", "checkpoint.pt"]
@@ -265,7 +260,7 @@ def test_a_held_signal_stops_at_the_next_log_step_s_checkpoint_and_the_same_comm
 
     def former(signum, frame) -> None:               # submitit's handler: requeues the job, then exits
         ckpt = run / "checkpoint.pt"
-        calls.append((checkpoint.load(ckpt)["step"] if ckpt.exists() else 0, train_steps(run)))
+        calls.append((checkpoint.load(ckpt)["step"] if ckpt.exists() else 0, logged_steps(run)))
 
     def signalled_at(step: int):
         real = loop.train_step
@@ -296,7 +291,7 @@ def test_a_held_signal_stops_at_the_next_log_step_s_checkpoint_and_the_same_comm
         assert calls[1:] == [(10, [3, 6, 9, 10])]    # at once, in the evaluation after the last save
     finally:
         signal.signal(signal.SIGUSR2, previous)
-    assert train_steps(run) == [3, 6, 9, 10]
+    assert logged_steps(run) == [3, 6, 9, 10]
     for step in (9, 10):
         assert losses(run)[step] == pytest.approx(uninterrupted[step], rel=1e-5, abs=1e-6), step
 
@@ -339,7 +334,7 @@ def test_a_signal_in_a_periodic_evaluation_requeues_from_its_step_and_the_next_s
         monkeypatch.setattr(loop, "evaluate_backbone", evaluate_then_signal)
         with pytest.raises(Preempted) as stopped:
             train(load_config(words(tmp_path)))
-        assert stopped.value.args == (4,) and train_steps(run) == [1, 2, 3, 4] and evals(run) == []
+        assert stopped.value.args == (4,) and logged_steps(run) == [1, 2, 3, 4] and evals(run) == []
         monkeypatch.undo()
         capsys.readouterr()
         train(load_config(words(tmp_path)))

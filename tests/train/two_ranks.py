@@ -1,6 +1,6 @@
 """The 2-process reference run that the multi-node, SLURM and kill tests end equal to: byol on the tiny
-dataset, `WORDS`, started as `python -m train gpus=2`; made once per test session (`tests.once`), and
-the comparison of a run with it."""
+dataset, `WORDS`, started as `python -m train gpus=2`; made once per test session (`tests.once`), the
+comparison of a run with it, and the readers of a run's metrics."""
 
 from __future__ import annotations
 
@@ -30,6 +30,16 @@ def losses(run_dir: Path) -> dict[int, float]:
     """Train loss per step of metrics.jsonl (a resumed run's later records win)."""
     records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    """The train steps of metrics.jsonl in the order they were logged (a resumed run logs some again)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records = [json.loads(ln) for ln in lines if ln.endswith("}")]        # the last line may be half written
+    return [r["step"] for r in records if r["kind"] == "train"]
 
 
 def assert_same_training(run: Path, reference: Path) -> None:
