@@ -193,18 +193,30 @@ def latest(run_dir: str | os.PathLike) -> list[Path]:
     return ([run_dir / LATEST] if (run_dir / LATEST).is_file() else []) + older
 
 
-def space_short(saved: Path, keep_last: int) -> str:
-    """A warning when the disk of the checkpoint just `saved` cannot hold the next ones ("" when it can):
-    the next write's temp file beside the newest, and the older ones `keep_last` still adds, each the
-    size of this one. Said at every checkpoint while it holds, so that a long run is told before its
-    disk runs out rather than at the save that fails (then one line, the last checkpoint whole)."""
-    size, kept = saved.stat().st_size, len(latest(saved.parent))
-    need, free = size * (1 + max(0, keep_last - kept)), shutil.disk_usage(saved.parent).free
+def state_bytes(state) -> int:
+    """The bytes of the tensors in `state` (nested dicts, lists and tuples): a checkpoint of it takes
+    about as much on disk (the rest is a few KiB)."""
+    if isinstance(state, torch.Tensor):
+        return state.nbytes
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    return sum(state_bytes(v) for v in state) if isinstance(state, (list, tuple)) else 0
+
+
+def space_short(folder: Path, size: int, keep_last: int) -> str:
+    """A warning when the disk of the run `folder` cannot hold the checkpoints to come ("" when it can):
+    `keep_last` of `size` bytes and the next one's temp file beside them, less those already there. Said
+    after a start's first step (`size`: `state_bytes`, the optimiser's state made by then), before the
+    first checkpoint, and at every checkpoint while it holds, so that a run is told before its disk runs
+    out rather than at the save that fails (then one line, the last checkpoint whole)."""
+    need = size * (1 + max(0, keep_last - len(latest(folder))))
+    free = shutil.disk_usage(folder).free
     if free >= need:
         return ""
-    return (f"warning: {free / 2**20:,.0f} MiB free on the disk of {saved.parent}, and the next checkpoint needs "
-            f"{need / 2**20:,.0f} MiB ({size / 2**20:,.0f} MiB each, run.keep_last={keep_last}): free space there "
-            "or give run.out_dir on another disk before it runs out")
+    return (f"warning: {free / 2**20:,.0f} MiB free on the disk of {folder}, and the checkpoints to come need "
+            f"{need / 2**20:,.0f} MiB more ({size / 2**20:,.0f} MiB each: run.keep_last={keep_last} of them and "
+            "the next one written beside them): free space there or give run.out_dir on another disk before it "
+            "runs out")
 
 
 def resume_rank(state: dict, rank: int, world: int, seed: int, batch: int, saved_batch: int,

@@ -446,7 +446,7 @@ class Protocol:
                 saved = checkpoint.save(self.folder / checkpoint.LATEST, {
                     "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                     "loader": positions, "rng": rng, "protocol": to_dict(p), **more})
-                if short := checkpoint.space_short(saved, 1):
+                if short := checkpoint.space_short(self.folder, saved.stat().st_size, 1):
                     log.print(short)
 
         model.train()
@@ -464,6 +464,10 @@ class Protocol:
                     loss = train_step(model, trained, optimizer, batch.global_views[0], batch.label)
                 meter.tick(batch_size=spec.batch_size, data_s=data_s)
                 done = step + 1
+                if step == start and dist.is_main():    # the disk will not hold the checkpoints: told before the first
+                    size = checkpoint.state_bytes({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+                    if short := checkpoint.space_short(self.folder, size, 1):
+                        log.print(short)
                 if done % p.log_every == 0 or done == total:
                     log.step(done, total, {"loss": loss.item()}, lr, None, meter.read_and_reset())  # sync: log step
                     cadence.at_log_step(device)  # sync: the signal and the clocks of every rank

@@ -196,10 +196,11 @@ class Run:
             log.print(f"backbone initialised from {self.cfg.model.init}")
 
     def save(self, state: dict) -> str:
-        """Write a checkpoint of this run (rank 0 calls it), keeping `run.keep_last` of them; returns a
-        warning to print when the disk cannot hold the next ones (`checkpoint.space_short`), else ""."""
-        checkpoint.save_latest(self.folder, state, self.cfg.run.keep_last)
-        return checkpoint.space_short(self.folder / checkpoint.LATEST, self.cfg.run.keep_last)
+        """Write a checkpoint of this run (rank 0 calls it, or a rank alone: `Cadence.next_batch`), keeping
+        `run.keep_last` of them; returns a warning to print when the disk cannot hold the next ones
+        (`checkpoint.space_short`), else ""."""
+        saved = checkpoint.save_latest(self.folder, state, self.cfg.run.keep_last)
+        return checkpoint.space_short(self.folder, saved.stat().st_size, self.cfg.run.keep_last)
 
     def resume_hint(self) -> str:
         """The word that continues this run after `run.stop_after_steps`."""

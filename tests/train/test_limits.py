@@ -6,6 +6,7 @@ line, the last checkpoint whole), and the workers each process gets by default."
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -140,7 +141,8 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint_who
     of step 2 is written and the one of step 4 does not fit beside it. The run ends with status 1 and one
     line naming the error, the folder and what to do (it was torch's traceback "unexpected pos ...",
     which did not say that the disk was full); the checkpoint of step 2 is whole and no temp file is left.
-    The save of step 2 already warned that the next checkpoint would not fit."""
+    The first step already warned that the disk would not hold two checkpoints, and the save of step 2
+    that the next one would not fit."""
     unshare = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
     if shutil.which("unshare") is None or subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
         pytest.skip("needs a mount namespace of its own (unshare --mount: root, or user namespaces)")
@@ -155,14 +157,52 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint_who
     left = lines[lines.index("status 1") + 1:]
     assert left[-1] == "whole True" and "checkpoint.pt" in left and not any(".tmp" in name for name in left)
     assert "step 4/6" in done.stdout and "step 5/6" not in done.stdout     # the checkpoint of step 2 fitted
-    # ... and left too little for the next one: said at once, two steps before the save that failed
-    [short] = [ln for ln in lines if ln.startswith("warning: ")]
-    assert lines.index(short) < lines.index(next(ln for ln in lines if ln.startswith("step 3/6")))
-    assert f"MiB free on the disk of {out / 'run'}, and the next checkpoint needs 6 MiB" in short
+    # ... and not the next one beside it: said after the first step, from the size of the state in memory,
+    # before any checkpoint, and again at the checkpoint of step 2, from its file
+    first, again = [ln for ln in lines if ln.startswith("warning: ")]
+    assert lines.index(first) < lines.index(next(ln for ln in lines if ln.startswith("step 1/6")))
+    assert lines.index(again) < lines.index(next(ln for ln in lines if ln.startswith("step 3/6")))
+    said = [re.search(rf"MiB free on the disk of {out / 'run'}, and the checkpoints to come need ([0-9]+) MiB more "
+                      r"\(([0-9]+) MiB each: run.keep_last=1 ", line) for line in (first, again)]
+    (need_first, each_first), (need_again, each_again) = [(int(m[1]), int(m[2])) for m in said]
+    assert each_again == need_again == 6                      # the checkpoint of step 2 on disk, the next beside it
+    assert abs(each_first - 6) <= 1 and abs(need_first - 12) <= 1   # from the state in memory, in whole MiB
     assert "Traceback" not in done.stderr, done.stderr
     [line] = done.stderr.strip().splitlines()
     assert line.startswith(f"error: No space left on device in {out / 'run'}: what was written before is whole")
     assert "run.out_dir on another disk" in line and "run.resume=auto continues" in line
+
+
+@pytest.mark.parametrize("loop", ["pretraining", "linear"])
+def test_a_disk_too_small_for_the_checkpoints_is_told_after_the_first_step(loop, tiny_args, tmp_path, monkeypatch,
+                                                                          capsys) -> None:
+    """Both training loops, on a disk with 1 MiB free: a line after the first step, before any checkpoint,
+    says so, with each checkpoint's size taken from the state in memory (the saved file's to the MiB).
+    Before, the first word came at the first checkpoint: `run.ckpt_every_min` (30) minutes in."""
+    from train import checkpoint
+    from train.launch import train
+    from train.protocol import Protocol, load_protocol
+    from train.resolve import config_from_dict, load_config
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=2**20)
+                        if str(path).startswith(str(tmp_path)) else real(path))
+    words = tiny_args("byol", tmp_path, "optim.steps=2", "run.ckpt_every=2", "run.eval=none")
+    folder = train(load_config(words))
+    if loop == "linear":
+        state = checkpoint.load(folder / checkpoint.LATEST)
+        cfg = config_from_dict(state["config"])
+        _, p = load_protocol("linear", "small", cfg.method, 64, [("epochs", "1"), ("batch_size", "16"),
+                                                                     ("log_every", "1")])
+        folder = tmp_path / "linear"
+        capsys.readouterr()
+        Protocol("linear", "small", p, cfg, folder, state["online"]).run("torch", torch.device("cpu"))
+    lines = capsys.readouterr().out.splitlines()
+    short = next(ln for ln in lines if ln.startswith("warning: ") and "checkpoints to come" in ln)
+    assert lines.index(short) < lines.index(next(ln for ln in lines if ln.startswith("step 1/")))
+    each = int(re.search(r"MiB more \(([0-9]+) MiB each", short)[1])
+    assert short.startswith(f"warning: 1 MiB free on the disk of {folder}") and each > 0
+    assert each == round((folder / checkpoint.LATEST).stat().st_size / 2**20)
 
 
 def test_the_workers_default_to_each_process_s_share_of_the_cores_at_most_the_measured_best(monkeypatch) -> None:
