@@ -112,9 +112,10 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
             if step == start_step:           # what a start costs before training: imports, loaders, evaluation
                 age = process_age_s()
                 log.started("first_step_s", age, f"first step {format_duration(age or 0)} after this process started")
-                size = checkpoint.state_bytes(parts.state_dict())        # the optimiser's state made by now
-                if dist.is_main() and (short := checkpoint.space_short(run.folder, size, cfg.run.keep_last)):
-                    log.print(short)         # the disk will not hold the checkpoints: told before the first
+                if dist.is_main():           # a disk too small for the checkpoints: told before the first
+                    size = checkpoint.state_bytes(parts.state_dict())    # the optimiser's state made by now
+                    if short := checkpoint.space_short(run.folder, size, cfg.run.keep_last):
+                        log.print(short)
             if done % cfg.run.log_every == 0 or done == stop:
                 terms = {"loss": out.loss.detach().float().item()}  # sync: the only host reads of a step
                 terms |= {k: v.float().item() for k, v in out.logs.items()}  # sync: log terms
