@@ -103,6 +103,16 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def rank_states(loader, alone: bool = False) -> dict:
+    """The ranks' part of a checkpoint: every rank's loader position and RNG state, one collective that
+    every rank makes (rank 0 then saves); with `alone`, this rank's own and who saved it, for a rank that
+    saves by itself (`Cadence.next_batch`; `resume_rank` reads both)."""
+    if alone:
+        return {"loader": [loader.state_dict()], "rng": [rng_state()], "processes": dist.world_size(),
+                "alone": dist.rank()}
+    return {"loader": dist.gather_objects(loader.state_dict()), "rng": dist.gather_objects(rng_state())}
+
+
 def save(path: Path, state: dict) -> Path:
     """Write `state` to `path` atomically and durably: a temp file in the same folder, flushed to the
     disk, then `os.replace`. A kill at any point leaves the old file or the new one, never a mix.

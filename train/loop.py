@@ -74,17 +74,11 @@ def train(run: Run, parts: Parts, log: Log, backend: str, held: dist.HeldSignal 
         log.eval(step, step / steps_per_epoch, result, random_init, time.perf_counter() - began)
 
     def save_checkpoint(step: int, evaluate_first: bool = False, alone: bool = False) -> None:
-        """Rank 0 saves every rank's position and RNG state; `alone`: this rank its own (`Cadence.next_batch`)."""
-        if alone:
-            position, rng, more = [parts.loader.state_dict()], [checkpoint.rng_state()], {"processes": world,
-                                                                                         "alone": rank}
-        else:
-            position, rng, more = dist.gather_objects(parts.loader.state_dict()), dist.gather_objects(
-                checkpoint.rng_state()), {}
+        ranks = checkpoint.rank_states(parts.loader, alone)      # alone: this rank by itself (`Cadence.next_batch`)
         if alone or dist.is_main():
-            short = run.save({**parts.state_dict(), "step": step, "loader": position, "rng": rng,
-                              "config": to_dict(cfg), "random_init": random_init, "evaluate_first": evaluate_first,
-                              "git_commit": checkpoint.git_commit(), "versions": checkpoint.library_versions(), **more})
+            short = run.save({**parts.state_dict(), "step": step, **ranks, "config": to_dict(cfg),
+                              "random_init": random_init, "evaluate_first": evaluate_first,
+                              "git_commit": checkpoint.git_commit(), "versions": checkpoint.library_versions()})
             if short:                        # the disk will not hold the next checkpoint
                 log.print(short)
 

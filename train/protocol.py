@@ -435,17 +435,12 @@ class Protocol:
                   f"{steps_per_epoch} steps ({len(subset) if subset else info.count:,} labelled train records), "
                   f"batch {p.batch_size}, {world} rank(s), {backend} backend")
 
-        def save(step: int, alone: bool = False) -> None:   # alone: this rank by itself (`Cadence.next_batch`)
-            if alone:
-                positions, rng, more = [loader.state_dict()], [checkpoint.rng_state()], {"processes": world,
-                                                                                        "alone": rank}
-            else:
-                positions, rng, more = dist.gather_objects(loader.state_dict()), dist.gather_objects(
-                    checkpoint.rng_state()), {}
+        def save(step: int, alone: bool = False) -> None:
+            ranks = checkpoint.rank_states(loader, alone)         # alone: this rank by itself (`Cadence.next_batch`)
             if alone or dist.is_main():
                 saved = checkpoint.save(self.folder / checkpoint.LATEST, {
-                    "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                    "loader": positions, "rng": rng, "protocol": to_dict(p), **more})
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, **ranks,
+                    "protocol": to_dict(p)})
                 if short := checkpoint.space_short(self.folder, saved.stat().st_size, 1):
                     log.print(short)
 
@@ -464,7 +459,7 @@ class Protocol:
                     loss = train_step(model, trained, optimizer, batch.global_views[0], batch.label)
                 meter.tick(batch_size=spec.batch_size, data_s=data_s)
                 done = step + 1
-                if step == start and dist.is_main():    # the disk will not hold the checkpoints: told before the first
+                if step == start and dist.is_main():    # a disk too small for the checkpoints: told before the first
                     size = checkpoint.state_bytes({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
                     if short := checkpoint.space_short(self.folder, size, 1):
                         log.print(short)

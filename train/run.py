@@ -199,8 +199,9 @@ class Run:
         """Write a checkpoint of this run (rank 0 calls it, or a rank alone: `Cadence.next_batch`), keeping
         `run.keep_last` of them; returns a warning to print when the disk cannot hold the next ones
         (`checkpoint.space_short`), else ""."""
-        saved = checkpoint.save_latest(self.folder, state, self.cfg.run.keep_last)
-        return checkpoint.space_short(self.folder, saved.stat().st_size, self.cfg.run.keep_last)
+        checkpoint.save_latest(self.folder, state, self.cfg.run.keep_last)
+        size = (self.folder / checkpoint.LATEST).stat().st_size
+        return checkpoint.space_short(self.folder, size, self.cfg.run.keep_last)
 
     def resume_hint(self) -> str:
         """The word that continues this run after `run.stop_after_steps`."""

@@ -154,8 +154,8 @@ def test_a_loader_worker_killed_on_one_rank_of_two_saves_the_steps_reached_and_t
 
     run = start([*words, f"run.stop_after_steps={saved + 2}"])
     assert run.wait(timeout=300) == 0, run.stderr.read()
-    assert f"resuming step {saved} (saved by rank 1 alone, its loader worker dead; the same global batch 16): each rank " \
-           "goes on in its share of the epoch" in run.stdout.read()
+    assert (f"resuming step {saved} (saved by rank 1 alone, its loader worker dead; the same global batch 16): "
+            "each rank goes on in its share of the epoch") in run.stdout.read()
     state = checkpoint.load(run_dir / checkpoint.LATEST)
     assert state["step"] == saved + 2 and logged_steps(run_dir)[-2:] == [saved + 1, saved + 2]
     assert state["loader"][0] == state["loader"][1] == {"epoch": (saved + 2) // 4, "batches_done": (saved + 2) % 4}

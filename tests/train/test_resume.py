@@ -118,8 +118,8 @@ def test_a_run_saved_by_one_process_continues_on_two_at_its_step_and_epoch_posit
     with none_left_on_failure(mark):      # a rank waiting for a failed one in a collective
         outs = [(r.wait(timeout=300), r.stdout.read(), r.stderr.read()) for r in ranks]
     assert [status for status, _, _ in outs] == [0, 0], outs[0][2] + outs[1][2]
-    assert ("resuming step 3 (trained by 1 process(es), now 2; the same global batch 16): the rest of epoch 0 is read in "
-            "the shares of 2 process(es)") in outs[0][1]
+    assert ("resuming step 3 (trained by 1 process(es), now 2; the same global batch 16): the rest of epoch 0 is "
+            "read in the shares of 2 process(es)") in outs[0][1]
     state = checkpoint.load(run / checkpoint.LATEST)
     assert state["step"] == 5 and logged_steps(run) == [1, 2, 3, 4, 5]
     assert [(p["epoch"], p["batches_done"]) for p in state["loader"]] == [(1, 1), (1, 1)]
