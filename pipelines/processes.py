@@ -57,6 +57,9 @@ two rules, kept here for preprocess, pipelines and train alike:
 `proc_stat`, `running` and `descendants` read /proc for who runs and who started whom (the reaper of
 a local Ray instance, `preprocess.ray_engine`, and the tests that kill runs use them).
 
+`FolderLock` says who writes a folder: one process of one command at a time writes a dataset
+(`preprocess`) or a run's folder (`train`), and a second is refused in one line naming the first.
+
 The limits a process meets at a user's site, checked when a command starts rather than met as a
 traceback hours in: open files (`ensure_open_files`: a soft limit below what the command needs is
 raised up to the hard limit, which its children inherit, else one line says what to set) and the
@@ -67,18 +70,22 @@ shared memory that worker processes hand batches through (`check_shared_memory`:
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import gc
 import multiprocessing as mp
 import os
 import resource
 import shutil
 import signal
+import socket
+import struct
 import sys
 import threading
 import time
 from multiprocessing.context import BaseContext
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 POLL_S = 0.2                     # how often a child looks at its parent's pid: a dead parent's children end within it
 _forking_pid: int | None = None  # the pid of the process that is forking, read by the child it forks
@@ -403,6 +410,120 @@ def descendants(root: int) -> set[tuple[int, str]]:
             found.add(child)
             todo.append(child[0])
     return found
+
+
+# ------------------------------------------------------------------------------------------------
+# Who writes a folder: a dataset being written, a run folder
+# ------------------------------------------------------------------------------------------------
+
+
+class Holder(NamedTuple):
+    """The process that holds a `FolderLock`."""
+
+    pid: int
+    host: str                        # "": this machine
+    command: str
+
+    def __str__(self) -> str:
+        return f"pid {self.pid}{f' on {self.host}' if self.host else ''}: {self.command}"
+
+    def stop(self) -> str:
+        """What stops it, for a message."""
+        return f"kill {self.pid}" + (f" on {self.host}" if self.host else "")
+
+
+class FolderLock:
+    """An exclusive lock on writing a folder (a dataset written, a run's folder): a POSIX record lock on
+    the file `path`, in which the holder records its pid and host. Two writers of one folder would delete
+    or overwrite each other's files.
+
+    The lock belongs to the process that takes it alone: a record lock is not inherited by the processes
+    it forks (an `flock` was, and orphaned workers of a killed run kept it), and the kernel drops it when
+    the process ends, however it ends. A network filesystem with POSIX locks (NFS; Lustre mounted with
+    `flock`) holds it across the machines that share the folder; on one without (`ENOLCK`, `EOPNOTSUPP`)
+    it is not taken and refuses nothing (`taken` stays False). Record locks do not exclude two holders in
+    one process (and closing any descriptor of the file drops them), so the files this process holds are
+    kept in `_HELD` and a second lock on one is refused before it opens one.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.fd: int | None = None
+        self.taken = False
+        self.stale: str = ""         # the pid a holder that ended without `release` left in the file
+
+    def acquire(self) -> Holder | None:
+        """Take the lock (nothing when this object holds it); None when taken (or not supported here),
+        else the live process that holds it."""
+        if self.fd is not None:
+            return None
+        if _file_id(self.path) in _HELD:
+            return Holder(os.getpid(), "", "this process")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EAGAIN):
+                holder = _holder(fd)
+                os.close(fd)
+                return holder
+            os.close(fd)
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):     # no record locks here
+                return None
+            raise
+        recorded = os.pread(fd, 256, 0).decode(errors="replace").split()
+        if recorded and recorded[0] != str(os.getpid()):
+            self.stale = recorded[0]
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}".encode(), 0)
+        self.fd, self.taken = fd, True
+        _HELD.add(_file_id(self.path))
+        return None
+
+    def release(self) -> None:
+        """Drop the lock, leaving the file empty: an empty lock file is one that no writer left behind."""
+        if self.fd is not None:
+            _HELD.discard(_file_id(self.path))
+            os.ftruncate(self.fd, 0)
+            os.close(self.fd)                 # closing the descriptor drops the record lock
+            self.fd, self.taken = None, False
+
+
+_HELD: set[tuple[int, int]] = set()       # (device, inode) of the lock files this process holds
+
+
+def _file_id(path: Path) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+        return st.st_dev, st.st_ino
+    except FileNotFoundError:
+        return -1, -1
+
+
+# struct flock on Linux (x86-64, aarch64): l_type, l_whence, l_start, l_len, l_pid, with padding.
+_FLOCK = struct.Struct("hh4xqqi4x")
+
+
+def _holder(fd: int) -> Holder:
+    """Who holds a write lock on `fd`'s file: the pid the kernel names (F_GETLK) on this machine, else
+    the pid and host the holder wrote into the file."""
+    got = fcntl.fcntl(fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    kind, _, _, _, pid = _FLOCK.unpack(got)
+    recorded = os.pread(fd, 256, 0).decode(errors="replace").split()
+    host = recorded[1] if len(recorded) > 1 and recorded[1] != socket.gethostname() else ""
+    if host or not pid:              # another machine's (its kernel's pid means nothing here)
+        pid = int(recorded[0]) if recorded and recorded[0].isdigit() else pid
+    return Holder(pid, host, "a process of another machine" if host else _command_of(pid))
+
+
+def _command_of(pid: int) -> str:
+    """A process's command line, for a message."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").split()
+        line = " ".join(words)
+        return (line[:157] + "...") if len(line) > 160 else line or "a process without a command line"
+    except OSError:
+        return "a process of another user"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -26,12 +26,10 @@ it.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import importlib.util
 import os
 import shutil
-import struct
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -44,7 +42,7 @@ import numpy as np
 
 from pipelines import schema
 from pipelines.schema import DatasetError, Manifest
-from pipelines.processes import descriptors_needed, ensure_open_files, fork_context
+from pipelines.processes import FolderLock, descriptors_needed, ensure_open_files, fork_context
 from pipelines.shards import ShardReader, scan_shards, write_record_table
 from preprocess import stream
 from preprocess.ffcv_copy import copy_to_ffcv
@@ -107,22 +105,13 @@ def write_manifest(staging: Path, manifest: Manifest, stamp: dict[str, list[int]
 
 
 class DatasetLock:
-    """An exclusive lock on writing `<out_root>/<name>` (a POSIX record lock on `.<name>.lock` beside
-    it, which records the holder's pid): two runs on the same dataset would delete each other's
-    staging folder.
-
-    The lock belongs to the run's main process alone: a POSIX record lock is not inherited by the
-    processes it forks (an `flock` was, and orphaned workers of a killed run kept it), and the kernel
-    drops it when the process ends, however it ends. A run that ended without releasing it (killed)
-    left its pid in the file; the next run says so in one line and goes on. Record locks do not
-    exclude two holders in one process (and closing any descriptor of the file drops them), so the
-    files this process holds are also kept in `_HELD` and a second lock is refused before it opens one.
-    """
+    """An exclusive lock on writing `<out_root>/<name>` (`processes.FolderLock` on `.<name>.lock` beside
+    it): two runs on the same dataset would delete each other's staging folder. A run that ended without
+    releasing it (killed) left its pid in the file; the next run says so in one line and goes on."""
 
     def __init__(self, out_root: Path, name: str) -> None:
-        self.path = Path(out_root) / f".{name}.lock"
-        self.name = name
-        self.fd: int | None = None
+        self.lock = FolderLock(Path(out_root) / f".{name}.lock")
+        self.path, self.name = self.lock.path, name
 
     def acquire(self) -> None:
         """Take the lock (no-op when held).
@@ -130,71 +119,18 @@ class DatasetLock:
         Raises:
             PreprocessError: another live run holds it (the message names its pid, command and how to stop it).
         """
-        if self.fd is not None:
-            return
-        if _file_id(self.path) in _HELD:
-            raise PreprocessError(f"another run (pid {os.getpid()}: this process) is writing {self.name} into "
-                                  f"{self.path.parent}; wait for it to finish, then re-run")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EACCES, errno.EAGAIN):
-                os.close(fd)
-                raise
-            holder = _lock_holder(fd)
-            os.close(fd)
-            raise PreprocessError(f"another run (pid {holder}: {_command_of(holder)}) is writing {self.name} into "
-                                  f"{self.path.parent}; wait for it to finish or stop it with `kill {holder}`, "
-                                  "then re-run") from None
-        recorded = os.read(fd, 32).decode(errors="replace").strip()
-        if recorded and recorded != str(os.getpid()):
-            print(f"the lock of {self.name} is stale: its run (pid {recorded}) ended without finishing; going on",
-                  file=sys.stderr)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self.fd = fd
-        _HELD.add(_file_id(self.path))
+        if (holder := self.lock.acquire()) is not None:
+            stop = "" if holder.command == "this process" else f" or stop it with `{holder.stop()}`"
+            raise PreprocessError(f"another run ({holder}) is writing {self.name} into {self.path.parent}; wait for "
+                                  f"it to finish{stop}, then re-run")
+        if self.lock.stale:
+            print(f"the lock of {self.name} is stale: its run (pid {self.lock.stale}) ended without finishing; "
+                  "going on", file=sys.stderr)
+            self.lock.stale = ""
 
     def release(self) -> None:
         """Drop the lock, leaving the file empty: an empty lock file is one that no run left behind."""
-        if self.fd is not None:
-            _HELD.discard(_file_id(self.path))
-            os.ftruncate(self.fd, 0)
-            os.close(self.fd)                 # closing the descriptor drops the record lock
-            self.fd = None
-
-
-_HELD: set[tuple[int, int]] = set()       # (device, inode) of the lock files this process holds
-
-
-def _file_id(path: Path) -> tuple[int, int]:
-    try:
-        st = os.stat(path)
-        return st.st_dev, st.st_ino
-    except FileNotFoundError:
-        return -1, -1
-
-
-# struct flock on Linux (x86-64, aarch64): l_type, l_whence, l_start, l_len, l_pid, with padding.
-_FLOCK = struct.Struct("hh4xqqi4x")
-
-
-def _lock_holder(fd: int) -> int:
-    """The pid of the process holding a write lock on `fd`'s file (F_GETLK), 0 when none does."""
-    got = fcntl.fcntl(fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
-    kind, _, _, _, pid = _FLOCK.unpack(got)
-    return pid if kind != fcntl.F_UNLCK else 0
-
-
-def _command_of(pid: int) -> str:
-    """A process's command line, for a message (its pid where /proc does not say)."""
-    try:
-        words = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").split()
-        line = " ".join(words)
-        return (line[:157] + "...") if len(line) > 160 else line or "a process without a command line"
-    except OSError:
-        return "a process of another user or machine"
+        self.lock.release()
 
 
 def ffcv_installed() -> bool:

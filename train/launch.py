@@ -41,7 +41,7 @@ from train.config import Config, ConfigError, parse_value, per_process_batch
 from train.evaluate import eval_kinds
 from train.log import Log, check_wandb
 from train.resolve import load_config
-from train.run import Run
+from train.run import RUN_FIX, Run, check_free, hold, lock_of
 from train.setup import (build_parts, check_dataset, check_processes, init_backbone,
                          open_files_needed, resolve_backend, select_device)
 
@@ -148,6 +148,7 @@ def preflight(cfg: Config, processes: int, nodes: int = 1, here: bool = True) ->
     eval_kinds(cfg)                                                 # a labelled evaluation of unlabelled data
     check_dataset(cfg)
     run = Run.open(cfg)
+    check_free(run.folder, RUN_FIX)                                 # another run writing its folder
     if processes * nodes > 1 and run.resume.state is None:
         init_backbone(cfg, build_backbone(cfg.model.backbone, cfg.views.global_px)[0])
     return run
@@ -317,17 +318,22 @@ def train(cfg: Config, run: Run | None = None) -> Path:
 
 
 def pretrain(run: Run, device: torch.device, backend: str, held: dist.HeldSignal) -> bool:
-    """Build the parts (the views and `model.init` checked before any write), write the run's start
-    files, train (`loop.train`) and export the backbone of a run that reached `optim.steps`; returns
-    whether it did."""
+    """Build the parts (the views and `model.init` checked before any write), take the run folder's lock
+    (`train.run.hold`: another run writing it is refused), write the run's start files, train (`loop.train`) and
+    export the backbone of a run that reached `optim.steps`; returns whether it did."""
     cfg = run.cfg
     parts = build_parts(cfg, device, backend, init=run.resume.state is None)
-    log = Log(run.folder, enabled=dist.is_main(), cfg=cfg)
-    run.begin(log)
-    with training_stream(device, cfg.run.train_stream):
-        trained = loop.train(run, parts, log, backend, held)
-    if trained:
-        run.export(dist.unwrap(parts.online).backbone, log)
+    lock = lock_of(run.folder)
+    try:
+        hold(lock, run.folder, RUN_FIX)     # one run writes the folder at a time: before its first write
+        log = Log(run.folder, enabled=dist.is_main(), cfg=cfg)
+        run.begin(log)
+        with training_stream(device, cfg.run.train_stream):
+            trained = loop.train(run, parts, log, backend, held)
+        if trained:
+            run.export(dist.unwrap(parts.online).backbone, log)
+    finally:
+        lock.release()
     parts.loader.close()
     return trained
 

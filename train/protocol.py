@@ -54,7 +54,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pipelines.loader import build_loader
-from pipelines.processes import ensure_open_files
+from pipelines.processes import FolderLock, ensure_open_files
 from pipelines.schema import NO_LABEL
 from pipelines.spec import DatasetInfo, LoaderSpec
 from pipelines.views import Recipe, ViewGroup
@@ -62,7 +62,7 @@ from train import checkpoint, dist
 from train.config import Config, ConfigError, parse_value, per_process_batch, to_dict
 from train.log import Log, Meter
 from train.resolve import CONFIG_DIR, config_from_dict
-from train.run import LINEAR_EVAL, check_same_network
+from train.run import LINEAR_EVAL, check_same_network, hold, lock_of
 from train.setup import (build_checked_loader, build_online, channels_last, check_dataset, check_processes, decoder_hints,
                          loader_workers, open_files_needed, resolve_backend, select_device)
 
@@ -374,7 +374,15 @@ class Protocol:
         """Train and score (resuming from the folder's checkpoint), returning {"top1", "top5", ...}; saving
         as pretraining does (`checkpoint.Cadence`: every `ckpt_every` steps, `run.ckpt_every_min`, and at
         the first log step after any rank caught `held`'s signal, where it returns None instead; the steps
-        reached before a loader worker's death)."""
+        reached before a loader worker's death). One process writes the folder at a time (`train.run.hold`:
+        the same evaluation started twice would overwrite its own checkpoint)."""
+        lock = lock_of(self.folder)
+        try:
+            return self._run(backend, device, held, lock)
+        finally:
+            lock.release()
+
+    def _run(self, backend: str, device: torch.device, held: dist.HeldSignal | None, lock: FolderLock) -> dict | None:
         cfg, p, world, rank = self.cfg, self.p, dist.world_size(), dist.rank()
         info = DatasetInfo.read(cfg.data.root, cfg.data.name, "train")
         subset = None
@@ -412,6 +420,7 @@ class Protocol:
             trained = DistributedDataParallel(trained, device_ids=[device.index] if device.type == "cuda" else None)
         state = checkpoint.load(self.folder / checkpoint.LATEST) if (self.folder / checkpoint.LATEST).is_file() else None
         checkpoint.check_ranks_agree(self.folder, None if state is None else int(state["step"]))
+        hold(lock, self.folder, "")                         # before the first write
         log = Log(self.folder, enabled=dist.is_main())
         start = 0
         if state is not None:

@@ -7,7 +7,9 @@ A run folder holds `config.yaml` and `versions.json` (written at every start: `R
 
 The folder's name, and the checkpoint the run starts from, are agreed by every rank once, when the run
 is opened: the collectives of the run's bookkeeping, which every rank makes. After that the folder is a
-plain attribute, so asking for it never waits on another rank, whichever branch a rank is in.
+plain attribute, so asking for it never waits on another rank, whichever branch a rank is in. One
+process at a time writes a run's folder (`lock_of`, `hold`): a second start of a run that runs is
+refused in one line.
 `folder_of` is the folder of a config whose name is already fixed (a SLURM job's, a bench's), for the
 places that look at a run from outside.
 """
@@ -26,6 +28,7 @@ import yaml
 from torch import nn
 
 from models.backbone import export_backbone_state, save_backbone
+from pipelines.processes import FolderLock
 from train import checkpoint, dist
 from train.config import Config, ConfigError, dump_yaml, to_dict
 from train.log import Log
@@ -37,6 +40,48 @@ LINEAR_EVAL = "linear_eval.json"        # `run.eval=linear`'s result (train.prot
 # built with the same values (views.global_px decides the small-image stem).
 LAYOUT_KEYS = ("method", "model.backbone", "model.proj_hidden", "model.proj_out", "model.proj_layers",
                "model.proj_last_bn", "model.pred_hidden", "model.pred_last_bn", "views.global_px")
+
+
+RUN_FIX = "give this run another run.name"     # what a second run of a folder that is being written can do
+
+
+def lock_of(folder: Path) -> FolderLock:
+    """The lock on writing `folder` (a run's, a protocol's): `.<name>.lock` beside it, as a dataset's
+    (`processes.FolderLock`). Two runs writing one folder (the same `run.name` started twice, a job
+    submitted again while it runs) would train from the same checkpoint and overwrite each other's
+    checkpoints and metrics."""
+    return FolderLock(folder.parent / f".{folder.name}.lock")
+
+
+def hold(lock: FolderLock, folder: Path, fix: str) -> None:
+    """Take `lock`, `folder`'s (`lock_of`), on rank 0, before the first write there: the process that
+    writes it holds it until the caller releases it, or until it ends. Every rank learns whether it could
+    (one collective; none in a single process).
+
+    Raises:
+        ConfigError: another live process writes `folder`: named, with how to stop it, and `fix`.
+    """
+    holder = None
+    if dist.is_main():
+        lock.path.parent.mkdir(parents=True, exist_ok=True)
+        holder = lock.acquire()
+    if (holder := dist.broadcast_object(holder)) is not None:
+        raise ConfigError(f"another run ({holder}) is writing {folder}; wait for it to end or stop it "
+                          f"({holder.stop()}){f', or {fix}' if fix else ''}")
+
+
+def check_free(folder: Path, fix: str) -> None:
+    """`hold`'s check, without holding: for the process that launches a run's processes, which write.
+
+    Raises:
+        ConfigError: as `hold`.
+    """
+    lock = lock_of(folder)
+    if lock.path.is_file():
+        try:
+            hold(lock, folder, fix)
+        finally:
+            lock.release()
 
 
 def check_same_network(cfg: Config, saved: dict, path: str, fix: str) -> None:

@@ -185,6 +185,38 @@ def test_the_dataset_lock_belongs_to_the_run_not_to_its_children_and_a_dead_run_
         os.kill(pid, signal.SIGKILL)
 
 
+def test_a_folder_lock_held_on_another_machine_names_it_and_a_filesystem_without_locks_refuses_nothing(
+        tmp_path, monkeypatch) -> None:
+    """On a network filesystem the kernel cannot name another machine's process: the holder's own record
+    (its pid and host, written when it took the lock) does. Where the filesystem has no record locks
+    (`ENOLCK`: Lustre without `flock`, some NFS mounts) the lock is not taken and refuses nothing, rather
+    than failing every run there."""
+    import errno
+    import fcntl
+
+    from pipelines.processes import FolderLock
+
+    path = tmp_path / ".run.lock"
+    holder = start(["-c", LOCK_HOLDER.replace('DatasetLock(Path(sys.argv[1]), "ds")', "FolderLock(sys.argv[1])")
+                   .replace("from preprocess.prepare import DatasetLock", "from pipelines.processes import FolderLock"),
+                    str(path)])
+    assert holder.stdout.readline().strip() == "held"
+    assert FolderLock(path).acquire().pid == holder.pid                     # this machine: the kernel's word
+    path.write_text("4242 node07")                                          # as a holder on node07 writes it
+    other = FolderLock(path).acquire()
+    assert (str(other), other.stop()) == ("pid 4242 on node07: a process of another machine", "kill 4242 on node07")
+    kill_and_reap(holder)
+    for pid in live(holder.mark):
+        os.kill(pid, signal.SIGKILL)
+
+    def no_locks(fd, how):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    lock = FolderLock(path)
+    assert lock.acquire() is None and not lock.taken
+
+
 @pytest.mark.parametrize("backend", ["torch", "torchvision"])
 def test_loader_workers_are_forked_where_the_default_start_method_is_spawn(backend, tiny_data_root,
                                                                            monkeypatch) -> None:
