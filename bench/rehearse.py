@@ -396,7 +396,9 @@ def protocols_stage(a: argparse.Namespace, runs: Path, work: Path) -> dict:
         else:
             old.unlink()
     per_epoch = a.train_n / (a.ranks * a.batch)
-    epochs = round(max(10.0, 0.2 * per_epoch) / per_epoch, 4)              # about 62 steps at full size
+    # about 62 steps at full size; at least 40, so that steps of 70 ms (0.01 scale) leave the warning, sent
+    # halfway, a second and more of steps to be agreed on (with 10 it came after the last step: acted at once)
+    epochs = round(max(40.0, 0.2 * per_epoch) / per_epoch, 4)
     # a log step (where the warning is agreed on) every 5 steps, or more often in a short run: the warning,
     # sent halfway, must find log steps before the last one
     log_every = max(1, min(5, round(epochs * per_epoch) // 10))
