@@ -62,7 +62,7 @@ from train import checkpoint, dist
 from train.config import Config, ConfigError, parse_value, per_process_batch, to_dict
 from train.log import Log, Meter
 from train.resolve import CONFIG_DIR, config_from_dict
-from train.run import LINEAR_EVAL, check_same_network, hold, lock_of
+from train.run import LINEAR_EVAL, check_free, check_same_network, hold, lock_of
 from train.setup import (build_checked_loader, build_online, channels_last, check_dataset, check_processes, decoder_hints,
                          loader_workers, open_files_needed, resolve_backend, select_device)
 
@@ -578,7 +578,8 @@ def is_protocol(words: list[str]) -> bool:
 
 def preflight(kind: Kind, args: list[str], processes: int, nodes: int = 1, here: bool = True) -> Plan:
     """`prepare` in the process that starts the protocol's processes (`gpus=N`) or submits its job: bad
-    input is one line there, before any process starts (`here`: this machine's devices counted too).
+    input, or the same evaluation running, is one line there, before any process starts (`here`: this
+    machine's devices counted too).
 
     Raises:
         ConfigError, CheckpointError, DatasetError: see `prepare`; `gpus=N` beyond this machine.
@@ -586,6 +587,8 @@ def preflight(kind: Kind, args: list[str], processes: int, nodes: int = 1, here:
     plan = prepare(kind, args, processes * nodes)
     if here:
         check_processes(processes, plan.cfg.run.device)
+    for protocol in plan.runs.values():                 # the same evaluation running (`train.run.hold`)
+        check_free(protocol.folder, "")
     return plan
 
 

@@ -63,6 +63,13 @@ def test_a_folder_another_process_writes_is_refused_in_one_line_and_a_dead_write
     assert "\n" not in line and line.startswith(f"another run (pid {holder.pid}: {sys.executable} -c ")
     assert f"is writing {guarded}; wait for it to end or stop it (kill {holder.pid})" in line
     assert not guarded.exists()                               # nothing written
+    if loop == "linear":                                      # `gpus=2`: refused before its processes start
+        words = ["gpus=2", "linear", f"ckpt={folder / 'checkpoint.pt'}", "preset=small", "epochs=1", "batch_size=16",
+                 "run.device=cpu"]
+        launched = subprocess.run([sys.executable, "-m", "train", *words], cwd=ROOT, env=env_here(),
+                                  capture_output=True, text=True, timeout=120)
+        assert launched.returncode == 2 and launched.stderr.count("\n") == 1, launched.stderr
+        assert launched.stderr.startswith(f"error: {line}") and "linear evaluation" not in launched.stdout
     kill_and_reap(holder)
     start_it()
     assert checkpoint.load(guarded / checkpoint.LATEST)["step"] >= 2
