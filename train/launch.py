@@ -19,6 +19,7 @@ import dataclasses
 import errno
 import logging
 import os
+import re
 import resource
 import signal
 import sys
@@ -204,6 +205,49 @@ class ClosedRendezvous:
             return
 
 
+# A line of torch's C++ log from its c10d store client, and the lines of the exception stack after it.
+_STORE_LOG = re.compile(rb"^\[[WEI]\d{4} [\d:.]+ [^\]]*\] \[c10d\] ")
+_STORE_STACK = (b"Exception raised from ", b"frame #", b"<omitting python frames>", b"\n")
+
+
+class QuietRendezvous:
+    """While a node's launcher waits for its rendezvous, torch's c10d store client logs every failed try to
+    reach it on the process's stderr: a C++ warning or error and the stack of its exception, 20 to 40
+    lines a try, dozens of tries before the one line `elastic` prints (103 lines in 5 s where another
+    program held the port). So the launcher's file descriptor 2 goes through a thread that leaves those
+    blocks out until `started()` (this node's ranks run; they inherit the descriptor), and from then on
+    passes every line as it is: what the ranks print, NCCL's warnings included, is theirs. The thread
+    passes whatever it cannot read as lines, and `close` restores the descriptor."""
+
+    def __init__(self, started: Callable[[], bool]) -> None:
+        self._started = started
+        self._stderr = os.dup(2)
+        read, write = os.pipe()
+        sys.stderr.flush()
+        os.dup2(write, 2)
+        os.close(write)
+        self._thread = threading.Thread(target=self._pass, args=(read,), name="viewmill-quiet-rendezvous",
+                                        daemon=True)
+        self._thread.start()
+
+    def _pass(self, read: int) -> None:
+        dropping = False
+        with os.fdopen(read, "rb", buffering=0) as lines:
+            for line in iter(lines.readline, b""):
+                if not self._started():
+                    dropping = bool(_STORE_LOG.match(line)) or dropping and line.startswith(_STORE_STACK)
+                    if dropping:
+                        continue
+                with contextlib.suppress(OSError):           # a closed console: the line is lost, not the run
+                    os.write(self._stderr, line)
+
+    def close(self) -> None:
+        sys.stderr.flush()
+        os.dup2(self._stderr, 2)             # the pipe's last writer here closed: the thread reads to its end
+        self._thread.join(timeout=2.0)
+        os.close(self._stderr)
+
+
 def _children() -> list[int]:
     """The running processes this one started (a launcher's: its ranks)."""
     return [pid for pid, _ in descendants(os.getpid()) if proc_stat(pid)[2] == os.getpid()]
@@ -235,6 +279,7 @@ def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterCon
 
     again = "the same command" + ("" if is_protocol(argv) else " with run.resume=auto")
     watch = ClosedRendezvous(cluster.rdzv, config.run_id, cluster.nodes) if many else None
+    quiet = QuietRendezvous(lambda: watch.started) if many else None
     try:
         elastic_launch(config, sys.executable)("-m", "train", *argv)
     except ChildFailedError as e:
@@ -278,6 +323,7 @@ def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterCon
     finally:
         if watch is not None:
             watch.close()
+            quiet.close()
     return 0
 
 

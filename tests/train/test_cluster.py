@@ -146,7 +146,8 @@ def test_a_node_whose_rendezvous_never_completes_ends_in_one_line_that_says_why(
     10 minutes); "elsewhere", `rdzv=` names a port where no rendezvous answers (another program holds
     it), and the node ends in one line saying so and what to check (it said, after 3 minutes, that
     the rendezvous "stopped answering" because the node holding it ended). No process starts: nothing
-    is written."""
+    is written. The line is all stderr holds: torch's store client had logged each try before it, with
+    the C++ stack of its exception (103 lines in the 5 s of "elsewhere")."""
     from tests.train.two_ranks import ROOT, env_here
 
     other = socket.socket()                 # another program's port: it takes each connection and closes it
@@ -176,7 +177,7 @@ def test_a_node_whose_rendezvous_never_completes_ends_in_one_line_that_says_why(
     for case, (_, err) in ended.items():
         assert runs[case].returncode == 1 and "Traceback" not in err, err
         [line] = [ln for ln in err.splitlines() if ln.startswith("error: ")]
-        assert err.rstrip().endswith(line)
+        assert err.strip().splitlines() == [line], err      # torch's store client's C++ log and stacks left out
         assert not (tmp_path / case).exists()
     alone, elsewhere = ended["alone"][1].splitlines()[-1], ended["elsewhere"][1].splitlines()[-1]
     assert alone.startswith(f"error: the rendezvous at {rdzv['alone']} did not gather 2 nodes in 3 s")
