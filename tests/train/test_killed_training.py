@@ -14,8 +14,8 @@ import pytest
 
 from pipelines.processes import proc_stat
 from train import checkpoint
-from tests.processes import environ, kill_and_reap, left_after, live, start, tree, wait_for, workers_of
-from tests.train.two_ranks import STEPS, WORDS, assert_same_training, logged_steps
+from tests.processes import kill_and_reap, left_after, live, start, tree, wait_for, workers_of
+from tests.train.two_ranks import STEPS, WORDS, assert_same_training, kill_workers_of_rank, logged_steps
 
 GONE_S = 3.0                     # "within a few seconds": a child polls its parent every 0.2 s
 
@@ -138,11 +138,7 @@ def test_a_loader_worker_killed_on_one_rank_of_two_saves_the_steps_reached_and_t
     words = ["-m", "train", "gpus=2", *tiny_args("byol", tmp_path / "runs", "optim.steps=400", "run.ckpt_every=1000",
                                                  "run.resume=auto", "run.eval=none")]
     run = start(words)
-    wait_for(lambda: 2 in logged_steps(run_dir) and len(live(run.mark)) >= 5, 180,
-             "step 2 with 2 ranks and their loader workers", run)
-    rank1 = next(pid for pid in live(run.mark) if proc_stat(pid)[2] == run.pid and environ(pid).get("RANK") == "1")
-    for pid in workers_of(rank1):
-        os.kill(pid, signal.SIGKILL)
+    kill_workers_of_rank(run, 1, run_dir)
     assert run.wait(timeout=60) == 1
     err, out = run.stderr.read(), run.stdout.read()
     assert err.startswith("error: DataLoader worker (pid") and "run.resume=auto continues" in err, err

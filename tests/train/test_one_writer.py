@@ -5,8 +5,6 @@ killed holds nothing (the kernel drops its lock), so the same command continues 
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path

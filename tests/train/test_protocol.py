@@ -209,20 +209,15 @@ def test_a_loader_worker_killed_on_one_of_two_ranks_saves_the_steps_and_one_proc
     rank 1 saves the protocol's checkpoint of the steps reached by itself (before, nothing: the protocol
     went back to its last checkpoint); the same command on one process continues at that step (the
     epoch's rest in its one share, as the line says) to the end and the result."""
-    from tests.processes import environ, left_after, live, start, wait_for, workers_of
-    from tests.train.two_ranks import logged_steps
-    from pipelines.processes import proc_stat
+    from tests.processes import left_after, start
+    from tests.train.two_ranks import kill_workers_of_rank, logged_steps
 
     ckpt = pretrained(tiny_args, tmp_path)
     folder = ckpt.parent / "linear-small"
     words = ["linear", f"ckpt={ckpt}", "preset=small", "batch_size=16", "log_every=1", "ckpt_every=1000",
              "run.device=cpu"]
     run = start(["-m", "train", "gpus=2", *words, "epochs=100"])
-    wait_for(lambda: 2 in logged_steps(folder) and len(live(run.mark)) >= 5, 180,
-             "step 2 with 2 ranks and their loader workers", run)
-    rank1 = next(pid for pid in live(run.mark) if proc_stat(pid)[2] == run.pid and environ(pid).get("RANK") == "1")
-    for pid in workers_of(rank1):
-        os.kill(pid, signal.SIGKILL)
+    kill_workers_of_rank(run, 1, folder)
     assert run.wait(timeout=60) == 1
     assert run.stderr.read().startswith("error: DataLoader worker (pid")
     assert left_after(run.mark, 3.0) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,20 @@ def logged_steps(run_dir: Path) -> list[int]:
         return []
     records = [json.loads(ln) for ln in lines if ln.endswith("}")]        # the last line may be half written
     return [r["step"] for r in records if r["kind"] == "train"]
+
+
+def kill_workers_of_rank(run: subprocess.Popen, rank: int, folder: Path) -> None:
+    """Once `folder`'s metrics hold step 2 and the ranks of `run` (a `gpus=2` launcher, started by
+    `tests.processes.start`) run with their loader workers, kill that rank's workers with SIGKILL (what
+    the OOM killer does)."""
+    from pipelines.processes import proc_stat
+    from tests.processes import environ, live, wait_for, workers_of
+
+    wait_for(lambda: 2 in logged_steps(folder) and len(live(run.mark)) >= 5, 180,
+             "step 2 with 2 ranks and their loader workers", run)
+    pid = next(p for p in live(run.mark) if proc_stat(p)[2] == run.pid and environ(p).get("RANK") == str(rank))
+    for worker in workers_of(pid):
+        os.kill(worker, signal.SIGKILL)
 
 
 def assert_same_training(run: Path, reference: Path) -> None:
