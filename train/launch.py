@@ -42,7 +42,7 @@ from train.config import Config, ConfigError, parse_value, per_process_batch
 from train.evaluate import eval_kinds
 from train.log import Log, check_wandb
 from train.resolve import load_config
-from train.run import RUN_FIX, Run, check_free, hold, lock_of
+from train.run import RUN_FIXES, Run, check_free, hold, lock_of
 from train.setup import (build_parts, check_dataset, check_processes, init_backbone,
                          open_files_needed, resolve_backend, select_device)
 
@@ -149,7 +149,7 @@ def preflight(cfg: Config, processes: int, nodes: int = 1, here: bool = True) ->
     eval_kinds(cfg)                                                 # a labelled evaluation of unlabelled data
     check_dataset(cfg)
     run = Run.open(cfg)
-    check_free(run.folder, RUN_FIX)                                 # another run writing its folder
+    check_free(run.folder, RUN_FIXES)                                 # another run writing its folder
     if processes * nodes > 1 and run.resume.state is None:
         init_backbone(cfg, build_backbone(cfg.model.backbone, cfg.views.global_px)[0])
     return run
@@ -371,7 +371,7 @@ def pretrain(run: Run, device: torch.device, backend: str, held: dist.HeldSignal
     parts = build_parts(cfg, device, backend, init=run.resume.state is None)
     lock = lock_of(run.folder)
     try:
-        hold(lock, run.folder, RUN_FIX)     # one run writes the folder at a time: before its first write
+        hold(lock, run.folder, RUN_FIXES)     # one run writes the folder at a time: before its first write
         log = Log(run.folder, enabled=dist.is_main(), cfg=cfg)
         run.begin(log)
         with training_stream(device, cfg.run.train_stream):

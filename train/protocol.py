@@ -153,6 +153,9 @@ def load_protocol(kind: Kind, preset: str, method: str, train_records: int, word
 
 
 SHARES = ("1%", "10%")            # labels= shares; anything else is a file of names
+# What a second start of a running evaluation can do (wait), and one whose checkpoint's folder cannot be
+# written (`train.run.hold`).
+FIXES = ("", "copy the checkpoint into a folder this user can write: an evaluation writes its folder beside it")
 
 
 def _listed(path: str) -> list[str]:
@@ -420,7 +423,7 @@ class Protocol:
             trained = DistributedDataParallel(trained, device_ids=[device.index] if device.type == "cuda" else None)
         state = checkpoint.load(self.folder / checkpoint.LATEST) if (self.folder / checkpoint.LATEST).is_file() else None
         checkpoint.check_ranks_agree(self.folder, None if state is None else int(state["step"]))
-        hold(lock, self.folder, "")                         # before the first write
+        hold(lock, self.folder, FIXES)                      # before the first write
         log = Log(self.folder, enabled=dist.is_main())
         start = 0
         if state is not None:
@@ -588,7 +591,7 @@ def preflight(kind: Kind, args: list[str], processes: int, nodes: int = 1, here:
     if here:
         check_processes(processes, plan.cfg.run.device)
     for protocol in plan.runs.values():                 # the same evaluation running (`train.run.hold`)
-        check_free(protocol.folder, "")
+        check_free(protocol.folder, FIXES)
     return plan
 
 

@@ -17,6 +17,7 @@ places that look at a run from outside.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import time
@@ -42,7 +43,8 @@ LAYOUT_KEYS = ("method", "model.backbone", "model.proj_hidden", "model.proj_out"
                "model.proj_last_bn", "model.pred_hidden", "model.pred_last_bn", "views.global_px")
 
 
-RUN_FIX = "give this run another run.name"     # what a second run of a folder that is being written can do
+# What a start can do where another run writes its folder, and where its folder cannot be written.
+RUN_FIXES = ("give this run another run.name", "give run.out_dir a folder this user can write")
 
 
 def lock_of(folder: Path) -> FolderLock:
@@ -53,24 +55,31 @@ def lock_of(folder: Path) -> FolderLock:
     return FolderLock(folder.parent / f".{folder.name}.lock")
 
 
-def hold(lock: FolderLock, folder: Path, fix: str) -> None:
+def hold(lock: FolderLock, folder: Path, fixes: tuple[str, str]) -> None:
     """Take `lock`, `folder`'s (`lock_of`), on rank 0, before the first write there: the process that
     writes it holds it until the caller releases it, or until it ends. Every rank learns whether it could
     (one collective; none in a single process).
 
     Raises:
-        ConfigError: another live process writes `folder`: named, with how to stop it, and `fix`.
+        ConfigError: another live process writes `folder` (named, with how to stop it, and `fixes[0]`), or
+            the folder cannot be written there (a read-only disk, another user's folder: `fixes[1]`).
     """
-    holder = None
+    refused = None
     if dist.is_main():
-        lock.path.parent.mkdir(parents=True, exist_ok=True)
-        holder = lock.acquire()
-    if (holder := dist.broadcast_object(holder)) is not None:
-        raise ConfigError(f"another run ({holder}) is writing {folder}; wait for it to end or stop it "
-                          f"({holder.stop()}){f', or {fix}' if fix else ''}")
+        try:
+            lock.path.parent.mkdir(parents=True, exist_ok=True)
+            if (holder := lock.acquire()) is not None:
+                refused = (f"another run ({holder}) is writing {folder}; wait for it to end or stop it "
+                           f"({holder.stop()}){f', or {fixes[0]}' if fixes[0] else ''}")
+        except OSError as e:
+            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            refused = f"{folder} cannot be written ({e.strerror}: {e.filename}); {fixes[1]}"
+    if (refused := dist.broadcast_object(refused)) is not None:
+        raise ConfigError(refused)
 
 
-def check_free(folder: Path, fix: str) -> None:
+def check_free(folder: Path, fixes: tuple[str, str]) -> None:
     """`hold`'s check, without holding: for the process that launches a run's processes, which write.
 
     Raises:
@@ -79,7 +88,7 @@ def check_free(folder: Path, fix: str) -> None:
     lock = lock_of(folder)
     if lock.path.is_file():
         try:
-            hold(lock, folder, fix)
+            hold(lock, folder, fixes)
         finally:
             lock.release()
 

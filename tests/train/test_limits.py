@@ -173,6 +173,26 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint_who
     assert "run.out_dir on another disk" in line and "run.resume=auto continues" in line
 
 
+# In a mount namespace of its own: $0 read-only (a bind mount of itself), then the command and its status.
+READ_ONLY = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" || exit 99; "$@"; echo "status $?"'
+
+
+def test_a_run_folder_on_a_read_only_disk_is_one_line_naming_it(tiny_args, tmp_path) -> None:
+    """`run.out_dir` on a read-only disk (or another user's folder): one line naming the folder and what
+    to give instead, status 2 (it was an `OSError` traceback from the folder's creation)."""
+    unshare = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
+    if shutil.which("unshare") is None or subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs a mount namespace of its own (unshare --mount: root, or user namespaces)")
+    out = tmp_path / "shared"
+    out.mkdir()
+    done = subprocess.run([*unshare, "sh", "-c", READ_ONLY, str(out), sys.executable, "-m", "train",
+                           *tiny_args("byol", out, "run.eval=none")], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert "status 2" in done.stdout.splitlines(), done.stdout + done.stderr
+    assert done.stderr.strip() == (f"error: {out / 'run'} cannot be written (Read-only file system: {out}/.run.lock); "
+                                   "give run.out_dir a folder this user can write")
+
+
 @pytest.mark.parametrize("loop", ["pretraining", "linear"])
 def test_a_disk_too_small_for_the_checkpoints_is_told_after_the_first_step(loop, tiny_args, tmp_path, monkeypatch,
                                                                           capsys) -> None:
