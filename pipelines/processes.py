@@ -298,10 +298,57 @@ def worker_context(preload: str) -> BaseContext:
     """The start method of a DataLoader's workers: fork (`fork_context`: cheap, the reader's pages shared)
     while this process holds no CUDA context, else the fork server (module docstring, 3), which
     imports `preload` (the loader's module, and torch with it) once, when it starts. Pass
-    `worker_init_fn=worker_started` with it, and a dataset that pickles small (`shards.ShardReader`)."""
+    `worker_init_fn=worker_started` with it, and a dataset that pickles small (`shards.ShardReader`).
+    Its events have no lock (`FlagEvent`)."""
     if not cuda_in_use():
-        return fork_context()
-    return fork_server(preload)
+        before_fork()
+        return _ForkWorkers()
+    fork_server(preload)                    # its preload
+    return _ForkServerWorkers()
+
+
+class FlagEvent:
+    """A `multiprocessing.Event` for a DataLoader's workers, without its lock: one shared byte.
+
+    torch's DataLoader tells its workers to end with an event that each worker looks at all the time.
+    A `multiprocessing.Event` takes a lock to be looked at, and a worker killed in that instant (the OOM
+    killer) leaves the lock held for good: the process that started the worker then waits on it when
+    it finds the worker dead (`_mark_worker_as_unavailable`), and so does its shutdown, for ever (a
+    2-rank `linear` run whose rank 1 lost its worker waited 30 minutes, until the process group's
+    timeout). The DataLoader only sets the event and reads it, and a byte needs no lock for either.
+    """
+
+    def __init__(self, ctx: BaseContext) -> None:
+        self._flag = ctx.RawValue("b", 0)
+
+    def is_set(self) -> bool:
+        return bool(self._flag.value)
+
+    def set(self) -> None:
+        self._flag.value = 1
+
+    def clear(self) -> None:
+        self._flag.value = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.01)
+        return self.is_set()
+
+
+class _ForkWorkers(mp.context.ForkContext):
+    """The fork start method whose `Event` is a `FlagEvent` (`worker_context`)."""
+
+    def Event(self) -> FlagEvent:  # noqa: N802 (multiprocessing's name)
+        return FlagEvent(self)
+
+
+class _ForkServerWorkers(mp.context.ForkServerContext):
+    """The fork-server start method whose `Event` is a `FlagEvent` (`worker_context`)."""
+
+    def Event(self) -> FlagEvent:  # noqa: N802
+        return FlagEvent(self)
 
 
 def fork_server(preload: str) -> BaseContext:

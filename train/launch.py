@@ -216,8 +216,8 @@ class QuietRendezvous:
     lines a try, dozens of tries before the one line `elastic` prints (103 lines in 5 s where another
     program held the port). So the launcher's file descriptor 2 goes through a thread that leaves those
     blocks out until `started()` (this node's ranks run; they inherit the descriptor), and from then on
-    passes every line as it is: what the ranks print, NCCL's warnings included, is theirs. The thread
-    passes whatever it cannot read as lines, and `close` restores the descriptor."""
+    passes whatever comes as it comes: what the ranks print, NCCL's warnings included, is theirs. `close`
+    restores the descriptor."""
 
     def __init__(self, started: Callable[[], bool]) -> None:
         self._started = started
@@ -232,14 +232,14 @@ class QuietRendezvous:
 
     def _pass(self, read: int) -> None:
         dropping = False
-        with os.fdopen(read, "rb", buffering=0) as lines:
-            for line in iter(lines.readline, b""):
-                if not self._started():
-                    dropping = bool(_STORE_LOG.match(line)) or dropping and line.startswith(_STORE_STACK)
+        with os.fdopen(read, "rb", buffering=0) as pipe:     # lines while it waits, then whatever comes
+            while data := (pipe.read(1 << 16) if (started := self._started()) else pipe.readline()):
+                if not started:
+                    dropping = bool(_STORE_LOG.match(data)) or dropping and data.startswith(_STORE_STACK)
                     if dropping:
                         continue
-                with contextlib.suppress(OSError):           # a closed console: the line is lost, not the run
-                    os.write(self._stderr, line)
+                with contextlib.suppress(OSError):           # a closed console: the output is lost, not the run
+                    os.write(self._stderr, data)
 
     def close(self) -> None:
         sys.stderr.flush()

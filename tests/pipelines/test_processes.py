@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from pipelines.processes import POLL_S, fork_context, proc_stat, running
-from tests.processes import kill_and_reap, left_after, live, start, wait_for, workers_of
+from tests.processes import ROOT, kill_and_reap, left_after, live, start, wait_for, workers_of
 
 
 def _collect() -> None:
@@ -142,6 +142,55 @@ def test_children_end_when_their_parent_is_killed(kind, tiny_data_root) -> None:
         assert len(left) == 1 and len(orphans) == 1
     else:
         assert left == []
+
+
+# A DataLoader (this module's context) whose worker dies while another process holds every lock of the
+# event that tells its workers to end, as a worker killed while it looks at the event leaves it held.
+HELD_EVENT = """
+import os, signal, time
+import torch
+from pipelines.processes import WorkerDiedError, watched, worker_context, worker_started
+
+class Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10**6
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return i
+
+loader = torch.utils.data.DataLoader(Slow(), batch_size=2, num_workers=1, worker_init_fn=worker_started,
+                                     multiprocessing_context=worker_context("__main__"))
+before = signal.getsignal(signal.SIGCHLD)
+it = iter(loader)
+signal.signal(signal.SIGCHLD, before)      # torch's handler out, as `iterate` does: the death told at a batch
+batches = watched(it)
+next(batches)
+event = it._workers_done_event
+if os.fork() == 0:                         # takes what a worker would, then dies holding it
+    for part in vars(event).values():
+        if hasattr(part, "acquire"):
+            part.acquire(False)
+    os._exit(0)
+os.wait()
+os.kill(it._workers[0].pid, signal.SIGKILL)
+try:
+    while True:
+        next(batches)
+except WorkerDiedError as e:
+    print("told:", e, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_worker_killed_while_it_looks_at_its_end_event_does_not_hang_the_loader() -> None:
+    """The DataLoader's workers look at an event all the time (whether to end); a
+    `multiprocessing.Event` takes a lock for that, and a worker killed in that instant left the process
+    that started it waiting on the lock for good once it found the worker dead (seen: a `gpus=2 linear`
+    run whose rank 1 lost its worker waited 30 minutes, until the process group's timeout). With
+    `worker_context`'s event (a byte, no lock) the death is told in one line, as ever."""
+    done = subprocess.run([sys.executable, "-c", HELD_EVENT], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and "told: DataLoader worker (pid" in done.stdout, done.stdout + done.stderr
 
 
 LOCK_HOLDER = """
