@@ -14,7 +14,7 @@ import pytest
 
 from pipelines.processes import proc_stat
 from train import checkpoint
-from tests.processes import kill_and_reap, left_after, live, start, tree, wait_for, workers_of
+from tests.processes import kill_and_reap, left_after, live, none_left_on_failure, start, tree, wait_for, workers_of
 from tests.train.two_ranks import STEPS, WORDS, assert_same_training, kill_workers_of_rank, logged_steps
 
 GONE_S = 3.0                     # "within a few seconds": a child polls its parent every 0.2 s
@@ -138,8 +138,9 @@ def test_a_loader_worker_killed_on_one_rank_of_two_saves_the_steps_reached_and_t
     words = ["-m", "train", "gpus=2", *tiny_args("byol", tmp_path / "runs", "optim.steps=400", "run.ckpt_every=1000",
                                                  "run.resume=auto", "run.eval=none")]
     run = start(words)
-    kill_workers_of_rank(run, 1, run_dir)
-    assert run.wait(timeout=60) == 1
+    with none_left_on_failure(run.mark):             # a rank waiting for good would outlive a failure
+        kill_workers_of_rank(run, 1, run_dir)
+        assert run.wait(timeout=60) == 1
     err, out = run.stderr.read(), run.stdout.read()
     assert err.startswith("error: DataLoader worker (pid") and "run.resume=auto continues" in err, err
     assert left_after(run.mark, GONE_S) == []
