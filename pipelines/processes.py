@@ -314,8 +314,9 @@ class FlagEvent:
     A `multiprocessing.Event` takes a lock to be looked at, and a worker killed in that instant (the OOM
     killer) leaves the lock held for good: the process that started the worker then waits on it when
     it finds the worker dead (`_mark_worker_as_unavailable`), and so does its shutdown, for ever (a
-    2-rank `linear` run whose rank 1 lost its worker waited 30 minutes, until the process group's
-    timeout). The DataLoader only sets the event and reads it, and a byte needs no lock for either.
+    2-rank `linear` run whose rank 1 lost its worker was still waiting 29 minutes later, when it was
+    stopped by hand). The DataLoader only sets the event and reads it (`set`, `is_set`), and a
+    byte needs no lock for either.
     """
 
     def __init__(self, ctx: BaseContext) -> None:
@@ -327,28 +328,20 @@ class FlagEvent:
     def set(self) -> None:
         self._flag.value = 1
 
-    def clear(self) -> None:
-        self._flag.value = 0
 
-    def wait(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.is_set() and (deadline is None or time.monotonic() < deadline):
-            time.sleep(0.01)
-        return self.is_set()
-
-
-class _ForkWorkers(mp.context.ForkContext):
-    """The fork start method whose `Event` is a `FlagEvent` (`worker_context`)."""
+class _FlagEvents:
+    """A start method whose `Event` is a `FlagEvent` (`worker_context`)."""
 
     def Event(self) -> FlagEvent:  # noqa: N802 (multiprocessing's name)
         return FlagEvent(self)
 
 
-class _ForkServerWorkers(mp.context.ForkServerContext):
-    """The fork-server start method whose `Event` is a `FlagEvent` (`worker_context`)."""
+class _ForkWorkers(_FlagEvents, mp.context.ForkContext):
+    pass
 
-    def Event(self) -> FlagEvent:  # noqa: N802
-        return FlagEvent(self)
+
+class _ForkServerWorkers(_FlagEvents, mp.context.ForkServerContext):
+    pass
 
 
 def fork_server(preload: str) -> BaseContext:

@@ -131,6 +131,18 @@ def environ(pid: int) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
 
 
+# A process that holds a folder's lock as a writer does (`pipelines.processes.FolderLock`), until it is killed.
+_LOCK_HOLDER = ("import sys, time; from pipelines.processes import FolderLock; FolderLock(sys.argv[1]).acquire(); "
+                "print('held', flush=True); time.sleep(300)")
+
+
+def holding(lock_path: Path) -> subprocess.Popen:
+    """A process (`start`ed) that holds the `FolderLock` on `lock_path` once this returns."""
+    holder = start(["-c", _LOCK_HOLDER, str(lock_path)])
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
 def workers_of(root: int, before: set[int] = frozenset()) -> list[int]:
     """The pids of `root`'s running descendants not in `before` that are loader workers: not
     multiprocessing's resource tracker, nor a fork server (the child of `root` that serves the forks;

@@ -323,6 +323,7 @@ def elastic(processes: int, argv: list[str], cluster: ClusterConfig = ClusterCon
     finally:
         if watch is not None:
             watch.close()
+        if quiet is not None:
             quiet.close()
     return 0
 

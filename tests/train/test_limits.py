@@ -127,6 +127,17 @@ def test_too_little_shared_memory_stops_the_run_in_one_line_naming_the_size(tiny
         build_train_loader(runs, recipe, "dali", torch.device("cpu"))
 
 
+def in_own_mounts(script: str, folder: Path, words: list[str]) -> subprocess.CompletedProcess:
+    """`sh -c script folder python -m train words...` in a mount namespace of its own (skipped where this
+    user cannot have one: unshare --mount needs root, or user namespaces), one thread per process."""
+    unshare = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
+    if shutil.which("unshare") is None or subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs a mount namespace of its own (unshare --mount: root, or user namespaces)")
+    return subprocess.run([*unshare, "sh", "-c", script, str(folder), sys.executable, "-m", "train", *words],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+
+
 # In a mount namespace of its own: an 8 MiB filesystem at $0, then the command, its status, what is left in
 # its run folder and whether the checkpoint there is whole (a zip file: every CRC), before the filesystem
 # ends with the namespace.
@@ -143,15 +154,9 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint_who
     which did not say that the disk was full); the checkpoint of step 2 is whole and no temp file is left.
     The first step already warned that the disk would not hold two checkpoints, and the save of step 2
     that the next one would not fit."""
-    unshare = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
-    if shutil.which("unshare") is None or subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
-        pytest.skip("needs a mount namespace of its own (unshare --mount: root, or user namespaces)")
     out = tmp_path / "small"
     out.mkdir()
-    done = subprocess.run([*unshare, "sh", "-c", FULL_DISK, str(out), sys.executable, "-m", "train",
-                           *tiny_args("byol", out, "optim.steps=6", "run.ckpt_every=2", "run.eval=none")],
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
+    done = in_own_mounts(FULL_DISK, out, tiny_args("byol", out, "optim.steps=6", "run.ckpt_every=2", "run.eval=none"))
     lines = done.stdout.splitlines()
     assert "status 1" in lines, done.stdout + done.stderr
     left = lines[lines.index("status 1") + 1:]
@@ -180,14 +185,9 @@ READ_ONLY = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" || exit 99;
 def test_a_run_folder_on_a_read_only_disk_is_one_line_naming_it(tiny_args, tmp_path) -> None:
     """`run.out_dir` on a read-only disk (or another user's folder): one line naming the folder and what
     to give instead, status 2 (it was an `OSError` traceback from the folder's creation)."""
-    unshare = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
-    if shutil.which("unshare") is None or subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
-        pytest.skip("needs a mount namespace of its own (unshare --mount: root, or user namespaces)")
     out = tmp_path / "shared"
     out.mkdir()
-    done = subprocess.run([*unshare, "sh", "-c", READ_ONLY, str(out), sys.executable, "-m", "train",
-                           *tiny_args("byol", out, "run.eval=none")], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    done = in_own_mounts(READ_ONLY, out, tiny_args("byol", out, "run.eval=none"))
     assert "status 2" in done.stdout.splitlines(), done.stdout + done.stderr
     assert done.stderr.strip() == (f"error: {out / 'run'} cannot be written (Read-only file system: {out}/.run.lock); "
                                    "give run.out_dir a folder this user can write")

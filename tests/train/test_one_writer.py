@@ -7,27 +7,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.processes import kill_and_reap, start, wait_for
+from tests.processes import holding, kill_and_reap, start, wait_for
 from tests.train.two_ranks import ROOT, env_here, logged_steps
 from train import checkpoint
 from train.config import ConfigError
 from train.run import lock_of
-
-# A process that holds a folder's lock as a run's writer does, until it is killed.
-HOLDER = ("import sys, time; from pipelines.processes import FolderLock; FolderLock(sys.argv[1]).acquire(); "
-          "print('held', flush=True); time.sleep(300)")
-
-
-def holding(folder: Path) -> subprocess.Popen:
-    holder = start(["-c", HOLDER, str(lock_of(folder).path)])
-    assert holder.stdout.readline().strip() == "held"
-    return holder
-
 
 @pytest.mark.parametrize("loop", ["pretraining", "linear"])
 def test_a_folder_another_process_writes_is_refused_in_one_line_and_a_dead_writer_holds_nothing(
@@ -54,7 +42,7 @@ def test_a_folder_another_process_writes_is_refused_in_one_line_and_a_dead_write
     if loop == "linear":
         train(load_config(words))
     guarded = folder if loop == "pretraining" else folder / "linear-small"
-    holder = holding(guarded)
+    holder = holding(lock_of(guarded).path)
     with pytest.raises(ConfigError) as refused:
         start_it()
     line = str(refused.value)
