@@ -358,6 +358,22 @@ def worker_started(worker_id: int = 0) -> None:
     creator = os.getppid() if parent is None else parent.pid
     end_with_creator(creator)
     leave_signals_to_creator(creator)
+    threading.excepthook = _silent_once_orphaned(creator, threading.excepthook)
+
+
+def _silent_once_orphaned(creator: int, hook):
+    """A worker's `threading.excepthook` that says nothing of an error in a thread once `creator` has ended
+    (waiting up to 1 s for a creator that is ending): the thread that hands tensors to it
+    (multiprocessing's resource sharer) fails with a connection reset when the creator is killed in the
+    middle of a batch, and its traceback came before the launcher's one line (rule 2 ends the worker
+    within `POLL_S` anyway)."""
+    def quiet(args) -> None:
+        deadline = time.monotonic() + 1.0
+        while running(creator) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if running(creator):
+            hook(args)
+    return quiet
 
 
 def leave_signals_to_creator(creator: int) -> None:
