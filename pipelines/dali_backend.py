@@ -321,6 +321,13 @@ class _Ahead(NamedTuple):
     checkpoint: Future | None        # a graph that draws itself: DALI's checkpoint taken before it ran
 
 
+def _done(future: Future | None):
+    """`future`'s result where it has one, else None (not run yet, or failed)."""
+    if future is None or not future.done() or future.exception() is not None:
+        return None
+    return future.result()
+
+
 WORKER_POLL_S = 1.0     # how often a loader that waits for a batch looks whether its DALI workers live
 
 
@@ -406,7 +413,8 @@ class DaliLoader(EpochLoader):
         """The loader's position (`EpochLoader`), and where the graph draws itself DALI's checkpoint of it.
 
         Raises:
-            LoaderError: the graph draws itself and a worker of its pipeline died: its state is lost.
+            LoaderError: the graph draws itself, a worker of its pipeline died, and DALI's checkpoint taken before
+                the run it died in was not there (the loader keeps that one: `_wait`).
         """
         if self.draws_in_graph and self._died:
             raise LoaderError("the DALI graph's own draws were lost with its worker; resume from the last checkpoint")
@@ -496,14 +504,15 @@ class DaliLoader(EpochLoader):
             return self._used_on(self._made.pop(0), stream)
         if self._ahead is not None and self._ahead.position == self._position():
             ahead, self._ahead = self._ahead, None
-            made, run_on = self._wait(ahead.batch), ahead.stream
+            made, run_on = self._wait(ahead.batch, ahead.checkpoint), ahead.stream
         else:
             if self._drop_ahead():
                 self._pipe_at = None                 # the pipeline made a batch past the position: rebuild
             self._pipeline()
             self._taker = self._taker or Taker()
             run_on = self._run_stream(stream)
-            made = self._wait(self._taker.submit(self._run, run_on))
+            ckpt = self._taker.submit(self._checkpoint) if self.draws_in_graph else None
+            made = self._wait(self._taker.submit(self._run, run_on), ckpt)
         if run_on is not None and run_on != stream:
             stream.wait_stream(run_on)     # made on another stream (the torch tail's, or a consumer that changed)
         self._made, self._made_at = made[1:], self.order.after(self._position(), 1)
@@ -528,11 +537,13 @@ class DaliLoader(EpochLoader):
                     x.record_stream(stream)
         return made
 
-    def _wait(self, made: Future) -> list[tuple[Batch, dict]]:
+    def _wait(self, made: Future, checkpoint: Future | None) -> list[tuple[Batch, dict]]:
         """`made`'s batches; while they are not there, every `WORKER_POLL_S`, a look whether the pipeline's
         worker processes live. Workaround, DALI 2.4.0 (upstream bug): a worker killed while it waited for a task
         (the OOM killer) leaves DALI's task queue waiting for good for it to wake (its condition's
-        `notify`), so the loader would wait for the batch for good instead of failing.
+        `notify`), so the loader would wait for the batch for good instead of failing. Where the graph draws
+        itself, `checkpoint` is DALI's checkpoint taken before that run (at the loader's position): after a
+        death it is the loader's state (`state_dict`), so that a checkpoint saved then continues the same draws.
 
         Raises:
             WorkerDiedError: one of them ended; the taker thread, stuck in DALI's queue, is left behind
@@ -548,7 +559,8 @@ class DaliLoader(EpochLoader):
                         continue
                     raise
                 self._taker = self._ahead = None
-                self._pipe, self._died = None, True          # nothing asks the broken pipeline again
+                self._pipe, self._dali_state = None, _done(checkpoint)   # nothing asks the broken pipeline again
+                self._died = self.draws_in_graph and self._dali_state is None
                 raise worker_died(f"DALI worker process {gone[0]} of this loader ended") from None
 
     def close(self) -> None:

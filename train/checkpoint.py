@@ -411,7 +411,8 @@ class Cadence:
         this rank by itself (the others wait in the step's collective, where they can save nothing, until
         the launcher stops them; DDP keeps the weights and the optimiser equal on every rank, the ranks
         stand at the same position, and `resume_rank` seeds their random streams afresh). A loader whose
-        state died with its worker (DALI's own draws in the graph) saves nothing.
+        state died with its worker (DALI's own draws in the graph, where its checkpoint before the run the
+        worker died in was not taken) saves nothing.
         """
         from pipelines.processes import worker_death
         from pipelines.spec import LoaderError
