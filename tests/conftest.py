@@ -18,6 +18,13 @@ def pytest_configure(config) -> None:
         threads = max(1, len(os.sched_getaffinity(0)) // workers)
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+    # Test modules import FFCV as they are collected: its typed-dict helpers from numba's on-disk cache
+    # (`pipelines.jit`), as the product's processes load them, not compiled in every test process (6.5 s).
+    try:
+        from pipelines.jit import cache_typed_dict_helpers
+        cache_typed_dict_helpers()
+    except ImportError:                    # without numba (no FFCV) there is nothing to cache
+        pass
 
 
 def pytest_collection_modifyitems(config, items) -> None:
