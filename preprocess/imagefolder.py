@@ -2,10 +2,13 @@
 ...), or unlabelled: any folder of images searched recursively, or a text file listing image paths.
 
 Layouts (`list_images`, `--labels auto|folders|none`): `folders` is the labelled layout, one
-sub-folder per class in train/ and val/; `none` takes every image under SRC (or every path the list
+sub-folder per class in train/ and val/, in train/ alone, or in SRC itself (torchvision's ImageFolder,
+`SRC/<class>/*`); without val/ a seeded share of each class is held out as the val split
+(`--val-fraction`, `held_out_per_class`). `none` takes every image under SRC (or every path the list
 file names, relative to the file's folder) with no label (`schema.NO_LABEL`): the images under
 `SRC/val/` are the val split when that folder exists, else a seeded random share of the images is
-held out (`--val-fraction`, `held_out`). `auto` is `folders` when SRC has a train/ folder, else `none`.
+held out (`--val-fraction`, `held_out`). `auto` is `folders` when SRC has a train/ folder, else `none`
+(a folder that looks like `SRC/<class>/*` is named in one line: `--labels folders` keeps its labels).
 
 Colour policy (any image PIL can read becomes uint8 RGB):
 - EXIF orientation is applied (`ImageOps.exif_transpose`), so pixels are stored upright.
@@ -39,7 +42,7 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".
                     ".pbm", ".jfif")
 SIDES = ("longer", "shorter")
 LABELS = ("auto", "folders", "none")
-VAL_FRACTION = 0.01                # unlabelled folders without val/: the share held out for monitoring
+VAL_FRACTION = 0.01                # folders without val/: the share held out (of each class when labelled)
 VAL_MIN = 500                      # ... but at least this many when the folder has 10x as many
 _ORIENTATION = 0x0112              # the EXIF orientation tag
 
@@ -127,20 +130,24 @@ def try_read(path: str | Path, max_side: int, side: str) -> tuple[np.ndarray | N
     return image, raw, None
 
 
-def list_image_folder(src: Path, class_list: Path | None) -> tuple[list[str], dict[str, list[tuple[str, int]]]]:
-    """Find classes and image files.
+def list_image_folder(src: Path, class_list: Path | None, val_fraction: float = VAL_FRACTION,
+                      seed: int = 0) -> tuple[list[str], dict[str, list[tuple[str, int]]]]:
+    """Find classes and image files of a labelled folder: `SRC/train/<class>/*` with `SRC/val/<class>/*`;
+    `SRC/train/<class>/*` alone, or `SRC/<class>/*` (torchvision's ImageFolder), whose val split is a
+    seeded share of each class held out (`held_out_per_class`, `val_fraction`, `seed`).
 
     Returns:
         (class_names, {split: [(path, label), ...]}) with files sorted by (class, name).
 
     Raises:
-        ImageFolderError: missing split folder, empty split, empty class folder, a class-list entry
-            with no folder, or a val class unknown to train.
+        ImageFolderError: a val/ folder without train/, empty split, empty class folder, a class-list
+            entry with no folder, a val class unknown to train, or too few images to hold some out.
     """
-    for split in ("train", "val"):
-        if not (src / split).is_dir():
-            raise ImageFolderError(f"image folder {src} has no {split}/ folder: lay it out as "
-                                   f"SRC/train/<class>/* and SRC/val/<class>/*")
+    train_dir = src / "train" if (src / "train").is_dir() else src
+    val_dir = src / "val" if (src / "val").is_dir() else None
+    if train_dir == src and val_dir is not None:
+        raise ImageFolderError(f"image folder {src} has a val/ folder but no train/ folder: lay it out as "
+                               f"SRC/train/<class>/* and SRC/val/<class>/* (or SRC/<class>/* alone)")
     if class_list is not None:
         if not class_list.is_file():
             raise ImageFolderError(f"class-list file {class_list} does not exist: pass a file with one "
@@ -151,40 +158,94 @@ def list_image_folder(src: Path, class_list: Path | None) -> tuple[list[str], di
         if len(set(names)) != len(names):
             raise ImageFolderError(f"class-list file {class_list} repeats a class: list each once")
         for n in names:
-            if not (src / "train" / n).is_dir():
-                raise ImageFolderError(f"class {n!r} of {class_list} has no folder {src / 'train' / n}: "
+            if not (train_dir / n).is_dir():
+                raise ImageFolderError(f"class {n!r} of {class_list} has no folder {train_dir / n}: "
                                        "fix the class list or the folder")
     else:
-        names = sorted(p.name for p in (src / "train").iterdir() if p.is_dir())
+        names = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
         if not names:
-            raise ImageFolderError(f"{src / 'train'} has no class folders (empty split): add "
-                                   f"{src / 'train'}/<class>/<images>")
-        extra = sorted(p.name for p in (src / "val").iterdir() if p.is_dir() and p.name not in set(names))
+            raise ImageFolderError(f"{train_dir} has no class folders (empty split): add {train_dir}/<class>/<images>")
+        extra = sorted(p.name for p in val_dir.iterdir() if p.is_dir() and p.name not in set(names)) if val_dir else []
         if extra:
-            raise ImageFolderError(f"{src / 'val'} has classes not in train ({', '.join(extra[:5])}): "
+            raise ImageFolderError(f"{val_dir} has classes not in train ({', '.join(extra[:5])}): "
                                    "give both splits the same class folders")
     label_of = {n: i for i, n in enumerate(names)}
     files: dict[str, list[tuple[str, int]]] = {}
-    for split in ("train", "val"):
+    for split, root in (("train", train_dir), ("val", val_dir)):
+        if root is None:
+            continue
         out = []
         for n in names:
-            d = src / split / n
+            d = root / n
             if not d.is_dir():
                 continue
-            # scandir's entries know their type without a stat of each file: 1.28 M stats are minutes
-            # on a network filesystem.
-            with os.scandir(d) as entries:
-                imgs = sorted(e.path for e in entries
-                              if os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS and e.is_file())
+            imgs = _images_in(d)
             if not imgs:
                 raise ImageFolderError(f"class folder {d} has no image files ({', '.join(IMAGE_EXTENSIONS[:4])}, "
                                        "...): add images or remove the folder (or the class from the list)")
             out += [(p, label_of[n]) for p in imgs]
         if not out:
-            raise ImageFolderError(f"split {src / split} has no images (empty split): add "
-                                   f"{src / split}/<class>/<images>")
+            raise ImageFolderError(f"split {root} has no images (empty split): add {root}/<class>/<images>")
         files[split] = out
+    if val_dir is None:
+        files = _hold_out_per_class(files["train"], len(names), val_fraction, seed, train_dir)
     return names, files
+
+
+def _images_in(folder: Path) -> list[str]:
+    """The image files directly in `folder`, sorted. scandir's entries know their type without a stat of
+    each file: 1.28 M stats are minutes on a network filesystem."""
+    with os.scandir(folder) as entries:
+        return sorted(e.path for e in entries
+                      if os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS and e.is_file())
+
+
+def held_out_per_class(counts: list[int], fraction: float) -> list[int]:
+    """How many images of each class (`counts`) a labelled folder without val/ holds out as its val
+    split: `held_out` of them all, shared in proportion to the classes' sizes, at least one of a class
+    of two or more images, and each class keeps one image to train on."""
+    total = sum(counts)
+    k = held_out(total, fraction)
+    return [min(n - 1, max(1, round(n * k / total))) if n >= 2 else 0 for n in counts]
+
+
+def _hold_out_per_class(train: list[tuple[str, int]], classes: int, fraction: float, seed: int,
+                        where: Path) -> dict[str, list[tuple[str, int]]]:
+    """The splits of a labelled folder without val/: of each class, `held_out_per_class` images drawn
+    with `seed` (one generator, classes in order) are the val split."""
+    by_class: list[list[tuple[str, int]]] = [[] for _ in range(classes)]
+    for item in train:
+        by_class[item[1]].append(item)
+    keep = held_out_per_class([len(c) for c in by_class], fraction)
+    if not any(keep):
+        raise ImageFolderError(f"{where} has no class of 2 or more images: at least one is needed to hold "
+                               "images out as the val split (or add SRC/val/<class>/*)")
+    rng = np.random.default_rng(seed)
+    splits: dict[str, list[tuple[str, int]]] = {"train": [], "val": []}
+    for items, k in zip(by_class, keep):
+        pick = set(rng.permutation(len(items))[:k].tolist())
+        splits["val"] += [x for i, x in enumerate(items) if i in pick]
+        splits["train"] += [x for i, x in enumerate(items) if i not in pick]
+    return splits
+
+
+def class_folders(src: Path) -> int:
+    """How many sub-folders of `src` look like classes (torchvision's ImageFolder layout: no images at
+    the top, two or more folders, each holding images directly), 0 if it does not look so; a look at
+    the top level and one entry per folder, however large the folder."""
+    if not src.is_dir():
+        return 0
+    with os.scandir(src) as entries:
+        top = list(entries)
+    if any(e.is_file() and os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS for e in top):
+        return 0
+    folders = [e.path for e in top if e.is_dir()]
+    return len(folders) if len(folders) >= 2 and all(_holds_an_image(f) for f in folders) else 0
+
+
+def _holds_an_image(folder: str) -> bool:
+    with os.scandir(folder) as entries:
+        return any(os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS and e.is_file() for e in entries)
 
 
 def held_out(n: int, fraction: float) -> int:
@@ -261,7 +322,7 @@ def list_images(src: Path, labels: str, class_list: Path | None, val_fraction: f
         if src.is_file():
             raise ImageFolderError(f"{src} is a file: a labelled source is a folder SRC/train/<class>/*; "
                                    "use --labels none for a list of image paths")
-        return list_image_folder(src, class_list)
+        return list_image_folder(src, class_list, val_fraction, seed)
     if class_list is not None:
         raise ImageFolderError("--class-list picks classes of a labelled folder; drop it for unlabelled images "
                                "(--labels none) or lay the folder out as SRC/train/<class>/*")

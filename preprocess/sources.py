@@ -260,6 +260,9 @@ def _check_imagefolder(p: dict) -> None:
 
 def _list_imagefolder(src: Path, p: dict, *, workers: int, progress: bool) -> ListedSource:
     class_list = Path(p["class_list"]) if p["class_list"] else None
+    if p["labels"] == "auto" and not (src / "train").is_dir() and (n := imagefolder.class_folders(src)):
+        print(f"{src} is read as unlabelled images (--labels auto takes class folders from SRC/train/ only); "
+              f"if its {n} sub-folders are classes, give --labels folders to keep them as labels", flush=True)
     names, files = imagefolder.list_images(src, p["labels"], class_list, float(p["val_fraction"]), int(p["val_seed"]))
     params = {**p, "src": str(src.resolve()), "class_list": str(class_list.resolve()) if class_list else None}
     return ListedSource(src=src, files=files, class_names=tuple(names), params=params,
@@ -288,10 +291,10 @@ SOURCES: dict[str, Source] = {
         Param("side", "longer", str, choices=imagefolder.SIDES),
         Param("class_list", None, Path, help="file with one class folder name per line (ImageNet-100)"),
         Param("labels", "auto", str, choices=imagefolder.LABELS,
-              help="folders: SRC/train|val/<class>/*; none: any images under SRC (or a list file), unlabelled; "
-                   "auto: folders when SRC/train/ exists"),
+              help="folders: SRC/train/<class>/* (with or without SRC/val/<class>/*) or SRC/<class>/*; none: any "
+                   "images under SRC (or a list file), unlabelled; auto: folders when SRC/train/ exists"),
         Param("val_fraction", imagefolder.VAL_FRACTION, float,
-              help="unlabelled without SRC/val/: share held out as the val split (at least "
+              help="without SRC/val/: share held out as the val split, of each class when labelled (at least "
                    f"{imagefolder.VAL_MIN} images when there are 10x as many)"),
         Param("val_seed", 0, help="seed of the held-out draw"),
     )),

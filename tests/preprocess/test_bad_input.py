@@ -200,7 +200,7 @@ def _folder(root: Path, layout: dict[str, dict[str, int]]) -> Path:
     ({"train": {"a": 2, "b": 0}, "val": {"a": 1}}, "has no image files"),
     ({"train": {"a": 2}, "val": {}}, "has no images (empty split)"),
     ({"train": {}, "val": {"a": 1}}, "no class folders (empty split)"),
-    ({"train": {"a": 1}}, "has no val/ folder"),
+    ({"train": {"a": 1}}, "has no class of 2 or more images"),
     ({"train": {"a": 1}, "val": {"z": 1}}, "classes not in train"),
 ])
 def test_image_folder_structure_errors(tmp_path: Path, layout, expect: str) -> None:
