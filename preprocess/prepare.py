@@ -160,6 +160,24 @@ def _is_complete(final: Path) -> Manifest | None:
         return None
 
 
+# Parameters whose recorded value is a path of the machine that wrote the dataset (a source read again from
+# another mount is the same dataset): not compared with those asked.
+PATH_PARAMS = ("src", "class_list")
+
+
+def _changed_params(job: "Job", done: Manifest) -> list[tuple[str, str]]:
+    """The source parameters asked (defaults filled in) that differ from those a complete dataset was
+    written with, as (written, asked) option words; a parameter the manifest does not record is not
+    compared.
+
+    Raises:
+        PreprocessError: an option the source does not take, or a bad value (`Source.resolve`).
+    """
+    asked = job.source.resolve(job.params)
+    return [(f"--{k.replace('_', '-')} {done.params[k]}", f"--{k.replace('_', '-')} {v}") for k, v in asked.items()
+            if k not in PATH_PARAMS and k in done.params and done.params[k] != v]
+
+
 def add_record_tables(final: Path, manifest: Manifest, lock: DatasetLock) -> list[str]:
     """Give a complete dataset written before the record tables existed the table of each split
     (`pipelines.shards.write_record_table`, one scan of the split's shards), listed in a new manifest,
@@ -287,6 +305,10 @@ def _prepare(job: Job, lock: DatasetLock) -> Path:
     created), the records are written into the staging folder, and the manifest, written last, makes
     the dataset that is swapped in (`write_staged`)."""
     if not job.force and (done := _is_complete(job.final)) is not None:
+        if changed := _changed_params(job, done):
+            raise PreprocessError(f"{job.final} was written with {', '.join(w for w, _ in changed)}, not "
+                                  f"{', '.join(a for _, a in changed)} as asked: pass --force to rewrite it, "
+                                  "or give --name another name to write a second dataset")
         counts = ", ".join(f"{k} {v}" for k, v in done.counts.items())
         if added := add_record_tables(job.final, done, lock):
             print(f"{job.final} is complete ({counts}); added the record table of {', '.join(added)}, which the "

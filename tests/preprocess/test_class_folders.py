@@ -1,7 +1,7 @@
 """Labelled folders without a val/ split (`SRC/train/<class>/*` alone, or torchvision's ImageFolder
 layout `SRC/<class>/*`): each class keeps its label and a seeded share of each class is held out as the
 val split; read back from the written shards. Under `--labels auto` the ImageFolder layout is named in
-one line, since it is read as unlabelled images."""
+one line, since it is read as unlabelled images, and the rerun it suggests is not taken for done."""
 
 from __future__ import annotations
 
@@ -86,6 +86,11 @@ def test_auto_names_a_folder_that_looks_like_classes_and_reads_it_unlabelled(tmp
     said = capsys.readouterr().out
     assert "its 3 sub-folders are classes, give --labels folders" in said
     assert not read_manifest(ds).labelled
+    # Doing as told: the unlabelled dataset is not taken for the labelled one asked, --force rewrites it.
+    assert preprocess_main(["--dataset", "imagefolder", "--src", str(tmp_path / "src"), "--out", str(tmp_path / "out"),
+                            "--name", "mine", "--labels", "folders"]) == 2
+    assert "was written with --labels auto, not --labels folders as asked: pass --force" in capsys.readouterr().err
+    assert read_manifest(write(tmp_path / "src", tmp_path / "out", "--labels", "folders", "--force")).labelled
 
 
 def test_a_val_folder_without_train_is_one_line_and_writes_nothing(tmp_path, capsys) -> None:

@@ -85,6 +85,17 @@ def test_rerun_on_complete_dataset_does_nothing(dataset: Path, capsys) -> None:
     assert {p: p.stat().st_mtime_ns for p in dataset.rglob("*")} == before
 
 
+def test_a_rerun_asking_for_other_parameters_is_refused_in_one_line_and_changes_nothing(dataset: Path) -> None:
+    """A complete dataset is not taken for one asked with other parameters (it was "nothing to do", and
+    the run trained on the old records): the one line names what was written and what is asked."""
+    before = {p: p.stat().st_mtime_ns for p in dataset.rglob("*")}
+    with pytest.raises(PreprocessError) as e:
+        prepare_dataset("synthetic", dataset.parent, gt_masks_as_mask=True, **{**TINY, "train_size": 40, "seed": 1})
+    assert str(e.value) == (f"{dataset} was written with --train-size 48, --seed 0, not --train-size 40, --seed 1 as "
+                            "asked: pass --force to rewrite it, or give --name another name to write a second dataset")
+    assert {p: p.stat().st_mtime_ns for p in dataset.rglob("*")} == before
+
+
 def test_a_rerun_adds_the_record_tables_a_dataset_written_before_them_lacks(dataset: Path, tmp_path: Path,
                                                                            monkeypatch, capsys) -> None:
     """A dataset written before the record tables existed (simulated: tables and their manifest entries
