@@ -483,7 +483,8 @@ if __name__ == "__main__":
         except LoaderError as e:
             print("lost", e, flush=True)
             continue
-        if spec.mix == dacl:               # the graph's own draws: resumed there, the batch an unkilled loader makes
+        if spec.mix == dacl and sys.argv[2] == "fork":   # the graph's own draws (one start method: the state
+            # is the main process's): resumed there, the batch an unkilled loader makes
             for k, batch in enumerate(build_loader("dali", spec)):
                 if k == handed:
                     break
@@ -512,13 +513,13 @@ def test_a_killed_dali_worker_fails_the_loader_in_one_line_instead_of_waiting_fo
     done = subprocess.run([sys.executable, "-c", KILLED_WORKER, str(tiny_data_root), start], cwd=ROOT, env=env_here(),
                           capture_output=True, text=True, timeout=180)
     lines = done.stdout.splitlines()
-    assert done.returncode == 0 and len(lines) == 10, done.stderr
+    assert done.returncode == 0 and len(lines) == (10 if start == "fork" else 8), done.stderr
     for line in lines[0:8:2]:
         seconds, message = line.split(" ", 1)
         assert float(seconds) < 10 and message.startswith("DALI worker process ") and "OOM killer" in message
         assert "run.resume=auto continues" in message
     assert lines[1:8:2] == ["position True"] * 4
-    assert lines[8:] == ["resumed True", "unsaved False"]
+    assert lines[8:] == (["resumed True", "unsaved False"] if start == "fork" else [])
 
 
 KILLED_DATALOADER_WORKERS = """
