@@ -3,7 +3,7 @@
 
 Layouts (`list_images`, `--labels auto|folders|none`): `folders` is the labelled layout, one
 sub-folder per class in train/ and val/, in train/ alone, or in SRC itself (torchvision's ImageFolder,
-`SRC/<class>/*`); without val/ a seeded share of each class is held out as the val split
+`SRC/<class>/*`; a folder whose name starts with a dot is not a class); without val/ a seeded share of each class is held out as the val split
 (`--val-fraction`, `held_out_per_class`). `none` takes every image under SRC (or every path the list
 file names, relative to the file's folder) with no label (`schema.NO_LABEL`): the images under
 `SRC/val/` are the val split when that folder exists, else a seeded random share of the images is
@@ -162,10 +162,10 @@ def list_image_folder(src: Path, class_list: Path | None, val_fraction: float = 
                 raise ImageFolderError(f"class {n!r} of {class_list} has no folder {train_dir / n}: "
                                        "fix the class list or the folder")
     else:
-        names = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
+        names = sorted(p.name for p in train_dir.iterdir() if _a_class(p))
         if not names:
             raise ImageFolderError(f"{train_dir} has no class folders (empty split): add {train_dir}/<class>/<images>")
-        extra = sorted(p.name for p in val_dir.iterdir() if p.is_dir() and p.name not in set(names)) if val_dir else []
+        extra = sorted(p.name for p in val_dir.iterdir() if _a_class(p) and p.name not in set(names)) if val_dir else []
         if extra:
             raise ImageFolderError(f"{val_dir} has classes not in train ({', '.join(extra[:5])}): "
                                    "give both splits the same class folders")
@@ -190,6 +190,12 @@ def list_image_folder(src: Path, class_list: Path | None, val_fraction: float = 
     if val_dir is None:
         files = _hold_out_per_class(files["train"], len(names), val_fraction, seed, train_dir)
     return names, files
+
+
+def _a_class(path: Path) -> bool:
+    """Whether an entry of a labelled split is a class folder: a folder whose name does not start with a
+    dot (Jupyter's .ipynb_checkpoints, a file manager's .thumbnails hold copies, not a class)."""
+    return path.is_dir() and not path.name.startswith(".")
 
 
 def _images_in(folder: Path) -> list[str]:
@@ -239,7 +245,7 @@ def class_folders(src: Path) -> int:
         top = list(entries)
     if any(e.is_file() and os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS for e in top):
         return 0
-    folders = [e.path for e in top if e.is_dir()]
+    folders = [e.path for e in top if _a_class(Path(e.path))]
     return len(folders) if len(folders) >= 2 and all(_holds_an_image(f) for f in folders) else 0
 
 
