@@ -3,12 +3,13 @@
 
 Layouts (`list_images`, `--labels auto|folders|none`): `folders` is the labelled layout, one
 sub-folder per class in train/ and val/, in train/ alone, or in SRC itself (torchvision's ImageFolder,
-`SRC/<class>/*`; a folder whose name starts with a dot is not a class); without val/ a seeded share of each class is held out as the val split
-(`--val-fraction`, `held_out_per_class`). `none` takes every image under SRC (or every path the list
-file names, relative to the file's folder) with no label (`schema.NO_LABEL`): the images under
-`SRC/val/` are the val split when that folder exists, else a seeded random share of the images is
-held out (`--val-fraction`, `held_out`). `auto` is `folders` when SRC has a train/ folder, else `none`
-(a folder that looks like `SRC/<class>/*` is named in one line: `--labels folders` keeps its labels).
+`SRC/<class>/*`; a folder whose name starts with a dot is not a class); without val/ a seeded share
+of each class is held out as the val split (`--val-fraction`, `held_out_per_class`). `none` takes
+every image under SRC (or every path the list file names, relative to the file's folder) with no
+label (`schema.NO_LABEL`): the images under `SRC/val/` are the val split when that folder exists,
+else a seeded random share of the images is held out (`--val-fraction`, `held_out`). `auto` is
+`folders` when SRC has a train/ folder, else `none` (a folder that looks like `SRC/<class>/*` is
+named in one line: `--labels folders` keeps its labels).
 
 Colour policy (any image PIL can read becomes uint8 RGB):
 - EXIF orientation is applied (`ImageOps.exif_transpose`), so pixels are stored upright.
