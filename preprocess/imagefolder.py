@@ -256,9 +256,10 @@ def _holds_an_image(folder: str) -> bool:
 
 
 def held_out(n: int, fraction: float) -> int:
-    """How many of `n` unlabelled images are held out as the val split: `fraction` of them, at least
-    `VAL_MIN` when the folder has ten times as many (a monitoring set large enough to be stable), and
-    at least one; the train split keeps the rest."""
+    """How many of a folder's `n` images are held out as the val split where it has no val/ (shared over
+    the classes of a labelled one by `held_out_per_class`): `fraction` of them, at least `VAL_MIN` when the
+    folder has ten times as many (a monitoring set large enough to be stable), and at least one; the
+    train split keeps the rest."""
     return min(n - 1, max(1, round(fraction * n), min(VAL_MIN, n // 10)))
 
 
