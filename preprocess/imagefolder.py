@@ -313,6 +313,13 @@ def list_unlabelled(src: Path, val_fraction: float, seed: int) -> dict[str, list
     return {"train": [(p, schema.NO_LABEL) for p in train], "val": [(p, schema.NO_LABEL) for p in sorted(val)]}
 
 
+def labels_of(src: Path, labels: str) -> str:
+    """The layout `labels` reads `src` in: `auto` is `folders` when SRC has a train/ folder, else `none`."""
+    if labels != "auto":
+        return labels
+    return "folders" if Path(src).is_dir() and (Path(src) / "train").is_dir() else "none"
+
+
 def list_images(src: Path, labels: str, class_list: Path | None, val_fraction: float, seed: int
                 ) -> tuple[list[str], dict[str, list[tuple[str, int]]]]:
     """The class names and splits of an image source in the layout `labels` names (module docstring).
@@ -324,8 +331,7 @@ def list_images(src: Path, labels: str, class_list: Path | None, val_fraction: f
     Raises:
         ImageFolderError: see `list_image_folder` and `list_unlabelled`.
     """
-    if labels == "auto":
-        labels = "folders" if src.is_dir() and (src / "train").is_dir() else "none"
+    labels = labels_of(src, labels)
     if labels == "folders":
         if src.is_file():
             raise ImageFolderError(f"{src} is a file: a labelled source is a folder SRC/train/<class>/*; "

@@ -166,16 +166,18 @@ PATH_PARAMS = ("src", "class_list")
 
 
 def _changed_params(job: "Job", done: Manifest) -> list[tuple[str, str]]:
-    """The source parameters asked (defaults filled in) that differ from those a complete dataset was
-    written with, as (written, asked) option words; a parameter the manifest does not record is not
-    compared.
+    """The source parameters asked (defaults filled in) that act otherwise on the source than those a
+    complete dataset was written with (`Source.acting`), as (written, asked) option words; a parameter
+    the manifest does not record is not compared.
 
     Raises:
         PreprocessError: an option the source does not take, or a bad value (`Source.resolve`).
     """
     asked = job.source.resolve(job.params)
+    src = Path(job.src) if job.source.needs_src and job.src is not None else None
+    acts, acted = job.source.acting(asked, src), job.source.acting(done.params, src)
     return [(f"--{k.replace('_', '-')} {done.params[k]}", f"--{k.replace('_', '-')} {v}") for k, v in asked.items()
-            if k not in PATH_PARAMS and k in done.params and done.params[k] != v]
+            if k not in PATH_PARAMS and k in done.params and acted[k] != acts[k]]
 
 
 def add_record_tables(final: Path, manifest: Manifest, lock: DatasetLock) -> list[str]:

@@ -85,6 +85,10 @@ def _no_check(params: dict) -> None:
     return None
 
 
+def _as_given(params: dict, src: Path | None) -> dict:
+    return params
+
+
 @dataclass(frozen=True)
 class Source:
     """One dataset source and its facts.
@@ -99,6 +103,9 @@ class Source:
     src_file_ok: bool = False                  # ... or a readable file (a list of image paths)
     params: tuple[Param, ...] = ()
     check: Callable[[dict], None] = _no_check  # raises PreprocessError on a bad parameter value
+    # The parameters as they act on `src` (an option whose default picks by the source: imagefolder's
+    # `--labels auto`), so that a dataset written with `folders` is the one `auto` asks for there.
+    acting: Callable[[dict, Path | None], dict] = _as_given
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -258,6 +265,10 @@ def _check_imagefolder(p: dict) -> None:
                               f" (default {imagefolder.VAL_FRACTION})")
 
 
+def _imagefolder_acting(p: dict, src: Path | None) -> dict:
+    return {**p, "labels": imagefolder.labels_of(src, p["labels"])} if src is not None and "labels" in p else p
+
+
 def _list_imagefolder(src: Path, p: dict, *, workers: int, progress: bool) -> ListedSource:
     class_list = Path(p["class_list"]) if p["class_list"] else None
     if p["labels"] == "auto" and not (src / "train").is_dir() and (n := imagefolder.class_folders(src)):
@@ -285,7 +296,7 @@ SOURCES: dict[str, Source] = {
     "cifar10": Source("cifar10", functools.partial(_read_cifar, "cifar10"), needs_src=True),
     "cifar100": Source("cifar100", functools.partial(_read_cifar, "cifar100"), needs_src=True),
     "imagefolder": Source("imagefolder", _list_imagefolder, needs_src=True, src_file_ok=True,
-                          check=_check_imagefolder, params=(
+                          check=_check_imagefolder, acting=_imagefolder_acting, params=(
         Param("max_side", schema.MAX_SIDE_PX,
               help="cap of the chosen side in px, only downscaling (0: keep sizes)"),
         Param("side", "longer", str, choices=imagefolder.SIDES),

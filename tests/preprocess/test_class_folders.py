@@ -105,3 +105,14 @@ def test_a_val_folder_without_train_is_one_line_and_writes_nothing(tmp_path, cap
     assert len(err.strip().splitlines()) == 1
     assert "has a val/ folder but no train/ folder: lay it out as SRC/train/<class>/* and SRC/val/<class>/*" in err
     assert not (tmp_path / "out" / "imagefolder").exists()
+
+
+def test_a_rerun_with_the_default_labels_takes_a_folder_written_with_the_layout_they_pick(tmp_path, capsys) -> None:
+    """`--labels auto` reads SRC/train/<class>/* as `folders` does: a dataset written with `--labels folders`
+    is the one a rerun without the option asks for (nothing to do, not a refusal that offers --force)."""
+    class_folders(tmp_path / "src" / "train")
+    ds = write(tmp_path / "src", tmp_path / "out", "--labels", "folders")
+    manifest = (ds / "manifest.json").read_bytes()
+    capsys.readouterr()
+    write(tmp_path / "src", tmp_path / "out")
+    assert "nothing to do" in capsys.readouterr().out and (ds / "manifest.json").read_bytes() == manifest
