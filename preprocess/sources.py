@@ -271,7 +271,7 @@ def _imagefolder_acting(p: dict, src: Path | None) -> dict:
 
 def _list_imagefolder(src: Path, p: dict, *, workers: int, progress: bool) -> ListedSource:
     class_list = Path(p["class_list"]) if p["class_list"] else None
-    if p["labels"] == "auto" and not (src / "train").is_dir() and (n := imagefolder.class_folders(src)):
+    if p["labels"] == "auto" and imagefolder.labels_of(src, "auto") == "none" and (n := imagefolder.class_folders(src)):
         print(f"{src} is read as unlabelled images (--labels auto takes class folders from SRC/train/ only); "
               f"if its {n} sub-folders are classes, give --labels folders to keep them as labels", flush=True)
     names, files = imagefolder.list_images(src, p["labels"], class_list, float(p["val_fraction"]), int(p["val_seed"]))
