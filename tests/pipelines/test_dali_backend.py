@@ -848,6 +848,7 @@ def _build_output(device: str) -> str:
     return code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("user_level", [None, "3"])
 def test_the_image_codecs_log_fatal_errors_only_unless_the_user_says(tiny_data_root, user_level) -> None:
     """nvImageCodec's "Failed to load" lines for codecs viewmill never reads are kept off the console

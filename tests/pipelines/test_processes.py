@@ -182,6 +182,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow
 def test_a_worker_killed_while_it_looks_at_its_end_event_does_not_hang_the_loader() -> None:
     """The DataLoader's workers look at an event all the time (whether to end); a
     `multiprocessing.Event` takes a lock for that, and a worker killed in that instant left the process
@@ -393,8 +394,8 @@ def test_a_worker_leaves_sigterm_to_a_creator_that_catches_it_but_ends_by_the_cr
         signal.signal(signal.SIGTERM, before)
 
 
-@pytest.mark.parametrize("backend,server", [("torch", False), pytest.param("torch", True, marks=pytest.mark.slow),
-                                            ("dali", False), pytest.param("dali", True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,server", [("torch", False), ("torch", True), ("dali", False), ("dali", True)])
 def test_loader_workers_leave_a_job_s_end_signals_to_the_training_process(backend, server, tiny_data_root,
                                                                          monkeypatch) -> None:
     """SLURM sends its warning before preemption or the time limit (SIGUSR2) to every process of a job
@@ -545,6 +546,7 @@ except WorkerDiedError as e:
 """
 
 
+@pytest.mark.slow
 def test_a_killed_dataloader_worker_fails_the_loader_at_its_next_batch_in_one_line(tiny_data_root) -> None:
     """The OOM killer's SIGKILL to a torch-based loader's DataLoader workers, in a fresh process as a
     run's: the death is told at the loader's next batch, the one place where a run can save the steps

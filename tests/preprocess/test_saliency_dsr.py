@@ -179,6 +179,7 @@ def test_bayes_posterior_is_the_papers_per_pixel_rule() -> None:
     np.testing.assert_array_equal(dsr.bayes_posterior(flat, observer[:5, :5]), flat)
 
 
+@pytest.mark.slow
 def test_dsr_finds_the_object_better_than_its_parts() -> None:
     """On synthetic images with clutter and distractors, the integrated map scores a better mean IoU
     than either multi-scale reconstruction error alone (the paper's ordering of its stages), and

@@ -127,6 +127,7 @@ def test_too_little_disk_stops_before_any_map_and_leaves_the_dataset(tmp_path, c
                  "--case-images", "1", "--report", str(tmp_path / "r")]) == 0
 
 
+@pytest.mark.slow
 def test_a_failed_write_keeps_the_maps_and_the_same_command_resumes_from_them(tmp_path, capsys, monkeypatch) -> None:
     import shutil
 

@@ -182,6 +182,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint_who
 READ_ONLY = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" || exit 99; "$@"; echo "status $?"'
 
 
+@pytest.mark.slow
 def test_a_run_folder_on_a_read_only_disk_is_one_line_naming_it(tiny_args, tmp_path) -> None:
     """`run.out_dir` on a read-only disk (or another user's folder): one line naming the folder and what
     to give instead, status 2 (it was an `OSError` traceback from the folder's creation)."""

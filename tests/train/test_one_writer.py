@@ -17,7 +17,7 @@ from train import checkpoint
 from train.config import ConfigError
 from train.run import lock_of
 
-@pytest.mark.parametrize("loop", ["pretraining", "linear"])
+@pytest.mark.parametrize("loop", ["pretraining", pytest.param("linear", marks=pytest.mark.slow)])
 def test_a_folder_another_process_writes_is_refused_in_one_line_and_a_dead_writer_holds_nothing(
         loop, tiny_args, tmp_path) -> None:
     """Rank 0's `hold`, in both loops (a single process, a torchrun or SLURM rank): while another

@@ -124,6 +124,7 @@ def test_linear_evaluation_leaves_the_backbone_bit_identical(tiny_args, tmp_path
     assert result["val_samples"] == 32
 
 
+@pytest.mark.slow
 def test_the_head_separates_classes_the_features_separate(colours, tmp_path) -> None:
     """Ten colours, the network at its initialisation: a linear head on its frozen features classifies
     the val images."""
@@ -259,6 +260,7 @@ def former_handler():
     signal.signal(signal.SIGUSR2, previous)
 
 
+@pytest.mark.slow
 def test_a_held_signal_stops_the_evaluation_at_the_next_log_step_s_checkpoint(tiny_args, tmp_path, monkeypatch,
                                                                               former_handler, capsys) -> None:
     """`run.checkpoint_on_signal=USR2` (what launcher=slurm sets) caught during step 4 of 24: the steps go
@@ -280,6 +282,7 @@ def test_a_held_signal_stops_the_evaluation_at_the_next_log_step_s_checkpoint(ti
     assert (got["top1"], got["top5"]) == (expected["top1"], expected["top5"]) and former_handler == ["requeue"]
 
 
+@pytest.mark.slow
 def test_a_run_warned_in_its_linear_evaluation_continues_there_when_requeued(tiny_args, tmp_path, monkeypatch,
                                                                              former_handler, capsys) -> None:
     """`run.eval=linear` under SLURM (`run.resume=auto`, USR2): the warning during the linear protocol that
@@ -412,6 +415,7 @@ def test_an_unlabelled_dataset_is_refused_in_one_line(tmp_path, capsys) -> None:
     assert sorted(p.name for p in ckpt.parent.iterdir()) == ["checkpoint.pt"]
 
 
+@pytest.mark.slow
 def test_run_eval_linear_ends_pretraining_with_the_linear_evaluation(tiny_args, tmp_path, capsys) -> None:
     """`run.eval=linear`: the run, then the linear protocol on its last checkpoint (the short preset on
     small data, its batch cut to the 64 train records with a note)."""
