@@ -228,7 +228,7 @@ def test_a_loader_worker_killed_on_one_of_two_ranks_saves_the_steps_and_one_proc
     assert state["alone"] == 1 and 2 <= logged <= saved <= logged + 1           # rank 0 logs a step just after it
     assert f"a loader worker died: rank 1 saved the checkpoint of step {saved}\n" in run.stdout.read()
 
-    epochs = saved // 4 + 2                # 4 steps of 16 on 64 records an epoch; the kill lands when the machine lets it
+    epochs = saved // 4 + 2            # 4 steps of 16 on 64 records an epoch; the kill lands when the machine lets it
     again = run_cli(*words, f"epochs={epochs}")
     assert again.returncode == 0, again.stderr[-2000:]
     assert (f"resuming {folder} from step {saved}; resuming step {saved} (saved by rank 1 alone, its loader worker "
