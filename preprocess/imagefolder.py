@@ -193,10 +193,10 @@ def list_image_folder(src: Path, class_list: Path | None, val_fraction: float = 
     return names, files
 
 
-def _a_class(path: Path) -> bool:
+def _a_class(entry: Path | os.DirEntry) -> bool:
     """Whether an entry of a labelled split is a class folder: a folder whose name does not start with a
     dot (Jupyter's .ipynb_checkpoints, a file manager's .thumbnails hold copies, not a class)."""
-    return path.is_dir() and not path.name.startswith(".")
+    return entry.is_dir() and not entry.name.startswith(".")
 
 
 def _an_image(entry: os.DirEntry) -> bool:
@@ -250,7 +250,7 @@ def class_folders(src: Path) -> int:
         top = list(entries)
     if any(map(_an_image, top)):
         return 0
-    folders = [e.path for e in top if _a_class(Path(e.path))]
+    folders = [e.path for e in top if _a_class(e)]
     return len(folders) if len(folders) >= 2 and all(_holds_an_image(f) for f in folders) else 0
 
 
