@@ -126,7 +126,7 @@ def worker_death(e: BaseException) -> WorkerDiedError | None:
 
 
 def iterate(loader) -> Iterator:
-    """The batches of a torch DataLoader (`watched`), a worker's death told at the next batch only.
+    """The batches of a torch DataLoader (`Watched`), a worker's death told at the next batch only.
 
     The first DataLoader iterator of a process sets a SIGCHLD handler that raises a worker's death in
     whatever the main thread runs then, mostly in the middle of a training step, where nothing can be
@@ -139,22 +139,33 @@ def iterate(loader) -> Iterator:
     batches = iter(loader)
     if signal.getsignal(signal.SIGCHLD) is not before:     # set in the main thread only, as torch does
         signal.signal(signal.SIGCHLD, before)
-    return watched(batches)
+    return Watched(batches)
 
 
-def watched(batches: Iterator) -> Iterator:
-    """The batches of a DataLoader's iterator, a worker's death raised as `worker_died`'s one line.
+class Watched:
+    """The batches of a DataLoader's iterator, a worker's death raised as `worker_died`'s one line;
+    `close()` ends the iterator's workers at once.
 
     A worker killed just after it queued a batch fails the batch's transfer instead (its tensors'
     file descriptors are fetched from the worker: a connection reset, an EOF), sometimes before torch
     sees the worker gone (2 of 40 tries with the workers killed one batch in); that is the same death,
     told once the worker has ended (`_ended_worker`).
+
+    Without `close()` the workers end when the iterator is collected, and an exception raised while it
+    waited for a batch (a worker's error, a scheduler's signal) keeps it, through the frames of its
+    traceback, until the garbage collector finds that cycle: seconds to minutes later, or never.
     """
-    while True:
+
+    def __init__(self, batches: Iterator) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Watched:
+        return self
+
+    def __next__(self):
+        batches = self.batches
         try:
-            batch = next(batches)
-        except StopIteration:
-            return
+            return next(batches)
         except RuntimeError as e:
             if (died := worker_death(e)) is None:
                 raise
@@ -164,7 +175,11 @@ def watched(batches: Iterator) -> Iterator:
             if (died := _ended_worker(workers)) is None:
                 raise
             raise died from e
-        yield batch
+
+    def close(self) -> None:
+        """End the iterator's worker processes now (torch's own shutdown, as when it is collected)."""
+        if (shutdown := getattr(self.batches, "_shutdown_workers", None)) is not None:
+            shutdown()
 
 
 def _ended_worker(workers, wait_s: float = 5.0) -> WorkerDiedError | None:

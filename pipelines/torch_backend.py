@@ -109,7 +109,7 @@ class TorchLoader(EpochLoader):
         o = self.order
         epoch = o.epoch
         if self._ahead is None or self._ahead_at != (o.epoch, o.batches_done):   # a new position: set_epoch, resume
-            self._ahead = None          # ends the old workers before new ones start
+            self._end_ahead()           # the old workers end before new ones start
             self._ahead = self._read_ahead()
         while o.epoch == epoch and len(o):
             b = next(self._ahead)
@@ -118,11 +118,18 @@ class TorchLoader(EpochLoader):
             if not self.spec.shuffle and o.epoch != epoch:
                 # An evaluation loader (index order) is read again from its start: nothing to read
                 # ahead, and its workers end instead of idling beside training.
-                self._ahead = None
+                self._end_ahead()
             yield b.to(self.spec.device)
 
     def close(self) -> None:
-        self._ahead = self._ahead_at = None     # the DataLoader's workers end with their iterator
+        self._end_ahead()
+
+    def _end_ahead(self) -> None:
+        """End the workers reading ahead now (`processes.Watched.close`), also while an exception that
+        passed through them is still held."""
+        ahead, self._ahead, self._ahead_at = self._ahead, None, None
+        if ahead is not None:
+            ahead.close()
 
 
 def build(spec: LoaderSpec, info: DatasetInfo) -> TorchLoader:

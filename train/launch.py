@@ -381,7 +381,7 @@ def pretrain(run: Run, device: torch.device, backend: str, held: dist.HeldSignal
             run.export(dist.unwrap(parts.online).backbone, log)
     finally:
         lock.release()
-    parts.loader.close()
+        parts.loader.close()            # its workers end now, also when an exception (a requeue) passes
     return trained
 
 

@@ -459,7 +459,7 @@ class Protocol:
         model.train()
         meter, batches = Meter(), _forever(loader)
         cadence = checkpoint.Cadence(p.ckpt_every, cfg.run.ckpt_every_min, held)
-        with cadence.held.holding():
+        with contextlib.closing(loader), cadence.held.holding():   # its workers end also when an exception passes
             for step in range(start, total):
                 lr = lr_at(p, step, steps_per_epoch) * p.batch_size / 256
                 for g in optimizer.param_groups:
@@ -483,7 +483,6 @@ class Protocol:
                     cadence.saved()
                 if cadence.signalled:
                     break
-        loader.close()
         if cadence.signalled:
             log.print(f"caught {cadence.held.what()}: saved the checkpoint of step {done} in {self.folder} and "
                       "stopped; the same command continues there (a requeued SLURM job does so itself)")

@@ -149,7 +149,7 @@ def test_children_end_when_their_parent_is_killed(kind, tiny_data_root) -> None:
 HELD_EVENT = """
 import os, signal, time
 import torch
-from pipelines.processes import WorkerDiedError, watched, worker_context, worker_started
+from pipelines.processes import Watched, WorkerDiedError, worker_context, worker_started
 
 class Slow(torch.utils.data.Dataset):
     def __len__(self):
@@ -163,7 +163,7 @@ loader = torch.utils.data.DataLoader(Slow(), batch_size=2, num_workers=1, worker
 before = signal.getsignal(signal.SIGCHLD)
 it = iter(loader)
 signal.signal(signal.SIGCHLD, before)      # torch's handler out, as `iterate` does: the death told at a batch
-batches = watched(it)
+batches = Watched(it)
 next(batches)
 event = it._workers_done_event
 if os.fork() == 0:                         # takes what a worker would, then dies holding it
@@ -566,9 +566,9 @@ def test_a_killed_dataloader_worker_fails_the_loader_at_its_next_batch_in_one_li
 
 def test_a_batch_transfer_cut_by_its_worker_s_death_is_that_death() -> None:
     """A DataLoader worker killed just after it queued a batch: fetching the batch's tensors from it
-    fails (a connection reset) before torch has seen the worker gone, and `watched` tells it as the
+    fails (a connection reset) before torch has seen the worker gone, and `Watched` tells it as the
     worker's death in one line; such an error with no worker ended is left as it is."""
-    from pipelines.processes import WorkerDiedError, fork_context, watched
+    from pipelines.processes import Watched, WorkerDiedError, fork_context
 
     class Cut:                                   # a DataLoader iterator whose batch's transfer fails
         def __init__(self, workers) -> None:
@@ -581,8 +581,8 @@ def test_a_batch_transfer_cut_by_its_worker_s_death_is_that_death() -> None:
     worker.start()
     os.kill(worker.pid, signal.SIGKILL)
     with pytest.raises(WorkerDiedError) as e:
-        next(watched(Cut([worker])))
+        next(Watched(Cut([worker])))
     worker.join()
     assert str(e.value).startswith(f"DataLoader worker (pid {worker.pid}) is killed by signal: Killed while")
     with pytest.raises(ConnectionResetError):
-        next(watched(Cut([])))
+        next(Watched(Cut([])))

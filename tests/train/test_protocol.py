@@ -261,6 +261,27 @@ def former_handler():
 
 
 @pytest.mark.slow
+def test_an_exception_in_a_protocol_step_ends_its_loader_workers_with_it(tiny_args, tmp_path, monkeypatch) -> None:
+    """An exception out of a step (submitit's requeue raises one from the warning's handler) leaves no
+    loader worker behind while it is still held, not until a garbage collection finds its traceback."""
+    from pipelines.processes import descendants
+    from tests.processes import workers_of
+
+    class Requeued(Exception):
+        pass
+
+    def step_fails(*args):
+        raise Requeued()
+
+    ckpt = pretrained(tiny_args, tmp_path)
+    monkeypatch.setattr(protocol, "train_step", step_fails)
+    before = {pid for pid, _ in descendants(os.getpid())}
+    with pytest.raises(Requeued) as held:
+        protocol.main("linear", [f"ckpt={ckpt}", "preset=small", "epochs=6", "batch_size=16", "run.device=cpu"])
+    assert held.tb is not None and workers_of(os.getpid(), before) == []
+
+
+@pytest.mark.slow
 def test_a_held_signal_stops_the_evaluation_at_the_next_log_step_s_checkpoint(tiny_args, tmp_path, monkeypatch,
                                                                               former_handler, capsys) -> None:
     """`run.checkpoint_on_signal=USR2` (what launcher=slurm sets) caught during step 4 of 24: the steps go
