@@ -433,7 +433,8 @@ class DaliLoader(EpochLoader):
     def load_state_dict(self, state: dict) -> None:
         self._drop_ahead()
         super().load_state_dict(state)
-        self._pipe, self._dali_state = None, state.get("dali")
+        self._end_pipe()
+        self._dali_state = state.get("dali")
 
     def operator_counts(self) -> dict[str, dict[str, int]]:
         """Operators per iteration of this loader's graph, by device ("cpu", "gpu", "mixed"), as defined
@@ -458,7 +459,8 @@ class DaliLoader(EpochLoader):
             device_id = torch.cuda.current_device() if index is None else index
         ckpt, self._dali_state = (self._dali_state if self.draws_in_graph else None), None
         self._iteration = ckpt[1] if ckpt else 0
-        self._pipe, self._died = None, False  # the old pipeline (and its workers) end before new ones start
+        self._end_pipe()                      # the old pipeline's workers end before new ones start
+        self._died = False
         self._source = BatchSource(s, self.reader, self.masks,
                                    self.gpu, self._position(), self._iteration)
         method = worker_start_method()
@@ -569,10 +571,20 @@ class DaliLoader(EpochLoader):
         if self.draws_in_graph:
             self._dali_state = self.state_dict()["dali"]
         self._drop_ahead()
-        self._pipe = self._pipe_at = None
+        self._end_pipe()
+        self._pipe_at = None
         if self._taker is not None:
             self._taker.shutdown()
             self._taker = None
+
+    def _end_pipe(self) -> None:
+        """Drop the pipeline, its worker processes ended now, as DALI's finalizer ends them when the pipeline
+        is collected: an exception that passed through a run keeps the pipeline, through its traceback,
+        until the garbage collector finds that cycle (seconds to minutes later). No run may be in flight
+        (`_drop_ahead` first)."""
+        pipe, self._pipe = self._pipe, None
+        if pipe is not None and (pool := getattr(pipe, "_py_pool", None)) is not None:
+            pool.close()
 
     def _drop_ahead(self) -> bool:
         """Wait for the taker thread's run and drop it, and the last run's batches not handed out; whether

@@ -197,3 +197,32 @@ def test_background_removal_without_masks_is_said_once_and_with_masks_nothing(ti
     assert info.reads_masks(recipe) and not info.reads_masks(load_recipe("byol", 32, 16))
     build_loader("torch", replace(spec, root=str(tmp_path)))
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("torchvision", marks=pytest.mark.slow),   # those whose
+                                     pytest.param("dali", marks=pytest.mark.slow)])          # workers are processes
+def test_close_ends_the_workers_while_an_error_that_came_out_of_them_is_still_held(backend, tiny_data_root,
+                                                                                   monkeypatch):
+    """A worker's error (a record it cannot read) comes out of the loader with a traceback whose frames
+    keep the loader's iterator or pipeline; `close()` ends the workers at once all the same, not when the
+    garbage collector finds that cycle (the evaluation, the training loop and the protocols close their
+    loaders when an exception, a requeue, passes)."""
+    pytest.importorskip({"torch": "torch", "torchvision": "torchvision", "dali": "nvidia.dali"}[backend])
+    import os
+
+    from pipelines.processes import descendants
+    from pipelines.shards import ShardReader
+    from tests.processes import workers_of
+
+    def unreadable(self, i: int) -> bytes:
+        raise ValueError(f"record {i} cannot be read")
+
+    monkeypatch.setattr(ShardReader, "image", unreadable)      # the forked workers read with it
+    before = {pid for pid, _ in descendants(os.getpid())}
+    loader = build_loader(backend, LoaderSpec(root=str(tiny_data_root), dataset="synthetic", split="train",
+                                              recipe=RECIPE, batch_size=4, num_workers=2))
+    with pytest.raises(Exception, match="cannot be read") as held:
+        next(iter(loader))
+    assert workers_of(os.getpid(), before) and held.tb is not None
+    loader.close()
+    assert workers_of(os.getpid(), before) == []

@@ -85,26 +85,3 @@ def test_the_workers_read_ahead_into_the_next_epoch_and_hand_out_what_a_fresh_lo
     loader.load_state_dict(state)
     assert same(list(loader), fresh(2, state))
 
-
-def test_close_ends_the_workers_while_an_error_that_came_out_of_them_is_still_held(root, monkeypatch):
-    """A worker's error (a record that does not decode) comes out of the loader with a traceback whose
-    frames keep the DataLoader's iterator; `close()` ends the workers at once all the same, not when the
-    garbage collector finds that cycle (the evaluation and the training loop close their loaders when an
-    exception, a requeue, passes)."""
-    import os
-
-    from pipelines import torch_backend
-    from pipelines.processes import descendants
-    from tests.processes import workers_of
-
-    def undecodable(data: bytes, mode: str):
-        raise ValueError("not an image")
-
-    monkeypatch.setattr(torch_backend, "decode", undecodable)      # the forked workers decode with it
-    loader = build_loader("torch", _spec(root, load_recipe("plain", 32, 16), num_workers=2))
-    before = {pid for pid, _ in descendants(os.getpid())}
-    with pytest.raises(ValueError, match="not an image") as held:
-        next(iter(loader))
-    assert len(workers_of(os.getpid(), before)) == 2 and held.tb is not None
-    loader.close()
-    assert workers_of(os.getpid(), before) == []
