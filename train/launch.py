@@ -150,7 +150,7 @@ def preflight(cfg: Config, processes: int, nodes: int = 1, here: bool = True) ->
     check_dataset(cfg)
     run = Run.open(cfg)
     check_free(run.folder, RUN_FIXES)                                 # another run writing its folder
-    if processes * nodes > 1 and run.resume.state is None:
+    if processes * nodes > 1 and run.resume.state is None and cfg.model.init:   # timm is imported only then
         init_backbone(cfg, build_backbone(cfg.model.backbone, cfg.views.global_px)[0])
     return run
 

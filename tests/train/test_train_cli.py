@@ -90,6 +90,26 @@ def test_model_init_of_another_network_ends_in_one_line_and_writes_nothing(tiny_
     assert not (tmp_path / "runs").exists()
 
 
+def test_the_launcher_checks_model_init_once_and_builds_no_network_without_it(tiny_args, tmp_path,
+                                                                          monkeypatch) -> None:
+    """The process that launches gpus=2 refuses `model.init` weights of another network in one line before
+    any process starts; without `model.init` it builds no network (importing timm, and torchvision's
+    compiler with it, took 4-9 CPU-seconds of its start before the ranks started)."""
+    import models.backbone
+    from train.config import ConfigError
+    from train.launch import preflight
+
+    words = tiny_args("rsa", tmp_path / "runs")
+    resnet18 = models.backbone.save_backbone(models.backbone.build_backbone("resnet18", 32)[0],
+                                             tmp_path / "r18.safetensors", "resnet18", 32)
+    with pytest.raises(ConfigError, match="holds a resnet18 backbone"):
+        preflight(load_config([*words, f"model.init={resnet18}"], world_size=2), 2, here=False)
+    built = []
+    monkeypatch.setattr(models.backbone, "build_backbone", lambda *a: built.append(a))
+    preflight(load_config(words, world_size=2), 2, here=False)
+    assert built == [] and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.ddp
 def test_an_error_inside_the_launched_processes_is_one_line(tiny_args, tmp_path) -> None:
     """gpus=2 passes the launcher's checks; both processes then refuse views that cannot feed RSA."""
