@@ -84,4 +84,3 @@ def test_the_workers_read_ahead_into_the_next_epoch_and_hand_out_what_a_fresh_lo
     state = {"epoch": 2, "batches_done": 4}
     loader.load_state_dict(state)
     assert same(list(loader), fresh(2, state))
-
