@@ -568,7 +568,7 @@ class DaliLoader(EpochLoader):
     def close(self) -> None:
         """End the pipeline, its worker processes and shared memory, and the taker thread; the next
         iteration builds them again at the loader's position (from the in-graph draws' state there)."""
-        if self.draws_in_graph:
+        if self.draws_in_graph and not self._died:   # after a death: the state `_wait` kept, or none
             self._dali_state = self.state_dict()["dali"]
         self._drop_ahead()
         self._end_pipe()

@@ -484,6 +484,8 @@ if __name__ == "__main__":
         except LoaderError as e:
             print("lost", e, flush=True)
             continue
+        finally:
+            loader.close()                 # as the training loop closes it when the death passes
         if spec.mix == dacl and sys.argv[2] == "fork":   # the graph's own draws (one start method: the state
             # is the main process's): resumed there, the batch an unkilled loader makes
             for k, batch in enumerate(build_loader("dali", spec)):
