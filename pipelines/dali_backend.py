@@ -583,8 +583,8 @@ class DaliLoader(EpochLoader):
         until the garbage collector finds that cycle (seconds to minutes later). No run may be in flight
         (`_drop_ahead` first)."""
         pipe, self._pipe = self._pipe, None
-        if pipe is not None and (pool := getattr(pipe, "_py_pool", None)) is not None:
-            pool.close()
+        if pipe is not None and pipe._py_pool is not None:     # DALI's pool, as `_pipeline` reads its pids
+            pipe._py_pool.close()
 
     def _drop_ahead(self) -> bool:
         """Wait for the taker thread's run and drop it, and the last run's batches not handed out; whether

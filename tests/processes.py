@@ -143,6 +143,11 @@ def holding(lock_path: Path) -> subprocess.Popen:
     return holder
 
 
+def pids_under(root: int) -> set[int]:
+    """The pids of `root`'s running descendants now: `workers_of`'s `before`."""
+    return {pid for pid, _ in descendants(root)}
+
+
 def workers_of(root: int, before: set[int] = frozenset()) -> list[int]:
     """The pids of `root`'s running descendants not in `before` that are loader workers: not
     multiprocessing's resource tracker, nor a fork server (the child of `root` that serves the forks;

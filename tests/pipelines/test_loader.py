@@ -210,19 +210,18 @@ def test_close_ends_the_workers_while_an_error_that_came_out_of_them_is_still_he
     pytest.importorskip({"torch": "torch", "torchvision": "torchvision", "dali": "nvidia.dali"}[backend])
     import os
 
-    from pipelines.processes import descendants
     from pipelines.shards import ShardReader
-    from tests.processes import workers_of
+    from tests.processes import pids_under, workers_of
 
     def unreadable(self, i: int) -> bytes:
         raise ValueError(f"record {i} cannot be read")
 
     monkeypatch.setattr(ShardReader, "image", unreadable)      # the forked workers read with it
-    before = {pid for pid, _ in descendants(os.getpid())}
+    before = pids_under(os.getpid())
     loader = build_loader(backend, LoaderSpec(root=str(tiny_data_root), dataset="synthetic", split="train",
                                               recipe=RECIPE, batch_size=4, num_workers=2))
-    with pytest.raises(Exception, match="cannot be read") as held:
+    with pytest.raises(Exception, match="cannot be read") as held:      # kept, with its traceback, to the end
         next(iter(loader))
-    assert workers_of(os.getpid(), before) and held.tb is not None
+    assert workers_of(os.getpid(), before) and held.value
     loader.close()
     assert workers_of(os.getpid(), before) == []

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from pipelines.processes import POLL_S, fork_context, proc_stat, running
-from tests.processes import ROOT, holding, kill_and_reap, left_after, live, start, wait_for, workers_of
+from tests.processes import ROOT, holding, kill_and_reap, left_after, live, pids_under, start, wait_for, workers_of
 
 
 def _collect() -> None:
@@ -304,7 +304,7 @@ def test_loader_workers_come_from_the_fork_server_in_a_process_holding_cuda(back
                       split="train", batch_size=8, num_workers=2)
 
     def first_batches():
-        before = {pid for pid, _ in descendants(os.getpid())}
+        before = pids_under(os.getpid())
         it = iter(build_loader(backend, spec))
         batches = [next(it) for _ in range(2)]
         started = {pid: proc_stat(pid)[2] for pid, _ in descendants(os.getpid()) if pid not in before}
@@ -409,7 +409,6 @@ def test_loader_workers_leave_a_job_s_end_signals_to_the_training_process(backen
     pytest.importorskip("nvidia.dali" if backend == "dali" else "torch")
     from pipelines import dali_backend, processes
     from pipelines.loader import build_loader
-    from pipelines.processes import descendants
     from pipelines.spec import LoaderSpec
     from pipelines.views import load_recipe
 
@@ -423,7 +422,7 @@ def test_loader_workers_leave_a_job_s_end_signals_to_the_training_process(backen
                       split="train", batch_size=8, num_workers=2)
 
     def epoch(disturb: bool) -> tuple[list[torch.Tensor], list[int]]:
-        before = {pid for pid, _ in descendants(os.getpid())}
+        before = pids_under(os.getpid())
         loader = build_loader(backend, spec)
         it = iter(loader)
         out = [next(it).index for _ in range(2)]           # a DataLoader's 2 workers have each made a batch

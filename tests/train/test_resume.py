@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.processes import descendants
-from tests.processes import workers_of
+from tests.processes import pids_under, workers_of
 from tests.train.two_ranks import logged_steps
 from train import checkpoint
 from train.resolve import load_config
@@ -333,7 +332,7 @@ def test_a_signal_in_a_periodic_evaluation_requeues_from_its_step_and_the_next_s
     previous = signal.signal(signal.SIGUSR2, requeue)
     try:
         monkeypatch.setattr(loop, "evaluate_backbone", evaluate_then_signal)
-        before = {pid for pid, _ in descendants(os.getpid())}
+        before = pids_under(os.getpid())
         with pytest.raises(Preempted) as stopped:
             train(load_config(words(tmp_path)))
         assert stopped.value.args == (4,) and logged_steps(run) == [1, 2, 3, 4] and evals(run) == []
