@@ -373,21 +373,23 @@ def worker_started(worker_id: int = 0) -> None:
     creator = os.getppid() if parent is None else parent.pid
     end_with_creator(creator)
     leave_signals_to_creator(creator)
+    sys.excepthook = _silent_once_orphaned(creator, sys.excepthook)
     threading.excepthook = _silent_once_orphaned(creator, threading.excepthook)
 
 
 def _silent_once_orphaned(creator: int, hook):
-    """A worker's `threading.excepthook` that says nothing of an error in a thread once `creator` has ended
-    (waiting up to 1 s for a creator that is ending): the thread that hands tensors to it
-    (multiprocessing's resource sharer) fails with a connection reset when the creator is killed in the
-    middle of a batch, and its traceback came before the launcher's one line (rule 2 ends the worker
-    within `POLL_S` anyway)."""
-    def quiet(args) -> None:
+    """A worker's `sys.excepthook` or `threading.excepthook` that says nothing of an error once `creator`
+    has ended (waiting up to 1 s for a creator that is ending): the thread that hands tensors to it
+    (multiprocessing's resource sharer, which catches its own errors and reports them through
+    `sys.excepthook`) fails with a connection reset when the creator is killed in the middle of a batch,
+    and its traceback came before the launcher's one line (rule 2 ends the worker within `POLL_S`
+    anyway); another thread's uncaught error goes to `threading.excepthook`."""
+    def quiet(*args) -> None:
         deadline = time.monotonic() + 1.0
         while running(creator) and time.monotonic() < deadline:
             time.sleep(0.05)
         if running(creator):
-            hook(args)
+            hook(*args)
     return quiet
 
 

@@ -524,6 +524,39 @@ def test_a_killed_dali_worker_fails_the_loader_in_one_line_instead_of_waiting_fo
     assert lines[8:] == (["resumed True", "unsaved False"] if start == "fork" else [])
 
 
+CREATOR_KILLED_MID_HANDOVER = """
+import os, select, signal, socket, time
+from multiprocessing import resource_sharer
+from pipelines.processes import fork_context, worker_started
+
+def worker(conn) -> None:
+    worker_started()
+    resource_sharer.DupFd(os.open(os.devnull, os.O_RDONLY))   # a tensor handed over: the sharer's thread listens
+    conn.send(resource_sharer._resource_sharer._address)
+    time.sleep(60)                                            # until it ends with its creator (rule 2)
+
+if __name__ == "__main__":
+    ours, theirs = fork_context().Pipe()
+    fork_context().Process(target=worker, args=(theirs,)).start()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(ours.recv())                                 # as the creator fetches the tensor's descriptor
+    select.select([sock], [], [], 10)                         # the sharer's challenge has come, unread
+    print("connected", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)                      # the OOM killer, in the middle of the handover
+"""
+
+
+def test_a_worker_whose_creator_is_killed_mid_handover_says_nothing_and_ends() -> None:
+    """A loader worker hands a batch's tensors over through multiprocessing's resource sharer, whose
+    thread reports its own errors through `sys.excepthook`; its creator killed in the middle of a
+    handover (the connection reset) printed that thread's traceback before the launcher's one line. The
+    worker now says nothing of it once its creator has ended, and ends too (rule 2)."""
+    creator = start(["-c", CREATOR_KILLED_MID_HANDOVER])
+    out, err = creator.communicate(timeout=60)                # the worker holds stderr until it ends
+    assert creator.returncode == -signal.SIGKILL and out == "connected\n"
+    assert err == "" and left_after(creator.mark, 3.0) == []
+
+
 KILLED_DATALOADER_WORKERS = """
 import os, signal, sys, time
 from pipelines.loader import build_loader
