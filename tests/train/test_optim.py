@@ -3,6 +3,7 @@ layers, and the EMA target follows the optimiser step."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from train import schedules
@@ -37,21 +38,34 @@ def test_lars_skips_weight_decay_and_adaptation_for_biases_and_norm_layers(tiny_
     assert not torch.allclose(weight.detach(), before["weight"] - s.lr)
 
 
-def test_ema_target_update_follows_the_optimiser_step(tiny_args, tmp_path) -> None:
-    """target <- m * target + (1 - m) * online, with the online weights *after* this step's update."""
+# The target's momentum at the run's last step (tiny_args: 3 steps on the synthetic preset, whose EMA
+# schedule runs from 0.96 to 1): BYOL's cosine schedule (`s.ema`, 0.99 there), and RELICv2's one gamma for
+# the whole run (its App. D; the preset's 0.96).
+@pytest.mark.parametrize("method, momentum", [("byol", lambda s: s.ema), ("relicv2", lambda s: 0.96)],
+                         ids=["byol", "relicv2"])
+def test_ema_target_update_follows_the_optimiser_step(tiny_args, tmp_path, method, momentum) -> None:
+    """target <- m * target + (1 - m) * online, with the online weights *after* this step's update
+    (RELICv2 App. D: xi_t = gamma xi_{t-1} + (1 - gamma) theta_t)."""
     from train.loop import train_step
     from train.setup import build_parts
 
-    cfg = load_config(tiny_args("byol", tmp_path))
+    cfg = load_config(tiny_args(method, tmp_path, "objective.num_negatives=3") if method == "relicv2"
+                      else tiny_args(method, tmp_path))
     parts = build_parts(cfg, torch.device("cpu"), "torch")
     batch = next(iter(parts.loader))
-    s = schedules.at(cfg.optim, 1, len(parts.loader), cfg.data.batch_size)
+    s = schedules.at(cfg.optim, cfg.optim.steps - 1, len(parts.loader), cfg.data.batch_size)
+    assert s.ema > 0.985                            # the schedule near its end: 0.03 above RELICv2's gamma
+    m = momentum(s)
+    torch.manual_seed(0)
+    with torch.no_grad():                           # a target that has drifted from the online network, as
+        for t in parts.target.parameters():         # after the first steps (a copy would hide the momentum)
+            t.add_(torch.randn_like(t))
     target0 = {k: v.detach().clone() for k, v in parts.target.named_parameters()}
     online0 = {k: v.detach().clone() for k, v in parts.online.named_parameters()}
     train_step(parts, batch, s)
     online1 = dict(parts.online.named_parameters())
     moved = 0
     for k, t in parts.target.named_parameters():
-        torch.testing.assert_close(t.detach(), s.ema * target0[k] + (1 - s.ema) * online1[k].detach())
+        torch.testing.assert_close(t.detach(), m * target0[k] + (1 - m) * online1[k].detach())
         moved += not torch.equal(online1[k].detach(), online0[k])
     assert moved > 0

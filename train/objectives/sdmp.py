@@ -25,7 +25,8 @@ small-image stem, 200 epochs (`optim.epochs=2000` for the long rows); ImageNet (
 epochs (`data/*.yaml`, per_method).
 
 Deviations:
-- The paper states no optimiser for its ResNets: CIFAR takes its code's defaults (LARS, lr 0.6 x
+- The paper states its optimiser for its main backbone, ViT-S (Sec. 4: AdamW, lr 0.0005 x batch/256 at
+  batch 1024), and none for its ResNets: CIFAR takes its code's defaults (LARS, lr 0.6 x
   batch/256, weight decay 1e-6, 10 warm-up epochs, momentum 0.99 -> 1, heads 4096 wide) at the CIFAR
   preset's batch 512 (the code's default is 4096: 12 steps an epoch on CIFAR); ImageNet takes MoCo v3's
   300-epoch ResNet-50 config (lr 0.3, weight decay 1e-6, momentum 0.99 -> 1), whose 72.8 % is the
