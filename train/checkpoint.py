@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -345,30 +346,42 @@ def save_latest(run_dir: str | os.PathLike, state: dict, keep_last: int) -> Path
     return newest
 
 
-def load(path: str | os.PathLike) -> dict:
+def load(path: str | os.PathLike, word: str = "run.resume") -> dict:
     """Read a checkpoint written by `save` onto the CPU (weights_only: no code is unpickled).
 
+    Args:
+        path: the file.
+        word: the argument that named it (`run.resume`, `ckpt`), for the fix an error names.
+
     Raises:
-        CheckpointError: the file is missing or not a checkpoint.
+        CheckpointError: the file is missing, a folder, or not a checkpoint.
     """
     path = Path(path)
+    fix = f"pass {word}=<run dir>/{LATEST}"
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a folder, not a checkpoint; pass {word}={path / LATEST}"
+                              if (path / LATEST).is_file() else f"{path} is a folder that holds no {LATEST}; {fix}")
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} not found; pass run.resume=<run dir>/checkpoint.pt")
+        raise CheckpointError(f"checkpoint {path} not found; {fix}")
+    if not zipfile.is_zipfile(path):    # what torch.save writes; torch's own error would advise weights_only=False
+        raise CheckpointError(f"cannot read checkpoint {path}: not a file torch.save wrote (a truncated or other "
+                              f"file); {fix}")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for a corrupt or foreign file
-        raise CheckpointError(f"cannot read checkpoint {path}: {e}; pass a file written by the trainer") from e
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"cannot read checkpoint {path}: {reason}; {fix}") from e
 
 
-def load_training(path: str | os.PathLike) -> dict:
+def load_training(path: str | os.PathLike, word: str = "run.resume") -> dict:
     """`load`, and refuse a file that is not a training checkpoint (e.g. an exported backbone).
 
     Raises:
         CheckpointError: missing, unreadable, or without the saved config.
     """
-    state = load(path)
+    state = load(path, word)
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
-        raise CheckpointError(f"{path} is not a training checkpoint (no saved config); pass <run dir>/checkpoint.pt")
+        raise CheckpointError(f"{path} is not a training checkpoint (no saved config); pass {word}=<run dir>/{LATEST}")
     return state
 
 

@@ -467,7 +467,7 @@ def evaluate_checkpoint(args: list[str]) -> dict[str, dict[str, float]]:
     ckpt = [a.split("=", 1)[1] for a in args if a.startswith("ckpt=")]
     if not ckpt:
         raise ConfigError("eval needs the checkpoint: make eval CKPT=<run dir>/checkpoint.pt")
-    state = checkpoint.load_training(ckpt[-1])
+    state = checkpoint.load_training(ckpt[-1], "ckpt")
     cfg = config_from_dict(state["config"], overrides=[a for a in args if not a.startswith("ckpt=")])
     check_same_network(cfg, state["config"], ckpt[-1], "eval rebuilds that network: drop the override")
     check_dataset(cfg)

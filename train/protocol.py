@@ -548,7 +548,7 @@ def prepare(kind: Kind, args: list[str], world: int) -> Plan:
     overrides = [f"{k}={v}" for k, v in words if "." in k and k not in picks]
     own = [(k, v) for k, v in words if "." not in k and k not in picks]
     ckpt = Path(picks["ckpt"])
-    state = checkpoint.load_training(ckpt)
+    state = checkpoint.load_training(ckpt, "ckpt")
     cfg = config_from_dict(state["config"], overrides=overrides)
     check_same_network(cfg, state["config"], str(ckpt), f"{kind} evaluation rebuilds that network: drop the override")
     check_dataset(cfg)

@@ -72,7 +72,7 @@ def hold(lock: FolderLock, folder: Path, fixes: tuple[str, str]) -> None:
                 refused = (f"another run ({holder}) is writing {folder}; wait for it to end or stop it "
                            f"({holder.stop()}){f', or {fixes[0]}' if fixes[0] else ''}")
         except OSError as e:
-            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOTDIR):
                 raise
             refused = f"{folder} cannot be written ({e.strerror}: {e.filename}); {fixes[1]}"
     if (refused := dist.broadcast_object(refused)) is not None:
@@ -161,11 +161,21 @@ def resume_state(cfg: Config, folder: Path) -> Resume:
     readable checkpoint (or, without one, `config.yaml`) builds another network is an error, not a fresh
     start.
 
+    A fresh start (no `run.resume`) in a folder that holds a run already is an error: it would train from
+    step 0 over that run's checkpoints, config and metrics.
+
     Raises:
         CheckpointError: a named checkpoint that is missing, unreadable or not a training checkpoint.
-        ConfigError: a checkpoint or run folder of another method or network (`check_same_network`).
+        ConfigError: a checkpoint or run folder of another method or network (`check_same_network`); a fresh
+            start in a run's folder.
     """
     if not cfg.run.resume:
+        held = checkpoint.latest(folder)
+        if held or (folder / "config.yaml").is_file():
+            step = checkpoint.saved_step(held[0]) if held else None
+            what = "no checkpoint yet" if not held else f"{held[0].name}" + (f" at step {step}" if step is not None else "")
+            raise ConfigError(f"{folder} holds a run already ({what}); continue it with run.resume=auto, or give this "
+                              "run another run.name (nothing there was changed)")
         return Resume()
     if cfg.run.resume != "auto":
         state = checkpoint.load_training(cfg.run.resume)

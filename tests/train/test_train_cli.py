@@ -56,6 +56,43 @@ def test_bad_input_ends_in_one_line_before_any_write(tiny_args, capsys, tmp_path
     fails_in_one_line(capsys, ["eval"], "make eval CKPT=")
 
 
+def test_a_checkpoint_that_is_not_one_is_named_with_the_word_that_passed_it(tiny_args, capsys, tmp_path) -> None:
+    """`ckpt=` and `run.resume=` errors name their own word, a run folder given for its checkpoint names the
+    file, and a file that is not a checkpoint is not answered with torch's advice to unpickle it."""
+    run = tmp_path / "runs" / "run"
+    saved_checkpoint(run / "checkpoint.pt", tiny_args("rsa", tmp_path / "runs"))
+    fails_in_one_line(capsys, ["eval", f"ckpt={tmp_path / 'gone.pt'}"], "gone.pt not found; pass ckpt=")
+    fails_in_one_line(capsys, ["eval", f"ckpt={run}"], f"is a folder, not a checkpoint; pass ckpt={run / 'checkpoint.pt'}")
+    fails_in_one_line(capsys, ["linear", f"ckpt={tmp_path}"], "is a folder that holds no checkpoint.pt; pass ckpt=")
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes((run / "checkpoint.pt").read_bytes()[:-100])         # a copy that stopped short
+    for bad in (tmp_path / "notes.txt", cut):
+        err = fails_in_one_line(capsys, ["eval", f"ckpt={bad}"], f"cannot read checkpoint {bad}", "pass ckpt=")
+        assert "weights_only" not in err
+    fails_in_one_line(capsys, [*tiny_args("rsa", tmp_path / "other"), f"run.resume={cut}"], "pass run.resume=")
+
+
+def test_a_fresh_start_in_a_folder_that_holds_a_run_ends_in_one_line_and_changes_nothing(tiny_args, capsys,
+                                                                                         tmp_path) -> None:
+    """Without run.resume a start would train from step 0 over the checkpoints, config and metrics of the run
+    in its folder: another method under the same run.name, the same command again, a run's config.yaml re-run
+    without a new name, a run stopped before its first checkpoint. Each is refused; the folder is unchanged."""
+    out = tmp_path / "runs"
+    run = out / "run"
+    saved_checkpoint(run / "checkpoint.pt", tiny_args("rsa", out))
+    (run / "config.yaml").write_text(yaml.safe_dump(to_dict(load_config(tiny_args("rsa", out)))))
+    (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    for words in (tiny_args("simclr", out), tiny_args("rsa", out), [f"config={run / 'config.yaml'}"]):
+        fails_in_one_line(capsys, words, f"{run} holds a run already (checkpoint.pt at step 1)", "run.resume=auto",
+                          "another run.name")
+    (run / "checkpoint.pt").unlink()
+    del before["checkpoint.pt"]
+    fails_in_one_line(capsys, tiny_args("rsa", out), "holds a run already (no checkpoint yet)")
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
 def test_auto_resume_of_another_network_ends_in_one_line_and_writes_nothing(tiny_args, capsys, tmp_path) -> None:
     """`run.resume=auto` on a run folder of another method (by its checkpoint, or by its config.yaml when
     it stopped before one), without a run name or with keep_last 0 stops before any write."""
