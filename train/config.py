@@ -76,11 +76,27 @@ class DataConfig:
                               "or auto (this process's share of the cores)")
 
 
+def at_least(section: Any, name: str, lows: dict[str, float]) -> None:
+    """Refuse a value of `section` (the config section `name`) under its lowest sensible one in `lows`
+    (or NaN): a negative length, rate or count, a zero interval.
+
+    Raises:
+        ConfigError: naming the key, the value and the range.
+    """
+    for key, low in lows.items():
+        value = getattr(section, key)
+        if not value >= low:                # NaN too
+            raise ConfigError(f"{name}.{key}={value} is out of range; give a value of at least {low}")
+
+
 @dataclass(frozen=True)
 class ViewsConfig:
     recipe: str = "byol"            # preset name in pipelines/recipes/ or a YAML path
     global_px: int = 64             # side of global (large) views, px
     local_px: int = 32              # side of local (small) views, px
+
+    def __post_init__(self) -> None:
+        at_least(self, "views", {"global_px": 1, "local_px": 1})
 
 
 @dataclass(frozen=True)
@@ -114,6 +130,11 @@ class OptimConfig:
     ema_start: float = 0.99         # EMA momentum of the target at step 0 (BYOL: cosine to 1)
     ema_end: float = 1.0            # EMA momentum at the last step
 
+    def __post_init__(self) -> None:
+        at_least(self, "optim", {"lr": 0, "weight_decay": 0, "final_weight_decay": 0, "momentum": 0, "warmup_steps": 0,
+                                 "min_lr_ratio": 0, "steps": 1, "epochs": 0, "warmup_epochs": 0, "clip": 0,
+                                 "ema_start": 0, "ema_end": 0})
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -138,6 +159,8 @@ class RunConfig:
     wandb_project: str = "viewmill"  # the W&B project; the W&B run is named after the run folder
 
     def __post_init__(self) -> None:
+        at_least(self, "run", {"log_every": 1, "ckpt_every": 1, "eval_every_epochs": 0, "max_eval_samples": 0,
+                               "stop_after_steps": 0, "dist_timeout_min": 1e-3})
         if self.ckpt_every_min < 0:
             raise ConfigError(f"run.ckpt_every_min={self.ckpt_every_min} is negative; use minutes > 0, or 0 for "
                               "checkpoints every run.ckpt_every steps only")

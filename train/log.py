@@ -82,12 +82,20 @@ def start_wandb(cfg: Config, run_dir: Path):
     """A W&B run (`wandb.init`) for the run folder: project `run.wandb_project`, named after the folder,
     its files under `<run_dir>/wandb/`, the resolved config; WANDB_MODE, WANDB_ENTITY and the API key come
     from the environment. The id is drawn from the folder's path, so a resumed or requeued run continues
-    the same W&B run (W&B drops steps it already has: a resume repeats them bit for bit anyway)."""
+    the same W&B run (W&B drops steps it already has: a resume repeats them bit for bit anyway).
+
+    Raises:
+        ConfigError: W&B refused to start (no API key where nobody can type one in, as in a batch job).
+    """
     import wandb
 
     run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
-    return wandb.init(project=cfg.run.wandb_project, name=run_dir.name, id=run_id, resume="allow",
-                      dir=str(run_dir), config=to_dict(cfg))
+    try:
+        return wandb.init(project=cfg.run.wandb_project, name=run_dir.name, id=run_id, resume="allow",
+                          dir=str(run_dir), config=to_dict(cfg))
+    except wandb.errors.UsageError as e:
+        raise ConfigError(f"run.wandb=true: W&B did not start ({str(e).splitlines()[0]}); log in (wandb login, or "
+                          "WANDB_API_KEY), or set WANDB_MODE=offline, then continue with run.resume=auto") from None
 
 
 class Log:

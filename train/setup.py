@@ -160,8 +160,11 @@ def build_online(cfg: Config, device: torch.device) -> nn.Module:
     `model.channels_last` (the default) on a GPU and on the CPU, where oneDNN's convolutions run
     faster so: the demo's step 567 -> 411 ms on 1 core, 306 -> 232 ms on 2 (the same losses)."""
     m = cfg.model
-    online = build_model(m.backbone, cfg.views.global_px, m.proj_hidden, m.proj_out, m.pred_hidden,
-                         m.proj_layers, m.bn_per_view, m.proj_last_bn, m.pred_last_bn).to(device)
+    try:
+        online = build_model(m.backbone, cfg.views.global_px, m.proj_hidden, m.proj_out, m.pred_hidden,
+                             m.proj_layers, m.bn_per_view, m.proj_last_bn, m.pred_last_bn).to(device)
+    except ValueError as e:             # models.backbone: a name timm does not know, a size it cannot take
+        raise ConfigError(f"model.backbone={m.backbone}: {e}") from None
     if cfg.model.channels_last:
         online = online.to(memory_format=torch.channels_last)
     return online

@@ -49,6 +49,13 @@ def test_bad_input_ends_in_one_line_before_any_write(tiny_args, capsys, tmp_path
     bare = checkpoint.save(tmp_path / "bare.pt", {"conv1.weight": torch.zeros(1)})    # an exported backbone
     fails_in_one_line(capsys, [*words, f"run.resume={bare}"], "not a training checkpoint")
     fails_in_one_line(capsys, ["eval", f"ckpt={bare}"], "not a training checkpoint")
+    for word in ("optim.lr=-1", "optim.lr=nan", "optim.steps=-1", "optim.warmup_steps=-1", "views.global_px=0",
+                 "run.log_every=0", "run.ckpt_every=0"):
+        fails_in_one_line(capsys, [*words, word], f"{word.split('=')[0]}=", "is out of range; give a value of at least")
+    fails_in_one_line(capsys, [*words, "model.backbone=resnet5O"], "model.backbone=resnet5O: unknown backbone")
+    (tmp_path / "afile").write_text("")
+    for where in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        fails_in_one_line(capsys, [*words, f"run.out_dir={where}"], "cannot be written", "give run.out_dir a folder")
     assert not out.exists()
     rsa = saved_checkpoint(tmp_path / "rsa.pt", words)
     fails_in_one_line(capsys, ["eval", f"ckpt={rsa}", "model.backbone=resnet50"],

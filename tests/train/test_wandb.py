@@ -85,3 +85,15 @@ def test_wandb_without_the_package_is_one_line_and_writes_nothing(tiny_args, cap
     fails_in_one_line(capsys, tiny_args("byol", tmp_path / "runs", "run.wandb=true"),
                       "run.wandb=true needs the wandb package", "pip install 'viewmill[wandb]'")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_wandb_without_a_login_in_a_batch_job_is_one_line(tiny_args, capsys, tmp_path, monkeypatch) -> None:
+    """W&B online with no API key and no terminal to type one in (a batch job): one line naming the fixes,
+    not W&B's traceback."""
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))                 # no ~/.netrc, no W&B settings
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / ".config"))
+    fails_in_one_line(capsys, tiny_args("byol", tmp_path / "runs", "run.wandb=true"),
+                      "run.wandb=true: W&B did not start", "wandb login", "WANDB_MODE=offline")
