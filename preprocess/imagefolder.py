@@ -268,13 +268,17 @@ def held_out(n: int, fraction: float) -> int:
 
 
 def _images_under(root: Path, skip: Path | None = None) -> list[str]:
-    """Every image file under `root`, recursively (following no symlinked folder twice), sorted;
-    without the folder `skip`."""
+    """Every image file under `root`, recursively, sorted; without the folder `skip`. Symlinked folders
+    are followed, but each real folder is walked once: a link back up (`sub/up -> ..`) would otherwise
+    list the same images again under ever longer names, and two links to one folder would list it twice."""
     found = []
+    seen = {os.path.realpath(skip)} if skip is not None else set()
     for folder, dirs, names in os.walk(root, followlinks=True):
-        if skip is not None and Path(folder) == skip:
+        real = os.path.realpath(folder)
+        if real in seen:
             dirs[:] = []
             continue
+        seen.add(real)
         dirs.sort()
         found += [os.path.join(folder, n) for n in names if Path(n).suffix.lower() in IMAGE_EXTENSIONS]
     return sorted(found)
@@ -288,16 +292,21 @@ def list_unlabelled(src: Path, val_fraction: float, seed: int) -> dict[str, list
         {split: [(path, schema.NO_LABEL), ...]}, each sorted by path.
 
     Raises:
-        ImageFolderError: no images, a list naming missing files, or too few images to hold some out.
+        ImageFolderError: no images, a list file that is not text, names missing files or one image
+            twice, or too few images to hold some out.
     """
     if src.is_file():
-        lines = [ln.strip() for ln in src.read_text().splitlines()]
-        paths = [str((src.parent / ln).resolve()) for ln in lines if ln and not ln.startswith("#")]
+        paths = _listed(src)
         missing = [p for p in paths if not Path(p).is_file()]
         if missing:
             raise ImageFolderError(f"{len(missing)} of the {len(paths)} files {src} lists do not exist "
                                    f"(first: {missing[0]}): fix the list (paths relative to its folder)")
-        train, val = sorted(set(paths)), []
+        if len(set(paths)) != len(paths):
+            seen: set[str] = set()
+            first = next(p for p in paths if p in seen or seen.add(p))
+            raise ImageFolderError(f"list {src} names {len(paths) - len(set(paths))} image(s) again that it "
+                                   f"already lists (first: {first}): list each image once (e.g. sort -u)")
+        train, val = sorted(paths), []
         where = f"list {src}"
     else:
         val_dir = src / "val"
@@ -315,6 +324,27 @@ def list_unlabelled(src: Path, val_fraction: float, seed: int) -> dict[str, list
         val = [p for i, p in enumerate(train) if i in pick]
         train = [p for i, p in enumerate(train) if i not in pick]
     return {"train": [(p, schema.NO_LABEL) for p in train], "val": [(p, schema.NO_LABEL) for p in sorted(val)]}
+
+
+def _listed(src: Path) -> list[str]:
+    """The resolved paths a list file names, one a line (relative to its folder; blank lines and `#`
+    comments skipped).
+
+    Raises:
+        ImageFolderError: `src` is not a text file (an image passed as --src, say).
+    """
+    not_a_list = (f"--src {src} is a file but not a text list of image paths (one a line): pass the folder "
+                  "holding the images, or a text file listing them")
+    if src.suffix.lower() in IMAGE_EXTENSIONS:
+        raise ImageFolderError(not_a_list)
+    try:
+        text = src.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ImageFolderError(not_a_list) from None
+    if "\0" in text:
+        raise ImageFolderError(not_a_list)
+    lines = [ln.strip() for ln in text.splitlines()]
+    return [str((src.parent / ln).resolve()) for ln in lines if ln and not ln.startswith("#")]
 
 
 def labels_of(src: Path, labels: str) -> str:

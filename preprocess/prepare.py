@@ -18,9 +18,10 @@ FFCV is not installed (a GPU machine that reads with DALI only) the `.beton` fil
 on stderr and in the manifest's `formats`; the ffcv backend then refuses the dataset with that fix.
 Nothing under OUT/<name> changes until the new dataset is complete: with --force the old folder is
 moved aside (its manifest removed first, so a reader never accepts a half-swapped folder), the staging
-folder renamed in, and the old one deleted. An interrupted run leaves only the staging folder: the
-next run resumes an image folder's finished shards from it (same arguments, no --force), or deletes
-it.
+folder renamed in, and the old one deleted. A folder at OUT/<name> that no viewmill write made (no
+manifest, no stamp: a user's files, the source itself) is never replaced: the run refuses it first.
+An interrupted run leaves only the staging folder: the next run resumes an image folder's finished
+shards from it (same arguments, no --force), or deletes it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -117,9 +119,16 @@ class DatasetLock:
         """Take the lock (no-op when held).
 
         Raises:
-            PreprocessError: another live run holds it (the message names its pid, command and how to stop it).
+            PreprocessError: another live run holds it (the message names its pid, command and how to stop it),
+                or the lock file cannot be made (a read-only data root; the message names the folder).
         """
-        if (holder := self.lock.acquire()) is not None:
+        try:
+            holder = self.lock.acquire()
+        except OSError as e:         # a read-only or foreign data root: the lock file cannot be made
+            raise PreprocessError(f"data root {self.path.parent} cannot be written ({e.strerror or e}), and "
+                                  f"writing {self.name} takes its lock file {self.path.name} there: make the "
+                                  "folder writable or use a writable copy of it") from None
+        if holder is not None:
             stop = "" if holder.command == "this process" else f" or stop it with `{holder.stop()}`"
             raise PreprocessError(f"another run ({holder}) is writing {self.name} into {self.path.parent}; wait for "
                                   f"it to finish{stop}, then re-run")
@@ -141,8 +150,32 @@ def ffcv_installed() -> bool:
         return False
 
 
+def replaceable(final: Path) -> bool:
+    """Whether a dataset may be swapped in for `final`: it does not exist, is an empty folder, or is a
+    folder a viewmill write made. Such a folder holds the verification stamp (`schema.VERIFIED_NAME`,
+    written before its manifest and kept by a swap that died after removing the manifest), or a
+    manifest with a schema version; anything else (a user's files, a source folder) is never replaced."""
+    if not (final.exists() or final.is_symlink()):
+        return True
+    try:
+        if not final.is_dir():
+            return False
+        if (final / schema.VERIFIED_NAME).is_file() or not any(final.iterdir()):
+            return True
+        return "schema_version" in json.loads((final / schema.MANIFEST_NAME).read_bytes())
+    except (OSError, ValueError, TypeError):       # unreadable, no manifest, or not one of ours
+        return False
+
+
 def swap_in(staging: Path, final: Path) -> None:
-    """Rename the complete staging folder to `final`, moving a previous dataset aside first."""
+    """Rename the complete staging folder to `final`, moving a previous dataset aside first.
+
+    Raises:
+        PreprocessError: `final` is not `replaceable` (checked before anything is written, again here).
+    """
+    if not replaceable(final):
+        raise PreprocessError(f"{final} is not a viewmill dataset folder and is left as it is: move it away or "
+                              "choose another --name, then re-run")
     old = final.with_name(f".{final.name}.old")
     _remove(old)
     if final.exists():
@@ -214,7 +247,7 @@ def prepare_dataset(dataset: str, out_root: Path, *, src: Path | None = None, fo
             resuming it.
         workers: parallel processes (default: all available cores).
         progress: show progress (`preprocess.progress`: a bar on a terminal, a line a minute in a log).
-        name: dataset folder name (default: `dataset`).
+        name: dataset folder name (default: `dataset`): a plain name, no '/', no leading '.' (`check_name`).
         shard_size: records per DALI shard (for image folders also files per work unit).
         engine: where an image folder's units run: "local" (processes on this machine), "ray"
             (Ray Data; `RAY_ADDRESS` picks a cluster), or an engine object (`preprocess.stream`).
@@ -227,7 +260,10 @@ def prepare_dataset(dataset: str, out_root: Path, *, src: Path | None = None, fo
 
     Raises:
         PreprocessError, CifarError, ImageFolderError (all ValueError): bad input or a failed write,
-            with a one-line message; a previous complete dataset is then left intact.
+            with a one-line message; a previous complete dataset is then left intact. Before anything is
+            read or written: a bad name, an `out_root/<name>` that is not a viewmill dataset folder
+            (`replaceable`), a source that is the destination or inside it (or, for an image folder,
+            holds it).
     """
     source = SOURCES.get(dataset)
     if source is None:
@@ -239,9 +275,12 @@ def prepare_dataset(dataset: str, out_root: Path, *, src: Path | None = None, fo
         raise PreprocessError(f"--shard-size must be >= 1, got {shard_size}")
     if isinstance(engine, str) and engine not in ENGINES:
         raise PreprocessError(f"unknown --engine {engine!r}; use one of {', '.join(ENGINES)}")
+    if name is not None:
+        check_name(name)
     ensure_open_files(descriptors_needed(workers=workers), "preprocessing")
     job = Job(source, dataset, src, dict(source_params), Path(out_root), name or dataset, force, workers, progress,
               shard_size, engine)
+    _check_destination(job)
     lock = DatasetLock(job.out_root, job.name)
     try:
         return _prepare(job, lock)
@@ -298,6 +337,43 @@ class Hashed:
 
     files: dict[str, dict]          # relpath -> {sha256, bytes}
     seconds: float                  # the hashing's duration
+
+
+def check_name(name: str) -> None:
+    """A dataset name is one plain folder name: `.` would make OUT itself the dataset folder, `..` its
+    parent, a separator a folder elsewhere, and a leading dot collides with the hidden bookkeeping beside
+    it (`.<name>.staging`, `.<name>.old`, `.<name>.lock`).
+
+    Raises:
+        PreprocessError: naming the name and the fix.
+    """
+    if not name or name.startswith(".") or "/" in name or (os.altsep and os.altsep in name) or os.sep in name:
+        raise PreprocessError(f"--name {name!r} is not a plain folder name: give a name without '/' that does "
+                              "not start with '.' (e.g. --name mydata)")
+
+
+def _check_destination(job: Job) -> None:
+    """Refuse, before anything is read or written, a destination OUT/<name> that a swap would lose: one
+    that is not `replaceable` (a user's folder, a file), or one that is the source or holds it; and one
+    inside the source of a source that reads all of its folder (`Source.lists_src`: an image folder).
+
+    Raises:
+        PreprocessError: naming the folder in the way and the fix.
+    """
+    final = job.final.resolve()
+    if job.source.needs_src and job.src is not None:
+        src = Path(job.src).resolve()
+        if src == final or final in src.parents:
+            raise PreprocessError(f"--src {job.src} is the destination {job.final} or inside it, which a write "
+                                  "replaces: choose another --out or --name")
+        if job.source.lists_src and src in final.parents:     # its folders would be read as the source's
+            raise PreprocessError(f"the destination {job.final} is inside --src {job.src}, which is read as a "
+                                  "whole: choose an --out outside the source")
+    if not replaceable(job.final):
+        what = (f"a folder that is not a viewmill dataset (no viewmill {schema.MANIFEST_NAME})" if job.final.is_dir()
+                else "not a folder")
+        raise PreprocessError(f"{job.final} already exists and is {what}; nothing was touched: move it away or "
+                              "choose another --name (or --out)")
 
 
 def _prepare(job: Job, lock: DatasetLock) -> Path:

@@ -101,6 +101,7 @@ class Source:
     read: Callable[..., PreparedSource]
     needs_src: bool = False                    # --src is required and must be a readable folder
     src_file_ok: bool = False                  # ... or a readable file (a list of image paths)
+    lists_src: bool = False                    # it reads whatever lies under --src: no dataset may be written there
     params: tuple[Param, ...] = ()
     check: Callable[[dict], None] = _no_check  # raises PreprocessError on a bad parameter value
     # The parameters as they act on `src` (an option whose default picks by the source: imagefolder's
@@ -295,7 +296,7 @@ SOURCES: dict[str, Source] = {
     )),
     "cifar10": Source("cifar10", functools.partial(_read_cifar, "cifar10"), needs_src=True),
     "cifar100": Source("cifar100", functools.partial(_read_cifar, "cifar100"), needs_src=True),
-    "imagefolder": Source("imagefolder", _list_imagefolder, needs_src=True, src_file_ok=True,
+    "imagefolder": Source("imagefolder", _list_imagefolder, needs_src=True, src_file_ok=True, lists_src=True,
                           check=_check_imagefolder, acting=_imagefolder_acting, params=(
         Param("max_side", schema.MAX_SIDE_PX,
               help="cap of the chosen side in px, only downscaling (0: keep sizes)"),

@@ -294,8 +294,15 @@ def best_stage(scores: dict[str, dict], refined: bool = False) -> str:
 
 
 def compute(dataset_dir: Path, settings: Settings, report_dir: Path | None = None) -> dict:
-    """Run every stage on `dataset_dir` and write the masks; returns the `saliency` manifest entry."""
+    """Run every stage on `dataset_dir` and write the masks; returns the `saliency` manifest entry.
+
+    Raises:
+        DatasetError: no complete dataset at `dataset_dir` (checked before its lock file is made).
+        PreprocessError: its data root cannot be written (the lock file cannot be made), or another run
+            writes the dataset.
+    """
     dataset_dir = Path(dataset_dir)
+    schema.read_manifest(dataset_dir, verify="size")     # a missing dataset is named before its lock is made
     lock = DatasetLock(dataset_dir.parent, dataset_dir.name)
     lock.acquire()                 # before reading: `make preprocess --force` may not swap it meanwhile
     r = settings.refinement

@@ -253,3 +253,103 @@ def test_unreadable_images_are_skipped_counted_and_listed(tmp_path: Path) -> Non
     assert m.class_names == ("cat", "dog") and m.image_mode == "jpg" and m.jpeg_quality == 90
     assert m.size_policy == {"side": "longer", "max_side_px": 14} and m.image_px == 14
     assert all(0.0 <= v <= 1.0 for v in m.mean + m.std)
+
+
+# ---- the destination OUT/<name> ---------------------------------------------------------------
+
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    """`python -m preprocess ARGS` in this process: (exit status, stderr)."""
+    from preprocess.__main__ import main
+
+    rc = main([*args, "--workers", "1"])
+    return rc, capsys.readouterr().err.strip()
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() if p.is_file() else b"" for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("case", ["user-folder", "file", "src-is-dest", "src-in-dest", "dest-in-src"])
+def test_a_destination_no_viewmill_write_made_or_the_source_is_refused_and_left_alone(tmp_path, capsys, case) -> None:
+    """OUT/<name> that is not a dataset folder (a user's thesis, a file) or is, holds or lies in the
+    source is refused in one line before anything is read or written (it was deleted by the swap)."""
+    out = tmp_path / "out"
+    photos = _folder(out, {"photos": {"a": 2}}) / "photos"             # out/photos/a/{0,1}.png
+    args = {"user-folder": ["--src", str(photos), "--name", "mine"],
+            "file": ["--src", str(photos), "--name", "mine"],
+            "src-is-dest": ["--src", str(photos), "--name", "photos"],
+            "src-in-dest": ["--src", str(photos / "a"), "--name", "photos"],
+            "dest-in-src": ["--src", str(out), "--name", "photos"]}[case]
+    if case == "user-folder":
+        (out / "mine").mkdir()
+        (out / "mine" / "thesis.txt").write_text("four years of work")
+    elif case == "file":
+        (out / "mine").write_text("a file, not a folder")
+    before = _tree(tmp_path)
+    rc, err = _cli(capsys, "--dataset", "imagefolder", "--labels", "none", "--out",
+                   str(out if case != "dest-in-src" else photos), *args)
+    assert rc == 2 and err.startswith("error: ") and "\n" not in err, err
+    assert {"user-folder": "not a viewmill dataset", "file": "not a folder", "src-is-dest": "is the destination",
+            "src-in-dest": "is the destination", "dest-in-src": "inside --src"}[case] in err
+    assert "--name" in err or "--out" in err
+    assert _tree(tmp_path) == before                                    # nothing touched, not even a lock file
+
+
+def test_a_dataset_folder_a_swap_left_without_its_manifest_is_still_rewritten(tmp_path, capsys) -> None:
+    """What a viewmill write leaves at OUT/<name> stays replaceable: a swap that died after removing the
+    manifest leaves the stamp and the files (rewritten without --force); a complete one with --force."""
+    args = ["--dataset", "synthetic", "--train-size", "8", "--val-size", "4", "--image-px", "16",
+            "--out", str(tmp_path), "--name", "ds"]
+    assert _cli(capsys, *args)[0] == 0
+    (tmp_path / "ds" / schema.MANIFEST_NAME).unlink()
+    assert _cli(capsys, *args, "--seed", "1")[0] == 0
+    assert read_manifest(tmp_path / "ds").params["seed"] == 1
+    assert _cli(capsys, *args, "--seed", "2", "--force")[0] == 0
+    assert read_manifest(tmp_path / "ds").params["seed"] == 2
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "../x", ".hidden"])
+def test_a_name_that_is_not_a_plain_folder_name_is_refused(tmp_path, capsys, name) -> None:
+    """`--name .` made OUT itself the dataset folder: it was moved to a hidden `.out.old` and deleted."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    rc, err = _cli(capsys, "--dataset", "synthetic", "--train-size", "8", "--val-size", "4", "--out", str(out),
+                   "--name", name)
+    assert rc == 2 and "\n" not in err and f"--name {name!r} is not a plain folder name" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and _tree(out) == {"keep.txt": b"mine"}
+
+
+def test_an_image_given_as_the_source_is_not_read_as_a_list(tmp_path, capsys) -> None:
+    """--src x.jpg was read as a list file: `'utf-8' codec can't decode byte 0xff`."""
+    Image.new("RGB", (12, 10), (200, 50, 90)).save(tmp_path / "x.jpg")
+    (tmp_path / "x.dat").write_bytes((tmp_path / "x.jpg").read_bytes())     # whatever its name
+    for src in ("x.jpg", "x.dat"):
+        rc, err = _cli(capsys, "--dataset", "imagefolder", "--src", str(tmp_path / src), "--out", str(tmp_path / "out"))
+        assert rc == 2 and "\n" not in err and "not a text list of image paths" in err, err
+        assert "pass the folder holding the images" in err and "codec" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_list_naming_an_image_twice_is_refused(tmp_path, capsys) -> None:
+    """Three lines, two images: the repeat passed the 'at least 2 images' check, then a 1-image train split."""
+    _folder(tmp_path, {"img": {"c": 2}})
+    (tmp_path / "list.txt").write_text("img/c/0.png\nimg/c/1.png\n./img/c/0.png\n")
+    rc, err = _cli(capsys, "--dataset", "imagefolder", "--src", str(tmp_path / "list.txt"),
+                   "--out", str(tmp_path / "out"))
+    assert rc == 2 and "\n" not in err and "names 1 image(s) again" in err and "0.png" in err, err
+    assert "list each image once" in err and not (tmp_path / "out").exists()
+
+
+def test_a_symlink_loop_in_the_source_lists_each_image_once(tmp_path) -> None:
+    """os.walk(followlinks=True) followed `sub/up -> ..` again and again: sub/up/sub/up/.../0.png.
+    Each real folder is walked once; a link to a folder outside is still followed."""
+    from preprocess.imagefolder import list_unlabelled
+
+    src = _folder(tmp_path / "src", {"sub": {"c": 2}})                  # src/sub/c/{0,1}.png
+    _folder(tmp_path / "elsewhere", {"more": {"d": 2}})
+    (src / "sub" / "up").symlink_to("..", target_is_directory=True)
+    (src / "more").symlink_to(tmp_path / "elsewhere" / "more", target_is_directory=True)
+    splits = list_unlabelled(src, val_fraction=0.5, seed=0)
+    names = sorted(os.path.relpath(p, src) for split in splits.values() for p, _ in split)
+    assert names == ["more/d/0.png", "more/d/1.png", "sub/c/0.png", "sub/c/1.png"]

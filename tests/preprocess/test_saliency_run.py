@@ -217,6 +217,36 @@ def test_bad_input_is_one_line(tmp_path, capsys) -> None:
     assert "--max-work-px >= --work-px" in capsys.readouterr().err
 
 
+def test_a_missing_dataset_is_named_before_the_lock_and_a_read_only_root_is_one_line(tmp_path, capsys,
+                                                                                   monkeypatch) -> None:
+    """The lock file `.<name>.lock` was made before the dataset was looked for, and on a read-only root
+    its OSError (Errno 30) ended the command with a traceback and exit status 1."""
+    import errno
+
+    from pipelines.processes import FolderLock
+
+    root = tmp_path / "data"
+    ds = prepare_dataset("synthetic", root, workers=1, train_size=8, val_size=4, image_px=16, seed=1)
+    before = {p.relative_to(root): p.stat().st_mtime_ns for p in root.rglob("*")}
+    argv = ["--root", str(root), "--rounds", "0", "--workers", "1", "--report", str(tmp_path / "r")]
+    assert main([*argv, "--dataset", "nosuch"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: dataset folder") and "nosuch" in err, err
+    assert not (root / ".nosuch.lock").exists()                      # looked for before its lock is made
+
+    def read_only(lock):
+        raise OSError(errno.EROFS, "Read-only file system", str(lock.path))
+
+    monkeypatch.setattr(FolderLock, "acquire", read_only)
+    for dataset in ("nosuch", ds.name):
+        assert main([*argv, "--dataset", dataset]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith("error: "), err
+    assert f"data root {root} cannot be written (Read-only file system)" in err and "writable" in err
+    assert {p.relative_to(root): p.stat().st_mtime_ns for p in root.rglob("*")} == before
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.slow
 def test_init_starts_the_networks_from_a_viewmill_backbone_and_the_manifest_says_so(tmp_path) -> None:
     from models.backbone import build_backbone, save_backbone
