@@ -75,6 +75,54 @@ def usage(prog: str = "python -m train") -> str:
     ])
 
 
+def command_usage(prog: str, command: str) -> str:
+    """`eval --help`, `linear --help`, `finetune --help`: that command's line, its words and, for the
+    protocols, their presets and keys; `prog` is how the command is called (`python -m train eval`)."""
+    import dataclasses
+    import textwrap
+
+    if command == "eval":
+        return "\n".join([
+            f"usage: {prog} ckpt=CHECKPOINT [key=value ...]",
+            "",
+            "Evaluate a checkpoint's backbone against the same network at its random initialisation: kNN and the",
+            "linear probe where the data has labels, the health metrics (rankme, std, alignment) everywhere.",
+            "",
+            "  ckpt=CHECKPOINT   a training checkpoint, <run dir>/checkpoint.pt",
+            "  key=value         a dotted override of the config the checkpoint saved (data.root=, run.device=,",
+            "                    run.max_eval_samples=); keys that build another network are refused",
+            "Errors are one line on stderr, exit status 2, nothing written.",
+        ])
+    from train.protocol import ProtocolConfig, preset_names
+
+    keys = [f"{f.name}={getattr(ProtocolConfig(), f.name)}" for f in dataclasses.fields(ProtocolConfig)
+            if f.name != "source"]
+    labels = " labels=1%|10%|FILE" if command == "finetune" else ""
+    what = ("The papers' linear evaluation: the backbone frozen, a linear classifier trained on the labelled train "
+            "split" if command == "linear" else
+            "Semi-supervised fine-tuning: the whole network trained on a share of the labels (1 % or 10 %, or the "
+            "images a file lists by name)")
+    return "\n".join([
+        f"usage: {prog} [gpus=N] ckpt=CHECKPOINT{labels} [preset=NAME] "
+        f"{'[compare=random_init] ' if command == 'linear' else ''}[key=value ...]",
+        "",
+        textwrap.fill(f"{what}, scored by top-1 and top-5 on the val split; resumable, DDP with gpus=N "
+                      "(train/protocol.py, docs/evaluation.md).", width=110),
+        "",
+        "  ckpt=CHECKPOINT      a training checkpoint, <run dir>/checkpoint.pt; the result goes beside it",
+        *(["  labels=1%|10%|FILE   the labelled share, or a file of train image names, one a line"]
+          if command == "finetune" else []),
+        textwrap.fill(f"  preset=NAME          {', '.join(preset_names())}; auto (default): the method's paper's on "
+                      "ImageNet-scale data, the short small presets otherwise", width=110, subsequent_indent=" " * 23),
+        *(["  compare=random_init  the same protocol on the network at its random initialisation too"]
+          if command == "linear" else []),
+        "  key=value            a protocol key, or a dotted data.* / run.* override of the saved config; the",
+        "                       keys, with their defaults before the preset:",
+        textwrap.fill("  ".join(keys), width=110, initial_indent="    ", subsequent_indent="    "),
+        "Errors are one line on stderr, exit status 2, nothing written.",
+    ])
+
+
 def dispatch(argv: list[str]) -> int:
     """The command of `argv` after the launcher words: eval, a protocol, a SLURM job, or a run on this
     machine."""
@@ -116,7 +164,8 @@ def dispatch(argv: list[str]) -> int:
 
 def main(argv: list[str], prog: str = "python -m train") -> int:
     if {"-h", "--help"} & set(argv):
-        print(usage(prog))
+        command = next((w for w in argv if w in ("eval", "linear", "finetune")), None)
+        print(usage(prog) if command is None else command_usage(f"{prog} {command}", command))
         return 0
     from train.launch import exit_status
 

@@ -38,19 +38,19 @@ def run_train(argv: list[str]) -> int:
 def run_eval(argv: list[str]) -> int:
     from train.__main__ import main
 
-    return main(["eval", *argv], prog="viewmill train")
+    return main(["eval", *argv], prog="viewmill")
 
 
 def run_linear(argv: list[str]) -> int:
     from train.__main__ import main
 
-    return main(["linear", *argv], prog="viewmill train")
+    return main(["linear", *argv], prog="viewmill")
 
 
 def run_finetune(argv: list[str]) -> int:
     from train.__main__ import main
 
-    return main(["finetune", *argv], prog="viewmill train")
+    return main(["finetune", *argv], prog="viewmill")
 
 
 def run_saliency(argv: list[str]) -> int:
