@@ -42,7 +42,7 @@ from train.config import Config, ConfigError, parse_value, per_process_batch
 from train.evaluate import eval_kinds
 from train.log import Log, check_wandb
 from train.resolve import load_config
-from train.run import RUN_FIXES, Run, check_free, hold, lock_of
+from train.run import RUN_FIXES, Interrupted, Run, check_free, hold, lock_of
 from train.setup import (build_parts, check_dataset, check_processes, init_backbone,
                          open_files_needed, resolve_backend, select_device)
 
@@ -379,6 +379,8 @@ def pretrain(run: Run, device: torch.device, backend: str, held: dist.HeldSignal
             trained = loop.train(run, parts, log, backend, held)
         if trained:
             run.export(dist.unwrap(parts.online).backbone, log)
+    except KeyboardInterrupt:           # Ctrl-C: every checkpoint written is whole; say which to go on from
+        raise Interrupted(run.interrupted_line()) from None
     finally:
         lock.release()
         parts.loader.close()            # its workers end now, also when an exception (a requeue) passes
@@ -465,6 +467,10 @@ def exit_status(body: Callable[[], int]) -> int:
     except loop.NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C reaches every process of the foreground group
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e or 'interrupted'}", file=sys.stderr)
+        return 128 + signal.SIGINT
     except RuntimeError as e:
         # A loader's WorkerDiedError, or torch's own error for a dead DataLoader worker (its SIGCHLD
         # handler, where one is set, raises it in whatever runs then); or another rank's end.

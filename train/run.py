@@ -202,6 +202,10 @@ def resume_state(cfg: Config, folder: Path) -> Resume:
     return Resume(skipped=skipped)
 
 
+class Interrupted(Exception):
+    """A start ended by Ctrl-C (SIGINT): `str()` is the one line that says where to continue from."""
+
+
 @dataclass(frozen=True)
 class Run:
     """One run as this process sees it: its config, its folder and where it starts."""
@@ -266,6 +270,17 @@ class Run:
         checkpoint.save_latest(self.folder, state, self.cfg.run.keep_last)
         size = (self.folder / checkpoint.LATEST).stat().st_size
         return checkpoint.space_short(self.folder, size, self.cfg.run.keep_last)
+
+    def interrupted_line(self) -> str:
+        """What an interrupted start (Ctrl-C) says: the step its folder's newest checkpoint holds (each is
+        written whole or not at all) and the word that continues from it."""
+        held = checkpoint.latest(self.folder)
+        step = checkpoint.saved_step(held[0]) if held else None
+        if step is None:
+            return (f"interrupted before the first checkpoint of {self.folder}; start again with run.resume=auto and "
+                    f"run.name={self.folder.name}")
+        return (f"interrupted; {self.folder} holds the checkpoint of step {step}: the same command with "
+                f"{self.resume_hint()} continues from it")
 
     def resume_hint(self) -> str:
         """The word that continues this run after `run.stop_after_steps`."""

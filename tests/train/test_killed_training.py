@@ -156,3 +156,30 @@ def test_a_loader_worker_killed_on_one_rank_of_two_saves_the_steps_reached_and_t
     state = checkpoint.load(run_dir / checkpoint.LATEST)
     assert state["step"] == saved + 2 and logged_steps(run_dir)[-2:] == [saved + 1, saved + 2]
     assert state["loader"][0] == state["loader"][1] == {"epoch": (saved + 2) // 4, "batches_done": (saved + 2) % 4}
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_a_run_in_one_line_naming_its_checkpoint_and_the_word_that_continues_it(tiny_args, tmp_path) -> None:
+    """Ctrl-C (SIGINT to the foreground group: the run and its loader worker) ended in a 50-line
+    KeyboardInterrupt traceback that said nothing of where to go on from. Now one line names the step of
+    the run folder's newest checkpoint and the word that continues from it, with exit status 130 and no
+    process left; that word continues the run at that step."""
+    words = tiny_args("rsa", tmp_path / "runs", "optim.steps=40", "run.ckpt_every=5")
+    run_dir = tmp_path / "runs" / "run"
+    run = start(["-m", "train", *words])
+    with none_left_on_failure(run.mark):
+        wait_for(lambda: 7 in logged_steps(run_dir), 120, "step 7 (after the checkpoint of step 5)", run)
+        noted = tree(run.pid)
+        os.killpg(run.pid, signal.SIGINT)
+        assert run.wait(timeout=60) == 128 + signal.SIGINT
+        assert left_after(run.mark, GONE_S, noted) == []
+    err = run.stderr.read().strip()
+    saved = checkpoint.load(run_dir / "checkpoint.pt")["step"]
+    word = f"run.resume={run_dir / 'checkpoint.pt'}"
+    assert err == f"error: interrupted; {run_dir} holds the checkpoint of step {saved}: the same command with {word} " \
+                  "continues from it", err
+    again = start(["-m", "train", *words, word])
+    with none_left_on_failure(again.mark):
+        assert again.wait(timeout=180) == 0, again.stderr.read()[-2000:]
+    assert f"resuming from {run_dir / 'checkpoint.pt'} (step {saved})" in again.stdout.read()
+    assert logged_steps(run_dir)[-1] == 40
