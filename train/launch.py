@@ -469,7 +469,7 @@ def exit_status(body: Callable[[], int]) -> int:
         return 1
     except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C reaches every process of the foreground group
         if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e or 'interrupted'}", file=sys.stderr)
+            print(f"error: {str(e) or 'interrupted (Ctrl-C)'}", file=sys.stderr)
         return 128 + signal.SIGINT
     except RuntimeError as e:
         # A loader's WorkerDiedError, or torch's own error for a dead DataLoader worker (its SIGCHLD

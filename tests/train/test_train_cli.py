@@ -165,3 +165,15 @@ def test_an_error_inside_the_launched_processes_is_one_line(tiny_args, tmp_path)
     assert len(errors) == 1 and "staged weak views" in errors[0], done.stderr
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr
     assert not out.exists()
+
+
+def test_ctrl_c_before_the_training_loop_is_one_line_too(tiny_args, capsys, tmp_path, monkeypatch) -> None:
+    """Ctrl-C while a run starts (before its loop, where no checkpoint is named): one line, status 130."""
+    from train import launch
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "select_device", interrupted)
+    assert main(tiny_args("rsa", tmp_path / "runs")) == 130
+    assert capsys.readouterr().err == "error: interrupted (Ctrl-C)\n"
