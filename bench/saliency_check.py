@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
             for arm in ARMS:
                 words = ["method=relicv2", *arm_args(arm, dataset, no_saliency), f"optim.steps={steps}",
                          f"optim.warmup_steps={steps // 10}", f"run.seed={seed}",
-                         f"run.name=saliency-check-{ARMS.index(arm)}-seed{seed}", *rest]
+                         *rest, f"run.name=saliency-check-{ARMS.index(arm)}-seed{seed}"]   # the bench's own folder
                 done = finished_eval(words)              # a bad word fails here, before any training
                 print(f"{arm}, seed {seed}: " + ("done by an earlier run" if done else f"training {steps} steps"),
                       flush=True)

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import multiprocessing
 import resource
+import shutil
 import statistics
 import sys
 import time
@@ -120,7 +121,14 @@ def finished_eval(words: list[str]) -> dict[str, float] | None:
 
 
 def accuracy_after(cfg) -> dict[str, float]:
-    """Train `cfg` and return its last evaluation (and the random-init one) from metrics.jsonl."""
+    """Train `cfg` and return its last evaluation (and the random-init one) from metrics.jsonl. Its run
+    folder is the bench's own (`run.name` set by the bench: bench-*, compare-*, saliency-check-*): an
+    earlier measurement there (another setting, or one interrupted) is started over, as a fresh start in a
+    run's folder is otherwise refused (`train.run.resume_state`)."""
+    run_dir = folder_of(cfg)
+    if run_dir.is_dir():
+        print(f"starting {run_dir} over (an earlier measurement of this bench)", flush=True)
+        shutil.rmtree(run_dir)
     return last_eval(train(cfg))[1]
 
 

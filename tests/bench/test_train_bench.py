@@ -9,6 +9,7 @@ import math
 import pytest
 
 from bench.train import main, steps_in
+from train.resolve import load_config
 
 
 @pytest.mark.slow
@@ -41,3 +42,17 @@ def test_a_bad_word_is_one_line_before_any_process_starts(capsys) -> None:
     assert main(["methods=rsa,nosuch"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: unknown method 'nosuch'") and "\n" not in err
+
+
+@pytest.mark.slow
+def test_a_measurement_in_the_bench_s_own_run_folder_is_started_over(tiny_args, tmp_path, capsys) -> None:
+    """A bench's run folder (its own run.name) of an earlier measurement, of another setting or interrupted,
+    is trained afresh: the second start is not refused as a fresh start in a run's folder, and its metrics
+    are the new run's alone."""
+    from bench.train import accuracy_after
+
+    accuracy_after(load_config(tiny_args("byol", tmp_path / "runs", "optim.steps=2")))
+    accuracy_after(load_config(tiny_args("byol", tmp_path / "runs")))                  # 3 steps
+    assert f"starting {tmp_path / 'runs' / 'run'} over" in capsys.readouterr().out
+    lines = (tmp_path / "runs" / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"] == [1, 2, 3]
