@@ -47,12 +47,10 @@ def none_left_on_failure(mark: str):
 
 def start(args: list[str], mark: str | None = None, **env: str) -> subprocess.Popen:
     """`python args...` from this checkout, as the leader of a new process group (and session), with
-    `MARK=mark` in its environment (a new mark by default; read it back from `popen.mark`), and SIGINT's
-    default action as a shell gives a foreground command (a test process may have it ignored)."""
+    `MARK=mark` in its environment (a new mark by default; read it back from `popen.mark`)."""
     mark = mark or uuid.uuid4().hex
     popen = subprocess.Popen([sys.executable, *args], cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                              env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", MARK: mark, **env})
     popen.mark = mark
     return popen

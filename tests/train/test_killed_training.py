@@ -158,6 +158,12 @@ def test_a_loader_worker_killed_on_one_rank_of_two_saves_the_steps_reached_and_t
     assert state["loader"][0] == state["loader"][1] == {"epoch": (saved + 2) // 4, "batches_done": (saved + 2) % 4}
 
 
+# `python -m train WORDS` with Ctrl-C's default action, as a shell starts a foreground command: a process
+# started in the background by a script (make test under a CI script) inherits SIGINT ignored.
+AS_FROM_A_SHELL = ["-c", "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "sys.argv[0] = 'train'; runpy.run_module('train', run_name='__main__', alter_sys=True)"]
+
+
 @pytest.mark.slow
 def test_ctrl_c_ends_a_run_in_one_line_naming_its_checkpoint_and_the_word_that_continues_it(tiny_args, tmp_path) -> None:
     """Ctrl-C (SIGINT to the foreground group: the run and its loader worker) ended in a 50-line
@@ -166,7 +172,7 @@ def test_ctrl_c_ends_a_run_in_one_line_naming_its_checkpoint_and_the_word_that_c
     process left; that word continues the run at that step."""
     words = tiny_args("rsa", tmp_path / "runs", "optim.steps=40", "run.ckpt_every=5")
     run_dir = tmp_path / "runs" / "run"
-    run = start(["-m", "train", *words])
+    run = start([*AS_FROM_A_SHELL, *words])
     with none_left_on_failure(run.mark):
         wait_for(lambda: 7 in logged_steps(run_dir), 120, "step 7 (after the checkpoint of step 5)", run)
         noted = tree(run.pid)
