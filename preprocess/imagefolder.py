@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -301,11 +302,9 @@ def list_unlabelled(src: Path, val_fraction: float, seed: int) -> dict[str, list
         if missing:
             raise ImageFolderError(f"{len(missing)} of the {len(paths)} files {src} lists do not exist "
                                    f"(first: {missing[0]}): fix the list (paths relative to its folder)")
-        if len(set(paths)) != len(paths):
-            seen: set[str] = set()
-            first = next(p for p in paths if p in seen or seen.add(p))
+        if repeated := [p for p, n in Counter(paths).items() if n > 1]:
             raise ImageFolderError(f"list {src} names {len(paths) - len(set(paths))} image(s) again that it "
-                                   f"already lists (first: {first}): list each image once (e.g. sort -u)")
+                                   f"already lists (first: {repeated[0]}): list each image once (e.g. sort -u)")
         train, val = sorted(paths), []
         where = f"list {src}"
     else:

@@ -173,7 +173,8 @@ def resume_state(cfg: Config, folder: Path) -> Resume:
         held = checkpoint.latest(folder)
         if held or (folder / "config.yaml").is_file():
             step = checkpoint.saved_step(held[0]) if held else None
-            what = "no checkpoint yet" if not held else f"{held[0].name}" + (f" at step {step}" if step is not None else "")
+            what = ("no checkpoint yet" if not held else
+                    held[0].name + (f" at step {step}" if step is not None else ""))
             raise ConfigError(f"{folder} holds a run already ({what}); continue it with run.resume=auto, or give this "
                               "run another run.name (nothing there was changed)")
         return Resume()

@@ -165,7 +165,8 @@ AS_FROM_A_SHELL = ["-c", "import runpy, signal, sys; signal.signal(signal.SIGINT
 
 
 @pytest.mark.slow
-def test_ctrl_c_ends_a_run_in_one_line_naming_its_checkpoint_and_the_word_that_continues_it(tiny_args, tmp_path) -> None:
+def test_ctrl_c_ends_a_run_in_one_line_naming_its_checkpoint_and_the_word_that_continues_it(tiny_args,
+                                                                                              tmp_path) -> None:
     """Ctrl-C (SIGINT to the foreground group: the run and its loader worker) ended in a 50-line
     KeyboardInterrupt traceback that said nothing of where to go on from. Now one line names the step of
     the run folder's newest checkpoint and the word that continues from it, with exit status 130 and no

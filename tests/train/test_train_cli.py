@@ -69,7 +69,8 @@ def test_a_checkpoint_that_is_not_one_is_named_with_the_word_that_passed_it(tiny
     run = tmp_path / "runs" / "run"
     saved_checkpoint(run / "checkpoint.pt", tiny_args("rsa", tmp_path / "runs"))
     fails_in_one_line(capsys, ["eval", f"ckpt={tmp_path / 'gone.pt'}"], "gone.pt not found; pass ckpt=")
-    fails_in_one_line(capsys, ["eval", f"ckpt={run}"], f"is a folder, not a checkpoint; pass ckpt={run / 'checkpoint.pt'}")
+    fails_in_one_line(capsys, ["eval", f"ckpt={run}"],
+                      f"is a folder, not a checkpoint; pass ckpt={run / 'checkpoint.pt'}")
     fails_in_one_line(capsys, ["linear", f"ckpt={tmp_path}"], "is a folder that holds no checkpoint.pt; pass ckpt=")
     (tmp_path / "notes.txt").write_text("not a checkpoint\n")
     cut = tmp_path / "cut.pt"

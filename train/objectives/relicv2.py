@@ -169,6 +169,7 @@ class ReLICv2(Objective):
         return self.cfg.gamma
 
     def describe(self, total_steps: int, steps_per_epoch: int) -> str:
+        """The start line: the one momentum this run's target moves with."""
         return (f"relicv2: target EMA momentum {self.cfg.gamma} at every step (App. D's one gamma: objective.gamma; "
                 "optim.ema_start and optim.ema_end do not apply)")
 
